@@ -1,0 +1,276 @@
+"""Where commands run: this machine (subprocess) or a GPU host over SSH (Fabric), behind one seam.
+
+    host = make_host(cfg.server.host)
+    pid = host.start("python3 -m eyas serve-local ...", log_path="/srv/eyas/server.log", env={...})
+    while host.is_alive(pid): chunk, offset = host.read_from("/srv/eyas/server.log", offset)
+    host.kill_group(pid)
+
+Both implementations have the same methods and the same failure types, so stages never ask which
+one they hold. Commands are shell strings run by /bin/sh on the host.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from eyas.config import HostConfig
+
+
+class HostError(RuntimeError):
+    """A command on a host failed; carries the host, the command and what it printed."""
+
+    def __init__(self, host: str, command: str, exit_code: int | None, stderr: str = ""):
+        self.host, self.command, self.exit_code, self.stderr = host, command, exit_code, stderr
+        tail = stderr.strip()[-2000:]
+        super().__init__(f"[{host}] command failed (exit {exit_code}): {command}\n{tail}".rstrip())
+
+
+class HostUnreachable(HostError):
+    """The host could not be reached (connection refused, timeout, DNS): worth retrying."""
+
+    def __init__(self, host: str, reason: str):
+        super().__init__(host, "<connect>", None, reason)
+        self.args = (f"[{host}] host unreachable: {reason}",)
+
+
+class HostAuthError(HostError):
+    """The host refused our credentials or its host key is unknown: never retried."""
+
+    def __init__(self, host: str, reason: str):
+        super().__init__(host, "<connect>", None, reason)
+        self.args = (f"[{host}] authentication or host-key failure: {reason}",)
+
+
+@dataclass
+class RunResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class Host(Protocol):
+    name: str
+
+    def run(self, command: str, *, check: bool = True, timeout: float | None = None,
+            env: dict[str, str] | None = None) -> RunResult: ...
+    def start(self, command: str, *, log_path: str | Path, env: dict[str, str] | None = None,
+              cwd: str | Path | None = None) -> int: ...
+    def is_alive(self, pid: int) -> bool: ...
+    def read_from(self, path: str | Path, offset: int, max_bytes: int = 1 << 20) -> tuple[bytes, int]: ...
+    def put(self, local: str | Path, remote: str | Path) -> None: ...
+    def get(self, remote: str | Path, local: str | Path) -> None: ...
+    def kill_group(self, pid: int, sig: int = signal.SIGTERM) -> None: ...
+    def close(self) -> None: ...
+
+
+def _background_script(command: str, log_path: str | Path, env: dict[str, str] | None,
+                       cwd: str | Path | None) -> str:
+    """A shell line that starts `command` detached and prints its pid at once.
+
+    setsid gives it its own session and process group (so kill_group reaches its children),
+    stdin comes from /dev/null and both outputs go to the log, so no channel stays open: with
+    Fabric, an open stdout would make the launch block for as long as the server runs.
+    """
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
+    prefix = f"cd {shlex.quote(str(cwd))}; " if cwd else ""
+    log = shlex.quote(str(log_path))
+    inner = f"{'export ' + exports + '; ' if exports else ''}exec {command}"
+    return (f"{prefix}mkdir -p \"$(dirname {log})\"; "
+            f"setsid sh -c {shlex.quote(inner)} >> {log} 2>&1 < /dev/null & echo $!")
+
+
+class LocalHost:
+    """This machine, through subprocess."""
+
+    def __init__(self, name: str = "localhost"):
+        self.name = name
+
+    def run(self, command, *, check=True, timeout=None, env=None) -> RunResult:
+        full_env = {**os.environ, **(env or {})}
+        try:
+            p = subprocess.run(command, shell=True, capture_output=True, text=True,
+                               timeout=timeout, env=full_env)
+        except subprocess.TimeoutExpired as e:
+            raise HostError(self.name, command, None, f"timed out after {timeout}s") from e
+        result = RunResult(p.returncode, p.stdout, p.stderr)
+        if check and not result.ok:
+            raise HostError(self.name, command, p.returncode, p.stderr)
+        return result
+
+    def start(self, command, *, log_path, env=None, cwd=None) -> int:
+        out = self.run(_background_script(command, log_path, env, cwd), timeout=30).stdout
+        return int(out.strip().splitlines()[-1])
+
+    def is_alive(self, pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        # A child of ours that exited stays a zombie until reaped; count it as dead.
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            return state != "Z"
+        except (FileNotFoundError, IndexError):
+            return False
+
+    def read_from(self, path, offset, max_bytes=1 << 20) -> tuple[bytes, int]:
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read(max_bytes)
+        except FileNotFoundError:
+            return b"", offset
+        return data, offset + len(data)
+
+    def put(self, local, remote) -> None:
+        Path(remote).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{remote}.tmp-{os.getpid()}")
+        tmp.write_bytes(Path(local).read_bytes())
+        os.replace(tmp, remote)
+
+    def get(self, remote, local) -> None:
+        self.put(remote, local)
+
+    def kill_group(self, pid: int, sig: int = signal.SIGTERM) -> None:
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        pass
+
+
+# Errors from paramiko that mean "could not reach the host" rather than "we were refused".
+def _classify_connect_error(name: str, e: BaseException) -> HostError:
+    import paramiko
+
+    if isinstance(e, paramiko.AuthenticationException):
+        return HostAuthError(name, f"{type(e).__name__}: {e}")
+    if isinstance(e, paramiko.SSHException) and "known_hosts" in str(e):
+        return HostAuthError(name, f"unknown host key: {e}")
+    if isinstance(e, paramiko.BadHostKeyException):
+        return HostAuthError(name, f"host key mismatch: {e}")
+    if isinstance(e, (OSError, socket.timeout, paramiko.SSHException, EOFError)):
+        return HostUnreachable(name, f"{type(e).__name__}: {e}")
+    return HostError(name, "<connect>", None, f"{type(e).__name__}: {e}")
+
+
+class SSHHost:
+    """A remote host through Fabric, with its host key checked against a known_hosts file."""
+
+    def __init__(self, cfg: HostConfig):
+        from fabric import Connection
+
+        self.name = cfg.name
+        self.cfg = cfg
+        connect_kwargs = {"look_for_keys": cfg.key_filename is None, "allow_agent": False}
+        if cfg.key_filename:
+            connect_kwargs["key_filename"] = str(Path(cfg.key_filename).expanduser())
+        self._conn = Connection(host=cfg.hostname, user=cfg.user, port=cfg.port,
+                                connect_timeout=cfg.connect_timeout_s, connect_kwargs=connect_kwargs)
+        # Fabric installs AutoAddPolicy (trust any key); replace it unless told otherwise.
+        import paramiko
+
+        if not cfg.insecure_accept_any_host_key:
+            self._conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+            self._conn.client.load_host_keys(str(Path(cfg.known_hosts).expanduser()))
+
+    def _open(self):
+        if not self._conn.is_connected:
+            try:
+                self._conn.open()
+            except Exception as e:  # noqa: BLE001 - classified into our three error types
+                raise _classify_connect_error(self.name, e) from e
+        return self._conn
+
+    def run(self, command, *, check=True, timeout=None, env=None) -> RunResult:
+        from invoke.exceptions import CommandTimedOut
+
+        conn = self._open()
+        if env:
+            command = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + command
+        try:
+            r = conn.run(command, hide=True, warn=True, timeout=timeout, in_stream=False)
+        except CommandTimedOut as e:
+            raise HostError(self.name, command, None, f"timed out after {timeout}s") from e
+        except (OSError, EOFError) as e:
+            self._conn.close()
+            raise HostUnreachable(self.name, f"{type(e).__name__}: {e}") from e
+        result = RunResult(r.exited, r.stdout, r.stderr)
+        if check and not result.ok:
+            raise HostError(self.name, command, r.exited, r.stderr)
+        return result
+
+    def start(self, command, *, log_path, env=None, cwd=None) -> int:
+        out = self.run(_background_script(command, log_path, env, cwd), timeout=30).stdout
+        return int(out.strip().splitlines()[-1])
+
+    def is_alive(self, pid: int) -> bool:
+        # A zombie still answers kill -0; ps tells it apart.
+        r = self.run(f"ps -o stat= -p {int(pid)}", check=False)
+        return r.ok and r.stdout.strip() != "" and not r.stdout.strip().startswith("Z")
+
+    def read_from(self, path, offset, max_bytes=1 << 20) -> tuple[bytes, int]:
+        conn = self._open()
+        try:
+            sftp = conn.sftp()
+            with sftp.open(str(path), "rb") as f:
+                f.seek(offset)
+                data = f.read(max_bytes)
+        except FileNotFoundError:
+            return b"", offset
+        except IOError as e:
+            if getattr(e, "errno", None) == 2:
+                return b"", offset
+            raise HostUnreachable(self.name, f"{type(e).__name__}: {e}") from e
+        return data, offset + len(data)
+
+    def put(self, local, remote) -> None:
+        conn = self._open()
+        tmp = f"{remote}.tmp-{os.getpid()}"
+        self.run(f"mkdir -p {shlex.quote(str(Path(remote).parent))}")
+        conn.put(str(local), remote=tmp)
+        self.run(f"mv -f {shlex.quote(tmp)} {shlex.quote(str(remote))}")
+
+    def get(self, remote, local) -> None:
+        conn = self._open()
+        Path(local).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{local}.tmp-{os.getpid()}")
+        conn.get(str(remote), local=str(tmp))
+        os.replace(tmp, local)
+
+    def kill_group(self, pid: int, sig: int = signal.SIGTERM) -> None:
+        self.run(f"kill -{int(sig)} -- -{int(pid)}", check=False)
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def make_host(cfg: HostConfig) -> Host:
+    """The Host for a config section."""
+    return SSHHost(cfg) if cfg.kind == "ssh" else LocalHost(cfg.name)
+
+
+def wait_dead(host: Host, pid: int, timeout: float, poll: float = 0.1) -> bool:
+    """True once pid is gone, False if it is still alive after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not host.is_alive(pid):
+            return True
+        time.sleep(poll)
+    return not host.is_alive(pid)
