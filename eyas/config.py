@@ -119,6 +119,8 @@ class DataConfig(StrictModel):
     """The conversations the drafter is trained on."""
 
     path: Path  #: JSONL, one {"messages": [{"role", "content"}, ...]} per line
+    #: tokenizer + chat template folder on this machine; None = target.checkpoint (local host)
+    tokenizer: Path | None = None
     max_length: int = Field(512, gt=1)  #: tokens per sequence
     overlong: Literal["truncate", "drop"] = "truncate"
     num_heldout: int = Field(8, ge=0)  #: last N conversations: evaluation prompts, never trained on
@@ -204,7 +206,7 @@ class PipelineConfig(StrictModel):
 
 
 # Fields holding paths on this machine, or on the server host when that host is local.
-_LOCAL_PATHS = ["run_dir", "data.path", "extraction.output_dir", "training.output_dir"]
+_LOCAL_PATHS = ["run_dir", "data.path", "data.tokenizer", "extraction.output_dir", "training.output_dir"]
 _SERVER_PATHS = ["target.checkpoint", "server.workdir", "server.dump_dir"]
 
 

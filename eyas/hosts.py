@@ -203,7 +203,7 @@ class SSHHost:
 
         conn = self._open()
         if env:
-            command = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + command
+            command = "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + "; " + command
         try:
             r = conn.run(command, hide=True, warn=True, timeout=timeout, in_stream=False)
         except CommandTimedOut as e:

@@ -1,0 +1,102 @@
+"""The eyas command line.
+
+    eyas run CONFIG [--set training.max_steps=50 ...]   run the whole pipeline (a Prefect flow)
+    eyas check-config CONFIG                             validate a config and print it resolved
+    eyas serve-local --model-path P --port N [...]       the SGLang-compatible local target server
+    eyas make-tiny-target OUT [--steps N --device D]     rebuild the embedded tiny target
+    eyas stop CONFIG                                     stop a server the config launched
+
+Each subcommand is a thin shell over one core function; the config file carries the settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def _overrides(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects key=value, got {pair!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def _load(args):
+    from eyas.config import ConfigError, load_config
+
+    try:
+        return load_config(args.config, _overrides(args.set))
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
+
+
+def cmd_run(args) -> int:
+    cfg = _load(args)
+    from flows.pipeline import eagle3_pipeline
+
+    report = eagle3_pipeline(cfg)
+    print(json.dumps({k: report[k] for k in ("acceptance_length", "extraction", "stages_seconds")}, indent=2))
+    print(f"report:  {Path(cfg.run_dir) / 'report.json'}")
+    print(f"drafter: {report['drafter_dir']}")
+    return 0
+
+
+def cmd_check_config(args) -> int:
+    print(_load(args).model_dump_json(indent=2))
+    return 0
+
+
+def cmd_stop(args) -> int:
+    from eyas.hosts import make_host
+    from eyas.launch import stop_server
+
+    cfg = _load(args)
+    print(json.dumps(stop_server(make_host(cfg.server.host), cfg)))
+    return 0
+
+
+def cmd_make_tiny_target(args) -> int:
+    from eyas.tiny_target import build_tiny_target
+
+    metrics = build_tiny_target(Path(args.out), steps=args.steps, device=args.device, seed=args.seed)
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "serve-local":
+        from eyas.local_server import main as serve_local
+
+        return serve_local(argv[1:])
+    p = argparse.ArgumentParser(prog="eyas", description="Raise EAGLE-3 drafters for SGLang targets.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, fn, help_ in [("run", cmd_run, "run the whole pipeline"),
+                            ("check-config", cmd_check_config, "validate and print a config"),
+                            ("stop", cmd_stop, "stop the server a config launched")]:
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("config")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. training.max_steps=50")
+        sp.set_defaults(fn=fn)
+    sp = sub.add_parser("make-tiny-target", help="rebuild the embedded tiny target")
+    sp.add_argument("out")
+    sp.add_argument("--steps", type=int, default=3000)
+    sp.add_argument("--device", default="auto")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.set_defaults(fn=cmd_make_tiny_target)
+    sub.add_parser("serve-local", help="the SGLang-compatible local target server (see --help)")
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The EAGLE-3 draft model, laid out exactly like SGLang's `LlamaForCausalLMEagle3`.
+
+    cfg = DrafterConfig(hidden_size=256, target_hidden_size=256, num_attention_heads=4, ...)
+    drafter = Eagle3Drafter(cfg)
+    logits, h = drafter(input_ids, aux, positions, causal_mask(T))            # one step
+    logits, h = drafter(next_ids, h, positions + 1, causal_mask(T), ttt=kv)  # a TTT step
+
+One step: fc(concat of the target's 3 aux hidden states) -> one Llama decoder layer whose q/k/v read
+concat(input_layernorm(embed(token)), hidden_norm(h)) -> final norm -> lm_head over the draft vocab.
+The residual stream of the layer starts from h (not from the embedding), as in SGLang; the pre-norm
+output h is what the next draft step reads instead of fc(aux).
+
+State-dict names are SGLang's checkpoint names (`fc.weight`, `midlayer.self_attn.q_proj.weight`,
+`norm.weight`, `lm_head.weight`, `d2t`, `t2d`), so export is a rename-free dtype cast.
+
+Attention has two modes:
+- training-time test (TTT): `ttt` is a list the caller keeps across the unrolled steps. At step k
+  the query at position t attends to step 0's keys at positions <= t (masked by `mask`) and to its
+  own position t in steps 1..k (the "cache_hidden" scheme of EAGLE-3 / SpecForge).
+- drafting: `cache` is a KVCache; the new keys are appended and `mask` spans cache + new keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    target_hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    num_aux: int = 3  # target layers fused by fc
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"DrafterConfig: num_attention_heads={self.num_attention_heads} is not a "
+                             f"multiple of num_key_value_heads={self.num_key_value_heads}")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"DrafterConfig: draft_vocab_size={self.draft_vocab_size} exceeds the "
+                             f"target vocab_size={self.vocab_size}")
+        if self.head_dim % 2:
+            raise ValueError(f"DrafterConfig: head_dim={self.head_dim} must be even for RoPE")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
+    """Llama (NeoX-style, rotate-half) RoPE tables for integer positions (..., T) -> (..., T, hd)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    freqs = positions.float()[..., None] * inv_freq  # (..., T, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (..., T, hd)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x, cos, sin):
+    # x (B, nh, T, hd); cos/sin (T, hd) or (B, T, hd)
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def causal_mask(num_new: int, num_past: int = 0, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Additive mask (1, 1, T, past+T): new token t sees every past key and new keys <= t."""
+    q = torch.arange(num_new, device=device)[:, None] + num_past
+    k = torch.arange(num_past + num_new, device=device)[None, :]
+    return torch.zeros(q.shape[0], k.shape[1], device=device, dtype=dtype).masked_fill(
+        k > q, float("-inf"))[None, None]
+
+
+class KVCache:
+    """Keys/values of committed draft positions for incremental drafting; crop() rolls back."""
+
+    def __init__(self):
+        self.k = self.v = None  # (B, n_kv, L, hd)
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k, v):
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+
+    def _heads(self, t):  # (B, nkv, S, hd) -> (B, nh, S, hd)
+        return t.repeat_interleave(self.nh // self.nkv, dim=1)
+
+    def forward(self, x, cos, sin, mask, ttt=None, cache=None):
+        B, T, _ = x.shape  # x (B, T, 2H)
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, nkv, L+T, hd)
+        if ttt is not None:
+            ttt.append((k, v))
+            (k, v), diag = ttt[0], ttt[1:]  # step 0's keys; one same-position key per later step
+        else:
+            diag = []
+        k, v = self._heads(k), self._heads(v)
+        S, scale = k.shape[2], 1.0 / math.sqrt(self.hd)
+        att = (q @ k.transpose(-2, -1)) * scale + mask  # (B, nh, T, S)
+        extra = [(q * self._heads(kd)).sum(-1, keepdim=True) * scale for kd, _ in diag]  # (B, nh, T, 1)
+        att = F.softmax(torch.cat([att, *extra], dim=-1).float(), dim=-1).to(q.dtype)
+        y = att[..., :S] @ v  # (B, nh, T, hd)
+        for j, (_, vd) in enumerate(diag):
+            y = y + att[..., S + j, None] * self._heads(vd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, emb, h, cos, sin, mask, ttt=None, cache=None):
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)  # (B, T, 2H)
+        h = h + self.self_attn(x, cos, sin, mask, ttt, cache)  # residual stream starts at h
+        return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, H)
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # frozen: SGLang swaps in the target's
+        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        # draft id i is target id i + d2t[i]; t2d marks the target ids in the draft vocab
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything but the frozen embedding (which always comes from the target)."""
+        return {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def forward(self, input_ids, hidden, positions, mask, ttt=None, cache=None):
+        """One draft step.
+
+        input_ids (B, T) target ids; hidden (B, T, num_aux*H_t) target aux states, or (B, T, H) the
+        previous step's output; positions (T,) or (B, T); mask additive (1|B, 1, T, S).
+        Returns logits over the draft vocab (B, T, V_d) and the pre-norm output (B, T, H).
+        """
+        emb = self.embed_tokens(input_ids)  # (B, T, H)
+        if hidden.shape[-1] != self.cfg.hidden_size:  # SGLang's rule: fc only on the target's states
+            hidden = self.fc(hidden)  # (B, T, H)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        h = self.midlayer(emb.to(hidden.dtype), hidden, cos.to(hidden.dtype), sin.to(hidden.dtype),
+                          mask.to(hidden.dtype), ttt, cache)
+        return self.lm_head(self.norm(h)), h

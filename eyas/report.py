@@ -1,0 +1,63 @@
+"""The run report: runs/<name>/report.json, the one summary every later tool reads."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from eyas import __version__
+from eyas.shards import write_json_atomic
+
+
+class Stopwatch:
+    """Seconds per named stage, in the order the stages ran."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str):
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = round(time.monotonic() - t0, 3)
+
+
+def build_report(*, name: str, config_source: str | None, ready: dict, data_stats: dict,
+                 manifests: list[dict], trained: dict, evaluation: dict, drafter_dir: str,
+                 stages: dict[str, float], patch: dict) -> dict[str, Any]:
+    tokens = sum(m["num_tokens"] for m in manifests)
+    extract_s = stages.get("extract") or 0.0
+    return {
+        "name": name,
+        "eyas_version": __version__,
+        "config": config_source,
+        "acceptance_length": evaluation["acceptance_length"],
+        "patch": patch,
+        "server": {"ready_seconds": ready.get("seconds"), "shards_total": ready.get("shards_total")},
+        "data": data_stats,
+        "extraction": {
+            "shards": len(manifests),
+            "sequences": sum(m["num_samples"] for m in manifests),
+            "tokens": tokens,
+            "bytes": sum(m["bytes"] for m in manifests),
+            "tokens_per_s": round(tokens / extract_s, 1) if extract_s else None,
+            "dtype": manifests[0]["dtype"] if manifests else None,
+        },
+        "training": {k: trained.get(k) for k in
+                     ("final_loss", "first_loss", "steps", "tokens", "seconds", "draft_vocab_size",
+                      "simulated_acceptance_length")},
+        "evaluation": evaluation,
+        "drafter_dir": drafter_dir,
+        "stages_seconds": stages,
+        "total_seconds": round(sum(stages.values()), 3),
+    }
+
+
+def write_report(run_dir: str | Path, report: dict[str, Any]) -> Path:
+    path = Path(run_dir) / "report.json"
+    write_json_atomic(path, report)
+    return path

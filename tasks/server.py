@@ -1,0 +1,74 @@
+"""Prefect tasks: launch the target server, wait until it is ready, stop it."""
+
+from prefect import task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+
+from eyas import launch, readiness
+from eyas.config import PipelineConfig
+from eyas.hosts import HostAuthError, make_host
+
+
+def _transient(task, task_run, state) -> bool:
+    """Retry launch on anything but a refused login: retrying bad credentials never helps."""
+    try:
+        state.result()
+    except HostAuthError:
+        return False
+    except launch.LaunchError:
+        return False
+    except Exception:  # noqa: BLE001 - every other failure may pass
+        return True
+    return False
+
+
+@task(task_run_name="launch-{cfg.server.backend}@{cfg.server.host.name}", cache_policy=NO_CACHE,
+      retries=2, retry_delay_seconds=[5, 20], retry_condition_fn=_transient)
+def launch_server(cfg: PipelineConfig) -> dict:
+    """Start the server detached; returns its handle (pid, url, log path and offset)."""
+    host = make_host(cfg.server.host)
+    try:
+        handle = launch.start_server(host, cfg)
+    finally:
+        host.close()
+    get_run_logger().info("launched pid %s on %s: %s", handle.pid, handle.host, handle.command)
+    return handle.to_dict()
+
+
+@task(task_run_name="wait-ready@{cfg.server.host.name}", cache_policy=NO_CACHE)
+def wait_until_ready(cfg: PipelineConfig, handle: dict) -> dict:
+    """Poll the server log until ready (progress in the UI); fail fast on crash, stall, deadline."""
+    logger = get_run_logger()
+    artifact = create_progress_artifact(progress=0.0, key=f"load-{cfg.name}",
+                                        description=f"target loading on {cfg.server.host.name}")
+
+    def on_progress(p) -> None:
+        eta = "?" if p.remaining_s is None else f"{p.remaining_s:.0f}s"
+        logger.info("loading shards %d/%d (%d%%), ETA %s", p.done, p.total, p.percent, eta)
+        update_progress_artifact(artifact_id=artifact, progress=float(p.percent))
+
+    host = make_host(cfg.server.host)
+    try:
+        s = cfg.sensor
+        report = readiness.wait_until_ready(
+            host, log_path=handle["log_path"], pid=handle["pid"], url=handle["url"],
+            log_offset=handle["log_offset"], poll_interval_s=s.poll_interval_s,
+            stall_timeout_s=s.stall_timeout_s, deadline_s=s.deadline_s,
+            http_timeout_s=s.http_timeout_s, on_progress=on_progress)
+    finally:
+        host.close()
+    update_progress_artifact(artifact_id=artifact, progress=100.0)
+    logger.info("server ready after %.1fs", report.seconds)
+    return report.to_dict()
+
+
+@task(task_run_name="stop@{cfg.server.host.name}", cache_policy=NO_CACHE, retries=2,
+      retry_delay_seconds=5)
+def stop_server(cfg: PipelineConfig, handle: dict | None = None) -> dict:
+    """Stop the server's process group and clean its dump directory."""
+    host = make_host(cfg.server.host)
+    try:
+        return launch.stop_server(host, cfg, handle["pid"] if handle else None)
+    finally:
+        host.close()

@@ -1,0 +1,45 @@
+"""Prefect tasks: train the drafter, export it in SGLang's format, measure its acceptance length."""
+
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+
+from eyas.config import PipelineConfig
+from eyas.evaluate import evaluate_acceptance
+from eyas.export import export_drafter
+from eyas.train import train_drafter
+
+
+def _plain(obj) -> dict:
+    return asdict(obj) if is_dataclass(obj) else dict(obj)
+
+
+@task(task_run_name="train-drafter", cache_policy=NO_CACHE)
+def train(cfg: PipelineConfig, manifests: list[dict]) -> dict:
+    """Train the EAGLE-3 drafter on the extracted shards (resumes from its last checkpoint)."""
+    logger = get_run_logger()
+    shard_paths = [Path(cfg.extraction.output_dir) / m["file"] for m in manifests]
+    result = train_drafter(cfg.training, cfg.target, shard_paths, log=logger.info)
+    return _plain(result)
+
+
+@task(task_run_name="export-drafter", cache_policy=NO_CACHE)
+def export(cfg: PipelineConfig, trained: dict, shard_meta: dict) -> str:
+    """Write the drafter folder SGLang loads (config.json, model.safetensors with d2t/t2d)."""
+    out = export_drafter(Path(trained["checkpoint_dir"]), Path(cfg.run_dir) / "drafter",
+                         target=cfg.target, export=cfg.export, shard_meta=shard_meta)
+    return str(out)
+
+
+@task(task_run_name="evaluate-acceptance", cache_policy=NO_CACHE)
+def evaluate(cfg: PipelineConfig, drafter_dir: str, prompts: list[list[int]]) -> dict:
+    """Greedy chain speculative decoding with the exported drafter against the target."""
+    result = evaluate_acceptance(Path(drafter_dir), Path(cfg.target.checkpoint),
+                                 prompts[: cfg.evaluation.num_prompts], cfg.evaluation,
+                                 cfg.target.capture_ids())
+    get_run_logger().info("acceptance length %.3f over %d prompts", result.acceptance_length,
+                          result.num_prompts)
+    return _plain(result)
