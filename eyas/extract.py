@@ -74,7 +74,7 @@ def extract_shard(plan: ShardPlan, out_dir: str | Path, *, server_url: str, dump
     writer: ShardWriter | None = None
     t0 = time.monotonic()
 
-    def one(i: int) -> tuple[int, Sample]:
+    def one(i: int) -> tuple[int, Sample, dict]:
         s = samples[i]
         rid = f"eyas-{plan.name}-{i:06d}-{nonce}"
         try:
@@ -85,22 +85,26 @@ def extract_shard(plan: ShardPlan, out_dir: str | Path, *, server_url: str, dump
         finally:
             remove_records(dump_dir, rid)
         return i, Sample(torch.tensor(s.input_ids), torch.tensor(s.loss_mask, dtype=torch.bool),
-                         got.aux_hidden_states, got.last_hidden_state)
+                         got.aux_hidden_states, got.last_hidden_state), got.meta
 
     try:
         with httpx.Client() as client, ThreadPoolExecutor(concurrency) as pool:
-            for n_done, (i, sample) in enumerate(_bounded(pool, one, len(samples), concurrency), start=1):
+            for n_done, (i, sample, got_meta) in enumerate(
+                    _bounded(pool, one, len(samples), concurrency), start=1):
+                # The server says which layers it captured; a mismatch must never pass silently.
+                captured = _capture_ids(got_meta)
+                if captured != list(capture_ids):
+                    raise ExtractionError(f"{plan.name}: server captured layers {captured} "
+                                          f"({got_meta.get('layer_convention')}), config expects "
+                                          f"capture-before {list(capture_ids)}")
                 if writer is None:
                     H = sample.last_hidden_state.shape[1]
-                    K = sample.aux_hidden_states.shape[1] // H
-                    if K != len(capture_ids):
-                        raise ExtractionError(f"{plan.name}: server captured {K} layers, expected "
-                                              f"{len(capture_ids)} ({capture_ids})")
                     writer = ShardWriter(path, [len(s.input_ids) for s in samples], hidden_size=H,
-                                         num_aux=K, dtype=DTYPES[dtype],
+                                         num_aux=len(capture_ids), dtype=DTYPES[dtype],
                                          meta={**meta, "shard_index": plan.index,
                                                "num_shards": plan.num_shards,
-                                               "content_hash": plan.content_hash})
+                                               "content_hash": plan.content_hash,
+                                               "last_hidden_norm": got_meta["last_hidden_norm"]})
                 writer.put(i, sample)
                 if on_sample:
                     on_sample(n_done, len(samples))
@@ -111,6 +115,11 @@ def extract_shard(plan: ShardPlan, out_dir: str | Path, *, server_url: str, dump
     manifest = writer.close()
     manifest["seconds"] = round(time.monotonic() - t0, 3)
     return manifest
+
+
+def _capture_ids(meta: dict) -> list[int]:
+    ids = list(meta["layer_ids"])
+    return [i + 1 for i in ids] if meta.get("layer_convention") == "output-of" else ids
 
 
 def _bounded(pool: ThreadPoolExecutor, fn, n: int, width: int):

@@ -1,0 +1,77 @@
+from pathlib import Path
+
+import pytest
+
+from eyas.config import ConfigError, HostConfig, TargetConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_embedded_default_loads_with_paths_resolved_against_the_file():
+    cfg = load_config(ROOT / "configs" / "local-tiny.yaml")
+    assert cfg.server.backend == "local"
+    assert cfg.target.checkpoint == ROOT / "fixtures" / "tiny-target"
+    assert cfg.run_dir == ROOT / "runs" / "local-tiny"
+    assert cfg.server.url == f"http://127.0.0.1:{cfg.server.port}"
+
+
+def test_production_config_describes_kimi_on_eight_gpus_over_ssh():
+    cfg = load_config(ROOT / "configs" / "kimi-k2.5-sglang.yaml")
+    assert cfg.server.backend == "sglang" and cfg.server.host.kind == "ssh"
+    assert cfg.server.launch_args[:2] == ["--tp-size", "8"]
+    assert cfg.server.env["NCCL_PROTO"] == "LL" and cfg.server.env["NCCL_ALGO"] == "Ring"
+    assert str(cfg.server.dump_dir).startswith("/dev/shm")
+    assert len(cfg.target.capture_ids()) == 3
+    assert cfg.server.url == "http://gpu-node-1:30000"
+
+
+def test_overrides_are_validated_too():
+    cfg = load_config(ROOT / "configs" / "local-tiny.yaml", {"training.max_steps": 7})
+    assert cfg.training.max_steps == 7
+    with pytest.raises(ConfigError, match=r"training\.max_steps.*got -1"):
+        load_config(ROOT / "configs" / "local-tiny.yaml", {"training.max_steps": -1})
+
+
+def test_bad_config_names_file_field_and_value(tmp_path):
+    text = (ROOT / "configs" / "local-tiny.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("num_shards: 4", "num_shards: many").replace("dtype: bfloat16", "dtype: int4", 1))
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    msg = str(e.value)
+    assert str(bad) in msg
+    assert "extraction.num_shards" in msg and "'many'" in msg
+    assert "extraction.dtype" in msg and "'int4'" in msg
+
+
+def test_unknown_key_is_refused(tmp_path):
+    bad = tmp_path / "typo.yaml"
+    bad.write_text((ROOT / "configs" / "local-tiny.yaml").read_text().replace("stall_timeout_s", "stall_timout_s"))
+    with pytest.raises(ConfigError, match=r"sensor\.stall_timout_s.*Extra inputs"):
+        load_config(bad)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    (tmp_path / "x.yaml").write_text("name: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "x.yaml")
+
+
+def test_layer_conventions():
+    assert TargetConfig(checkpoint="x", layer_ids=[1, 29, 57], layer_convention="output-of").capture_ids() == [2, 30, 58]
+    assert TargetConfig(checkpoint="x", layer_ids=[2, 30, 58]).capture_ids() == [2, 30, 58]
+    with pytest.raises(ValueError, match="ascending"):
+        TargetConfig(checkpoint="x", layer_ids=[30, 2])
+
+
+def test_ssh_paths_must_be_absolute():
+    raw = load_config(ROOT / "configs" / "kimi-k2.5-sglang.yaml").model_dump(mode="json")
+    raw["server"]["dump_dir"] = "relative/dump"
+    from eyas.config import config_from_dict
+
+    with pytest.raises(ConfigError, match="server.dump_dir must be absolute"):
+        config_from_dict(raw, base_dir=ROOT)
+    with pytest.raises(ValueError):
+        HostConfig(kind="ssh")

@@ -1,0 +1,131 @@
+"""End to end: the whole flow on the embedded tiny target, through a real Prefect run."""
+
+import asyncio
+import math
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def prefect_harness():
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            yield
+
+
+@pytest.fixture(scope="module")
+def run(prefect_harness, tmp_path_factory):
+    from eyas.config import load_config
+    from flows.pipeline import eagle3_pipeline
+
+    tmp = tmp_path_factory.mktemp("e2e")
+    cfg = load_config(ROOT / "configs" / "local-tiny.yaml", {
+        "run_dir": str(tmp / "run"), "server.port": _free_port(),
+        "server.workdir": str(tmp / "server"), "server.dump_dir": str(tmp / "server" / "dump"),
+        "extraction.output_dir": str(tmp / "shards"), "training.output_dir": str(tmp / "train"),
+    })
+    state = eagle3_pipeline(cfg, return_state=True)
+    return cfg, state
+
+
+def test_flow_completed_with_every_task_completed(run):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    cfg, state = run
+    assert state.is_completed(), state.message
+
+    async def task_states():
+        async with get_client() as client:
+            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(
+                id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+            return {r.name: r.state.type.value for r in runs}
+
+    states = asyncio.run(task_states())
+    names = set(states)
+    for stage in ("prepare-data", "patch@localhost", "launch-local@localhost", "wait-ready@localhost",
+                  "stop@localhost", "train-drafter", "export-drafter", "evaluate-acceptance"):
+        assert stage in names, f"{stage} missing from {sorted(names)}"
+    assert sum(n.startswith("extract-shard-") for n in names) == cfg.extraction.num_shards
+    assert set(states.values()) == {"COMPLETED"}, states
+
+
+def test_ready_was_detected_from_the_log(run):
+    cfg, state = run
+    report = state.result()
+    num_weight_files = len(list(cfg.target.checkpoint.glob("*.safetensors")))
+    assert report["server"]["shards_total"] == num_weight_files >= 8
+    assert report["server"]["ready_seconds"] > 0
+    log = (cfg.server.workdir / "server.log").read_text()
+    assert "The server is fired up and ready to roll!" in log
+
+
+def test_every_shard_validates(run):
+    from eyas.data import read_shard_plan
+    from eyas.shards import ShardReader, verify_shard
+
+    cfg, state = run
+    report = state.result()
+    shards = sorted(cfg.extraction.output_dir.glob("shard-*.safetensors"))
+    assert len(shards) == cfg.extraction.num_shards
+    total = 0
+    for path in shards:
+        manifest = verify_shard(path)
+        plan = read_shard_plan(cfg.extraction.output_dir / "plan" / f"{path.stem}.plan.jsonl")
+        reader = ShardReader(path)
+        assert len(reader) == len(plan) == manifest["num_samples"]
+        for planned, got in zip(plan, reader):
+            n = len(planned.input_ids)
+            assert got.input_ids.tolist() == planned.input_ids  # ids equal to what was sent
+            assert got.loss_mask.long().tolist() == planned.loss_mask
+            assert got.aux_hidden_states.shape == (n, 3 * reader.hidden_size)
+            assert got.last_hidden_state.shape == (n, reader.hidden_size)
+            assert torch.isfinite(got.aux_hidden_states.float()).all()
+            assert torch.isfinite(got.last_hidden_state.float()).all()
+        total += manifest["num_tokens"]
+    assert report["extraction"]["tokens"] == total > 0
+    assert report["extraction"]["bytes"] == sum(p.stat().st_size for p in shards)
+
+
+def test_training_loss_fell(run):
+    _, state = run
+    t = state.result()["training"]
+    assert math.isfinite(t["final_loss"]) and t["final_loss"] < t["first_loss"]
+
+
+def test_exported_drafter_reloads_and_accepts_more_than_one_token(run):
+    from eyas.config import EvaluationConfig
+    from eyas.evaluate import evaluate_acceptance
+
+    cfg, state = run
+    report = state.result()
+    drafter = Path(report["drafter_dir"])
+    assert (drafter / "config.json").exists() and (drafter / "model.safetensors").exists()
+    assert report["acceptance_length"] > 1.0
+    assert report["evaluation"]["identical_to_target"] is True
+    report_file = cfg.run_dir / "report.json"
+    assert report_file.exists()
+    # Reload from disk alone and measure again on two of the held-out prompts.
+    from eyas.data import load_conversations, prepare
+    from eyas.target import load_tokenizer
+
+    tok = load_tokenizer(cfg.target.checkpoint)
+    prompts = prepare(load_conversations(cfg.data.path), tok, cfg.data).heldout_prompts[:2]
+    again = evaluate_acceptance(drafter, cfg.target.checkpoint, prompts,
+                                EvaluationConfig(max_new_tokens=24, num_prompts=2), cfg.target.capture_ids())
+    assert again.identical_to_target and again.acceptance_length > 1.0
