@@ -84,7 +84,8 @@ class ServerConfig(StrictModel):
     bind: str = "127.0.0.1"  #: address the server listens on (on its host)
     url_host: str | None = None  #: address the pipeline uses to reach it; default host.hostname or bind
     port: int = Field(30000, ge=1, le=65535)
-    python: str = "python3"  #: interpreter on the server host
+    #: interpreter on the server host; None = this interpreter (local host) or python3 (ssh)
+    python: str | None = None
     launch_args: list[str] = []  #: extra flags appended to the launch command
     env: dict[str, str] = {}  #: e.g. NCCL_PROTO, NCCL_ALGO, CUDA_VISIBLE_DEVICES
     workdir: Path  #: on the server host: holds the log and pid files

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shlex
 import signal
+import sys
 from dataclasses import asdict, dataclass
 
 from eyas.config import PipelineConfig
@@ -44,6 +45,7 @@ class ServerHandle:
 def launch_command(cfg: PipelineConfig) -> str:
     """The shell command that starts the configured server backend."""
     s, t = cfg.server, cfg.target
+    python = s.python or (sys.executable if s.host.kind == "local" else "python3")
     capture = [str(i) for i in t.capture_ids()]
     common = ["--model-path", str(t.checkpoint), "--host", s.bind, "--port", str(s.port),
               "--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids", *capture,
@@ -52,10 +54,10 @@ def launch_command(cfg: PipelineConfig) -> str:
         hook = [{"name": "eyas-dump", "target_modules": ["*logits_processor"],
                  "hook_factory": SGLANG_HOOK, "config": {"dump_dir": str(s.dump_dir)}}]
         # EAGLE3 only names the layer-id convention here; SGLang loads no draft (sglang.md §1).
-        args = [s.python, "-m", "sglang.launch_server", *common, "--speculative-algorithm", "EAGLE3",
+        args = [python, "-m", "sglang.launch_server", *common, "--speculative-algorithm", "EAGLE3",
                 "--disable-prefill-cuda-graph", "--forward-hooks", json.dumps(hook)]
     else:
-        args = [s.python, "-m", "eyas", "serve-local", *common]
+        args = [python, "-m", "eyas", "serve-local", *common]
     return " ".join(shlex.quote(a) for a in [*args, *s.launch_args])
 
 

@@ -29,7 +29,7 @@ def ensure_patched(host: Host, cfg: PipelineConfig) -> dict:
     if cfg.server.backend == "local":
         return {"backend": "local", "host": host.name, "status": "not needed",
                 "reason": "eyas serve-local writes hidden-state dumps itself"}
-    version = sglang_version(host, cfg.server.python)
+    version = sglang_version(host, cfg.server.python or "python3")
     if version is None:
         raise PatchError(f"[{host.name}] sglang is not importable by {cfg.server.python}")
     raise PatchError(f"[{host.name}] sglang {version}: no patch set is installed by this eyas version yet "

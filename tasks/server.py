@@ -1,5 +1,7 @@
 """Prefect tasks: launch the target server, wait until it is ready, stop it."""
 
+from dataclasses import asdict
+
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
@@ -53,14 +55,14 @@ def wait_until_ready(cfg: PipelineConfig, handle: dict) -> dict:
         s = cfg.sensor
         report = readiness.wait_until_ready(
             host, log_path=handle["log_path"], pid=handle["pid"], url=handle["url"],
-            log_offset=handle["log_offset"], poll_interval_s=s.poll_interval_s,
+            start_offset=handle["log_offset"], poll_interval_s=s.poll_interval_s,
             stall_timeout_s=s.stall_timeout_s, deadline_s=s.deadline_s,
             http_timeout_s=s.http_timeout_s, on_progress=on_progress)
     finally:
         host.close()
     update_progress_artifact(artifact_id=artifact, progress=100.0)
     logger.info("server ready after %.1fs", report.seconds)
-    return report.to_dict()
+    return asdict(report)
 
 
 @task(task_run_name="stop@{cfg.server.host.name}", cache_policy=NO_CACHE, retries=2,

@@ -1,0 +1,314 @@
+"""The hidden-state dump protocol: one safetensors file per (request id, prefill chunk).
+
+A server (eyas's local server, or SGLang with the eyas hook) writes every prefill chunk of every
+request to `<dump_dir>/<rid>/<prefix_offset:010d>.safetensors`; the collector reads a request's
+records back after the HTTP response and reassembles them:
+
+    writer = DumpWriter("/data/dump", layer_ids=[2, 4, 5])
+    writer.write("req-0", 0, token_ids, aux_hidden_states, last_hidden_state)   # one per chunk
+    sample = assemble(read_records("/data/dump", "req-0"), expected_token_ids=ids)
+    remove_records("/data/dump", "req-0")
+
+The writer only writes; the reader owns all validation (coverage, token ids, shapes, finiteness),
+because a radix-cache hit or a lost chunk shows up only when the pieces are put back together.
+
+This module is imported by the SGLang hook on the GPU host, so it needs only stdlib, torch and
+safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+DUMP_DIR_ENV = "EYAS_DUMP_DIR"  #: set on the server: where records go (unset = no dump)
+DUMP_DTYPE_ENV = "EYAS_DUMP_DTYPE"  #: optional: bfloat16 (default), float16 or float32
+
+FORMAT_NAME = "eyas-dump"
+FORMAT_VERSION = 1
+
+LAYER_CONVENTIONS = ("capture-before", "output-of")
+LAST_HIDDEN_NORMS = ("post", "pre")  # whether last_hidden_state went through the final norm
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+_RID_RE = re.compile(r"[A-Za-z0-9_.:-]+")
+# SGLang's own traffic: /health and /health_generate send rid HEALTH_CHECK_<time>; eyas's local
+# server names its warmup WARMUP_<hex>. (SGLang's warmup carries a random uuid: see rid_prefix.)
+_SKIP_PREFIXES = ("HEALTH_CHECK", "WARMUP")
+
+
+class DumpError(ValueError):
+    """Dump records that cannot be turned into a sample; the message names the rid and the fault."""
+
+    def __init__(self, rid: str | None, message: str):
+        self.rid = rid
+        super().__init__(f"dump records for rid {rid!r}: {message}")
+
+
+def check_rid(rid: str) -> str:
+    """Return rid if it is safe as a folder name, else raise ValueError saying why."""
+    if not isinstance(rid, str) or not _RID_RE.fullmatch(rid):
+        raise ValueError(f"invalid rid {rid!r}: use only letters, digits and _ . : -")
+    if ".." in rid:
+        raise ValueError(f"invalid rid {rid!r}: '..' is not allowed")
+    return rid
+
+
+def should_skip(rid: str) -> bool:
+    """True for requests the server makes itself (health checks, warmup): never dumped."""
+    return rid.startswith(_SKIP_PREFIXES)
+
+
+def dtype_from_env(default: str = "bfloat16") -> torch.dtype:
+    """The dump dtype named by EYAS_DUMP_DTYPE (or default)."""
+    name = os.environ.get(DUMP_DTYPE_ENV, default)
+    if name not in DTYPES:
+        raise ValueError(f"{DUMP_DTYPE_ENV}={name!r}: expected one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def record_path(dump_dir: str | Path, rid: str, prefix_offset: int) -> Path:
+    return Path(dump_dir) / check_rid(rid) / f"{prefix_offset:010d}.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------
+# Writer
+# ---------------------------------------------------------------------------------------------
+
+class DumpWriter:
+    """Writes one record per prefill chunk, atomically (temp file in the same folder, then rename).
+
+    `layer_ids` are the captured layers in `layer_convention`; `last_hidden_norm` says whether
+    last_hidden_state is after the model's final norm ("post", as SGLang's last_hidden_states and
+    HF's hidden_states[-1]) or before it ("pre"). `rid_prefix`, when set, restricts dumping to
+    requests whose rid starts with it (SGLang's warmup request has a random rid, so a hook that
+    must not dump it can dump only the collector's own rids).
+    """
+
+    def __init__(self, dump_dir: str | Path, *, layer_ids: list[int],
+                 layer_convention: str = "capture-before", last_hidden_norm: str = "post",
+                 dtype: torch.dtype = torch.bfloat16, rid_prefix: str | None = None):
+        if layer_convention not in LAYER_CONVENTIONS:
+            raise ValueError(f"layer_convention must be one of {LAYER_CONVENTIONS}, got {layer_convention!r}")
+        if last_hidden_norm not in LAST_HIDDEN_NORMS:
+            raise ValueError(f"last_hidden_norm must be one of {LAST_HIDDEN_NORMS}, got {last_hidden_norm!r}")
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype}")
+        if not layer_ids or any(not isinstance(i, int) or i < 0 for i in layer_ids):
+            raise ValueError(f"layer_ids must be a non-empty list of non-negative ints, got {layer_ids}")
+        self.dump_dir = Path(dump_dir)
+        self.layer_ids = list(layer_ids)
+        self.layer_convention = layer_convention
+        self.last_hidden_norm = last_hidden_norm
+        self.dtype = dtype
+        self.rid_prefix = rid_prefix
+
+    def should_skip(self, rid: str) -> bool:
+        if should_skip(rid):
+            return True
+        return self.rid_prefix is not None and not rid.startswith(self.rid_prefix)
+
+    def write(self, rid: str, prefix_offset: int, token_ids: torch.Tensor,
+              aux_hidden_states: torch.Tensor, last_hidden_state: torch.Tensor) -> Path | None:
+        """Write one chunk: tokens [n], aux [n, K*H], last [n, H]. Returns the path (None if skipped)."""
+        check_rid(rid)
+        if self.should_skip(rid):
+            return None
+        if not isinstance(prefix_offset, int) or prefix_offset < 0:
+            raise ValueError(f"rid {rid}: prefix_offset must be a non-negative int, got {prefix_offset!r}")
+        n = token_ids.shape[0]
+        k = len(self.layer_ids)
+        if token_ids.dim() != 1 or last_hidden_state.dim() != 2 or last_hidden_state.shape[0] != n:
+            raise ValueError(f"rid {rid} @ {prefix_offset}: token_ids must be [n] and last_hidden_state "
+                             f"[n, H]; got {tuple(token_ids.shape)} and {tuple(last_hidden_state.shape)}")
+        hidden = last_hidden_state.shape[1]
+        if tuple(aux_hidden_states.shape) != (n, k * hidden):
+            raise ValueError(f"rid {rid} @ {prefix_offset}: aux_hidden_states must be [{n}, {k}*{hidden}] "
+                             f"for {k} layers, got {tuple(aux_hidden_states.shape)}")
+
+        tensors = {
+            "token_ids": token_ids.detach().to("cpu", torch.int32).contiguous(),
+            "aux_hidden_states": aux_hidden_states.detach().to("cpu", self.dtype).contiguous(),
+            "last_hidden_state": last_hidden_state.detach().to("cpu", self.dtype).contiguous(),
+        }
+        metadata = {
+            "format": FORMAT_NAME,
+            "format_version": str(FORMAT_VERSION),
+            "rid": rid,
+            "prefix_offset": str(prefix_offset),
+            "num_tokens": str(n),
+            "layer_ids": json.dumps(self.layer_ids),
+            "layer_convention": self.layer_convention,
+            "last_hidden_norm": self.last_hidden_norm,
+            "hidden_size": str(hidden),
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
+        path = record_path(self.dump_dir, rid, prefix_offset)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # A dot-name in the same folder: readers skip it, and os.replace is atomic within a
+        # filesystem. No fsync: readers need visibility, not durability across a power cut.
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Reader
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class DumpRecord:
+    rid: str
+    prefix_offset: int
+    token_ids: torch.Tensor  # [n] int32
+    aux_hidden_states: torch.Tensor  # [n, K*H]
+    last_hidden_state: torch.Tensor  # [n, H]
+    meta: dict[str, Any] = field(default_factory=dict)  # parsed metadata (ints and lists decoded)
+
+
+@dataclass
+class AssembledSample:
+    rid: str
+    token_ids: torch.Tensor  # [T] int32
+    aux_hidden_states: torch.Tensor  # [T, K*H]
+    last_hidden_state: torch.Tensor  # [T, H]
+    meta: dict[str, Any]  # the metadata shared by all chunks, plus num_chunks
+
+
+_META_INTS = ("format_version", "prefix_offset", "num_tokens", "hidden_size")
+# Metadata that must be the same in every chunk of one request.
+_SHARED_META = ("format", "format_version", "rid", "layer_ids", "layer_convention",
+                "last_hidden_norm", "hidden_size", "dtype")
+
+
+def _read_record(path: Path, rid: str) -> DumpRecord:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # noqa: BLE001 - a corrupt file is reported with its path
+        raise DumpError(rid, f"cannot read {path}: {type(e).__name__}: {e}") from e
+    if raw.get("format") != FORMAT_NAME:
+        raise DumpError(rid, f"{path} is not an eyas dump record (format={raw.get('format')!r})")
+    missing = [k for k in ("token_ids", "aux_hidden_states", "last_hidden_state") if k not in tensors]
+    if missing:
+        raise DumpError(rid, f"{path} lacks tensors {missing}")
+    try:
+        meta: dict[str, Any] = dict(raw)
+        for key in _META_INTS:
+            meta[key] = int(raw[key])
+        meta["layer_ids"] = json.loads(raw["layer_ids"])
+    except (KeyError, ValueError) as e:
+        raise DumpError(rid, f"{path} has bad metadata: {type(e).__name__}: {e}") from e
+    if meta["format_version"] != FORMAT_VERSION:
+        raise DumpError(rid, f"{path} has format version {meta['format_version']}, "
+                             f"this eyas reads version {FORMAT_VERSION}")
+    return DumpRecord(rid=meta["rid"], prefix_offset=meta["prefix_offset"],
+                      token_ids=tensors["token_ids"], aux_hidden_states=tensors["aux_hidden_states"],
+                      last_hidden_state=tensors["last_hidden_state"], meta=meta)
+
+
+def read_records(dump_dir: str | Path, rid: str) -> list[DumpRecord]:
+    """All records of one request, sorted by prefix_offset ([] if none were written yet)."""
+    folder = Path(dump_dir) / check_rid(rid)
+    if not folder.is_dir():
+        return []
+    # Temp files start with "." and are skipped: they are half-written or abandoned.
+    paths = sorted(p for p in folder.iterdir()
+                   if p.suffix == ".safetensors" and not p.name.startswith("."))
+    records = [_read_record(p, rid) for p in paths]
+    for path, rec in zip(paths, records):
+        if path.name != f"{rec.prefix_offset:010d}.safetensors" or rec.rid != rid:
+            raise DumpError(rid, f"{path} holds rid {rec.rid!r} at offset {rec.prefix_offset}, "
+                                 f"which does not match its path")
+    return sorted(records, key=lambda r: r.prefix_offset)
+
+
+def remove_records(dump_dir: str | Path, rid: str) -> int:
+    """Delete a request's records (and leftover temp files); returns how many files were removed."""
+    folder = Path(dump_dir) / check_rid(rid)
+    if not folder.is_dir():
+        return 0
+    num_files = sum(1 for _ in folder.iterdir())
+    shutil.rmtree(folder, ignore_errors=True)
+    return num_files
+
+
+def assemble(records: list[DumpRecord], expected_token_ids: list[int], *,
+             rid: str | None = None) -> AssembledSample:
+    """Concatenate a request's chunks into one sample, checking they are exactly what was sent.
+
+    Positions 0..T-1 (T = len(expected_token_ids)) must each be covered by one chunk, the token ids
+    must equal the ones sent, shapes and metadata must agree across chunks, values must be finite.
+    `rid` only names the request in the error when there are no records at all.
+    """
+    if not records:
+        raise DumpError(rid, "no records found (was EYAS_DUMP_DIR set on the server, and aux "
+                             "capture enabled?)")
+    records = sorted(records, key=lambda r: r.prefix_offset)
+    rid = records[0].rid
+    first = records[0].meta
+    num_layers = len(first["layer_ids"])
+    hidden = first["hidden_size"]
+    total = len(expected_token_ids)
+
+    pos = 0
+    for rec in records:
+        where = f"chunk at offset {rec.prefix_offset}"
+        for key in _SHARED_META:
+            if rec.meta.get(key) != first.get(key):
+                raise DumpError(rid, f"{where}: metadata {key}={rec.meta.get(key)!r} differs from "
+                                     f"the first chunk's {first.get(key)!r}")
+        if rec.prefix_offset > pos:
+            raise DumpError(rid, f"positions {pos}..{rec.prefix_offset - 1} are missing (gap before "
+                                 f"the {where}); a radix-cache prefix hit looks like this: run the "
+                                 f"server with --disable-radix-cache")
+        if rec.prefix_offset < pos:
+            raise DumpError(rid, f"{where} overlaps positions {rec.prefix_offset}..{pos - 1}, "
+                                 f"already covered by an earlier chunk")
+        n = rec.meta["num_tokens"]
+        shapes = (tuple(rec.token_ids.shape), tuple(rec.aux_hidden_states.shape),
+                  tuple(rec.last_hidden_state.shape))
+        if shapes != ((n,), (n, num_layers * hidden), (n, hidden)):
+            raise DumpError(rid, f"{where}: shapes token_ids/aux/last are {shapes}, expected "
+                                 f"{((n,), (n, num_layers * hidden), (n, hidden))}")
+        if pos + n > total:
+            raise DumpError(rid, f"{where} covers positions up to {pos + n - 1}, but only "
+                                 f"{total} tokens were sent")
+        sent = torch.tensor(expected_token_ids[pos:pos + n], dtype=torch.int64)
+        got = rec.token_ids.to(torch.int64)
+        if not torch.equal(sent, got):
+            i = int((sent != got).nonzero()[0])
+            raise DumpError(rid, f"token id at position {pos + i} is {int(got[i])}, but "
+                                 f"{int(sent[i])} was sent")
+        for name in ("aux_hidden_states", "last_hidden_state"):
+            if not torch.isfinite(getattr(rec, name)).all():
+                raise DumpError(rid, f"{where}: {name} has non-finite values (NaN or inf)")
+        pos += n
+    if pos != total:
+        raise DumpError(rid, f"records cover positions 0..{pos - 1}, but {total} tokens were sent "
+                             f"(positions {pos}..{total - 1} missing)")
+
+    meta = {k: first[k] for k in _SHARED_META}
+    meta.update(num_tokens=total, num_chunks=len(records))
+    return AssembledSample(
+        rid=rid,
+        token_ids=torch.cat([r.token_ids for r in records]),
+        aux_hidden_states=torch.cat([r.aux_hidden_states for r in records]),
+        last_hidden_state=torch.cat([r.last_hidden_state for r in records]),
+        meta=meta,
+    )

@@ -1,0 +1,603 @@
+"""eyas's local target server: a CPU stand-in for SGLang that speaks its HTTP API and its log lines.
+
+    EYAS_DUMP_DIR=/tmp/dump python -m eyas.local_server --model-path fixtures/tiny-target \\
+        --port 30000 --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 \\
+        --return-aux-hidden-state-layer-ids 2 4 5 --chunked-prefill-size 64 --disable-radix-cache
+
+It loads a Hugging Face causal LM shard by shard (printing SGLang's loading bar), serves
+/generate, /health, /health_generate, /ready, /model_info and /server_info, and, when
+EYAS_DUMP_DIR is set and aux capture is on, writes every prefill chunk's hidden states through
+eyas.dump, before the response is sent. It never reuses a prefix (no radix cache), so
+meta_info.cached_tokens is always 0.
+
+Fault flags make it fail the way SGLang does, for the readiness sensor's tests:
+--fault {die,hang,oom}-at-shard --fault-shard K fires after K shards have loaded (bar at K/N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import threading
+import time
+import traceback
+import urllib.request
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from eyas import __version__
+from eyas.dump import DUMP_DIR_ENV, DumpWriter, check_rid, dtype_from_env
+
+# SGLang's exact loading bar (utils/common.py) and its default description (multithread loader).
+BAR_FORMAT = "{desc}: {percentage:3.0f}% Completed | {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
+BAR_DESC = "Multi-thread loading shards"
+READY_LINE = "The server is fired up and ready to roll!"
+FAULTS = ("none", "die-at-shard", "hang-at-shard", "oom-at-shard")
+
+# Sampling params SGLang accepts that eyas-local does not implement: allowed only at the value
+# that means "off", so a client relying on them fails loudly instead of being silently ignored.
+_NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0,
+                     "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1}
+_SAMPLING_KEYS = {"max_new_tokens", "temperature", "sampling_seed", "ignore_eos", "stop_token_ids",
+                  "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+                  *_NEUTRAL_SAMPLING}
+# Top-level /generate fields accepted only when false/empty (eyas gets hidden states from the dump).
+_FALSY_FIELDS = {"stream", "return_logprob", "return_hidden_states", "logprob_start_len",
+                 "top_logprobs_num", "return_text_in_logprobs", "log_metrics", "lora_path",
+                 "custom_logit_processor", "bootstrap_host", "bootstrap_room"}
+_GENERATE_KEYS = {"input_ids", "text", "rid", "sampling_params", *_FALSY_FIELDS}
+
+
+def log(msg: str) -> None:
+    """One SGLang-format log line, flushed at once (the readiness sensor tails this file)."""
+    sys.stderr.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {msg}\n")
+    sys.stderr.flush()
+
+
+def _avail_mem_gb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments (mirroring sglang.launch_server, plus eyas's fault flags)
+# ---------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="eyas serve-local", description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", required=True, help="Hugging Face folder with config.json and shards")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--tp-size", "--tp", type=int, default=1, help="accepted; eyas-local runs one CPU process")
+    p.add_argument("--dtype", default="auto", help="accepted; eyas-local computes in float32")
+    p.add_argument("--enable-return-aux-hidden-states", action="store_true")
+    p.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+", default=None,
+                   help="capture-before ids: id i is the input of decoder layer i (HF hidden_states[i])")
+    p.add_argument("--speculative-algorithm", default=None, help="accepted; only names the aux convention")
+    p.add_argument("--disable-radix-cache", action="store_true", help="accepted; there is no prefix cache")
+    p.add_argument("--chunked-prefill-size", type=int, default=8192,
+                   help="tokens per prefill chunk; -1 = no chunking")
+    p.add_argument("--skip-server-warmup", action="store_true")
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, ignored")
+    p.add_argument("--trust-remote-code", action="store_true", help="accepted, ignored")
+    p.add_argument("--random-seed", type=int, default=0, help="seed of sampling without sampling_seed")
+    p.add_argument("--log-level", default="info",
+                   help="accepted; eyas-local logs at info (the sensor reads those lines)")
+    # eyas-only realism and fault injection
+    p.add_argument("--load-delay", type=float, default=0.0, help="seconds of sleep per shard (a slow load)")
+    p.add_argument("--fault", choices=FAULTS, default="none")
+    p.add_argument("--fault-shard", type=int, default=0, help="the fault fires after this many shards loaded")
+    args = p.parse_args(argv)
+    if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
+        p.error(f"--chunked-prefill-size must be positive or -1, got {args.chunked_prefill_size}")
+    ids = args.return_aux_hidden_state_layer_ids
+    if ids is not None and (len(set(ids)) != len(ids) or min(ids) < 0):
+        p.error(f"--return-aux-hidden-state-layer-ids must be unique and non-negative, got {ids}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, shard by shard
+# ---------------------------------------------------------------------------------------------
+
+def shard_files(model_path: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files, in the order the index lists them."""
+    model_path = Path(model_path)
+    index = model_path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_path / name for name in dict.fromkeys(sorted(weight_map.values()))]
+    single = model_path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise FileNotFoundError(f"{model_path}: no model.safetensors.index.json or model.safetensors")
+
+
+_EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_experts(state: dict[str, torch.Tensor], expected: set[str]) -> dict[str, torch.Tensor]:
+    """Checkpoints store MoE experts one by one; transformers 5 modules hold them fused.
+
+    experts.{e}.gate_proj/up_proj -> experts.gate_up_proj [E, 2I, H] (gate rows first), and
+    experts.{e}.down_proj -> experts.down_proj [E, H, I]; the same layout transformers' own
+    conversion mapping produces. A no-op for models that keep per-expert modules.
+    """
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out = {}
+    for key, value in state.items():
+        m = _EXPERT_KEY.match(key)
+        if m and f"{m[1]}.down_proj" in expected:
+            groups.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = value
+        else:
+            out[key] = value
+    for prefix, parts in groups.items():
+        def stacked(name: str) -> torch.Tensor:
+            return torch.stack([parts[name][e] for e in sorted(parts[name])])
+        out[f"{prefix}.gate_up_proj"] = torch.cat([stacked("gate_proj"), stacked("up_proj")], dim=1)
+        out[f"{prefix}.down_proj"] = stacked("down_proj")
+    return out
+
+
+def _inject_fault(fault: str, shard: int, num_shards: int, path: Path) -> None:
+    where = f"after {shard} of {num_shards} shards (at {path.name})"
+    if fault == "hang-at-shard":
+        while True:  # stop progressing, like a loader stuck on a dead NFS mount
+            time.sleep(3600)
+    if fault == "die-at-shard":
+        # Uncaught: Python prints the traceback and exits with status 1.
+        raise RuntimeError(f"eyas fault injection: died {where}")
+    if fault == "oom-at-shard":
+        try:
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 1.75 GiB. GPU 0 has a total capacity of "
+                "79.19 GiB of which 1.02 GiB is free. Including non-PyTorch memory, this process has "
+                "78.16 GiB memory in use. Of the allocated memory 76.90 GiB is allocated by PyTorch, "
+                "and 512.00 MiB is reserved by PyTorch but unallocated. If reserved but unallocated "
+                "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to "
+                "avoid fragmentation.  See documentation for Memory Management  "
+                "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+        except torch.OutOfMemoryError:
+            log(f"Scheduler hit an exception: {traceback.format_exc()}")
+        log("Received sigquit from a child process. It usually means the child failed.")
+        sys.exit(1)
+
+
+def load_model(model_path: str | Path, *, load_delay: float = 0.0, fault: str = "none",
+               fault_shard: int = 0) -> torch.nn.Module:
+    """Read the checkpoint shard by shard (printing SGLang's bar), then build the model from
+    config.json and fill it. transformers is imported only after the shards are read: it takes
+    seconds to import, and a fault-injected load should fail as early as a real one would."""
+    model_path = Path(model_path)
+    if not (model_path / "config.json").exists():
+        raise FileNotFoundError(f"{model_path}: no config.json")
+    files = shard_files(model_path)
+    if fault != "none" and not 0 <= fault_shard <= len(files):
+        raise ValueError(f"--fault-shard {fault_shard} out of range: the checkpoint has {len(files)} shards")
+    log(f"Load weight begin. avail mem={_avail_mem_gb():.2f} GB")
+    tic = time.monotonic()
+    # mininterval=0: print every shard, as SGLang's bar does for its few, slow shards.
+    bar = tqdm(total=len(files), desc=BAR_DESC, bar_format=BAR_FORMAT, file=sys.stderr,
+               mininterval=0, miniters=1)
+    state: dict[str, torch.Tensor] = {}
+    for k, path in enumerate(files):
+        if fault != "none" and k == fault_shard:
+            _inject_fault(fault, k, len(files), path)
+        state.update(load_file(str(path)))
+        if load_delay:
+            time.sleep(load_delay)
+        bar.update(1)
+    if fault != "none" and fault_shard == len(files):
+        _inject_fault(fault, fault_shard, len(files), files[-1])  # after N/N, like sglang#9917
+    bar.close()
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
+    result = model.load_state_dict(fuse_experts(state, set(model.state_dict())), strict=False)
+    if result.missing_keys:
+        raise RuntimeError(f"{model_path}: checkpoint lacks {len(result.missing_keys)} weights, "
+                           f"e.g. {result.missing_keys[:5]}")
+    if result.unexpected_keys:  # e.g. DeepSeek's MTP layer, which SGLang also skips here
+        log(f"Ignored {len(result.unexpected_keys)} checkpoint weights the model does not use, "
+            f"e.g. {result.unexpected_keys[:3]}")
+    model.eval()
+    log(f"Load weight end. elapsed={time.monotonic() - tic:.2f} s, type={type(model).__name__}, "
+        f"dtype=torch.float32, avail mem={_avail_mem_gb():.2f} GB, mem usage="
+        f"{sum(t.numel() * t.element_size() for t in state.values()) / 2**30:.2f} GB.")
+    return model
+
+
+def load_tokenizer(model_path: str | Path):
+    """The tokenizer in the model folder, or None if it has no tokenizer.json (text is then "")."""
+    if not (Path(model_path) / "tokenizer.json").exists():
+        log(f"No tokenizer.json in {model_path}: responses will have empty text")
+        return None
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_path))
+    except (OSError, ValueError, KeyError) as e:  # a bare tokenizer.json without tokenizer_config
+        log(f"AutoTokenizer failed ({type(e).__name__}: {e}); using tokenizer.json directly")
+        return PreTrainedTokenizerFast(tokenizer_file=str(Path(model_path) / "tokenizer.json"))
+
+
+def resolve_capture_ids(ids: list[int] | None, num_layers: int) -> list[int]:
+    """SGLang's set_eagle3_layers_to_capture: default [2, L//2, L-3]; a list starting at 1 is +1."""
+    if ids is None:
+        return [2, num_layers // 2, num_layers - 3]
+    if ids[0] == 1:
+        shifted = [i + 1 for i in ids]
+        log(f"Aux layer ids {ids} start at 1: read as output-of ids (as SGLang does), capturing {shifted}")
+        ids = shifted
+    if max(ids) >= num_layers:
+        # HF hidden_states[L] is the post-norm output, which SGLang cannot capture either.
+        raise ValueError(f"aux layer id {max(ids)} out of range: the model has {num_layers} layers, "
+                         f"so capture ids go up to {num_layers - 1}")
+    return sorted(ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine: chunked prefill with a KV cache, then greedy or sampled decode
+# ---------------------------------------------------------------------------------------------
+
+class BadRequest(ValueError):
+    """A /generate request that cannot be served; answered with 400 and this message."""
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, tokenizer, *, chunk_size: int,
+                 writer: DumpWriter | None, capture_ids: list[int], seed: int = 0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.chunk_size = chunk_size  # -1: the whole prompt in one forward
+        self.writer = writer
+        self.capture_ids = capture_ids
+        self.lock = threading.Lock()  # one request at a time through the model
+        self.generator = torch.Generator().manual_seed(seed)
+        cfg = model.config
+        self.vocab_size = cfg.vocab_size
+        self.context_len = getattr(cfg, "max_position_embeddings", None) or 1 << 30
+        eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
+        self.eos_ids = {int(i) for i in eos if i is not None}
+
+    @torch.no_grad()
+    def prefill(self, ids: list[int], rid: str):
+        """Run the prompt in chunks through the KV cache; dump each chunk. Returns (logits, cache)."""
+        dump = self.writer is not None and not self.writer.should_skip(rid)
+        step = len(ids) if self.chunk_size == -1 else self.chunk_size
+        cache = None
+        for start in range(0, len(ids), step):
+            chunk = torch.tensor([ids[start:start + step]])
+            out = self.model(input_ids=chunk, past_key_values=cache, use_cache=True,
+                             output_hidden_states=dump)
+            cache = out.past_key_values
+            if dump:
+                hs = out.hidden_states  # L+1 entries: inputs of layers 0..L-1, then post-norm output
+                aux = torch.cat([hs[i][0] for i in self.capture_ids], dim=-1)
+                self.writer.write(rid, start, chunk[0], aux, hs[-1][0])
+        return out.logits[0, -1], cache
+
+    @torch.no_grad()
+    def generate(self, ids: list[int], rid: str, params: dict[str, Any]) -> dict[str, Any]:
+        tic = time.monotonic()
+        if len(ids) >= self.context_len:
+            raise BadRequest(f"rid {rid}: the input ({len(ids)} tokens) is longer than the model's "
+                             f"context length ({self.context_len} tokens)")
+        max_new = min(params["max_new_tokens"], self.context_len - len(ids))
+        temperature = params["temperature"]
+        stop_ids = set() if params["ignore_eos"] else self.eos_ids
+        stop_ids = stop_ids | set(params["stop_token_ids"])
+        generator = self.generator
+        if params["sampling_seed"] is not None:
+            generator = torch.Generator().manual_seed(params["sampling_seed"])
+
+        with self.lock:
+            logits, cache = self.prefill(ids, rid)
+            output: list[int] = []
+            finish: dict[str, Any] = {"type": "length", "length": max_new}
+            for step in range(max_new):
+                if temperature == 0:
+                    token = int(logits.argmax())
+                else:
+                    probs = torch.softmax(logits.float() / temperature, dim=-1)
+                    token = int(torch.multinomial(probs, 1, generator=generator))
+                output.append(token)
+                if token in stop_ids:
+                    finish = {"type": "stop", "matched": token}
+                    break
+                if step + 1 == max_new:
+                    break  # no forward for a token we will not emit
+                out = self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+                logits, cache = out.logits[0, -1], out.past_key_values
+
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(output, skip_special_tokens=params["skip_special_tokens"])
+        return {"text": text, "output_ids": output,
+                "meta_info": {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids),
+                              "completion_tokens": len(output), "cached_tokens": 0,
+                              "e2e_latency": time.monotonic() - tic}}
+
+
+# ---------------------------------------------------------------------------------------------
+# /generate request parsing: every error names the field
+# ---------------------------------------------------------------------------------------------
+
+def _parse_sampling(raw: Any, where: str) -> dict[str, Any]:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadRequest(f"{where} must be an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - _SAMPLING_KEYS)
+    if unknown:
+        raise BadRequest(f"{where} has unknown fields {unknown}")
+    for key, neutral in _NEUTRAL_SAMPLING.items():
+        if key in raw and raw[key] != neutral:
+            raise BadRequest(f"{where}.{key}={raw[key]!r} is not supported by eyas-local (only {neutral!r})")
+    p = {"max_new_tokens": raw.get("max_new_tokens", 128), "temperature": raw.get("temperature", 1.0),
+         "sampling_seed": raw.get("sampling_seed"), "ignore_eos": raw.get("ignore_eos", False),
+         "stop_token_ids": raw.get("stop_token_ids") or [],
+         "skip_special_tokens": raw.get("skip_special_tokens", True)}
+    if not _is_int(p["max_new_tokens"]) or p["max_new_tokens"] < 0:
+        raise BadRequest(f"{where}.max_new_tokens must be an integer >= 0, got {p['max_new_tokens']!r}")
+    t = p["temperature"]
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
+        raise BadRequest(f"{where}.temperature must be a number >= 0, got {t!r}")
+    if p["sampling_seed"] is not None and not _is_int(p["sampling_seed"]):
+        raise BadRequest(f"{where}.sampling_seed must be an integer, got {p['sampling_seed']!r}")
+    if not isinstance(p["stop_token_ids"], list) or not all(_is_int(i) for i in p["stop_token_ids"]):
+        raise BadRequest(f"{where}.stop_token_ids must be a list of integers")
+    return p
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_generate(body: Any, vocab_size: int, tokenizer) -> tuple[list[tuple[list[int], str, dict]], bool]:
+    """A /generate body -> ([(input_ids, rid, sampling)], batched) or BadRequest naming the field."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - _GENERATE_KEYS)
+    if unknown:
+        raise BadRequest(f"unknown fields {unknown}")
+    for key in sorted(_FALSY_FIELDS & set(body)):
+        if key == "log_metrics" or (key == "logprob_start_len" and body[key] == -1):
+            continue  # SGLang's defaults (log_metrics=True, logprob_start_len=-1)
+        if body[key]:
+            raise BadRequest(f"{key}={body[key]!r} is not supported by eyas-local (hidden states "
+                             f"come through {DUMP_DIR_ENV}, not the response)")
+    if ("input_ids" in body) == ("text" in body):
+        raise BadRequest("give exactly one of input_ids and text")
+
+    if "text" in body:
+        if tokenizer is None:
+            raise BadRequest("text needs a tokenizer, and the model folder has no tokenizer.json; "
+                             "send input_ids")
+        texts, batched = body["text"], isinstance(body["text"], list)
+        texts = texts if batched else [texts]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise BadRequest("text must be a string or a non-empty list of strings")
+        seqs = [tokenizer.encode(t) for t in texts]
+    else:
+        raw = body["input_ids"]
+        if not isinstance(raw, list) or not raw:
+            raise BadRequest("input_ids must be a non-empty list of token ids, or a list of such lists")
+        batched = isinstance(raw[0], list)
+        seqs = raw if batched else [raw]
+        for b, seq in enumerate(seqs):
+            name = f"input_ids[{b}]" if batched else "input_ids"
+            if not isinstance(seq, list) or not seq:
+                raise BadRequest(f"{name} must be a non-empty list of token ids")
+            for i, tok in enumerate(seq):
+                if not _is_int(tok) or not 0 <= tok < vocab_size:
+                    raise BadRequest(f"{name}[{i}] = {tok!r} is outside the vocabulary (0..{vocab_size - 1})")
+
+    rids = body.get("rid")
+    if rids is None:
+        rids = [uuid.uuid4().hex for _ in seqs]
+    elif batched != isinstance(rids, list):
+        raise BadRequest(f"rid must be {'a list (batch input)' if batched else 'a string'}, got {rids!r}")
+    elif not batched:
+        rids = [rids]
+    if len(rids) != len(seqs):
+        raise BadRequest(f"rid has {len(rids)} entries for {len(seqs)} sequences")
+    if len(set(rids)) != len(rids):
+        raise BadRequest(f"rid has duplicates: {rids}")
+    for rid in rids:
+        try:
+            check_rid(rid)
+        except ValueError as e:
+            raise BadRequest(f"rid: {e}") from None
+
+    sp = body.get("sampling_params")
+    if isinstance(sp, list):
+        if len(sp) != len(seqs):
+            raise BadRequest(f"sampling_params has {len(sp)} entries for {len(seqs)} sequences")
+        params = [_parse_sampling(s, f"sampling_params[{i}]") for i, s in enumerate(sp)]
+    else:
+        params = [_parse_sampling(sp, "sampling_params")] * len(seqs)
+    return list(zip(seqs, rids, params)), batched
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP
+# ---------------------------------------------------------------------------------------------
+
+class ServerState:
+    def __init__(self, engine: Engine, args: argparse.Namespace, model_info: dict, server_info: dict):
+        self.engine, self.args = engine, args
+        self.model_info, self.server_info = model_info, server_info
+        self.up = False  # SGLang's ServerStatus.Up: set after the warmup request
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn
+    server_version = "eyas-local"
+
+    @property
+    def state(self) -> ServerState:
+        return self.server.state  # type: ignore[attr-defined]
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        pass  # replaced by the uvicorn-style access line in _send
+
+    def _send(self, status: int, payload: Any = None) -> None:
+        body = b"" if payload is None else json.dumps(payload).encode()
+        # Logged before sending, so a client's next log line (the warmup's ready line) comes after.
+        host, port = self.client_address[:2]
+        reason = self.responses.get(status, ("",))[0]
+        log(f'INFO:     {host}:{port} - "{self.requestline}" {status} {reason}')
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path in ("/health", "/health_generate"):
+            return self._health()
+        if path == "/ready":
+            return self._send(200 if self.state.up else 503)
+        if path in ("/model_info", "/get_model_info"):
+            return self._send(200, self.state.model_info)
+        if path in ("/server_info", "/get_server_info"):
+            return self._send(200, self.state.server_info)
+        if path == "/flush_cache":
+            return self._send(200)
+        self._send(404, {"error": f"no route GET {path}"})
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0]
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length)
+        if path == "/flush_cache":
+            return self._send(200)
+        if path != "/generate":
+            return self._send(404, {"error": f"no route POST {path}"})
+        try:
+            body = json.loads(raw or b"null")
+        except json.JSONDecodeError as e:
+            return self._send(400, {"error": f"the request body is not valid JSON: {e}"})
+        engine = self.state.engine
+        try:
+            reqs, batched = parse_generate(body, engine.vocab_size, engine.tokenizer)
+            results = [engine.generate(ids, rid, params) for ids, rid, params in reqs]
+        except BadRequest as e:
+            return self._send(400, {"error": str(e)})
+        except Exception as e:  # noqa: BLE001 - reported to the client and logged, server stays up
+            log(f"Error in /generate: {traceback.format_exc()}")
+            return self._send(500, {"error": f"{type(e).__name__}: {e}"})
+        self._send(200, results if batched else results[0])
+
+    def _health(self) -> None:
+        # SGLang's /health runs a 1-token generate on token 0 with rid HEALTH_CHECK_<time>.
+        if not self.state.up:
+            return self._send(503)
+        params = _parse_sampling({"max_new_tokens": 1, "temperature": 0}, "health")
+        try:
+            self.state.engine.generate([0], f"HEALTH_CHECK_{time.time()}", params)
+        except Exception:  # noqa: BLE001
+            log(f"Health check failed. {traceback.format_exc()}")
+            return self._send(503)
+        self._send(200)
+
+
+def _warmup_then_ready(state: ServerState, url: str, skip_warmup: bool) -> None:
+    """SGLang's _wait_and_warmup: one real request over HTTP, then the ready line."""
+    if not skip_warmup:
+        body = {"sampling_params": {"temperature": 0, "max_new_tokens": 8},
+                "rid": f"WARMUP_{uuid.uuid4().hex}"}
+        if state.engine.tokenizer is not None:
+            body["text"] = "The capital city of France is"
+        else:
+            body["input_ids"] = [i % state.engine.vocab_size for i in (10, 11, 12)]
+        try:
+            req = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as res:
+                res.read()
+        except Exception:  # noqa: BLE001 - any failure means the server is not usable
+            log(f"Initialization failed. warmup error: {traceback.format_exc()}")
+            os._exit(1)
+    state.up = True
+    log(READY_LINE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log(f"server_args={vars(args)}")
+    if args.tp_size != 1:
+        log(f"tp_size={args.tp_size} ignored: eyas-local runs the whole model in one CPU process")
+    if args.dtype not in ("auto", "float32"):
+        log(f"dtype={args.dtype} ignored: eyas-local computes in float32 on CPU")
+
+    # 1. Load the model (and fail here, as SGLang would, if a fault is injected)
+    model = load_model(args.model_path, load_delay=args.load_delay, fault=args.fault,
+                       fault_shard=args.fault_shard)
+    tokenizer = load_tokenizer(args.model_path)
+
+    # 2. Hidden-state capture: dump only when asked for on the command line and given a folder
+    num_layers = model.config.num_hidden_layers
+    capture_ids = resolve_capture_ids(args.return_aux_hidden_state_layer_ids, num_layers)
+    dump_dir = os.environ.get(DUMP_DIR_ENV)
+    writer = None
+    if args.enable_return_aux_hidden_states and dump_dir:
+        writer = DumpWriter(dump_dir, layer_ids=capture_ids, dtype=dtype_from_env())
+        log(f"Dumping aux hidden states of layers {capture_ids} to {dump_dir} ({writer.dtype})")
+    elif dump_dir:
+        log(f"{DUMP_DIR_ENV} is set but --enable-return-aux-hidden-states is not: no dump")
+    engine = Engine(model, tokenizer, chunk_size=args.chunked_prefill_size, writer=writer,
+                    capture_ids=capture_ids, seed=args.random_seed)
+
+    # 3. Serve, then warm up over HTTP and announce readiness
+    served = args.served_model_name or args.model_path
+    model_info = {"model_path": args.model_path, "tokenizer_path": args.model_path,
+                  "served_model_name": served, "is_generation": True,
+                  "architectures": list(model.config.architectures or [type(model).__name__]),
+                  "model_type": model.config.model_type, "weight_version": "default",
+                  "preferred_sampling_params": None, "has_image_understanding": False,
+                  "has_audio_understanding": False}
+    server_info = {**vars(args), "served_model_name": served, "version": __version__,
+                   "backend": "eyas-local", "dump_dir": dump_dir if writer else None,
+                   "aux_hidden_state_layer_ids": capture_ids if writer else None,
+                   "layer_convention": "capture-before", "hidden_size": model.config.hidden_size,
+                   "num_hidden_layers": num_layers, "vocab_size": model.config.vocab_size,
+                   "context_length": engine.context_len, "internal_states": [{}]}
+    httpd = ThreadingHTTPServer((args.host, args.port), Handler)
+    httpd.daemon_threads = True
+    httpd.state = ServerState(engine, args, model_info, server_info)  # type: ignore[attr-defined]
+    url = f"http://{args.host}:{args.port}"
+    log(f"INFO:     Uvicorn running on {url} (Press CTRL+C to quit)")
+    threading.Thread(target=_warmup_then_ready, args=(httpd.state, url, args.skip_server_warmup),
+                     daemon=True).start()
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        httpd.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

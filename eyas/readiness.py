@@ -1,0 +1,340 @@
+"""Is the server up yet? The readiness sensor: tail its log through a Host, fail fast, confirm HTTP.
+
+    report = wait_until_ready(host, log_path=cfg.server.log_path, pid=pid, url=cfg.server.url,
+                              poll_interval_s=1, stall_timeout_s=600, deadline_s=3600,
+                              http_timeout_s=5, on_progress=lambda p: print(p.done, p.total))
+
+The pieces are separate and pure where they can be: `LogCursor` reads new bytes from a byte offset
+(tqdm separates bar updates with \\r, so lines are split on \\r and \\n), `parse_progress` reads one
+loading-bar line, `classify_fatal` names a fatal line. `wait_until_ready` is one loop with its own
+monotonic deadline that puts them together; it imports nothing from Prefect.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from eyas.hosts import Host, HostUnreachable
+
+READY_LINE = "The server is fired up and ready to roll!"
+TAIL_LINES = 20  # log lines quoted in a ServerFailed
+MAX_UNREACHABLE = 3  # consecutive HostUnreachable before giving up
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the log incrementally
+# ---------------------------------------------------------------------------------------------
+
+class LogCursor:
+    """New complete lines of a (growing) log file on a host, from a saved byte offset.
+
+    A trailing fragment without \\r or \\n is kept for the next poll, and exposed as `pending`:
+    tqdm's newest bar update is always such a fragment (the next update starts with \\r).
+    A missing file reads as empty: the server may not have written its log yet.
+    """
+
+    def __init__(self, host: Host, path: str | Path, offset: int = 0):
+        self.host = host
+        self.path = path
+        self.offset = offset
+        self._partial = b""  # undecoded, so a UTF-8 character split across reads survives
+
+    def poll(self) -> list[str]:
+        chunks = []
+        while True:
+            data, self.offset = self.host.read_from(self.path, self.offset)
+            if not data:
+                break
+            chunks.append(data)
+        buf = self._partial + b"".join(chunks)
+        pieces = re.split(rb"[\r\n]", buf)
+        self._partial = pieces.pop()
+        return [line for p in pieces if (line := p.decode("utf-8", "replace").rstrip())]
+
+    @property
+    def pending(self) -> str:
+        return self._partial.decode("utf-8", "replace").rstrip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading-bar lines
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Progress:
+    desc: str  # "Multi-thread loading shards" or "Loading safetensors checkpoint shards"
+    done: int  # shards loaded
+    total: int
+    percent: int
+    elapsed_s: float
+    remaining_s: float | None  # None while tqdm shows "?"
+    rate_it_s: float | None  # shards per second (converted from s/it); None for "?"
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """What counts as a change: elapsed time moving on alone is not progress."""
+        return (self.desc, self.done, self.total)
+
+
+# SGLang's BAR_FORMAT (sglang.md section 3):
+#   "{desc}: {percentage:3.0f}% Completed | {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
+_BAR_RE = re.compile(r"(Multi-thread loading shards|Loading safetensors checkpoint shards):\s+(\d+)% "
+                     r"Completed \| (\d+)/(\d+) \[([^<\]]*)<([^,\]]*), ([^\]]*)\]")
+_RATE_RE = re.compile(r"([\d.]+)(it/s|s/it)")
+
+
+def _interval_s(text: str) -> float | None:
+    """tqdm's [d, ][h:]mm:ss -> seconds; None for '?'."""
+    text = text.strip()
+    if text == "?" or not text:
+        return None
+    days = 0
+    if "d, " in text:
+        d, text = text.split("d, ", 1)
+        days = int(d)
+    seconds = 0
+    for part in text.split(":"):
+        seconds = seconds * 60 + int(part)
+    return float(days * 86400 + seconds)
+
+
+def parse_progress(line: str) -> Progress | None:
+    """The loading bar's state on this line (the last one, if a line holds several), or None."""
+    matches = list(_BAR_RE.finditer(line))
+    if not matches:
+        return None
+    desc, pct, done, total, elapsed, remaining, rate = matches[-1].groups()
+    r = _RATE_RE.search(rate)
+    rate_it_s = None
+    if r:
+        value = float(r[1])
+        rate_it_s = value if r[2] == "it/s" else (1.0 / value if value else None)
+    try:
+        elapsed_s = _interval_s(elapsed) or 0.0
+        remaining_s = _interval_s(remaining)
+    except ValueError:
+        return None
+    return Progress(desc, int(done), int(total), int(pct), elapsed_s, remaining_s, rate_it_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fatal lines (sglang.md section 3), most specific first: the first class found names the failure
+# ---------------------------------------------------------------------------------------------
+
+_TRACEBACK = "Traceback (most recent call last)"
+_FATAL: list[tuple[str, tuple[str, ...]]] = [
+    ("oom", ("CUDA out of memory", "OutOfMemoryError", "Not enough memory. Please try to increase")),
+    ("nccl", ("NCCL error", "DistBackendError", "Watchdog caught collective operation timeout")),
+    ("cuda error", ("CUDA error: an illegal memory access",)),
+    ("watchdog timeout", ("Scheduler watchdog timeout",)),
+    ("cuda graph failed", ("Capture cuda graph failed",)),
+    ("health check failed", ("Health check failed",)),
+    ("init failed", ("Initialization failed", "scheduler died during initialization")),
+    ("crashed", ("Scheduler hit an exception", "Received sigquit from a child process",
+                 "SIGQUIT received", "DetokenizerManager hit an exception", "crashed with exit code",
+                 _TRACEBACK)),
+]
+_RANK = {reason: i for i, (reason, _) in enumerate(_FATAL)}
+_SUBPROCESS_CRASHED = re.compile(r"Subprocess \S+ \(pid=\d+\) crashed with exit code")
+
+
+def classify_fatal(line: str) -> str | None:
+    """A short reason ("oom", "nccl", "crashed", ...) if the line means the server failed, else None."""
+    for reason, needles in _FATAL:
+        for needle in needles:
+            if needle in line:
+                if needle == "crashed with exit code" and not _SUBPROCESS_CRASHED.search(line):
+                    continue
+                return reason
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The wait loop
+# ---------------------------------------------------------------------------------------------
+
+class ServerFailed(RuntimeError):
+    """The server will not become ready. `.reason` is short ("oom", "stalled", "process died", ...),
+    `.log_lines` the last lines of its log, `.fatal_lines` the lines that gave it away."""
+
+    def __init__(self, reason: str, log_lines: list[str], detail: str = "",
+                 fatal_lines: list[str] | None = None):
+        self.reason = reason
+        self.detail = detail
+        self.log_lines = list(log_lines)
+        self.fatal_lines = list(fatal_lines or [])
+        message = f"{reason}: {detail}" if detail else reason
+        if self.fatal_lines:
+            message += "\n--- offending lines ---\n" + "\n".join(self.fatal_lines[:5])
+        if self.log_lines:
+            message += f"\n--- last {len(self.log_lines)} log lines ---\n" + "\n".join(self.log_lines)
+        super().__init__(message)
+
+
+@dataclass
+class ReadyReport:
+    seconds: float  # from the call to HTTP confirmation
+    shards_total: int | None  # from the last loading bar seen (None if none was printed)
+    last_progress: Progress | None
+    log_offset: int  # bytes of the log read so far: a later reader can start there
+
+
+class _LogWatch:
+    """The sensor's view of the log: last lines (bar updates collapsed), newest bar, fatal lines."""
+
+    def __init__(self, host: Host, path: str | Path, offset: int, clock: Callable[[], float],
+                 on_progress: Callable[[Progress], None] | None):
+        self.cursor = LogCursor(host, path, offset)
+        self.clock = clock
+        self.on_progress = on_progress
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.last_activity = clock()  # launch: the stall clock starts here
+        self.progress: Progress | None = None
+        self.fatal: list[tuple[str, str]] = []  # (reason, line), oldest first
+        self.ready = False
+
+    def read(self) -> None:
+        newest = None
+        for line in self.cursor.poll():
+            bar = parse_progress(line)
+            if bar is not None and self.tail and parse_progress(self.tail[-1]) is not None:
+                self.tail[-1] = line  # keep one bar line in the quoted tail, not one per shard
+            else:
+                self.tail.append(line)
+            if bar is not None:
+                newest = bar
+            else:
+                self.last_activity = self.clock()  # any other new line: the server is moving
+            reason = classify_fatal(line)
+            if reason:
+                self.fatal.append((reason, line))
+            self.ready = self.ready or READY_LINE in line
+        # tqdm's newest update has no terminator until the next one: read it from the fragment.
+        newest = parse_progress(self.cursor.pending) or newest
+        if newest and (self.progress is None or newest.key != self.progress.key):
+            self.progress = newest
+            self.last_activity = self.clock()
+            if self.on_progress:
+                self.on_progress(newest)
+
+    def lines(self) -> list[str]:
+        pending = self.cursor.pending
+        return [*self.tail, pending] if pending else list(self.tail)
+
+    def confirmed_fatal(self) -> bool:
+        """Any fatal line other than a bare Python traceback, which libraries also print harmlessly."""
+        return any(not _bare_traceback(line) for _, line in self.fatal)
+
+
+def _bare_traceback(line: str) -> bool:
+    return classify_fatal(line.replace(_TRACEBACK, "")) is None
+
+
+def wait_until_ready(host: Host, *, log_path: str | Path, pid: int, url: str,
+                     poll_interval_s: float, stall_timeout_s: float, deadline_s: float,
+                     http_timeout_s: float, on_progress: Callable[[Progress], None] | None = None,
+                     start_offset: int = 0, clock: Callable[[], float] = time.monotonic,
+                     sleep: Callable[[float], None] = time.sleep) -> ReadyReport:
+    """Wait for the ready line, then confirm over HTTP; raise ServerFailed as soon as it cannot come.
+
+    Each tick reads the new log lines and fails on:
+    - a fatal line (an SGLang fatal message, an OOM/NCCL/CUDA error); a bare Python traceback
+      counts once the process has died, or if it is not followed by death within a grace period
+      it is kept only as context (tracebacks are also printed by harmless warnings);
+    - the process being gone ("process died", or the reason found in its last lines);
+    - a stall: no new bar state and no other new log line for stall_timeout_s, counted from the
+      call (launch) until the first line;
+    - the deadline, deadline_s after the call.
+    HostUnreachable is retried MAX_UNREACHABLE times in a row, then "host unreachable"; a log file
+    that does not exist yet is simply empty. After the ready line, GET /health_generate must answer
+    200 within http_timeout_s ("http not ready" otherwise).
+
+    start_offset: where this launch's output begins in the log. Host.start appends to the log, so
+    after a relaunch pass the log's size from before it, or an earlier run's lines are read too.
+    """
+    start = clock()
+    watch = _LogWatch(host, log_path, start_offset, clock, on_progress)
+    unreachable = 0
+    traceback_grace_s = max(10.0, 3 * poll_interval_s)
+    traceback_seen_at: float | None = None
+
+    def failed(reason: str, detail: str) -> ServerFailed:
+        where = f"log {log_path} on {getattr(host, 'name', 'host')}, pid {pid}"
+        return ServerFailed(reason, watch.lines(), f"{detail} ({where})", [l for _, l in watch.fatal])
+
+    def fail_with_log(default: str, detail: str) -> ServerFailed:
+        """Give a traceback being written a moment to land, then name the worst failure in it."""
+        sleep(min(poll_interval_s, 0.5))
+        try:
+            watch.read()
+        except HostUnreachable:
+            pass
+        if watch.fatal:
+            reason = min((r for r, _ in watch.fatal), key=_RANK.__getitem__)
+            return failed(reason, detail or "fatal line in the server log")
+        return failed(default, detail)
+
+    while True:
+        try:
+            watch.read()
+            alive = watch.ready or watch.confirmed_fatal() or host.is_alive(pid)
+            unreachable = 0
+        except HostUnreachable as e:
+            unreachable += 1
+            if unreachable >= MAX_UNREACHABLE:
+                raise failed("host unreachable", f"{e} ({unreachable} tries in a row)") from e
+            sleep(poll_interval_s)
+            continue
+        now = clock()
+
+        if watch.confirmed_fatal():
+            raise fail_with_log("crashed", "")
+        if watch.ready:
+            _confirm_http(url, http_timeout_s, min(start + deadline_s, now + http_timeout_s),
+                          clock, sleep, failed)
+            p = watch.progress
+            return ReadyReport(seconds=clock() - start, shards_total=p.total if p else None,
+                               last_progress=p, log_offset=watch.cursor.offset)
+        if not alive:
+            raise fail_with_log("process died", f"server process {pid} exited before it was ready")
+        if watch.fatal and traceback_seen_at is None:
+            traceback_seen_at = now
+        if traceback_seen_at is not None and now - traceback_seen_at > traceback_grace_s:
+            watch.fatal.clear()  # the process outlived its traceback: it was not fatal
+            traceback_seen_at = None
+        if now - watch.last_activity > stall_timeout_s:
+            p = watch.progress
+            at = f" at {p.done}/{p.total} shards" if p else ""
+            raise failed("stalled", f"no loading progress or log output for {now - watch.last_activity:.1f}s"
+                                    f"{at} (stall_timeout_s={stall_timeout_s})")
+        if now - start > deadline_s:
+            raise failed("deadline", f"not ready after {now - start:.1f}s (deadline_s={deadline_s})")
+        sleep(max(0.0, min(poll_interval_s, start + deadline_s - now)))
+
+
+def _confirm_http(url: str, http_timeout_s: float, until: float, clock: Callable[[], float],
+                  sleep: Callable[[float], None], failed: Callable[[str, str], ServerFailed]) -> None:
+    """GET /health_generate (or /health where that route is missing) until a 200 or `until`."""
+    last = "no answer"
+    while True:
+        for path in ("/health_generate", "/health"):
+            try:
+                r = httpx.get(f"{url}{path}", timeout=max(0.1, min(http_timeout_s, until - clock())))
+            except httpx.HTTPError as e:
+                last = f"GET {url}{path}: {type(e).__name__}: {e}"
+                break
+            if r.status_code == 200:
+                return
+            last = f"GET {url}{path} -> {r.status_code}"
+            if r.status_code != 404:
+                break  # the route exists but is not healthy yet
+        if clock() >= until:
+            raise failed("http not ready", f"the ready line was logged, but {last}")
+        sleep(min(0.2, max(0.0, until - clock())))

@@ -1,0 +1,125 @@
+"""Shared fixtures: a random tiny DeepSeek-V3 target, and real local servers started on loopback."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from eyas.hosts import LocalHost
+
+# A random-init DeepSeek-V3 (MLA attention, MoE from layer 1) small enough to load in a second.
+TINY_DSV3 = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                 kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                 n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                 first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=1024)
+
+
+def _write_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer: <s>=0, </s>=1 (the config's eos), <unk>=2, then w3..w{V-1}."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()  # joins words with spaces
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>"}))
+
+
+@pytest.fixture(scope="session")
+def random_target(tmp_path_factory) -> Path:
+    """A random tiny DeepSeekV3ForCausalLM folder: many safetensors shards, index, tokenizer.json."""
+    import torch
+    import transformers
+
+    folder = tmp_path_factory.mktemp("random-target")
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY_DSV3))
+    model.save_pretrained(folder, max_shard_size="100KB")
+    _write_tokenizer(folder, TINY_DSV3["vocab_size"])
+    assert len(list(folder.glob("*.safetensors"))) >= 8
+    return folder
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A loopback port nothing listens on (right now)."""
+    return _free_port()
+
+
+@dataclass
+class ServerProc:
+    """A local server started through LocalHost, as the pipeline starts it."""
+
+    host: LocalHost
+    pid: int
+    port: int
+    log_path: Path
+    dump_dir: Path | None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        # bytes, not read_text: text mode would turn tqdm's \r separators into \n
+        return self.log_path.read_bytes().decode(errors="replace") if self.log_path.exists() else ""
+
+    def wait_for(self, needle: str, timeout: float = 60.0) -> str:
+        """Block until the log contains needle (or the process died / timeout) and return the log."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log_text()
+            if needle in text:
+                return text
+            if not self.host.is_alive(self.pid):
+                raise AssertionError(f"server exited before {needle!r}; log:\n{self.log_text()[-3000:]}")
+            time.sleep(0.1)
+        raise AssertionError(f"no {needle!r} within {timeout}s; log:\n{self.log_text()[-3000:]}")
+
+    def stop(self) -> None:
+        self.host.kill_group(self.pid, 9)
+
+
+@pytest.fixture(scope="session")
+def start_server(random_target, tmp_path_factory):
+    """Factory: start_server(*flags, dump=True, name=...) -> ServerProc; all are killed at the end."""
+    host = LocalHost()
+    started: list[ServerProc] = []
+
+    def start(*flags: str, dump: bool = False, name: str = "server", model: Path | None = None) -> ServerProc:
+        workdir = tmp_path_factory.mktemp(name)
+        port = _free_port()
+        dump_dir = workdir / "dump" if dump else None
+        # One thread per server: other engineers' tests share these two cores.
+        env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        if dump_dir is not None:
+            env["EYAS_DUMP_DIR"] = str(dump_dir)
+            env["EYAS_DUMP_DTYPE"] = "float32"  # exact comparison with an in-process forward
+        cmd = shlex.join([sys.executable, "-m", "eyas.local_server", "--model-path",
+                          str(model or random_target), "--port", str(port), *flags])
+        pid = host.start(cmd, log_path=workdir / "server.log", env=env,
+                         cwd=Path(__file__).resolve().parents[1])
+        proc = ServerProc(host, pid, port, workdir / "server.log", dump_dir)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()

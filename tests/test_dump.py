@@ -1,0 +1,186 @@
+"""The dump protocol: writer, reader and reassembly, on real safetensors files."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from eyas.dump import (DUMP_DIR_ENV, AssembledSample, DumpError, DumpWriter, assemble, read_records,
+                       remove_records, should_skip)
+
+H, K = 8, 3  # hidden size, captured layers
+
+
+def chunks(n: int, step: int, seed: int = 0):
+    """Token ids and hidden states for n tokens, cut into prefill chunks of `step`."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 100, (n,), generator=g)
+    aux = torch.randn(n, K * H, generator=g)
+    last = torch.randn(n, H, generator=g)
+    return ids, aux, last, [(s, min(s + step, n)) for s in range(0, n, step)]
+
+
+def write_all(writer: DumpWriter, rid: str, n: int = 10, step: int = 4):
+    ids, aux, last, spans = chunks(n, step)
+    for s, e in spans:
+        writer.write(rid, s, ids[s:e], aux[s:e], last[s:e])
+    return ids, aux, last
+
+
+@pytest.fixture
+def writer(tmp_path) -> DumpWriter:
+    return DumpWriter(tmp_path, layer_ids=[1, 3, 5], dtype=torch.float32)
+
+
+def test_write_layout_and_metadata(writer, tmp_path):
+    ids, aux, last, _ = chunks(5, 5)
+    path = writer.write("req-1", 0, ids, aux, last)
+    assert path == tmp_path / "req-1" / "0000000000.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        assert f.get_tensor("token_ids").dtype == torch.int32
+        assert f.get_tensor("aux_hidden_states").shape == (5, K * H)
+    assert meta["rid"] == "req-1" and meta["prefix_offset"] == "0" and meta["num_tokens"] == "5"
+    assert json.loads(meta["layer_ids"]) == [1, 3, 5]
+    assert meta["layer_convention"] == "capture-before" and meta["last_hidden_norm"] == "post"
+    assert meta["hidden_size"] == str(H) and meta["format_version"] == "1"
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left behind
+    assert DUMP_DIR_ENV == "EYAS_DUMP_DIR"
+
+
+def test_roundtrip_three_chunks(writer, tmp_path):
+    ids, aux, last = write_all(writer, "r:1", n=10, step=4)
+    records = read_records(tmp_path, "r:1")
+    assert [r.prefix_offset for r in records] == [0, 4, 8]
+    sample = assemble(records, ids.tolist())
+    assert isinstance(sample, AssembledSample)
+    assert torch.equal(sample.aux_hidden_states, aux) and torch.equal(sample.last_hidden_state, last)
+    assert sample.token_ids.tolist() == ids.tolist()
+    assert sample.meta["num_chunks"] == 3 and sample.meta["layer_ids"] == [1, 3, 5]
+
+
+def test_default_dtype_is_bfloat16(tmp_path):
+    w = DumpWriter(tmp_path, layer_ids=[1, 3, 5])
+    ids, aux, last = write_all(w, "bf", n=4, step=4)
+    sample = assemble(read_records(tmp_path, "bf"), ids.tolist())
+    assert sample.aux_hidden_states.dtype == torch.bfloat16
+    assert torch.allclose(sample.aux_hidden_states.float(), aux, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("rid", ["", "a/b", "../x", "a..b", "sp ace", "é"])
+def test_bad_rids_are_refused(writer, rid):
+    ids, aux, last, _ = chunks(2, 2)
+    with pytest.raises(ValueError, match="invalid rid"):
+        writer.write(rid, 0, ids, aux, last)
+
+
+def test_health_checks_and_warmup_are_skipped(writer, tmp_path):
+    assert should_skip("HEALTH_CHECK_1733150000.1") and should_skip("WARMUP_abc")
+    assert not should_skip("req-HEALTH_CHECK")
+    ids, aux, last, _ = chunks(2, 2)
+    assert writer.write("HEALTH_CHECK_1733150000.1", 0, ids, aux, last) is None
+    assert not any(tmp_path.iterdir())
+    only = DumpWriter(tmp_path, layer_ids=[1, 3, 5], rid_prefix="eyas-")
+    assert only.write("3f2a9c", 0, ids, aux, last) is None  # e.g. SGLang's warmup uuid
+    assert only.write("eyas-0", 0, ids, aux, last) is not None
+
+
+def test_writer_checks_shapes(writer):
+    ids, aux, last, _ = chunks(4, 4)
+    with pytest.raises(ValueError, match=r"aux_hidden_states must be \[4, 3\*8\]"):
+        writer.write("r", 0, ids, aux[:, :H], last)
+
+
+def test_gap_names_the_missing_positions(writer, tmp_path):
+    ids, aux, last, _ = chunks(10, 4)
+    writer.write("gap", 4, ids[4:10], aux[4:10], last[4:10])  # as after a radix-cache hit on 0..3
+    with pytest.raises(DumpError, match=r"'gap'.*positions 0\.\.3 are missing.*radix-cache"):
+        assemble(read_records(tmp_path, "gap"), ids.tolist())
+
+
+def test_missing_tail_and_overlap(writer, tmp_path):
+    ids, aux, last, _ = chunks(10, 4)
+    writer.write("tail", 0, ids[:4], aux[:4], last[:4])
+    with pytest.raises(DumpError, match=r"positions 4\.\.9 missing"):
+        assemble(read_records(tmp_path, "tail"), ids.tolist())
+    writer.write("ov", 0, ids[:6], aux[:6], last[:6])
+    writer.write("ov", 4, ids[4:], aux[4:], last[4:])
+    with pytest.raises(DumpError, match=r"offset 4 overlaps positions 4\.\.5"):
+        assemble(read_records(tmp_path, "ov"), ids.tolist())
+
+
+def test_token_mismatch_and_too_many_tokens(writer, tmp_path):
+    ids, aux, last = write_all(writer, "tok", n=10, step=4)
+    sent = ids.tolist()
+    sent[6] = (sent[6] + 1) % 100
+    with pytest.raises(DumpError, match=rf"position 6 is {int(ids[6])}, but {sent[6]} was sent"):
+        assemble(read_records(tmp_path, "tok"), sent)
+    with pytest.raises(DumpError, match="only 9 tokens were sent"):
+        assemble(read_records(tmp_path, "tok"), ids.tolist()[:9])
+
+
+def test_non_finite_and_inconsistent_metadata(writer, tmp_path):
+    ids, aux, last, _ = chunks(8, 4)
+    bad = aux.clone()
+    bad[5, 0] = float("nan")
+    writer.write("nan", 0, ids[:4], aux[:4], last[:4])
+    writer.write("nan", 4, ids[4:], bad[4:], last[4:])
+    with pytest.raises(DumpError, match="offset 4: aux_hidden_states has non-finite"):
+        assemble(read_records(tmp_path, "nan"), ids.tolist())
+    other = DumpWriter(tmp_path, layer_ids=[2, 4, 6], dtype=torch.float32)
+    writer.write("mix", 0, ids[:4], aux[:4], last[:4])
+    other.write("mix", 4, ids[4:], aux[4:], last[4:])
+    with pytest.raises(DumpError, match=r"layer_ids=\[2, 4, 6\] differs"):
+        assemble(read_records(tmp_path, "mix"), ids.tolist())
+
+
+def test_no_records(tmp_path):
+    assert read_records(tmp_path, "nothing") == []
+    with pytest.raises(DumpError, match="'nothing': no records found"):
+        assemble([], [1, 2], rid="nothing")
+
+
+def test_reader_ignores_temp_files_and_remove(writer, tmp_path):
+    ids, aux, last = write_all(writer, "tmp", n=8, step=4)
+    (tmp_path / "tmp" / ".0000000008.safetensors.tmp-1-2").write_bytes(b"half a file")
+    assert len(read_records(tmp_path, "tmp")) == 2
+    assert remove_records(tmp_path, "tmp") == 3
+    assert read_records(tmp_path, "tmp") == [] and remove_records(tmp_path, "tmp") == 0
+
+
+def test_corrupt_record_names_the_file(writer, tmp_path):
+    write_all(writer, "bad", n=4, step=4)
+    path = tmp_path / "bad" / "0000000000.safetensors"
+    path.write_bytes(path.read_bytes()[:50])
+    with pytest.raises(DumpError, match=r"'bad': cannot read .*0000000000\.safetensors"):
+        read_records(tmp_path, "bad")
+
+
+def test_reader_never_sees_a_half_file(tmp_path):
+    """A reader polling while a writer rewrites the same record sees only whole files."""
+    w = DumpWriter(tmp_path, layer_ids=[1, 3, 5], dtype=torch.float32)
+    ids, aux, last, _ = chunks(64, 64)
+    stop = threading.Event()
+
+    def keep_writing():
+        while not stop.is_set():
+            w.write("race", 0, ids, aux, last)
+
+    w.write("race", 0, ids, aux, last)
+    t = threading.Thread(target=keep_writing)
+    t.start()
+    try:
+        seen = 0
+        while seen < 200:
+            for rec in read_records(tmp_path, "race"):
+                assert torch.equal(rec.aux_hidden_states, aux)
+                seen += 1
+    finally:
+        stop.set()
+        t.join()
+    assert sorted(os.listdir(tmp_path / "race")) == ["0000000000.safetensors"]

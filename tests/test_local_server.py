@@ -1,0 +1,247 @@
+"""The local target server: a real subprocess on loopback, real HTTP, real dump files.
+
+Hidden states and tokens are checked against an in-process Hugging Face model loaded with
+from_pretrained, which shares no code with the server's shard-by-shard loader.
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+import torch
+
+from eyas.dump import assemble, read_records
+from eyas.local_server import (BAR_FORMAT, READY_LINE, Engine, fuse_experts, load_model,
+                               parse_args, resolve_capture_ids, shard_files)
+from eyas.readiness import READY_LINE as SENSOR_READY_LINE
+
+CAPTURE = [2, 4, 6]
+CHUNK = 16
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    proc = start_server("--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
+                        "--return-aux-hidden-state-layer-ids", *map(str, CAPTURE),
+                        "--chunked-prefill-size", str(CHUNK), "--disable-radix-cache",
+                        "--mem-fraction-static", "0.8", "--trust-remote-code", "--tp-size", "1",
+                        dump=True, name="local-server")
+    proc.wait_for(READY_LINE)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(random_target):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(random_target, dtype=torch.float32).eval()
+
+
+def greedy_reference(model, ids: list[int], max_new: int, eos: int = 1) -> list[int]:
+    """Plain greedy decoding: a full forward over the whole sequence for every new token."""
+    seq, out = list(ids), []
+    with torch.no_grad():
+        for _ in range(max_new):
+            token = int(model(torch.tensor([seq])).logits[0, -1].argmax())
+            out.append(token)
+            if token == eos:
+                break
+            seq.append(token)
+    return out
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# --- the log ---------------------------------------------------------------------------------
+
+def test_log_has_sglang_lines_in_order(server, random_target):
+    text = server.log_text()
+    num_shards = len(shard_files(random_target))
+    assert num_shards >= 8
+    begin = text.index("Load weight begin. avail mem=")
+    bar = text.index(f"\rMulti-thread loading shards:   0% Completed | 0/{num_shards} [00:00<?, ?it/s]\r")
+    end = text.index("Load weight end. elapsed=")
+    warmup = text.index('"POST /generate HTTP/1.1" 200 OK')
+    ready = text.index(READY_LINE)
+    assert begin < bar < end < warmup < ready
+    assert READY_LINE == SENSOR_READY_LINE
+    assert re.search(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] The server is fired up", text, re.M)
+    # every update is "\r<bar>", the last one is N/N and ends with the newline tqdm adds on close
+    updates = re.findall(r"\r(Multi-thread loading shards:[^\r\n]*)", text)
+    assert len(updates) >= num_shards + 1
+    full = re.compile(r"Multi-thread loading shards: +(\d+)% Completed \| (\d+)/(\d+) "
+                      r"\[\d\d:\d\d<(\d\d:\d\d|\?), +([\d.]+(it/s|s/it)|\?it/s)\]")
+    assert all(full.fullmatch(u.rstrip()) for u in updates), updates
+    assert re.search(rf"\| {num_shards}/{num_shards} \[[^\]]*\]\s*\n", text)
+    assert "{" not in BAR_FORMAT.format(desc="d", percentage=1, n_fmt=1, total_fmt=2, elapsed="00:00",
+                                        remaining="?", rate_fmt="?it/s")
+
+
+# --- status endpoints ------------------------------------------------------------------------
+
+def test_status_endpoints(client, server, random_target):
+    for path in ("/health", "/health_generate", "/ready"):
+        assert client.get(path).status_code == 200, path
+    info = client.get("/model_info").json()
+    assert info["model_path"] == str(random_target) and info["is_generation"] is True
+    assert info["architectures"] == ["DeepseekV3ForCausalLM"] and info["served_model_name"]
+    srv = client.get("/server_info").json()
+    assert srv["backend"] == "eyas-local" and srv["version"]
+    assert srv["chunked_prefill_size"] == CHUNK and srv["aux_hidden_state_layer_ids"] == CAPTURE
+    assert srv["port"] == server.port and srv["dump_dir"] == str(server.dump_dir)
+    assert client.get("/nope").status_code == 404
+
+
+def test_health_checks_and_warmup_write_no_dump(client, server):
+    for _ in range(3):
+        assert client.get("/health").status_code == 200
+    names = [p.name for p in server.dump_dir.iterdir()] if server.dump_dir.exists() else []
+    assert not [n for n in names if n.startswith(("HEALTH_CHECK", "WARMUP"))], names
+
+
+# --- generation ------------------------------------------------------------------------------
+
+def test_greedy_decode_equals_full_sequence_argmax(client, reference):
+    ids = prompt(37, seed=1)  # 3 prefill chunks of 16
+    r = client.post("/generate", json={"input_ids": ids, "rid": "greedy-1",
+                                       "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expected = greedy_reference(reference, ids, 12)
+    assert body["output_ids"] == expected
+    meta = body["meta_info"]
+    assert meta["id"] == "greedy-1" and meta["prompt_tokens"] == 37 and meta["cached_tokens"] == 0
+    assert meta["completion_tokens"] == len(expected) and meta["e2e_latency"] > 0
+    assert meta["finish_reason"]["type"] == ("stop" if expected[-1] == 1 else "length")
+    assert body["text"] == " ".join(f"w{t}" for t in expected if t > 2)
+
+
+def test_chunked_prefill_dump_equals_one_forward(client, server, reference):
+    ids = prompt(40, seed=2)
+    r = client.post("/generate", json={"input_ids": ids, "rid": "dump-1",
+                                       "sampling_params": {"max_new_tokens": 0}})
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == [] and r.json()["meta_info"]["finish_reason"]["type"] == "length"
+    records = read_records(server.dump_dir, "dump-1")  # written before the response was sent
+    assert [rec.prefix_offset for rec in records] == [0, 16, 32]
+    sample = assemble(records, ids)
+    with torch.no_grad():
+        hs = reference(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    aux = torch.cat([hs[i][0] for i in CAPTURE], dim=-1)
+    assert sample.aux_hidden_states.shape == (40, 3 * 64)
+    torch.testing.assert_close(sample.aux_hidden_states, aux, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(sample.last_hidden_state, hs[-1][0], rtol=1e-4, atol=1e-5)
+    assert sample.meta["layer_ids"] == CAPTURE and sample.meta["layer_convention"] == "capture-before"
+    assert sample.meta["last_hidden_norm"] == "post"
+
+
+def test_batch_input_and_text(client, server):
+    a, b = prompt(5, seed=3), prompt(20, seed=4)
+    r = client.post("/generate", json={"input_ids": [a, b], "rid": ["batch-a", "batch-b"],
+                                       "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [o["meta_info"]["id"] for o in out] == ["batch-a", "batch-b"]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [5, 20]
+    assert len(read_records(server.dump_dir, "batch-b")) == 2
+    r = client.post("/generate", json={"text": "w5 w6 w7", "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 200 and r.json()["meta_info"]["prompt_tokens"] == 3
+
+
+def test_sampling_is_seedable(client):
+    def sample(seed):
+        r = client.post("/generate", json={"input_ids": prompt(6, seed=5), "sampling_params": {
+            "max_new_tokens": 8, "temperature": 1.5, "sampling_seed": seed, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    assert sample(7) == sample(7)
+    assert len({tuple(sample(s)) for s in range(4)}) > 1
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"input_ids": [1, 2, 600]}, r"input_ids\[2\] = 600 is outside the vocabulary \(0\.\.511\)"),
+    ({"input_ids": [[1], [2, -1]], "rid": ["x", "y"]}, r"input_ids\[1\]\[1\] = -1"),
+    ({"input_ids": []}, "input_ids must be a non-empty list"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be"),
+    ({"input_ids": [1], "sampling_params": {"temperature": "hot"}}, "temperature must be"),
+    ({"input_ids": [1], "sampling_params": {"top_p": 0.5}}, r"top_p=0\.5 is not supported"),
+    ({"input_ids": [1], "sampling_params": {"max_tokens": 3}}, r"unknown fields \['max_tokens'\]"),
+    ({"input_ids": [1], "rid": "../etc"}, "rid: invalid rid"),
+    ({"input_ids": [[1], [2]], "rid": "one"}, "rid must be a list"),
+    ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "rid has duplicates"),
+    ({"input_ids": [1], "return_hidden_states": True}, "return_hidden_states=True is not supported"),
+    ({"input_ids": [1], "text": "w5"}, "exactly one of input_ids and text"),
+    ({"input_ids": [1], "prompt": "x"}, r"unknown fields \['prompt'\]"),
+])
+def test_bad_requests_get_400_naming_the_field(client, body, field):
+    r = client.post("/generate", json=body)
+    assert r.status_code == 400
+    assert re.search(field, r.json()["error"]), r.json()
+
+
+def test_invalid_json_gets_400(client):
+    r = client.post("/generate", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+
+
+# --- in-process pieces -----------------------------------------------------------------------
+
+def test_shard_loader_matches_from_pretrained(random_target, reference, tmp_path):
+    model = load_model(random_target)
+    ids = torch.tensor([prompt(9, seed=6)])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
+    # chunk sizes that do and do not divide the prompt, against one unchunked forward
+    from eyas.dump import DumpWriter
+
+    ids = prompt(23, seed=7)
+    whole = None
+    for chunk in (-1, 1, 5, 16):
+        writer = DumpWriter(tmp_path / str(chunk), layer_ids=CAPTURE, dtype=torch.float32)
+        engine = Engine(model, None, chunk_size=chunk, writer=writer, capture_ids=CAPTURE)
+        engine.prefill(ids, "r")
+        sample = assemble(read_records(tmp_path / str(chunk), "r"), ids)
+        assert sample.meta["num_chunks"] == (1 if chunk == -1 else -(-23 // chunk))
+        if whole is None:
+            whole = sample
+        torch.testing.assert_close(sample.aux_hidden_states, whole.aux_hidden_states, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(sample.last_hidden_state, whole.last_hidden_state, rtol=1e-4, atol=1e-5)
+
+
+def test_capture_ids_follow_sglang():
+    assert resolve_capture_ids(None, 61) == [2, 30, 58]
+    assert resolve_capture_ids([1, 29, 57], 61) == [2, 30, 58]  # output-of ids, shifted as SGLang does
+    assert resolve_capture_ids([3, 31, 59], 61) == [3, 31, 59]
+    with pytest.raises(ValueError, match="aux layer id 61 out of range"):
+        resolve_capture_ids([2, 61], 61)
+
+
+def test_fuse_experts_layout():
+    e0g, e0u, e1g, e1u = (torch.full((2, 3), float(v)) for v in range(4))
+    state = {"m.experts.0.gate_proj.weight": e0g, "m.experts.0.up_proj.weight": e0u,
+             "m.experts.1.gate_proj.weight": e1g, "m.experts.1.up_proj.weight": e1u,
+             "m.experts.0.down_proj.weight": torch.zeros(3, 2), "m.experts.1.down_proj.weight": torch.ones(3, 2)}
+    out = fuse_experts(state, {"m.experts.gate_up_proj", "m.experts.down_proj"})
+    assert out["m.experts.gate_up_proj"].shape == (2, 4, 3) and out["m.experts.down_proj"].shape == (2, 3, 2)
+    assert out["m.experts.gate_up_proj"][1, :2].eq(2).all() and out["m.experts.gate_up_proj"][1, 2:].eq(3).all()
+
+
+def test_parse_args_checks():
+    args = parse_args(["--model-path", "m", "--return-aux-hidden-state-layer-ids", "2", "4", "--tp", "2"])
+    assert args.return_aux_hidden_state_layer_ids == [2, 4] and args.tp_size == 2
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--chunked-prefill-size", "0"])
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--return-aux-hidden-state-layer-ids", "2", "2"])
