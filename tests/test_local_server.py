@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from eyas.dump import assemble, read_records
-from eyas.local_server import (BAR_FORMAT, READY_LINE, Engine, fuse_experts, load_model,
-                               parse_args, resolve_capture_ids, shard_files)
+from eyas.local_engine import (BAR_FORMAT, READY_LINE, Engine, fuse_experts, load_model,
+                               resolve_capture_ids, shard_files)
+from eyas.local_server import parse_args
 from eyas.readiness import READY_LINE as SENSOR_READY_LINE
 
 CAPTURE = [2, 4, 6]

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from eyas.config import HostConfig
 from eyas.hosts import LocalHost, SSHHost
-from eyas.local_server import BAR_DESC, BAR_FORMAT
+from eyas.local_engine import BAR_DESC, BAR_FORMAT
 from eyas.readiness import (READY_LINE, LogCursor, Progress, ServerFailed, classify_fatal,
                             parse_progress, wait_until_ready)
 
