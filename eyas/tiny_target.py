@@ -1,0 +1,644 @@
+"""The tiny DeepSeek-V3 target: eyas's embedded default model, its tokenizer and its chat template.
+
+SGLang cannot run on a 2-core laptop, so the pipeline's default target is a DeepSeek-V3-architecture
+model small enough to serve there (8 layers, MLA attention, MoE with a shared expert, about 9.6M
+parameters), trained on the Python standard library so that its hidden states carry real structure.
+
+    python scripts/build_tiny_target.py fixtures/tiny-target --steps 3000 --device cuda
+    build_tiny_target(Path("fixtures/tiny-target"), steps=3000, device="cuda")   # the same, from Python
+
+The build has three stages, which may run on different machines (the committed fixture was made so:
+the tokenizer here, the training on a lent GPU, the assembly here again):
+
+    prepare_inputs(workdir)               stdlib *.py -> tokenizer.json, tokens.npz, inputs.json
+    train_from_inputs(workdir, state)     tokens -> trained weights (sharded safetensors), metrics
+    assemble(workdir, state, out)         -> Hugging Face folder, accuracy re-measured on its weights
+
+build_tiny_target() runs all three in one place.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import sysconfig
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
+
+# ---------------------------------------------------------------------------------------------------
+# Tokens and chat template
+# ---------------------------------------------------------------------------------------------------
+
+#: The BPE trainer gives special tokens the first ids, in this order; BOS_ID..PAD_ID rely on it.
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>")
+BOS, EOS, PAD, END = "<|bos|>", "<|eos|>", "<|pad|>", "<|end|>"
+BOS_ID, EOS_ID, PAD_ID, END_ID = 0, 1, 2, 6
+#: Generation stops at the end of a turn (<|end|>) or of a document (<|eos|>).
+STOP_TOKEN_IDS = (END_ID, EOS_ID)
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special tokens
+
+#: Each turn is <|role|>content<|end|>, with no text between turns. Every turn boundary is a special
+#: token, and special tokens split the text before BPE runs, so rendering a prefix of the messages (with
+#: or without the generation prompt) gives a token prefix of the full rendering, and an assistant's
+#: content is the contiguous span between its <|assistant|> and <|end|>. (Content that spells a special
+#: token, e.g. "<|end|>", would be read as that token; code and prose here never do.)
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ('system', 'user', 'assistant') -%}"
+    "{{- raise_exception('unknown chat role: ' ~ message['role']) -}}"
+    "{%- endif -%}"
+    "{{- '<|' ~ message['role'] ~ '|>' ~ message['content'] ~ '<|end|>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
+)
+#: The task the chat data teaches; scripts/build_conversations.py makes the fixture data the same way.
+CONTINUE_PROMPT = "Continue this code:\n"
+NEXT_PROMPT = "Continue."
+
+
+def train_tokenizer(files: list[Path], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on `files`, with SPECIAL_TOKENS as ids 0..6."""
+    if vocab_size < MIN_VOCAB or vocab_size > 65535:  # token arrays are stored as uint16
+        raise ValueError(f"vocab_size must be in [{MIN_VOCAB}, 65535], got {vocab_size}")
+    if not files:
+        raise ValueError("train_tokenizer needs at least one file")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte, so nothing is unknown
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator((read_text(f) for f in files), trainer=trainer)
+    return tokenizer
+
+
+def hf_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
+    """The transformers view of `tokenizer`, with the chat template and special tokens set."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, chat_template=CHAT_TEMPLATE
+    )
+
+
+def chat_token_ids(hf: PreTrainedTokenizerFast, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    """Token ids of `messages` rendered with CHAT_TEMPLATE (the rendering starts with <|bos|>)."""
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return hf.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def code_conversation(lines: list[str], rng: random.Random, *, multi_turn: bool) -> list[dict] | None:
+    """A "continue this code" conversation cut from a random window of `lines` (kept with their
+    newlines); None when the file is too short or a part of the window is blank."""
+    num_prompt, num_answer = rng.randint(6, 18), rng.randint(4, 12)
+    num_second = rng.randint(4, 10) if multi_turn else 0
+    need = num_prompt + num_answer + num_second
+    if len(lines) < need:
+        return None
+    start = rng.randrange(len(lines) - need + 1)
+    cuts = [start, start + num_prompt, start + num_prompt + num_answer, start + need]
+    parts = ["".join(lines[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
+    if any(not part.strip() for part in parts):
+        return None
+    messages = [
+        {"role": "user", "content": CONTINUE_PROMPT + parts[0]},
+        {"role": "assistant", "content": parts[1]},
+    ]
+    if multi_turn:
+        messages += [{"role": "user", "content": NEXT_PROMPT}, {"role": "assistant", "content": parts[2]}]
+    return messages
+
+
+# ---------------------------------------------------------------------------------------------------
+# Architecture
+# ---------------------------------------------------------------------------------------------------
+
+
+def tiny_config(vocab_size: int) -> DeepseekV3Config:
+    """The tiny DeepSeek-V3 architecture: every structural feature of the real one, at toy widths."""
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(f"vocab_size must be at least {MIN_VOCAB}, got {vocab_size}")
+    return DeepseekV3Config(
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=512,  # the dense MLP of layer 0
+        moe_intermediate_size=128,  # each routed expert, and the shared one
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        # MLA: queries and keys/values pass through low-rank latents; 16 of the 48 q/k dims carry RoPE.
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        # MoE from layer 1 on: 8 routed experts, top-2 by sigmoid score, plus one shared expert.
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_interleave=True,
+        num_nextn_predict_layers=0,  # no MTP module: eyas trains an EAGLE-3 drafter instead
+        tie_word_embeddings=False,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Corpus: the standard library's own source, split by file
+# ---------------------------------------------------------------------------------------------------
+
+EXCLUDED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages"})
+
+
+def read_text(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def stdlib_files(root: Path | None = None) -> list[Path]:
+    """The *.py files of the standard library under `root`, sorted by relative path, tests excluded."""
+    root = Path(sysconfig.get_paths()["stdlib"]) if root is None else Path(root)
+    files = [p for p in root.rglob("*.py") if not EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])]
+    if not files:
+        raise ValueError(f"no *.py files under {root} (is it the standard library?)")
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def split_of(relative_path: str) -> str:
+    """"test" (2%), "val" (2%) or "train", from a hash of the path: stable when files come and go."""
+    bucket = int(hashlib.sha256(relative_path.encode()).hexdigest(), 16) % 100
+    return "test" if bucket < 2 else "val" if bucket < 4 else "train"
+
+
+def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
+    """One token stream, each text framed as <|bos|> text <|eos|> (chat renderings bring their own bos)."""
+    framed = [t + EOS if t.startswith(BOS) else BOS + t + EOS for t in texts]
+    ids = [np.asarray(e.ids, dtype=np.uint16) for e in tokenizer.encode_batch(framed, add_special_tokens=False)]
+    return np.concatenate(ids) if ids else np.zeros(0, dtype=np.uint16)
+
+
+def chat_documents(hf: PreTrainedTokenizerFast, texts: list[str], rng: random.Random) -> list[str]:
+    """Rendered "continue this code" conversations, about one per 150 lines, a quarter of them two-turn.
+    They teach the model the chat template, so that it answers the pipeline's prompts in kind."""
+    rendered = []
+    for text in texts:
+        lines = text.splitlines(keepends=True)
+        for _ in range(max(1, len(lines) // 150)):
+            messages = code_conversation(lines, rng, multi_turn=rng.random() < 0.25)
+            if messages is not None:
+                rendered.append(hf.apply_chat_template(messages, tokenize=False))
+    return rendered
+
+
+def prepare_inputs(workdir: Path, *, vocab_size: int = 4096, seed: int = 0, root: Path | None = None) -> dict:
+    """Gather and split the corpus, train the tokenizer and write the token streams into `workdir`."""
+    root = Path(sysconfig.get_paths()["stdlib"]) if root is None else Path(root)
+    files = stdlib_files(root)
+    names = [f.relative_to(root).as_posix() for f in files]
+    texts = {name: read_text(f) for name, f in zip(names, files)}
+    split = {name: split_of(name) for name in names}
+    train_names = [n for n in names if split[n] == "train"]
+
+    tokenizer = train_tokenizer([root / n for n in train_names], vocab_size)
+    rng = random.Random(seed)
+    chats = chat_documents(hf_tokenizer(tokenizer), [texts[n] for n in train_names], rng)
+    train_docs = [texts[n] for n in train_names] + chats
+    rng.shuffle(train_docs)  # interleave chat and raw documents
+    streams = {"train": encode_documents(tokenizer, train_docs)}
+    for part in ("val", "test"):
+        streams[part] = encode_documents(tokenizer, [texts[n] for n in names if split[n] == part])
+
+    with atomic_dir(Path(workdir)) as tmp:
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        np.savez(tmp / "tokens.npz", **streams)
+        info = {
+            "python": platform.python_version(),
+            "stdlib": str(root),
+            "corpus_sha256": hashlib.sha256("".join(texts[n] for n in names).encode()).hexdigest(),
+            "vocab_size": tokenizer.get_vocab_size(),
+            "num_files": {p: sum(s == p for s in split.values()) for p in ("train", "val", "test")},
+            "num_chat_conversations": len(chats),
+            "num_tokens": {p: int(a.size) for p, a in streams.items()},
+            "test_files": [n for n in names if split[n] == "test"],
+            "val_files": [n for n in names if split[n] == "val"],
+        }
+        (tmp / "inputs.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainSettings:
+    steps: int
+    batch_size: int = 32  # sequences per step
+    seq_len: int = 512  # tokens per sequence; the pipeline's conversations are at most ~400
+    lr: float = 2e-3  # peak; a ~10M-parameter model takes a high rate
+    min_lr_ratio: float = 0.1  # the cosine schedule ends at lr * min_lr_ratio
+    warmup_steps: int = 100
+    weight_decay: float = 0.1  # the corpus is ~4M tokens, so training sees it several times
+    grad_clip: float = 1.0
+    eval_every: int = 250  # steps between validation passes; the best one is kept
+    balance_rate: float = 1e-3  # DeepSeek-V3's aux-loss-free router bias step (its gamma)
+    #: Stop early, keeping the best validated state, once training has run this long: a lent GPU's
+    #: command is killed at its time limit, and a killed run returns nothing.
+    max_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
+            raise ValueError(f"bad schedule: lr={self.lr} min_lr_ratio={self.min_lr_ratio} warmup={self.warmup_steps}")
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    return device
+
+
+def lr_factor(step: int, s: TrainSettings) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio."""
+    if step < s.warmup_steps:
+        return (step + 1) / s.warmup_steps
+    progress = (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps)
+    return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _autocast(device: str):
+    # bf16 on the GPU as SGLang would serve it; plain fp32 on CPU, where bf16 matmuls are slow.
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
+
+
+def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
+
+
+def _count_routes(model: torch.nn.Module) -> dict[torch.nn.Module, torch.Tensor]:
+    """Hook every router to count, while training, how many tokens each expert receives."""
+    loads = {}
+    for router in _routers(model):
+        loads[router] = torch.zeros(router.num_experts, device=router.weight.device)
+
+        def hook(module, _inputs, outputs):
+            if module.training:  # the router returns (logits, weights, indices); only indices are ints
+                indices = next(t for t in outputs if not t.is_floating_point())
+                loads[module] += torch.bincount(indices.flatten(), minlength=module.num_experts)
+
+        router.register_forward_hook(hook)
+    return loads
+
+
+@torch.no_grad()
+def _rebalance(loads: dict[torch.nn.Module, torch.Tensor], rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing: raise the bias of under-loaded experts, lower the
+    bias of over-loaded ones. The bias only steers which experts are chosen, not their weights."""
+    for router, load in loads.items():
+        router.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+        load.zero_()
+
+
+@torch.no_grad()
+def evaluate(model: DeepseekV3ForCausalLM, ids: np.ndarray, seq_len: int, device: str, batch_size: int = 16) -> dict:
+    """Mean loss and greedy next-token accuracy over `ids`, cut into windows of seq_len + 1 tokens."""
+    if ids.size < 2:
+        raise ValueError("evaluate needs at least 2 tokens")
+    was_training = model.training
+    model.eval()
+    tokens = torch.from_numpy(ids.astype(np.int64))
+    # Windows start every seq_len tokens, so each token is predicted once; the full ones are batched and
+    # the shorter tail, if any, goes alone.
+    full = list(range(0, ids.size - seq_len, seq_len))
+    groups = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
+    tail = full[-1] + seq_len if full else 0
+    if ids.size - tail >= 2:
+        groups.append([tail])
+    total_loss, num_correct, num_tokens = 0.0, 0, 0
+    for group in groups:
+        length = min(seq_len + 1, ids.size - group[0])
+        window = torch.stack([tokens[s : s + length] for s in group]).to(device)  # (B, T+1)
+        with _autocast(device):
+            logits = model(input_ids=window[:, :-1]).logits.float()  # (B, T, V)
+        targets = window[:, 1:]  # (B, T)
+        total_loss += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
+        num_correct += (logits.argmax(-1) == targets).sum().item()
+        num_tokens += targets.numel()
+    model.train(was_training)
+    return {"loss": total_loss / num_tokens, "accuracy": num_correct / num_tokens, "num_tokens": num_tokens}
+
+
+def baselines(train_ids: np.ndarray, test_ids: np.ndarray, vocab_size: int) -> dict:
+    """What a model with no context (unigram) or one token of context (bigram) scores on `test_ids`."""
+    targets, previous = test_ids[1:].astype(np.int64), test_ids[:-1].astype(np.int64)
+    counts = np.bincount(train_ids, minlength=vocab_size)
+    probs = (counts + 1) / (counts.sum() + vocab_size)  # add-one, so unseen tokens have a finite loss
+    pairs = train_ids[:-1].astype(np.int64) * vocab_size + train_ids[1:]
+    bigram = np.bincount(pairs, minlength=vocab_size * vocab_size).reshape(vocab_size, vocab_size).argmax(1)
+    return {
+        "unigram_accuracy": float(np.mean(targets == counts.argmax())),
+        "unigram_loss": float(-np.mean(np.log(probs[targets]))),
+        "bigram_accuracy": float(np.mean(bigram[previous] == targets)),
+    }
+
+
+def _pick_experts_implementation(model: DeepseekV3ForCausalLM, x: torch.Tensor, device: str, log: Callable) -> None:
+    """Keep transformers' default grouped_mm experts unless it fails here: the lent GPU runs an older
+    transformers (5.17) than this project pins, and grouped_mm depends on the torch build."""
+    try:
+        with _autocast(device):
+            model(input_ids=x).logits.float().mean().backward()
+    except (RuntimeError, NotImplementedError) as error:
+        log(f"grouped_mm experts failed ({error}); falling back to eager experts")
+        model.set_experts_implementation("eager")
+    model.zero_grad(set_to_none=True)
+
+
+def train_model(
+    config: DeepseekV3Config,
+    train_ids: np.ndarray,
+    val_ids: np.ndarray,
+    settings: TrainSettings,
+    *,
+    device: str = "auto",
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> tuple[DeepseekV3ForCausalLM, dict]:
+    """Train a fresh model on random windows of `train_ids`; return the one with the best validation
+    loss (checked every eval_every steps) and the training history."""
+    device, s = resolve_device(device), settings
+    if train_ids.size <= s.seq_len + 1:
+        raise ValueError(f"train_ids has {train_ids.size} tokens, fewer than one window of {s.seq_len + 1}")
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config).to(device).train()
+    data = torch.from_numpy(train_ids.astype(np.int64)).to(device)
+    generator = torch.Generator(device).manual_seed(seed)
+    offsets = torch.arange(s.seq_len + 1, device=device)
+
+    def batch() -> torch.Tensor:
+        starts = torch.randint(0, data.numel() - s.seq_len - 1, (s.batch_size, 1), device=device, generator=generator)
+        return data[starts + offsets]  # (B, T+1)
+
+    _pick_experts_implementation(model, batch()[:2, :-1], device, log)
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices and expert stacks; not norms
+    keep = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": s.weight_decay}, {"params": keep, "weight_decay": 0.0}],
+        lr=s.lr, betas=(0.9, 0.95), fused=device == "cuda",
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, s))
+    loads = _count_routes(model)
+    history, best, started = [], None, time.monotonic()
+    for step in range(1, s.steps + 1):
+        window = batch()
+        with _autocast(device):
+            logits = model(input_ids=window[:, :-1]).logits  # (B, T, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+        optimizer.step()
+        schedule.step()
+        _rebalance(loads, s.balance_rate)
+        elapsed = time.monotonic() - started
+        out_of_time = s.max_seconds is not None and elapsed > s.max_seconds
+        if step % 100 == 0 or step == 10:
+            log(f"step {step}/{s.steps} loss {loss.item():.4f} lr {schedule.get_last_lr()[0]:.2e} {elapsed:.0f}s")
+        if step % s.eval_every == 0 or step == s.steps or out_of_time:
+            val = evaluate(model, val_ids, s.seq_len, device)
+            history.append(
+                {"step": step, "train_loss": loss.item(), "val_loss": val["loss"], "val_accuracy": val["accuracy"]}
+            )
+            log(f"step {step} val loss {val['loss']:.4f} val accuracy {val['accuracy']:.4f}")
+            if best is None or val["loss"] < best["val_loss"]:
+                best = {**history[-1], "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+        if out_of_time:
+            log(f"stopping at step {step}: past max_seconds={s.max_seconds}")
+            break
+    model.load_state_dict(best.pop("state"))
+    run = {"steps_done": step, "train_seconds": time.monotonic() - started, "best": best, "history": history}
+    return model, run
+
+
+def train_from_inputs(
+    workdir: Path, state_dir: Path, *, steps: int, device: str = "auto", seed: int = 0, **settings
+) -> dict:
+    """Train on the token streams prepare_inputs wrote; write the weights (sharded, bf16) and metrics."""
+    workdir, device = Path(workdir), resolve_device(device)
+    info = json.loads((workdir / "inputs.json").read_text())
+    tokens = np.load(workdir / "tokens.npz")
+    s = TrainSettings(steps=steps, **settings)
+    config = tiny_config(info["vocab_size"])
+    model, run = train_model(config, tokens["train"], tokens["val"], s, device=device, seed=seed)
+    test = evaluate(model, tokens["test"], s.seq_len, device)
+    metrics = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "settings": asdict(s),
+        "seed": seed,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "test_loss": test["loss"],
+        "test_accuracy": test["accuracy"],
+        "test_tokens": test["num_tokens"],
+        **run,
+    }
+    print(f"test loss {test['loss']:.4f} test accuracy {test['accuracy']:.4f}")
+    state = {k: v if "e_score_correction_bias" in k else v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    with atomic_dir(Path(state_dir)) as tmp:
+        write_shards(state, tmp, num_shards=2, prefix="state")  # two files, each under the lent GPU's 16 MiB
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hugging Face folder
+# ---------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def atomic_dir(out: Path) -> Iterator[Path]:
+    """Yield an empty folder beside `out`; when the block succeeds, it replaces `out` by rename, so a
+    reader sees the old folder or the new one, never half of one."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp and safetensors make private files; the fixture is for everyone
+        for file in tmp.iterdir():
+            file.chmod(0o644)
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def plan_shards(sizes: list[int], num_shards: int) -> list[int]:
+    """Shard index of each tensor: contiguous runs of about equal bytes, exactly num_shards of them."""
+    if not 1 <= num_shards <= len(sizes):
+        raise ValueError(f"num_shards must be between 1 and the number of tensors ({len(sizes)}), got {num_shards}")
+    target, shard, seen, plan = sum(sizes) / num_shards, 0, 0, []
+    for i, size in enumerate(sizes):
+        opened_all = shard == num_shards - 1
+        must_open = len(sizes) - i == num_shards - shard - 1  # one tensor left for each unopened shard
+        if i > 0 and not opened_all and (seen >= target * (shard + 1) or must_open):
+            shard += 1
+        plan.append(shard)
+        seen += size
+    return plan
+
+
+def write_shards(tensors: dict[str, torch.Tensor], folder: Path, num_shards: int, prefix: str = "model") -> dict:
+    """Write `tensors` as {prefix}-0000k-of-0000N.safetensors plus {prefix}.safetensors.index.json."""
+    names = list(tensors)
+    plan = plan_shards([tensors[n].numel() * tensors[n].element_size() for n in names], num_shards)
+    files = [f"{prefix}-{k + 1:05d}-of-{num_shards:05d}.safetensors" for k in range(num_shards)]
+    for k, file in enumerate(files):
+        part = {n: tensors[n].contiguous() for n, shard in zip(names, plan) if shard == k}
+        save_file(part, str(folder / file), metadata={"format": "pt"})
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+        "weight_map": {n: files[shard] for n, shard in zip(names, plan)},
+    }
+    (folder / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return index
+
+
+def read_shards(folder: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
+    index = json.loads((Path(folder) / f"{prefix}.safetensors.index.json").read_text())
+    tensors = {}
+    for file in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(str(Path(folder) / file)))
+    if set(tensors) != set(index["weight_map"]):
+        raise ValueError(f"{folder}: shards and {prefix}.safetensors.index.json disagree on tensor names")
+    return tensors
+
+
+def checkpoint_tensors(model: DeepseekV3ForCausalLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's weights under DeepSeek-V3's own checkpoint names: transformers keeps each layer's
+    experts stacked (experts.gate_up_proj (E, 2I, H), experts.down_proj (E, H, I)), while real
+    checkpoints, and SGLang, name each expert's gate_proj, up_proj and down_proj apart."""
+    tensors = {}
+    for name, value in model.state_dict().items():
+        # The router's bias stays fp32, as in DeepSeek-V3's release (transformers keeps it fp32 too).
+        value = value if "e_score_correction_bias" in name else value.to(dtype)
+        if name.endswith("experts.gate_up_proj"):
+            stem, inner = name.removesuffix("gate_up_proj"), value.shape[1] // 2
+            for e in range(value.shape[0]):
+                tensors[f"{stem}{e}.gate_proj.weight"] = value[e, :inner].clone()  # (I, H)
+                tensors[f"{stem}{e}.up_proj.weight"] = value[e, inner:].clone()  # (I, H)
+        elif name.endswith("experts.down_proj"):
+            for e in range(value.shape[0]):
+                tensors[f"{name.removesuffix('down_proj')}{e}.down_proj.weight"] = value[e].clone()  # (H, I)
+        else:
+            tensors[name] = value
+    return tensors
+
+
+def save_hf_folder(
+    model: DeepseekV3ForCausalLM,
+    tokenizer: Tokenizer,
+    out: Path,
+    num_shards: int = 8,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    build_info: dict | None = None,
+) -> None:
+    """Write a Hugging Face folder that transformers' Auto classes load: config.json, num_shards
+    safetensors shards with their index, tokenizer.json, tokenizer_config.json (with the chat template)
+    and generation_config.json; build_info, when given, goes to eyas_build.json. Atomic."""
+    config = copy.deepcopy(model.config)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.dtype = dtype
+    config_dict = json.loads(config.to_json_string(use_diff=False))
+    config_dict["rope_theta"] = config.rope_parameters["rope_theta"]  # for readers of the older layout
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+        "add_bos_token": False, "add_eos_token": False,  # the chat template writes <|bos|> itself
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config.max_position_embeddings,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    generation_config = {
+        "bos_token_id": BOS_ID, "eos_token_id": list(STOP_TOKEN_IDS), "pad_token_id": PAD_ID, "do_sample": False
+    }
+    with atomic_dir(Path(out)) as tmp:
+        write_shards(checkpoint_tensors(model, dtype), tmp, num_shards)
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        for name, content in [("config.json", config_dict), ("tokenizer_config.json", tokenizer_config),
+                              ("generation_config.json", generation_config), ("eyas_build.json", build_info)]:
+            if content is not None:
+                (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The whole build
+# ---------------------------------------------------------------------------------------------------
+
+
+def assemble(workdir: Path, state_dir: Path, out: Path, *, num_shards: int = 8) -> dict:
+    """Load the trained weights into a model, re-measure it here, and write the Hugging Face folder."""
+    workdir, state_dir = Path(workdir), Path(state_dir)
+    info = json.loads((workdir / "inputs.json").read_text())
+    trained = json.loads((state_dir / "metrics.json").read_text())
+    tokens = np.load(workdir / "tokens.npz")
+    tokenizer = Tokenizer.from_file(str(workdir / "tokenizer.json"))
+    model = DeepseekV3ForCausalLM(tiny_config(tokenizer.get_vocab_size()))
+    model.load_state_dict({k: v.float() for k, v in read_shards(state_dir, "state").items()}, strict=True)
+    # Measured again here, in fp32 on the bf16 weights that ship: what the local server will serve.
+    test = evaluate(model.eval(), tokens["test"], trained["settings"]["seq_len"], "cpu")
+    metrics = {
+        "inputs": {k: v for k, v in info.items() if k not in ("test_files", "val_files")},
+        "test_files": info["test_files"],
+        "training": trained,
+        "fixture_test_loss": test["loss"],
+        "fixture_test_accuracy": test["accuracy"],
+        **baselines(tokens["train"], tokens["test"], info["vocab_size"]),
+    }
+    save_hf_folder(model, tokenizer, Path(out), num_shards, build_info=metrics)
+    return metrics
+
+
+def build_tiny_target(
+    out: Path, *, steps: int, device: str = "auto", seed: int = 0, vocab_size: int = 4096, **settings
+) -> dict:
+    """Build the whole fixture in one place: corpus, tokenizer, training, Hugging Face folder at `out`."""
+    with tempfile.TemporaryDirectory(prefix="eyas-tiny-target-") as tmp:
+        prepare_inputs(Path(tmp) / "inputs", vocab_size=vocab_size, seed=seed)
+        train_from_inputs(Path(tmp) / "inputs", Path(tmp) / "state", steps=steps, device=device, seed=seed, **settings)
+        return assemble(Path(tmp) / "inputs", Path(tmp) / "state", Path(out))
