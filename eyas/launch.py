@@ -52,7 +52,9 @@ def launch_command(cfg: PipelineConfig) -> str:
               "--disable-radix-cache", "--chunked-prefill-size", str(s.chunked_prefill_size)]
     if s.backend == "sglang":
         hook = [{"name": "eyas-dump", "target_modules": ["*logits_processor"],
-                 "hook_factory": SGLANG_HOOK, "config": {"dump_dir": str(s.dump_dir)}}]
+                 "hook_factory": SGLANG_HOOK,
+                 "config": {"dump_dir": str(s.dump_dir), "layer_ids": t.capture_ids(),
+                            "dtype": cfg.extraction.dtype}}]
         # EAGLE3 only names the layer-id convention here; SGLang loads no draft (sglang.md §1).
         args = [python, "-m", "sglang.launch_server", *common, "--speculative-algorithm", "EAGLE3",
                 "--disable-prefill-cuda-graph", "--forward-hooks", json.dumps(hook)]

@@ -1,36 +1,486 @@
-"""The patch stage: make the server host able to dump hidden states.
+"""The patch stage: make an SGLang host able to dump hidden states, idempotently and reversibly.
 
-The local backend (eyas serve-local) writes dumps natively, so nothing is patched there. For SGLang
-hosts this module reads the installed version; installing the versioned hook from
-patches/sglang/<version>/ is the job of the server-lifecycle work (docs/architecture.md).
+    result = ensure_patched(host, cfg)            # {"status": "patched" | "already patched", ...}
+    ensure_patched(host, cfg, dry_run=True)       # what it would do; refuses the same way
+    reverse_patch(host, cfg)                      # original bytes back, hook modules removed
+    python -m eyas.sglang_patch status|apply|reverse configs/kimi-k2.5-sglang.yaml
+
+Everything goes through the Host seam (the server's python runs one probe script; files move with
+get/put, which write a temp file and rename it), so a GPU host over SSH is patched exactly like
+this machine. What is installed comes from `patches/sglang/<version>/` (manifest.json, the
+forward-hook module, the source patch) plus eyas/dump.py, copied as `eyas_dump.py`:
+
+    <site-packages>/eyas_sglang_hook.py           the --forward-hooks hook (SGLang's factory path)
+    <site-packages>/eyas_dump.py                  eyas/dump.py, byte for byte (the one writer)
+    <site-packages>/sglang/srt/models/deepseek_v2.py   patched: dumps too when there is no hook
+    <site-packages>/sglang/.eyas-patch.json       what was applied: version, sha256s, the diff
+
+A target file is patched only when its sha256 is the manifest's original; the patched sha256 means
+done; anything else is refused with both hashes. The local backend needs nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 import shlex
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 
 from eyas.config import PipelineConfig
 from eyas.hosts import Host
 
+ROOT = Path(__file__).resolve().parents[1]
+PATCHES_DIR = ROOT / "patches" / "sglang"  #: one folder per SGLang version, each with manifest.json
+DUMP_SOURCE = Path(__file__).resolve().parent / "dump.py"
+DUMP_MODULE = "eyas_dump.py"  #: how eyas/dump.py is installed beside the hook
+STATE_NAME = ".eyas-patch.json"  #: in the sglang package folder; pip uninstall leaves it behind
+STATE_FORMAT = 1
+
 
 class PatchError(RuntimeError):
-    """The server host is in a state eyas will not patch; names the file or version."""
+    """The server host is in a state eyas will not patch; names the host, file or version."""
 
 
-def sglang_version(host: Host, python: str) -> str | None:
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Unified diffs, applied strictly by content (no fuzz, no offsets): the sha256 checks around
+# every application make the result exact, and no `patch` binary is needed on the host.
+# ---------------------------------------------------------------------------------------------
+
+_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+@dataclass
+class Hunk:
+    old_start: int  # 1-based, as in the header
+    old_count: int
+    new_start: int
+    new_count: int
+    old_lines: list[str]  # with their line endings
+    new_lines: list[str]
+
+
+def parse_diff(diff: str) -> tuple[str, list[Hunk]]:
+    """The target path (from `+++ b/<path>`) and hunks of a one-file unified diff."""
+    path, hunks = None, []
+    hunk, left_old, left_new, last_kind = None, 0, 0, None
+    for line in diff.splitlines(keepends=True):
+        if line.startswith("\\") and hunk is not None:  # "\ No newline at end of file"
+            if last_kind in (" ", "-"):
+                hunk.old_lines[-1] = hunk.old_lines[-1].rstrip("\n")
+            if last_kind in (" ", "+"):
+                hunk.new_lines[-1] = hunk.new_lines[-1].rstrip("\n")
+            continue
+        if hunk is not None and (left_old > 0 or left_new > 0):
+            kind, body = (" ", line) if line in ("\n", "\r\n") else (line[:1], line[1:])
+            if kind not in (" ", "-", "+"):
+                raise ValueError(f"hunk at line {hunk.old_start} ends early: {line.rstrip()!r}")
+            if kind in (" ", "-"):
+                hunk.old_lines.append(body)
+                left_old -= 1
+            if kind in (" ", "+"):
+                hunk.new_lines.append(body)
+                left_new -= 1
+            last_kind = kind
+            continue
+        hunk = None
+        if line.startswith("+++ "):
+            if path is not None:
+                raise ValueError("the diff patches more than one file")
+            path = line[4:].rstrip("\r\n").split("\t")[0]
+            path = path[2:] if path.startswith("b/") else path
+        elif line.startswith("@@"):
+            m = _HUNK_RE.match(line)
+            if not m:
+                raise ValueError(f"bad hunk header {line.strip()!r}")
+            a, b, c, d = (int(g) if g is not None else 1 for g in m.groups())
+            hunk, left_old, left_new = Hunk(a, b, c, d, [], []), b, d
+            hunks.append(hunk)
+    if path is None or not hunks:
+        raise ValueError("not a unified diff (no +++ header or no hunks)")
+    if left_old > 0 or left_new > 0:
+        raise ValueError(f"the last hunk is cut short ({left_old} old / {left_new} new lines missing)")
+    return path, hunks
+
+
+def apply_diff(text: str, diff: str, *, reverse: bool = False, name: str = "<file>") -> str:
+    """text with diff applied (or un-applied); PatchError if any hunk does not match exactly."""
+    try:
+        _, hunks = parse_diff(diff)
+    except ValueError as e:
+        raise PatchError(f"{name}: cannot read the patch: {e}") from e
+    lines = text.splitlines(keepends=True)
+    out, pos = [], 0
+    for h in hunks:
+        start, count, old, new = ((h.new_start, h.new_count, h.new_lines, h.old_lines) if reverse
+                                  else (h.old_start, h.old_count, h.old_lines, h.new_lines))
+        index = start if count == 0 else start - 1  # an empty side names the line before it
+        if index < pos or lines[index:index + len(old)] != old:
+            raise PatchError(f"{name}: hunk at line {start} does not match "
+                             f"({'reverse' if reverse else 'forward'} application)")
+        out += lines[pos:index] + new
+        pos = index + len(old)
+    return "".join(out + lines[pos:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Patch sets: patches/sglang/<version>/manifest.json
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class PatchedFile:
+    path: str  # relative to site-packages, e.g. sglang/srt/models/deepseek_v2.py
+    diff: str
+    original_sha256: str
+    patched_sha256: str
+
+
+@dataclass
+class PatchSet:
+    sglang_version: str
+    patch_version: str
+    files: list[PatchedFile]
+    modules: dict[str, bytes]  # file name in site-packages -> bytes (hook + dump writer)
+
+
+def available_versions(patches_dir: Path = PATCHES_DIR) -> list[str]:
+    """SGLang versions this eyas has a patch set for."""
+    return sorted(p.parent.name for p in Path(patches_dir).glob("*/manifest.json"))
+
+
+def load_patch_set(version: str, patches_dir: Path = PATCHES_DIR) -> PatchSet:
+    """The patch set for one SGLang version, with its files checked against the manifest."""
+    folder = Path(patches_dir) / version
+    if not (folder / "manifest.json").is_file():
+        raise PatchError(f"sglang {version} has no eyas patch set (patch sets exist for: "
+                         f"{', '.join(available_versions(patches_dir)) or 'none'}; see {patches_dir})")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    if manifest["sglang_version"] != version:
+        raise PatchError(f"{folder}/manifest.json is for sglang {manifest['sglang_version']}, "
+                         f"not {version}")
+    hook = manifest["hook"]
+    hook_bytes = (folder / hook["module"]).read_bytes()
+    if _sha256(hook_bytes) != hook["sha256"]:
+        raise PatchError(f"{folder / hook['module']} has sha256 {_sha256(hook_bytes)}, its manifest says "
+                         f"{hook['sha256']}: run patches/sglang/refresh_manifest.py after editing it")
+    files = [PatchedFile(f["path"], (folder / f["patch"]).read_text(), f["original_sha256"],
+                         f["patched_sha256"]) for f in manifest["files"]]
+    for f, entry in zip(files, manifest["files"]):
+        target, _ = parse_diff(f.diff)
+        if target != f.path:
+            raise PatchError(f"{folder / entry['patch']} patches {target}, its manifest says {f.path}")
+    modules = {hook["module"]: hook_bytes, DUMP_MODULE: DUMP_SOURCE.read_bytes()}
+    return PatchSet(version, manifest["patch_version"], files, modules)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the host has: one probe through the server's python (importing neither sglang nor torch)
+# ---------------------------------------------------------------------------------------------
+
+_PROBE = r"""
+import hashlib, importlib.metadata as md, importlib.util as iu, json, os, sys
+sys.path[:] = [p for p in sys.path if p]  # not the login directory: what the server imports
+out = {"python": sys.executable, "version": None, "package_dir": None, "site_dir": None,
+       "state": None, "sha256": {}, "writable": False}
+try:
+    out["version"] = md.version("sglang")
+except md.PackageNotFoundError:
+    pass
+spec = iu.find_spec("sglang")
+if spec is not None and spec.submodule_search_locations:
+    pkg = list(spec.submodule_search_locations)[0]
+    site = os.path.dirname(pkg)
+    out.update(package_dir=pkg, site_dir=site,
+               writable=os.access(site, os.W_OK) and os.access(pkg, os.W_OK))
+    try:
+        with open(os.path.join(pkg, STATE)) as f:
+            out["state"] = json.load(f)
+    except FileNotFoundError:
+        pass
+    except ValueError as e:
+        out["state"] = {"unreadable": str(e)}
+    paths = sys.argv[1:] + [f["path"] for f in (out["state"] or {}).get("files", [])]
+    for rel in paths:
+        try:
+            with open(os.path.join(site, rel), "rb") as f:
+                out["sha256"][rel] = hashlib.sha256(f.read()).hexdigest()
+        except FileNotFoundError:
+            out["sha256"][rel] = None
+out["missing_modules"] = [m for m in ("torch", "safetensors") if iu.find_spec(m) is None]
+print(json.dumps(out))
+""".replace("STATE", repr(STATE_NAME))
+
+
+@dataclass
+class Probe:
+    python: str
+    version: str | None
+    package_dir: str | None
+    site_dir: str | None
+    state: dict | None
+    sha256: dict[str, str | None]
+    writable: bool
+    missing_modules: list[str]
+
+
+def server_python(cfg: PipelineConfig) -> str:
+    """The interpreter the server runs with (the same default as eyas/launch.py)."""
+    s = cfg.server
+    return s.python or (sys.executable if s.host.kind == "local" else "python3")
+
+
+def probe(host: Host, python: str, env: dict[str, str] | None = None,
+          paths: list[str] | tuple[str, ...] = ()) -> Probe:
+    """Where sglang is installed for `python` on the host, its version, and the sha256 of paths."""
+    cmd = " ".join(shlex.quote(a) for a in [python, "-c", _PROBE, *paths])
+    r = host.run(cmd, check=False, timeout=120, env=env)
+    if not r.ok:
+        raise PatchError(f"[{host.name}] cannot run {python} to look for sglang "
+                         f"(exit {r.exit_code}): {r.stderr.strip()[-1000:]}")
+    try:
+        return Probe(**json.loads(r.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError, TypeError) as e:
+        raise PatchError(f"[{host.name}] unexpected probe output from {python}: {r.stdout[-500:]!r}") from e
+
+
+def sglang_version(host: Host, python: str, env: dict[str, str] | None = None) -> str | None:
     """The sglang version importable by `python` on the host, or None."""
-    code = "import importlib.metadata as m; print(m.version('sglang'))"
-    r = host.run(f"{shlex.quote(python)} -c {shlex.quote(code)}", check=False, timeout=60)
-    return r.stdout.strip() if r.ok else None
+    return probe(host, python, env).version
 
 
-def ensure_patched(host: Host, cfg: PipelineConfig) -> dict:
-    """Bring the host to the patched state the config needs; returns what was found and done."""
+def _probe_paths(patches_dir: Path) -> list[str]:
+    paths = {DUMP_MODULE}
+    for version in available_versions(patches_dir):
+        manifest = json.loads((Path(patches_dir) / version / "manifest.json").read_text())
+        paths.update(f["path"] for f in manifest["files"])
+        paths.add(manifest["hook"]["module"])
+    return sorted(paths)
+
+
+def _find_install(host: Host, cfg: PipelineConfig, patches_dir: Path) -> Probe:
+    python = server_python(cfg)
+    found = probe(host, python, cfg.server.env, _probe_paths(patches_dir))
+    if found.version is None or found.site_dir is None:
+        raise PatchError(f"[{host.name}] sglang is not installed for {python} "
+                         f"(importlib finds {'no package' if found.site_dir is None else 'no metadata'})")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Remote files
+# ---------------------------------------------------------------------------------------------
+
+def _remote(found: Probe, rel: str) -> str:
+    return f"{found.site_dir}/{rel}"
+
+
+def _read(host: Host, remote: str) -> bytes:
+    with tempfile.TemporaryDirectory(prefix="eyas-patch-") as tmp:
+        local = Path(tmp) / "file"
+        host.get(remote, local)
+        return local.read_bytes()
+
+
+def _write(host: Host, remote: str, data: bytes) -> None:
+    """Write bytes to the host atomically (put writes a temp file beside it, then renames)."""
+    with tempfile.TemporaryDirectory(prefix="eyas-patch-") as tmp:
+        local = Path(tmp) / "file"
+        local.write_bytes(data)
+        host.put(local, remote)
+
+
+def _refuse_modified(host: Host, found: Probe, rel: str, current: str | None,
+                     original: str, patched: str) -> PatchError:
+    where = _remote(found, rel)
+    if current is None:
+        return PatchError(f"[{host.name}] {where} is missing; reinstall sglang=={found.version}")
+    return PatchError(f"[{host.name}] {where} has sha256 {current}, which is neither sglang "
+                      f"{found.version}'s original {original} nor eyas's patched {patched}: it was "
+                      f"modified locally; reinstall sglang=={found.version} (pip install "
+                      f"--force-reinstall --no-deps sglang=={found.version}) and patch again")
+
+
+def _usable_state(found: Probe) -> dict | None:
+    """The recorded state, if it describes this install (pip leaves it behind on upgrade)."""
+    state = found.state
+    if not state or "unreadable" in state or state.get("sglang_version") != found.version:
+        return None
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Apply and reverse
+# ---------------------------------------------------------------------------------------------
+
+def ensure_patched(host: Host, cfg: PipelineConfig, *, dry_run: bool = False,
+                   patches_dir: Path = PATCHES_DIR) -> dict:
+    """Bring the host to the patched state; returns what was found and done (or would be)."""
     if cfg.server.backend == "local":
         return {"backend": "local", "host": host.name, "status": "not needed",
                 "reason": "eyas serve-local writes hidden-state dumps itself"}
-    version = sglang_version(host, cfg.server.python or "python3")
-    if version is None:
-        raise PatchError(f"[{host.name}] sglang is not importable by {cfg.server.python}")
-    raise PatchError(f"[{host.name}] sglang {version}: no patch set is installed by this eyas version yet "
-                     f"(see patches/README.md)")
+    found = _find_install(host, cfg, patches_dir)
+    try:
+        pset = load_patch_set(found.version, patches_dir)
+    except PatchError as e:
+        raise PatchError(f"[{host.name}] {e} (python {found.python}, {found.package_dir})") from None
+    if found.missing_modules:
+        raise PatchError(f"[{host.name}] {found.python} cannot import {found.missing_modules}, "
+                         f"which the hook needs")
+    if not found.writable:
+        raise PatchError(f"[{host.name}] {found.site_dir} is not writable by this user")
+
+    # 1. Plan every file before writing anything, so a refusal leaves the host untouched.
+    state = _usable_state(found)
+    stale = {f["path"]: f for f in (state or {}).get("files", [])
+             if state["patch_version"] != pset.patch_version}
+    writes: dict[str, bytes] = {}
+    actions: dict[str, str] = {}
+    for f in pset.files:
+        current = found.sha256.get(f.path)
+        old = stale.pop(f.path, None)
+        if current == f.patched_sha256:
+            actions[f.path] = "already patched"
+        elif current == f.original_sha256 or (old and current == old["patched_sha256"]):
+            actions[f.path] = ("patched" if current == f.original_sha256
+                               else f"re-patched (was {state['patch_version']})")
+            if not dry_run:
+                writes[f.path] = _patched_bytes(host, found, f, old)
+        else:
+            raise _refuse_modified(host, found, f.path, current, f.original_sha256, f.patched_sha256)
+    for rel, old in stale.items():  # a file the older patch set touched and this one does not
+        if found.sha256.get(rel) == old["patched_sha256"]:
+            actions[rel] = f"restored (was {state['patch_version']})"
+            if not dry_run:
+                writes[rel] = _reversed_bytes(host, found, rel, old["diff"], old["original_sha256"])
+    for name, data in pset.modules.items():
+        current = found.sha256.get(name)
+        if current != _sha256(data):
+            actions[name] = "installed" if current is None else "updated"
+            writes[name] = data
+        else:
+            actions[name] = "up to date"
+
+    # 2. Write: the modules first (the patched model file imports the hook), the state last.
+    new_state = {
+        "format": STATE_FORMAT, "patch_version": pset.patch_version,
+        "sglang_version": pset.sglang_version,
+        "files": [{"path": f.path, "original_sha256": f.original_sha256,
+                   "patched_sha256": f.patched_sha256, "diff": f.diff} for f in pset.files],
+        "modules": {name: _sha256(data) for name, data in pset.modules.items()},
+    }
+    changed = found.state != new_state or any(a not in ("already patched", "up to date")
+                                              for a in actions.values())
+    if not dry_run:
+        for name in sorted(writes, key=lambda n: n not in pset.modules):
+            _write(host, _remote(found, name), writes[name])
+        if found.state != new_state:
+            _write(host, f"{found.package_dir}/{STATE_NAME}", json.dumps(new_state, indent=1).encode())
+    status = "already patched" if not changed else ("would patch" if dry_run else "patched")
+    return {"backend": "sglang", "host": host.name, "status": status, "python": found.python,
+            "sglang_version": found.version, "patch_version": pset.patch_version,
+            "site_packages": found.site_dir, "state_path": f"{found.package_dir}/{STATE_NAME}",
+            "actions": actions, "dump_sha256": _sha256(pset.modules[DUMP_MODULE])}
+
+
+def _patched_bytes(host: Host, found: Probe, f: PatchedFile, old: dict | None) -> bytes:
+    """The patched content of f, from the host's copy (reversing an older eyas patch first)."""
+    where = _remote(found, f.path)
+    data = _read(host, where)
+    if old and _sha256(data) == old["patched_sha256"]:
+        data = apply_diff(data.decode(), old["diff"], reverse=True, name=where).encode()
+    if _sha256(data) != f.original_sha256:
+        raise _refuse_modified(host, found, f.path, _sha256(data), f.original_sha256, f.patched_sha256)
+    patched = apply_diff(data.decode(), f.diff, name=where).encode()
+    if _sha256(patched) != f.patched_sha256:
+        raise PatchError(f"{where}: the patch applied, but the result has sha256 {_sha256(patched)}, "
+                         f"not the manifest's {f.patched_sha256}: the patch set is inconsistent")
+    return patched
+
+
+def _reversed_bytes(host: Host, found: Probe, rel: str, diff: str, original_sha256: str) -> bytes:
+    where = _remote(found, rel)
+    restored = apply_diff(_read(host, where).decode(), diff, reverse=True, name=where).encode()
+    if _sha256(restored) != original_sha256:
+        raise PatchError(f"[{host.name}] {where}: reversing the recorded patch gives sha256 "
+                         f"{_sha256(restored)}, not the original {original_sha256}")
+    return restored
+
+
+def reverse_patch(host: Host, cfg: PipelineConfig, *, patches_dir: Path = PATCHES_DIR) -> dict:
+    """Restore the original bytes of every patched file and remove the hook modules and state."""
+    if cfg.server.backend == "local":
+        return {"backend": "local", "host": host.name, "status": "not needed",
+                "reason": "eyas serve-local writes hidden-state dumps itself"}
+    found = _find_install(host, cfg, patches_dir)
+    state = _usable_state(found)
+    if state is not None:
+        records, modules = state["files"], list(state.get("modules", {}))
+    elif found.version in available_versions(patches_dir):  # state lost: use the manifest
+        pset = load_patch_set(found.version, patches_dir)
+        records = [{"path": f.path, "diff": f.diff, "original_sha256": f.original_sha256,
+                    "patched_sha256": f.patched_sha256} for f in pset.files]
+        modules = list(pset.modules)
+    else:
+        records, modules = [], [DUMP_MODULE, "eyas_sglang_hook.py"]
+
+    writes, actions = {}, {}
+    for rec in records:
+        current = found.sha256.get(rec["path"])
+        if current == rec["original_sha256"]:
+            actions[rec["path"]] = "original"
+        elif current == rec["patched_sha256"]:
+            writes[rec["path"]] = _reversed_bytes(host, found, rec["path"], rec["diff"],
+                                                  rec["original_sha256"])
+            actions[rec["path"]] = "restored"
+        else:
+            raise _refuse_modified(host, found, rec["path"], current, rec["original_sha256"],
+                                   rec["patched_sha256"])
+    for rel, data in writes.items():
+        _write(host, _remote(found, rel), data)
+    present = [m for m in modules if found.sha256.get(m) is not None]
+    for m in present:
+        actions[m] = "removed"
+    doomed = [_remote(found, m) for m in present]
+    if found.state is not None:
+        doomed.append(f"{found.package_dir}/{STATE_NAME}")
+    if doomed:
+        host.run("rm -f " + " ".join(shlex.quote(p) for p in doomed))
+    status = "reversed" if writes or doomed else "not patched"
+    return {"backend": "sglang", "host": host.name, "status": status, "python": found.python,
+            "sglang_version": found.version, "site_packages": found.site_dir, "actions": actions}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m eyas.sglang_patch status|apply|reverse CONFIG.yaml"""
+    from eyas.config import load_config
+    from eyas.hosts import make_host
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] not in ("status", "apply", "reverse"):
+        print(main.__doc__, file=sys.stderr)
+        return 2
+    cfg = load_config(argv[1])
+    host = make_host(cfg.server.host)
+    try:
+        if argv[0] == "reverse":
+            result = reverse_patch(host, cfg)
+        else:
+            result = ensure_patched(host, cfg, dry_run=argv[0] == "status")
+    except PatchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        host.close()
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""eyas's SGLang forward hook: write every prefill chunk's hidden states as eyas dump records.
+
+Installed by the patch stage (eyas/sglang_patch.py) as a top-level module in the server's
+site-packages, beside `eyas_dump.py` (a byte copy of eyas/dump.py, the one dump writer). SGLang
+registers it on the logits processor, after CUDA graph capture:
+
+    python -m sglang.launch_server ... --enable-return-aux-hidden-states \
+        --speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids 2 30 58 \
+        --disable-radix-cache --disable-prefill-cuda-graph --chunked-prefill-size 8192 \
+        --forward-hooks '[{"name": "eyas-dump", "target_modules": ["*logits_processor"],
+                           "hook_factory": "eyas_sglang_hook:make_hook",
+                           "config": {"dump_dir": "/dev/shm/eyas-dump", "layer_ids": [2, 30, 58]}}]'
+
+`hook_manager.register_forward_hooks` calls `make_hook(config)` and registers the result with
+`module.register_forward_hook`, so the hook gets `(module, args, output)` with
+`args = (input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)` and a
+`LogitsProcessorOutput` whose `hidden_states` is the packed aux capture `[T, K*H]` and
+`last_hidden_states` the final post-norm hidden state `[T, H]` (full capture mode, which
+`--enable-return-aux-hidden-states` makes the server default).
+
+Config keys: `dump_dir` (default $EYAS_DUMP_DIR), `layer_ids` (capture-before ids the model
+captures; default: derived from --return-aux-hidden-state-layer-ids), `rid_prefix` (default
+"eyas-": only the collector's rids are dumped, so SGLang's warmup, whose rid is a random uuid,
+is not), `dtype` (default $EYAS_DUMP_DTYPE or bfloat16), `max_pending` (default 4: chunks queued
+for the background writer; 0 writes inside the forward).
+
+Imports only stdlib, torch and eyas_dump (torch + safetensors): it runs in SGLang's python.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+import eyas_dump as dump
+
+logger = logging.getLogger("eyas_sglang_hook")
+
+PATCH_VERSION = "eyas-sglang-0.5.23-r1"
+CONFIG_KEYS = ("dump_dir", "layer_ids", "rid_prefix", "dtype", "max_pending")
+_MAX_TRACKED_RIDS = 65536  # rids whose prefill finished, to tell later decode rows apart
+
+# Set when a hook registered through --forward-hooks first runs, so that the patched
+# deepseek_v2.py (deepseek_v2.patch) does not write the same records a second time.
+_forward_hook_active = False
+
+
+class HookError(RuntimeError):
+    """The server is not set up the way the hook needs; the message names the flag or key."""
+
+
+def forward_hook_active() -> bool:
+    """True once a hook made by SGLang's --forward-hooks has run in this process."""
+    return _forward_hook_active
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer ids and ranks, from SGLang's runtime context (0.5.23: sglang.srt.runtime_context)
+# ---------------------------------------------------------------------------------------------
+
+def captured_layer_ids(server_ids: list[int]) -> list[int]:
+    """The layers DeepseekV2ForCausalLM captures for --return-aux-hidden-state-layer-ids.
+
+    Mirrors set_eagle3_layers_to_capture in models/deepseek_v2.py: a list starting with 1 is read
+    as "output of layer" ids and shifted by +1; any other list is used as is (capture-before).
+    """
+    ids = list(server_ids)
+    return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
+
+
+def _server_layer_ids() -> list[int] | None:
+    """--return-aux-hidden-state-layer-ids as the running server resolved it.
+
+    None outside SGLang, when the ids were not given, or when capture-only mode is off (the first
+    prefill then fails in DumpHook._check_capture, naming the missing flag).
+    """
+    try:
+        from sglang.srt.runtime_context import get_exec
+    except ImportError:
+        return None
+    features = get_exec().features
+    ids = features.return_aux_hidden_state_layer_ids
+    if features.aux_hidden_state_capture is None or ids is None:
+        return None
+    return [int(i) for i in ids]
+
+
+def resolve_layer_ids(config_ids: list[int] | None, server_ids: list[int] | None) -> list[int]:
+    """The capture-before ids to record: the config's, checked against what the server captures."""
+    captured = captured_layer_ids(server_ids) if server_ids is not None else None
+    if config_ids is None:
+        if captured is None:
+            raise HookError("eyas hook: no layer ids; set config.layer_ids or launch with "
+                            "--return-aux-hidden-state-layer-ids")
+        return captured
+    config_ids = [int(i) for i in config_ids]
+    if captured is not None and captured != config_ids:
+        raise HookError(f"eyas hook: config.layer_ids={config_ids}, but SGLang captures {captured} "
+                        f"(from --return-aux-hidden-state-layer-ids {server_ids}; a list starting "
+                        f"with 1 is shifted by +1)")
+    return config_ids
+
+
+def writes_here(parallel: Any) -> bool:
+    """True on the rank that writes: attention-TP rank 0 (and attention-CP rank 0) of its group.
+
+    Under plain TP the captured rows are replicated on every rank, so TP rank 0 writes (without
+    DP attention attn_tp_rank == tp_rank). With --enable-dp-attention each attention-DP group runs
+    its own requests, and attn_tp_rank 0 of every group writes.
+    """
+    return parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0
+
+
+def _runtime_parallel() -> Any | None:
+    try:
+        from sglang.srt.runtime_context import get_parallel
+    except ImportError:
+        return None
+    return get_parallel()
+
+
+def _torch_writes_here() -> bool:
+    """Outside SGLang's runtime context: global rank 0 writes (or the only process)."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The hook
+# ---------------------------------------------------------------------------------------------
+
+class DumpHook:
+    """A forward hook on the logits processor that dumps the extend rows of each forward."""
+
+    def __init__(self, writer: dump.DumpWriter, *, parallel: Any = None, max_pending: int = 4,
+                 via_forward_hooks: bool = True):
+        self.writer = writer
+        self._parallel = parallel
+        self._writes: bool | None = None  # resolved at the first extend forward
+        self._via_forward_hooks = via_forward_hooks
+        self._prefilled: OrderedDict[str, None] = OrderedDict()
+        self._checked = False
+        self._error: BaseException | None = None
+        self._queue: queue.Queue | None = None
+        if max_pending > 0:
+            self._queue = queue.Queue(maxsize=max_pending)
+            threading.Thread(target=self._drain, name="eyas-dump-writer", daemon=True).start()
+            atexit.register(self._wait, 30.0)  # at shutdown: finish queued writes, raise nothing
+
+    # -- called by torch after LogitsProcessor.forward -------------------------------------------
+    def __call__(self, module, args, output) -> None:
+        global _forward_hook_active
+        if self._via_forward_hooks:
+            _forward_hook_active = True
+        if self._error is not None:
+            raise HookError(f"eyas hook: the dump writer failed: {self._error!r}") from self._error
+        input_ids, forward_batch = args[0], args[3]
+        mode = forward_batch.forward_mode
+        if not mode.is_extend() or mode.is_target_verify():
+            return None  # decode / idle / verify forwards hold no prefill rows
+        if output.next_token_logits is None:
+            return None  # an autotune dummy run or a scoring path: not a real prefill
+        aux, last = output.hidden_states, output.last_hidden_states
+        self._check_capture(aux, last)
+        if self._writes is None:
+            self._writes = self._resolve_writes_here()
+        if not self._writes:
+            return None
+        rows = self._select_rows(forward_batch)
+        if rows:
+            self._dump(rows, input_ids, aux, last)
+        return None
+
+    def _check_capture(self, aux: torch.Tensor | None, last: torch.Tensor | None) -> None:
+        if aux is None or last is None:
+            raise HookError("eyas hook: the logits processor returned no aux/last hidden states; "
+                            "launch SGLang with --enable-return-aux-hidden-states "
+                            "--speculative-algorithm EAGLE3")
+        if self._checked:
+            return
+        k, hidden = len(self.writer.layer_ids), last.shape[-1]
+        if aux.shape[-1] != k * hidden:
+            raise HookError(f"eyas hook: aux hidden states are {aux.shape[-1]} wide, expected "
+                            f"{k} layers x {hidden} = {k * hidden} for layer_ids "
+                            f"{self.writer.layer_ids}")
+        self._checked = True
+
+    def _resolve_writes_here(self) -> bool:
+        parallel = self._parallel if self._parallel is not None else _runtime_parallel()
+        return writes_here(parallel) if parallel is not None else _torch_writes_here()
+
+    def _select_rows(self, fb) -> list[tuple[str, int, int, int]]:
+        """(rid, start row, num rows, prefix offset) of each prefill row worth dumping."""
+        candidates = [i for i, rid in enumerate(fb.rids) if not self.writer.should_skip(rid)]
+        if not candidates:
+            return []
+        starts = fb.extend_start_loc.tolist()
+        lens, prefixes = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+        if lens is None:  # init_new's gpu_only path leaves the *_cpu mirrors unset
+            lens, prefixes = fb.extend_seq_lens.tolist(), fb.extend_prefix_lens.tolist()
+        full = fb.orig_seq_lens.tolist() if fb.orig_seq_lens is not None else None
+        rows = []
+        for i in candidates:
+            rid, prefix, n = fb.rids[i], int(prefixes[i]), int(lens[i])
+            try:
+                dump.check_rid(rid)
+            except ValueError as e:
+                logger.warning("eyas hook: not dumping %s", e)
+                continue
+            # A decode row (a running request in a MIXED batch, or a decode turned into a 1-token
+            # extend under DP attention) looks like a 1-token chunk; it comes after the request's
+            # last prefill chunk, which this hook saw. A new prefill of a rid starts at 0.
+            if prefix == 0:
+                self._prefilled.pop(rid, None)
+            elif rid in self._prefilled:
+                continue
+            if n > 0:
+                rows.append((rid, int(starts[i]), n, prefix))
+            # orig_seq_lens = max(extend end, prompt length): reached only by the last chunk.
+            if full is not None and prefix + n >= full[i]:
+                self._prefilled[rid] = None
+                while len(self._prefilled) > _MAX_TRACKED_RIDS:
+                    self._prefilled.popitem(last=False)
+        return rows
+
+    def _dump(self, rows, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor) -> None:
+        end = max(start + n for _, start, n, _ in rows)
+        if end > aux.shape[0] or end > input_ids.shape[0]:
+            raise HookError(f"eyas hook: rows up to {end} requested, but the forward has "
+                            f"{aux.shape[0]} hidden rows and {input_ids.shape[0]} input ids")
+        # One device-to-host copy per tensor for the whole forward; the buffers are reused by the
+        # next forward, so the copy must finish here. The file writes can wait.
+        idx = torch.cat([torch.arange(s, s + n) for _, s, n, _ in rows]).to(aux.device)
+        dtype = self.writer.dtype
+        ids_cpu = input_ids.index_select(0, idx.to(input_ids.device)).to("cpu", torch.int32)
+        aux_cpu = aux.index_select(0, idx).to("cpu", dtype)
+        last_cpu = last.index_select(0, idx.to(last.device)).to("cpu", dtype)
+        pos = 0
+        for rid, _, n, prefix in rows:
+            item = (rid, prefix, ids_cpu[pos:pos + n], aux_cpu[pos:pos + n], last_cpu[pos:pos + n])
+            pos += n
+            if self._queue is None:
+                self.writer.write(*item)
+            else:
+                self._queue.put(item)  # blocks when max_pending chunks wait: bounded host memory
+
+    # -- background writer ------------------------------------------------------------------------
+    def _drain(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if self._error is None:
+                    self.writer.write(*item)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the next forward
+                logger.exception("eyas hook: writing a dump record for rid %s failed", item[0])
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def _wait(self, timeout: float | None = None) -> None:
+        if self._queue is None:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued record is on disk (or timeout seconds pass); re-raise a failure."""
+        self._wait(timeout)
+        if self._error is not None:
+            raise HookError(f"eyas hook: the dump writer failed: {self._error!r}") from self._error
+
+
+def make_hook(config: dict, *, parallel: Any = None, via_forward_hooks: bool = True) -> DumpHook:
+    """SGLang's hook factory (`hook_factory(config)` in model_executor/hook_manager.py).
+
+    `parallel` stands in for sglang's get_parallel() (attn_tp_rank, attn_cp_rank); by default it
+    is read from SGLang's runtime context at the first prefill. `via_forward_hooks=False` is for
+    the patched deepseek_v2.py, which calls the hook itself.
+    """
+    config = dict(config or {})
+    unknown = sorted(set(config) - set(CONFIG_KEYS))
+    if unknown:
+        raise HookError(f"eyas hook: unknown config keys {unknown}; known: {list(CONFIG_KEYS)}")
+    dump_dir = config.get("dump_dir") or os.environ.get(dump.DUMP_DIR_ENV)
+    if not dump_dir:
+        raise HookError(f"eyas hook: no dump_dir in the hook config and {dump.DUMP_DIR_ENV} unset")
+    layer_ids = resolve_layer_ids(config.get("layer_ids"), _server_layer_ids())
+    if config.get("dtype") and config["dtype"] not in dump.DTYPES:
+        raise HookError(f"eyas hook: config.dtype={config['dtype']!r}, expected one of {sorted(dump.DTYPES)}")
+    dtype = dump.DTYPES[config["dtype"]] if config.get("dtype") else dump.dtype_from_env()
+    rid_prefix = config.get("rid_prefix", "eyas-") or None
+    writer = dump.DumpWriter(dump_dir, layer_ids=layer_ids, layer_convention="capture-before",
+                             last_hidden_norm="post", dtype=dtype, rid_prefix=rid_prefix)
+    logger.info("eyas hook %s: dumping prefill rows of rids %s* to %s, layers %s (capture-before), %s",
+                PATCH_VERSION, rid_prefix or "", dump_dir, layer_ids, dtype)
+    return DumpHook(writer, parallel=parallel, max_pending=int(config.get("max_pending", 4)),
+                    via_forward_hooks=via_forward_hooks)
