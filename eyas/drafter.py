@@ -197,12 +197,16 @@ class Eagle3Drafter(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    def forward(self, input_ids, hidden, positions, mask, ttt=None, cache=None):
+    def logits(self, h):  # (..., H) -> (..., V_d)
+        return self.lm_head(self.norm(h))
+
+    def forward(self, input_ids, hidden, positions, mask, ttt=None, cache=None, with_logits=True):
         """One draft step.
 
         input_ids (B, T) target ids; hidden (B, T, num_aux*H_t) target aux states, or (B, T, H) the
         previous step's output; positions (T,) or (B, T); mask additive (1|B, 1, T, S).
-        Returns logits over the draft vocab (B, T, V_d) and the pre-norm output (B, T, H).
+        Returns logits over the draft vocab (B, T, V_d) (None unless with_logits) and the pre-norm
+        output (B, T, H), which the next step reads.
         """
         emb = self.embed_tokens(input_ids)  # (B, T, H)
         if hidden.shape[-1] != self.cfg.hidden_size:  # SGLang's rule: fc only on the target's states
@@ -210,4 +214,4 @@ class Eagle3Drafter(nn.Module):
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         h = self.midlayer(emb.to(hidden.dtype), hidden, cos.to(hidden.dtype), sin.to(hidden.dtype),
                           mask.to(hidden.dtype), ttt, cache)
-        return self.lm_head(self.norm(h)), h
+        return (self.logits(h) if with_logits else None), h

@@ -123,3 +123,18 @@ def start_server(random_target, tmp_path_factory):
     yield start
     for proc in started:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory):
+    """A real OpenSSH server on 127.0.0.1 (tests/sshd.py); skipped where sshd or root is missing."""
+    import os
+
+    from tests.sshd import SSHD, start_sshd
+
+    if not os.path.exists(SSHD) or os.geteuid() != 0:
+        pytest.skip("needs openssh-server and root (.ci/run installs it)")
+    server = start_sshd(tmp_path_factory.mktemp("sshd"))
+    yield server
+    server.process.terminate()
+    server.process.wait(10)

@@ -6,17 +6,6 @@ import pytest
 
 from eyas.config import HostConfig
 from eyas.hosts import HostAuthError, HostError, HostUnreachable, LocalHost, SSHHost, wait_dead
-from tests.sshd import SSHD, start_sshd
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    if not os.path.exists(SSHD) or os.geteuid() != 0:
-        pytest.skip("needs openssh-server and root (.ci/run installs it)")
-    server = start_sshd(tmp_path_factory.mktemp("sshd"))
-    yield server
-    server.process.terminate()
-    server.process.wait(10)
 
 
 def ssh_config(sshd, **kw) -> HostConfig:

@@ -1,0 +1,213 @@
+"""Export a trained drafter in the format SGLang's `LlamaForCausalLMEagle3` loads.
+
+    export_drafter(result.checkpoint_dir, "runs/x/drafter", target=cfg.target, export=cfg.export,
+                   shard_meta=manifests[0])
+    drafter, d2t, meta = load_exported("runs/x/drafter")
+
+The folder holds `config.json` (Llama format plus `draft_vocab_size`, `target_hidden_size` and
+`eagle_config`) and `model.safetensors` with SGLang's names: `fc.weight`, `midlayer.*` (q/k/v and
+gate/up kept separate: SGLang fuses them while loading), `norm.weight`, `lm_head.weight`, `d2t`
+(int64) and `t2d` (bool). The embedding is left out: SGLang takes the target's, and so does
+load_exported. SGLang silently skips weight names it does not know, so the names are checked here.
+
+Layer ids are the silent killer (a drafter fed the wrong layers accepts almost nothing), so export
+refuses when the shard manifest does not say which layers it captured, when the shards, the
+training checkpoint and the target config disagree, or when the ids cannot be written so that
+SGLang captures them: SGLang reads `eagle_aux_hidden_state_layer_ids` as capture-before ids, except
+that a list starting with 1 is taken as output-of ids and shifted by +1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas.config import ExportConfig, TargetConfig
+from eyas.drafter import DrafterConfig, Eagle3Drafter
+from eyas.target_head import load_target_tensors, read_target_config
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def expected_weights(dcfg: DrafterConfig) -> dict[str, tuple[list[int], torch.dtype | None]]:
+    """SGLang's weight names and shapes for this drafter (dtype None = the export dtype)."""
+    H, nh, nkv, hd, inter = (dcfg.hidden_size, dcfg.num_attention_heads, dcfg.num_key_value_heads,
+                             dcfg.head_dim, dcfg.intermediate_size)
+    a, m = "midlayer.self_attn.", "midlayer.mlp."
+    return {
+        "fc.weight": ([H, dcfg.num_aux * dcfg.target_hidden_size], None),
+        a + "q_proj.weight": ([nh * hd, 2 * H], None),
+        a + "k_proj.weight": ([nkv * hd, 2 * H], None),
+        a + "v_proj.weight": ([nkv * hd, 2 * H], None),
+        a + "o_proj.weight": ([H, nh * hd], None),
+        m + "gate_proj.weight": ([inter, H], None),
+        m + "up_proj.weight": ([inter, H], None),
+        m + "down_proj.weight": ([H, inter], None),
+        "midlayer.input_layernorm.weight": ([H], None),
+        "midlayer.hidden_norm.weight": ([H], None),
+        "midlayer.post_attention_layernorm.weight": ([H], None),
+        "norm.weight": ([H], None),
+        "lm_head.weight": ([dcfg.draft_vocab_size, H], None),
+        "d2t": ([dcfg.draft_vocab_size], torch.int64),
+        "t2d": ([dcfg.vocab_size], torch.bool),
+    }
+
+
+def _shard_capture_ids(shard_meta: dict) -> list[int]:
+    ids, conv = shard_meta.get("layer_ids"), shard_meta.get("layer_convention")
+    if ids is None or conv is None:
+        raise ValueError("refusing to export: the shard manifest does not record layer_ids and "
+                         f"layer_convention (got layer_ids={ids!r}, layer_convention={conv!r}), so the "
+                         "layers the drafter was trained on cannot be checked")
+    if conv not in ("capture-before", "output-of"):
+        raise ValueError(f"refusing to export: unknown layer_convention {conv!r} in the shard manifest")
+    capture = [i + (1 if conv == "output-of" else 0) for i in ids]
+    if "capture_ids" in shard_meta and list(shard_meta["capture_ids"]) != capture:
+        raise ValueError(f"refusing to export: the shard manifest contradicts itself: layer_ids {ids} "
+                         f"({conv}) but capture_ids {shard_meta['capture_ids']}")
+    return capture
+
+
+def check_layer_ids(target: TargetConfig, shard_meta: dict, trained: dict | None = None,
+                    num_target_layers: int | None = None) -> list[int]:
+    """The capture-before ids to write into eagle_config, after every consistency check."""
+    capture = target.capture_ids()
+    shards = _shard_capture_ids(shard_meta)
+    if shards != capture:
+        raise ValueError(f"refusing to export: the shards were captured at layers {shards} (capture-before) "
+                         f"but target.layer_ids {target.layer_ids} ({target.layer_convention}) means "
+                         f"{capture}")
+    if trained is not None and trained.get("capture_ids") != capture:
+        raise ValueError(f"refusing to export: the checkpoint was trained on capture layers "
+                         f"{trained.get('capture_ids')}, the config says {capture}")
+    if len(capture) != 3:
+        raise ValueError(f"refusing to export: SGLang's EAGLE-3 drafter fuses exactly 3 layers, got {capture}")
+    if capture[0] == 1:
+        raise ValueError(f"refusing to export: capture-before ids {capture} start with 1, which SGLang "
+                         f"reads as output-of ids and shifts to {[i + 1 for i in capture]}; choose layers "
+                         f"whose first capture id is not 1")
+    if num_target_layers is not None and capture[-1] >= num_target_layers:
+        raise ValueError(f"refusing to export: capture id {capture[-1]} is not the input of any of the "
+                         f"target's {num_target_layers} layers (SGLang cannot capture the last layer's output)")
+    return capture
+
+
+def _resolve_checkpoint(source) -> Path:
+    path = Path(getattr(source, "checkpoint_dir", source))
+    if not (path / "drafter.json").exists() and (path / "checkpoints").is_dir():
+        found = sorted((path / "checkpoints").glob("step-[0-9]*"))
+        if found:
+            path = found[-1]
+    if not (path / "drafter.json").exists() or not (path / "model.safetensors").exists():
+        raise ValueError(f"{path}: not a training checkpoint (drafter.json, model.safetensors)")
+    return path
+
+
+def export_drafter(checkpoint, out_dir: str | Path, *, target: TargetConfig, export: ExportConfig,
+                   shard_meta: dict) -> Path:
+    """Write the SGLang drafter folder from a checkpoint dir (or TrainResult); returns out_dir."""
+    ckpt = _resolve_checkpoint(checkpoint)
+    info = json.loads((ckpt / "drafter.json").read_text())
+    dcfg = DrafterConfig(**info["drafter"])
+    try:
+        tcfg = read_target_config(target.checkpoint)
+    except ValueError:
+        tcfg = {}  # a checkpoint path on a remote server host: skip the target-side checks
+    capture = check_layer_ids(target, shard_meta, info.get("target"), tcfg.get("num_hidden_layers"))
+    if tcfg and (tcfg["hidden_size"], tcfg["vocab_size"]) != (dcfg.target_hidden_size, dcfg.vocab_size):
+        raise ValueError(f"refusing to export: the drafter was trained for hidden/vocab "
+                         f"{dcfg.target_hidden_size}/{dcfg.vocab_size}, {target.checkpoint} has "
+                         f"{tcfg['hidden_size']}/{tcfg['vocab_size']}")
+    dtype = DTYPES[export.dtype]
+    weights = load_file(str(ckpt / "model.safetensors"))
+    tensors = {}
+    for name, (shape, fixed) in expected_weights(dcfg).items():
+        if name not in weights or list(weights[name].shape) != shape:
+            got = list(weights[name].shape) if name in weights else "missing"
+            raise ValueError(f"{ckpt}: weight {name} is {got}, expected {shape}")
+        tensors[name] = weights[name].to(fixed or dtype).contiguous()
+    config = sglang_config(dcfg, capture, export.dtype, provenance={
+        "target_checkpoint": str(target.checkpoint), "target_revision": target.revision,
+        "layer_ids": target.layer_ids, "layer_convention": target.layer_convention,
+        "capture_ids": capture, "last_hidden_norm": shard_meta.get("last_hidden_norm"),
+        "trained_checkpoint": str(ckpt)})
+    return _write_dir_atomic(Path(out_dir), config, tensors)
+
+
+def sglang_config(dcfg: DrafterConfig, capture_ids: list[int], dtype: str, provenance: dict) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": dcfg.hidden_size,
+        "target_hidden_size": dcfg.target_hidden_size,
+        "num_attention_heads": dcfg.num_attention_heads,
+        "num_key_value_heads": dcfg.num_key_value_heads,
+        "head_dim": dcfg.head_dim,
+        "intermediate_size": dcfg.intermediate_size,
+        "hidden_act": "silu",
+        "vocab_size": dcfg.vocab_size,
+        "draft_vocab_size": dcfg.draft_vocab_size,
+        "rms_norm_eps": dcfg.rms_norm_eps,
+        "rope_theta": dcfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": dcfg.max_position_embeddings,
+        "tie_word_embeddings": False,  # SGLang would otherwise use the embedding as lm_head
+        "attention_bias": False,
+        "torch_dtype": dtype,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(capture_ids), "use_aux_hidden_state": True},
+        "eyas": provenance,
+    }
+
+
+def _write_dir_atomic(out_dir: Path, config: dict, tensors: dict) -> Path:
+    """Build the folder beside out_dir, then swap it in (the old one is removed after the swap)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def load_exported(drafter_dir: str | Path, *, target_checkpoint: str | Path | None = None):
+    """Rebuild the drafter from an export folder -> (Eagle3Drafter float32 eval, d2t, config dict).
+
+    The frozen embedding comes from the target checkpoint (recorded in config.json unless given).
+    """
+    drafter_dir = Path(drafter_dir)
+    meta = json.loads((drafter_dir / "config.json").read_text())
+    if meta.get("architectures") != ["LlamaForCausalLMEagle3"]:
+        raise ValueError(f"{drafter_dir}: not an EAGLE-3 drafter (architectures {meta.get('architectures')})")
+    dcfg = DrafterConfig(
+        hidden_size=meta["hidden_size"], target_hidden_size=meta.get("target_hidden_size", meta["hidden_size"]),
+        num_attention_heads=meta["num_attention_heads"], num_key_value_heads=meta["num_key_value_heads"],
+        head_dim=meta.get("head_dim") or meta["hidden_size"] // meta["num_attention_heads"],
+        intermediate_size=meta["intermediate_size"], vocab_size=meta["vocab_size"],
+        draft_vocab_size=meta["draft_vocab_size"], num_aux=len(meta["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+        rms_norm_eps=meta["rms_norm_eps"], rope_theta=meta["rope_theta"],
+        max_position_embeddings=meta["max_position_embeddings"])
+    weights = load_file(str(drafter_dir / "model.safetensors"))
+    expected = expected_weights(dcfg)
+    if set(weights) != set(expected):
+        raise ValueError(f"{drafter_dir}: weight names differ from SGLang's: missing "
+                         f"{sorted(set(expected) - set(weights))}, unexpected {sorted(set(weights) - set(expected))}")
+    model = Eagle3Drafter(dcfg)
+    state = {k: (v if k in ("d2t", "t2d") else v.float()) for k, v in weights.items()}
+    ckpt = target_checkpoint or meta.get("eyas", {}).get("target_checkpoint")
+    if ckpt is None:
+        raise ValueError(f"{drafter_dir}: no target checkpoint recorded; pass target_checkpoint=")
+    state["embed_tokens.weight"] = load_target_tensors(ckpt, ["embed"])["embed"].float()
+    model.load_state_dict(state, strict=True)
+    return model.eval(), model.d2t.clone(), meta

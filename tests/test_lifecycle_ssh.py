@@ -1,0 +1,62 @@
+"""Patch, launch, sense and stop over a real SSH connection, against the local target server."""
+
+import sys
+
+import pytest
+
+from eyas import readiness, sglang_patch
+from eyas.hosts import SSHHost
+from eyas.launch import start_server, stop_server
+from tests.stage_config import stage_config
+
+pytestmark = pytest.mark.ssh
+
+
+def ssh_stage_config(tmp, sshd, target, **extra):
+    host = {"kind": "ssh", "name": "loopback", "hostname": "127.0.0.1", "port": sshd.port,
+            "user": sshd.user, "key_filename": str(sshd.client_key), "known_hosts": str(sshd.known_hosts),
+            "connect_timeout_s": 5}
+    return stage_config(tmp, target, **{"server.host": host, "server.python": sys.executable,
+                                        "server.url_host": "127.0.0.1",
+                                        "server.env": {"OMP_NUM_THREADS": "1"}, **extra})
+
+
+def _sense(host, cfg, handle, **kw):
+    args = dict(log_path=handle.log_path, pid=handle.pid, url=handle.url, start_offset=handle.log_offset,
+                poll_interval_s=0.2, stall_timeout_s=30, deadline_s=120, http_timeout_s=5)
+    return readiness.wait_until_ready(host, **{**args, **kw})
+
+
+def test_patch_launch_sense_stop_over_ssh(tmp_path, sshd, random_target):
+    cfg = ssh_stage_config(tmp_path, sshd, random_target)
+    host = SSHHost(cfg.server.host)
+    try:
+        assert sglang_patch.ensure_patched(host, cfg)["status"] == "not needed"
+        handle = start_server(host, cfg)
+        try:
+            progress = []
+            report = _sense(host, cfg, handle, on_progress=progress.append)
+            assert report.shards_total == len(list(random_target.glob("*.safetensors")))
+            assert progress and progress[-1].done == progress[-1].total
+            assert (cfg.server.workdir / "server.pid").read_text().strip() == str(handle.pid)
+        finally:
+            outcome = stop_server(host, cfg, handle.pid)
+        assert outcome["outcome"] in ("terminated", "killed")
+        assert not host.is_alive(handle.pid) and not cfg.server.dump_dir.exists()
+    finally:
+        host.close()
+
+
+def test_a_crash_over_ssh_is_reported_with_the_log(tmp_path, sshd, random_target):
+    cfg = ssh_stage_config(tmp_path, sshd, random_target, **{
+        "server.launch_args": ["--fault", "oom-at-shard", "--fault-shard", "2"]})
+    host = SSHHost(cfg.server.host)
+    try:
+        handle = start_server(host, cfg)
+        with pytest.raises(readiness.ServerFailed) as e:
+            _sense(host, cfg, handle)
+        assert e.value.reason == "oom"
+        assert any("CUDA out of memory" in line for line in e.value.log_lines)
+        stop_server(host, cfg, handle.pid)
+    finally:
+        host.close()

@@ -1,0 +1,92 @@
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eyas.evaluate import simulated_acceptance_length
+from eyas.train import collate, shift_left, train_drafter
+from tests.helpers_training import shard_meta, sharpen_target, target_config, training_config, write_shards
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def sharp_target(random_target, tmp_path_factory):
+    return sharpen_target(random_target, tmp_path_factory.mktemp("sharp-target"))
+
+
+@pytest.fixture(scope="module")
+def shards(sharp_target, tmp_path_factory):
+    return write_shards(sharp_target, tmp_path_factory.mktemp("shards"), num_shards=2, per_shard=12, length=40)
+
+
+def quiet(_):
+    pass
+
+
+def test_loss_falls_on_real_hidden_states(sharp_target, shards, tmp_path):
+    cfg = training_config(tmp_path / "train", max_steps=30, checkpoint_every=100)
+    r = train_drafter(cfg, target_config(sharp_target), shards, log=quiet)
+    assert r.steps == 30 and len(r.losses) == 30 and len(r.accuracies[0]) == 3
+    assert r.final_loss < 0.6 * r.first_loss, (r.first_loss, r.final_loss)
+    first_acc = sum(a[0] for a in r.accuracies[:3]) / 3
+    last_acc = sum(a[0] for a in r.accuracies[-5:]) / 5
+    assert last_acc > first_acc + 0.1
+    assert r.heldout_accuracies is not None and len(r.heldout_accuracies) == 3
+    assert r.simulated_acceptance_length == pytest.approx(simulated_acceptance_length(r.heldout_accuracies))
+    assert r.tokens % 40 == 0 and 28 * 4 * 40 <= r.tokens <= 30 * 4 * 40  # a short last batch per epoch
+    assert r.checkpoint_dir.endswith("step-000030")
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(sharp_target, shards, tmp_path):
+    tgt = target_config(sharp_target)
+    full = train_drafter(training_config(tmp_path / "a", max_steps=9, checkpoint_every=3), tgt, shards, log=quiet)
+    cfg_b = training_config(tmp_path / "b", max_steps=9, checkpoint_every=3)
+    part = train_drafter(cfg_b, tgt, shards, log=quiet, stop_at_step=5)
+    assert part.steps == 5 and part.heldout_accuracies is None
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-000005")  # "crashed" after step 5's work was lost
+    logs = []
+    resumed = train_drafter(cfg_b, tgt, shards, log=logs.append)
+    assert resumed.resumed_from_step == 3 and any("resumed from" in line for line in logs)
+    assert resumed.losses == full.losses  # bit-for-bit: data order, optimizer, schedule, RNG
+    wa, wb = load_file(f"{full.checkpoint_dir}/model.safetensors"), load_file(f"{resumed.checkpoint_dir}/model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    again = train_drafter(cfg_b, tgt, shards, log=quiet)  # finished: nothing left to train
+    assert again.losses == full.losses and again.resumed_from_step == 9
+
+
+def test_checkpoint_of_another_run_is_refused(sharp_target, shards, tmp_path):
+    tgt = target_config(sharp_target)
+    train_drafter(training_config(tmp_path / "t", max_steps=2), tgt, shards, log=quiet)
+    with pytest.raises(ValueError, match="different run.*draft_vocab_size"):
+        train_drafter(training_config(tmp_path / "t", max_steps=2, draft_vocab_size=128), tgt, shards, log=quiet)
+
+
+def test_layer_mismatch_and_unknown_norm_are_refused(sharp_target, tmp_path):
+    bad = write_shards(sharp_target, tmp_path / "bad", num_shards=1, per_shard=2, length=8,
+                       meta=shard_meta(layer_ids=[1, 3, 4], convention="capture-before"))
+    with pytest.raises(ValueError, match=r"capture layers \[1, 3, 4\]"):
+        train_drafter(training_config(tmp_path / "t"), target_config(sharp_target), bad, log=quiet)
+    meta = shard_meta()
+    del meta["last_hidden_norm"]
+    nonorm = write_shards(sharp_target, tmp_path / "nonorm", num_shards=1, per_shard=2, length=8, meta=meta)
+    with pytest.raises(ValueError, match="last_hidden_norm"):
+        train_drafter(training_config(tmp_path / "t"), target_config(sharp_target), nonorm, log=quiet)
+
+
+def test_output_of_convention_is_the_same_layers(sharp_target, tmp_path):
+    paths = write_shards(sharp_target, tmp_path / "s", num_shards=1, per_shard=4, length=12,
+                         meta=shard_meta(layer_ids=[1, 3, 4], convention="output-of"))
+    r = train_drafter(training_config(tmp_path / "t", max_steps=2), target_config(sharp_target), paths, log=quiet)
+    assert r.steps == 2
+
+
+def test_collate_and_shift(shards):
+    from eyas.shards import ShardReader
+
+    r = ShardReader(shards[0])
+    b = collate([r.sample(0), r.sample(1)], torch.device("cpu"))
+    assert b["ids"].shape == (2, 40) and b["aux"].shape == (2, 40, 192) and b["aux"].dtype == torch.float32
+    x = torch.arange(5)[None]
+    assert shift_left(x, 2).tolist() == [[2, 3, 4, 0, 0]]
