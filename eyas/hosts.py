@@ -221,8 +221,19 @@ class SSHHost:
         return int(out.strip().splitlines()[-1])
 
     def is_alive(self, pid: int) -> bool:
-        # A zombie still answers kill -0; ps tells it apart.
-        r = self.run(f"ps -o stat= -p {int(pid)}", check=False)
+        # Reading /proc/<pid>/stat over the open SFTP channel costs well under a millisecond;
+        # an exec channel (ps) costs a fork of a session on the host, ~100x more. A zombie
+        # counts as dead.
+        try:
+            with self._open().sftp().open(f"/proc/{int(pid)}/stat", "rb") as f:
+                stat = f.read(512).decode(errors="replace")
+            return stat.rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+        except (IOError, IndexError) as e:
+            if getattr(e, "errno", None) == 2:
+                return False
+        r = self.run(f"ps -o stat= -p {int(pid)}", check=False)  # a host without /proc
         return r.ok and r.stdout.strip() != "" and not r.stdout.strip().startswith("Z")
 
     def read_from(self, path, offset, max_bytes=1 << 20) -> tuple[bytes, int]:

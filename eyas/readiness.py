@@ -269,9 +269,11 @@ def wait_until_ready(host: Host, *, log_path: str | Path, pid: int, url: str,
         where = f"log {log_path} on {getattr(host, 'name', 'host')}, pid {pid}"
         return ServerFailed(reason, watch.lines(), f"{detail} ({where})", [l for _, l in watch.fatal])
 
-    def fail_with_log(default: str, detail: str) -> ServerFailed:
-        """Give a traceback being written a moment to land, then name the worst failure in it."""
-        sleep(min(poll_interval_s, 0.5))
+    def fail_with_log(default: str, detail: str, dead: bool = False) -> ServerFailed:
+        """Name the worst failure in the log's last lines. A live process may still be writing
+        its traceback, so it gets a moment; a dead one has written everything it will."""
+        if not dead:
+            sleep(min(poll_interval_s, 0.2))
         try:
             watch.read()
         except HostUnreachable:
@@ -303,7 +305,8 @@ def wait_until_ready(host: Host, *, log_path: str | Path, pid: int, url: str,
             return ReadyReport(seconds=clock() - start, shards_total=p.total if p else None,
                                last_progress=p, log_offset=watch.cursor.offset)
         if not alive:
-            raise fail_with_log("process died", f"server process {pid} exited before it was ready")
+            raise fail_with_log("process died", f"server process {pid} exited before it was ready",
+                                dead=True)
         if watch.fatal and traceback_seen_at is None:
             traceback_seen_at = now
         if traceback_seen_at is not None and now - traceback_seen_at > traceback_grace_s:

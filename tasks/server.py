@@ -5,6 +5,7 @@ from dataclasses import asdict
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.events import emit_event
 from prefect.logging import get_run_logger
 
 from eyas import launch, readiness
@@ -45,10 +46,15 @@ def wait_until_ready(cfg: PipelineConfig, handle: dict) -> dict:
     artifact = create_progress_artifact(progress=0.0, key=f"load-{cfg.name}",
                                         description=f"target loading on {cfg.server.host.name}")
 
+    resource = {"prefect.resource.id": f"eyas.server.{cfg.server.host.name}.{cfg.server.port}",
+                "eyas.run": cfg.name, "eyas.backend": cfg.server.backend}
+
     def on_progress(p) -> None:
         eta = "?" if p.remaining_s is None else f"{p.remaining_s:.0f}s"
         logger.info("loading shards %d/%d (%d%%), ETA %s", p.done, p.total, p.percent, eta)
         update_progress_artifact(artifact_id=artifact, progress=float(p.percent))
+        emit_event(event="eyas.server.loading", resource=resource,
+                   payload={"done": p.done, "total": p.total, "eta_s": p.remaining_s})
 
     host = make_host(cfg.server.host)
     try:
@@ -58,9 +64,15 @@ def wait_until_ready(cfg: PipelineConfig, handle: dict) -> dict:
             start_offset=handle["log_offset"], poll_interval_s=s.poll_interval_s,
             stall_timeout_s=s.stall_timeout_s, deadline_s=s.deadline_s,
             http_timeout_s=s.http_timeout_s, on_progress=on_progress)
+    except readiness.ServerFailed as e:
+        emit_event(event="eyas.server.failed", resource=resource,
+                   payload={"reason": e.reason, "log_tail": e.log_lines[-20:]})
+        raise
     finally:
         host.close()
     update_progress_artifact(artifact_id=artifact, progress=100.0)
+    emit_event(event="eyas.server.ready", resource=resource,
+               payload={"seconds": report.seconds, "url": handle["url"]})
     logger.info("server ready after %.1fs", report.seconds)
     return asdict(report)
 

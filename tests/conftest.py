@@ -138,3 +138,15 @@ def sshd(tmp_path_factory):
     yield server
     server.process.terminate()
     server.process.wait(10)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One temporary Prefect server for every test that runs flows (about 10 s to start)."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        # The heartbeat thread adds a second to every flow run; crash detection is not tested here.
+        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            yield

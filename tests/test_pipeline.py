@@ -19,16 +19,6 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def prefect_harness():
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            yield
-
-
-@pytest.fixture(scope="module")
 def run(prefect_harness, tmp_path_factory):
     from eyas.config import load_config
     from flows.pipeline import eagle3_pipeline

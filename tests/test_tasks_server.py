@@ -1,0 +1,79 @@
+"""The server tasks inside real Prefect flow runs: progress artifact, events, failure states."""
+
+import asyncio
+import time
+
+import pytest
+from prefect import flow
+
+from eyas.hosts import LocalHost
+from eyas.launch import stop_server
+from tasks.server import launch_server, stop_server as stop_task, wait_until_ready
+from tests.stage_config import stage_config
+
+
+async def _events(prefix: str, since_s: float = 300) -> list[dict]:
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        r = await client._client.post("/events/filter", json={"filter": {
+            "event": {"prefix": [prefix]}, "occurred": {"since": _iso(time.time() - since_s)}},
+            "limit": 50})
+        return r.json()["events"]
+
+
+def _iso(t: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
+
+
+def _wait_for_events(prefix: str, resource_id: str, names: set[str], timeout: float = 20) -> set[str]:
+    deadline = time.monotonic() + timeout
+    seen: set[str] = set()
+    while time.monotonic() < deadline and not names <= seen:
+        seen = {e["event"] for e in asyncio.run(_events(prefix))
+                if e["resource"]["prefect.resource.id"] == resource_id}
+        time.sleep(0.5)
+    return seen
+
+
+@flow
+def serve_and_stop(cfg):
+    handle = launch_server(cfg)
+    try:
+        return wait_until_ready(cfg, handle)
+    finally:
+        stop_task(cfg, handle)
+
+
+def test_ready_server_gives_progress_artifact_and_events(prefect_harness, tmp_path, random_target):
+    from prefect.client.orchestration import get_client
+
+    cfg = stage_config(tmp_path, random_target, **{"name": "sensor-ok"})
+    ready = serve_and_stop(cfg)
+    assert ready["shards_total"] >= 8
+
+    async def artifact():
+        async with get_client() as client:
+            return await client.read_latest_artifacts()
+
+    latest = {a.key: a for a in asyncio.run(artifact())}
+    assert latest["load-sensor-ok"].type == "progress" and float(latest["load-sensor-ok"].data) == 100.0
+    rid = f"eyas.server.localhost.{cfg.server.port}"
+    seen = _wait_for_events("eyas.server.", rid, {"eyas.server.loading", "eyas.server.ready"})
+    assert {"eyas.server.loading", "eyas.server.ready"} <= seen
+
+
+def test_crash_fails_the_task_with_the_reason_and_stops_the_server(prefect_harness, tmp_path, random_target):
+    cfg = stage_config(tmp_path, random_target, **{
+        "name": "sensor-oom", "server.launch_args": ["--fault", "oom-at-shard", "--fault-shard", "3"]})
+    state = serve_and_stop(cfg, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(Exception, match="oom") as e:
+        state.result()
+    assert "CUDA out of memory" in str(e.value)
+    assert not cfg.server.pid_path.exists()  # the flow's finally stopped it
+    assert stop_server(LocalHost(), cfg)["outcome"] == "not running"
+    rid = f"eyas.server.localhost.{cfg.server.port}"
+    assert "eyas.server.failed" in _wait_for_events("eyas.server.", rid, {"eyas.server.failed"})
