@@ -91,7 +91,23 @@ def _background_script(command: str, log_path: str | Path, env: dict[str, str] |
             f"setsid sh -c {shlex.quote(inner)} >> {log} 2>&1 < /dev/null & echo $!")
 
 
-class LocalHost:
+class _BaseHost:
+    """What both hosts do the same way on top of their own `run`."""
+
+    name: str
+
+    def _result(self, command: str, exit_code: int, stdout: str, stderr: str, check: bool) -> RunResult:
+        result = RunResult(exit_code, stdout, stderr)
+        if check and not result.ok:
+            raise HostError(self.name, command, exit_code, stderr)
+        return result
+
+    def start(self, command, *, log_path, env=None, cwd=None) -> int:
+        out = self.run(_background_script(command, log_path, env, cwd), timeout=30).stdout
+        return int(out.strip().splitlines()[-1])
+
+
+class LocalHost(_BaseHost):
     """This machine, through subprocess."""
 
     def __init__(self, name: str = "localhost"):
@@ -104,14 +120,7 @@ class LocalHost:
                                timeout=timeout, env=full_env)
         except subprocess.TimeoutExpired as e:
             raise HostError(self.name, command, None, f"timed out after {timeout}s") from e
-        result = RunResult(p.returncode, p.stdout, p.stderr)
-        if check and not result.ok:
-            raise HostError(self.name, command, p.returncode, p.stderr)
-        return result
-
-    def start(self, command, *, log_path, env=None, cwd=None) -> int:
-        out = self.run(_background_script(command, log_path, env, cwd), timeout=30).stdout
-        return int(out.strip().splitlines()[-1])
+        return self._result(command, p.returncode, p.stdout, p.stderr, check)
 
     def is_alive(self, pid: int) -> bool:
         try:
@@ -170,7 +179,7 @@ def _classify_connect_error(name: str, e: BaseException) -> HostError:
     return HostError(name, "<connect>", None, f"{type(e).__name__}: {e}")
 
 
-class SSHHost:
+class SSHHost(_BaseHost):
     """A remote host through Fabric, with its host key checked against a known_hosts file."""
 
     def __init__(self, cfg: HostConfig):
@@ -211,14 +220,7 @@ class SSHHost:
         except (OSError, EOFError) as e:
             self._conn.close()
             raise HostUnreachable(self.name, f"{type(e).__name__}: {e}") from e
-        result = RunResult(r.exited, r.stdout, r.stderr)
-        if check and not result.ok:
-            raise HostError(self.name, command, r.exited, r.stderr)
-        return result
-
-    def start(self, command, *, log_path, env=None, cwd=None) -> int:
-        out = self.run(_background_script(command, log_path, env, cwd), timeout=30).stdout
-        return int(out.strip().splitlines()[-1])
+        return self._result(command, r.exited, r.stdout, r.stderr, check)
 
     def is_alive(self, pid: int) -> bool:
         # Reading /proc/<pid>/stat over the open SFTP channel costs well under a millisecond;

@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
-import os
 import py_compile
 import re
 import socket
@@ -25,7 +24,6 @@ import pytest
 from eyas import sglang_patch
 from eyas.hosts import LocalHost, SSHHost
 from eyas.sglang_patch import PatchError, apply_diff, ensure_patched, reverse_patch
-from tests.sshd import SSHD, start_sshd
 from tests.stage_config import stage_config
 
 VERSION = "0.5.23"
@@ -231,16 +229,6 @@ def test_an_older_eyas_patch_is_replaced(tmp_path, site):
 # ---------------------------------------------------------------------------------------------
 # Over SSH, against a real sshd on loopback
 # ---------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    if not os.path.exists(SSHD) or os.geteuid() != 0:
-        pytest.skip("needs openssh-server and root (.ci/run installs it)")
-    server = start_sshd(tmp_path_factory.mktemp("sshd"))
-    yield server
-    server.process.terminate()
-    server.process.wait(10)
-
 
 @pytest.mark.ssh
 def test_the_same_over_ssh(tmp_path, sglang_wheel, sshd):
