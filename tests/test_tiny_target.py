@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3ForCausalLM
 
+from eyas import hf_folder
 from eyas import tiny_target as tt
 
 REPO = Path(__file__).resolve().parents[1]
@@ -220,10 +221,10 @@ def test_train_settings_reject_nonsense():
 
 
 def test_plan_shards_cuts_contiguous_runs_of_exactly_the_asked_number():
-    plan = tt.plan_shards([100, 1, 1, 1, 50, 50, 1, 1, 1, 1], 8)
+    plan = hf_folder.plan_shards([100, 1, 1, 1, 50, 50, 1, 1, 1, 1], 8)
     assert plan == sorted(plan) and set(plan) == set(range(8))
     with pytest.raises(ValueError, match="num_shards"):
-        tt.plan_shards([1, 2], 3)
+        hf_folder.plan_shards([1, 2], 3)
 
 
 def test_save_hf_folder_writes_a_sharded_checkpoint_transformers_loads(saved):
