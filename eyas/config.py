@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -91,6 +91,8 @@ class ServerConfig(StrictModel):
     workdir: Path  #: on the server host: holds the log and pid files
     dump_dir: Path  #: on the server host: where the hidden-state dump records land
     chunked_prefill_size: int = 8192  #: prefill chunk; the collector reassembles the chunks
+    #: launch with hidden-state capture (extraction); the serving benchmark launches without it
+    capture_aux: bool = True
     stop_timeout_s: float = Field(30.0, gt=0)
 
     @property
@@ -116,6 +118,17 @@ class SensorConfig(StrictModel):
     http_timeout_s: float = Field(5.0, gt=0)
 
 
+class RegenerateConfig(StrictModel):
+    """Answer the training conversations' assistant turns again with the target (eyas/regenerate.py)."""
+
+    enabled: bool = False
+    max_new_tokens: int = Field(512, ge=1)  #: per assistant turn
+    temperature: float = Field(0.0, ge=0)  #: 0 = greedy; above, a seed per conversation and turn
+    seed: int = 0
+    num_parts: int = Field(8, ge=1)  #: resumable units: a finished part is never asked again
+    output_dir: Path | None = None  #: None = <extraction.output_dir>/regenerated
+
+
 class DataConfig(StrictModel):
     """The conversations the drafter is trained on."""
 
@@ -125,6 +138,24 @@ class DataConfig(StrictModel):
     max_length: int = Field(512, gt=1)  #: tokens per sequence
     overlong: Literal["truncate", "drop"] = "truncate"
     num_heldout: int = Field(8, ge=0)  #: last N conversations: evaluation prompts, never trained on
+    #: a bad input line (malformed, empty assistant turn, ids outside the vocabulary): "error" stops
+    #: with file:line; "skip" drops it, counts it and names it in the data stats
+    bad_lines: Literal["error", "skip"] = "error"
+    regenerate: RegenerateConfig = RegenerateConfig()
+
+
+class EndpointConfig(StrictModel):
+    """A further target server that extraction sends requests to (started outside this flow)."""
+
+    url: str = Field(pattern=r"^https?://")  #: e.g. http://gpu-node-2:30000
+    dump_dir: Path  #: where that server writes dump records, as seen from the pipeline machine
+    concurrency: int | None = Field(None, ge=1)  #: requests in flight there; None = extraction.concurrency
+
+    @model_validator(mode="after")
+    def _check_dump_dir(self) -> "EndpointConfig":
+        if not self.dump_dir.is_absolute():
+            raise ValueError(f"endpoint {self.url}: dump_dir must be absolute, got {self.dump_dir}")
+        return self
 
 
 class ExtractionConfig(StrictModel):
@@ -132,10 +163,23 @@ class ExtractionConfig(StrictModel):
 
     output_dir: Path
     num_shards: int = Field(4, ge=1)
-    concurrency: int = Field(4, ge=1)  #: requests in flight per server
+    concurrency: int = Field(4, ge=1)  #: requests in flight per server (over all shards at once)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    #: "plain" stores hidden states in `dtype`; "fp8_e4m3" stores e4m3 with one float32 scale per
+    #: token and layer (about half the bytes; readers get bf16 back; error in each manifest)
+    encoding: Literal["plain", "fp8_e4m3"] = "plain"
     request_timeout_s: float = Field(300.0, gt=0)
     record_timeout_s: float = Field(60.0, gt=0)  #: wait for dump records after the response
+    #: transient failures (connection lost, timeout, 5xx) are retried this often per sequence,
+    #: with exponential backoff from retry_backoff_s, on any server not backing off
+    request_retries: int = Field(5, ge=0)
+    retry_backoff_s: float = Field(2.0, gt=0)
+    collect_workers: int = Field(2, ge=1)  #: sequences validated and written at once (bounds memory)
+    #: refuse to start when the output disk would have less than this left after extraction
+    keep_free_gb: float = Field(1.0, ge=0)
+    #: more servers of the same target, besides the one the flow launches; requests go to whichever
+    #: has a free slot, each with at most its concurrency in flight
+    endpoints: list[EndpointConfig] = []
 
 
 class DrafterShape(StrictModel):
@@ -147,38 +191,118 @@ class DrafterShape(StrictModel):
     intermediate_size: int | None = None
 
 
+class DistributedConfig(StrictModel):
+    """Training on several processes through torchrun, launched through the Host seam (eyas/distributed.py).
+
+    The default (one process, one host) trains inside the flow's own process. Shards and
+    training.output_dir must be on a filesystem every training host sees at the same paths.
+    """
+
+    nproc_per_node: int = Field(1, ge=1)  #: processes per node, one per GPU
+    #: one host per node; empty = this machine. Node 0's hostname is the rendezvous address.
+    hosts: list[HostConfig] = []
+    strategy: Literal["ddp", "fsdp"] = "ddp"  #: fsdp shards gradients and optimizer state (ZeRO-2)
+    master_port: int = Field(29511, ge=1, le=65535)
+    python: str | None = None  #: interpreter on the training hosts; None = this one (local) or python3
+    env: dict[str, str] = {}  #: e.g. NCCL_SOCKET_IFNAME, CUDA_VISIBLE_DEVICES
+    timeout_s: float = Field(7 * 24 * 3600.0, gt=0)  #: the whole run, all nodes
+
+    @property
+    def launched(self) -> bool:
+        """True when training runs under torchrun rather than in the calling process."""
+        return self.nproc_per_node > 1 or len(self.hosts) > 1 or any(h.kind == "ssh" for h in self.hosts)
+
+
 class TrainingConfig(StrictModel):
-    """EAGLE-3 drafter training."""
+    """EAGLE-3 drafter training (docs/training.md explains every field)."""
 
     output_dir: Path
     drafter: DrafterShape = DrafterShape()
     draft_vocab_size: int = Field(1024, gt=0)
     ttt_steps: int = Field(3, ge=1)  #: training-time-test unroll length
     loss_decay: float = Field(0.8, gt=0, le=1)  #: weight of TTT step k is loss_decay**k
-    max_steps: int = Field(300, ge=1)
-    batch_size: int = Field(4, ge=1)  #: sequences per step
-    lr: float = Field(1e-3, gt=0)
-    warmup_steps: int = Field(20, ge=0)
+    #: which predicted tokens carry a label: "assistant" (the loss mask) or "all" (every real token;
+    #: more signal on small data, the prompt's tokens included). The draft vocab is counted on the mask.
+    loss_positions: Literal["assistant", "all"] = "assistant"
+    max_steps: int = Field(300, ge=1)  #: optimizer steps
+    batch_size: int = Field(4, ge=1)  #: sequences per micro-batch, per process
+    grad_accum: int = Field(1, ge=1)  #: micro-batches per optimizer step, per process
+    #: global batches per length-sorting window: sequences of similar length share a micro-batch
+    #: (less padding); 1 = plain shuffled batches
+    length_grouping: int = Field(16, ge=1)
+    lr: float = Field(1e-3, gt=0)  #: peak learning rate (AdamW, betas 0.9/0.95)
+    warmup_steps: int = Field(20, ge=0)  #: linear warmup, then cosine decay to 10% of the peak
     weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(0.5, gt=0)
+    grad_clip: float = Field(0.5, gt=0)  #: max global gradient norm
+    precision: Literal["bf16", "fp32"] = "bf16"  #: on GPU: bf16 autocast over fp32 master weights
+    #: fuse the elementwise regions with torch.compile (eyas/fused.py); None = on a GPU only
+    compile: bool | None = None
     seed: int = 0
     device: str = "auto"  #: "auto" = cuda if available else cpu
     checkpoint_every: int = Field(100, ge=1)
+    #: held-out sequences for the simulated acceptance length; None = 5% of the data, at most 64
+    num_heldout: int | None = Field(None, ge=0)
+    eval_every: int = Field(0, ge=0)  #: simulated acceptance length every N steps (0 = at the end only)
+    distributed: DistributedConfig = DistributedConfig()
 
 
 class EvaluationConfig(StrictModel):
     """Acceptance length of greedy chain speculative decoding against the target."""
 
-    draft_steps: int = Field(3, ge=1)
+    #: draft steps per verify, one chain setting each (steps/topk 1/steps+1 draft tokens, as SGLang
+    #: writes 3/1/4 and 7/1/8); the first is the run's headline acceptance_length
+    draft_steps: list[int] = Field([3], min_length=1)
     max_new_tokens: int = Field(64, ge=1)
     num_prompts: int = Field(8, ge=1)  #: taken from the held-out conversations
     device: str = "cpu"
+
+    @field_validator("draft_steps", mode="before")
+    @classmethod
+    def _one_or_many(cls, v):
+        return [v] if isinstance(v, int) else v
+
+    @field_validator("draft_steps")
+    @classmethod
+    def _positive(cls, v):
+        if any(k < 1 for k in v) or len(set(v)) != len(v):
+            raise ValueError(f"draft_steps must be distinct and >= 1, got {v}")
+        return v
 
 
 class ExportConfig(StrictModel):
     """The drafter folder SGLang loads with --speculative-draft-model-path."""
 
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+
+class BenchmarkConfig(StrictModel):
+    """Serving speed with and without the drafter: the same server launched twice, same prompts."""
+
+    enabled: bool = True
+    speculative_num_steps: int = Field(3, ge=1)  #: SGLang --speculative-num-steps
+    speculative_eagle_topk: int = Field(1, ge=1)  #: --speculative-eagle-topk (eyas-local: 1 only)
+    speculative_num_draft_tokens: int = Field(4, ge=2)  #: --speculative-num-draft-tokens
+    #: extra flags for the speculative launch only, e.g. ["--cuda-graph-max-bs", "8"]
+    speculative_launch_args: list[str] = []
+    num_prompts: int = Field(8, ge=1)  #: held-out prompts, the same for both servers
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0)  #: 0 = greedy, where the outputs must be identical
+    ignore_eos: bool = True  #: every request decodes max_new_tokens, so both servers do equal work
+    num_warmup: int = Field(2, ge=0)  #: requests sent first and left out of every figure
+    num_repeats: int = Field(3, ge=1)  #: figures are medians over this many passes
+    concurrency: int = Field(4, ge=1)  #: requests in flight for the throughput figure
+    #: both servers up at once (server.port and server.port + 1), passes alternating: fairer on a
+    #: shared machine, and only for targets small enough to be served twice at the same time
+    interleave: bool = False
+    request_timeout_s: float = Field(300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_chain(self) -> "BenchmarkConfig":
+        if self.speculative_eagle_topk == 1 and self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
+            raise ValueError(f"with speculative_eagle_topk 1, speculative_num_draft_tokens must be "
+                             f"speculative_num_steps + 1 = {self.speculative_num_steps + 1}, got "
+                             f"{self.speculative_num_draft_tokens}")
+        return self
 
 
 class PipelineConfig(StrictModel):
@@ -194,6 +318,7 @@ class PipelineConfig(StrictModel):
     training: TrainingConfig
     evaluation: EvaluationConfig = EvaluationConfig()
     export: ExportConfig = ExportConfig()
+    benchmark: BenchmarkConfig = BenchmarkConfig()
 
     @model_validator(mode="after")
     def _check_remote_paths(self) -> "PipelineConfig":
@@ -207,7 +332,8 @@ class PipelineConfig(StrictModel):
 
 
 # Fields holding paths on this machine, or on the server host when that host is local.
-_LOCAL_PATHS = ["run_dir", "data.path", "data.tokenizer", "extraction.output_dir", "training.output_dir"]
+_LOCAL_PATHS = ["run_dir", "data.path", "data.tokenizer", "data.regenerate.output_dir", "extraction.output_dir",
+                "training.output_dir"]
 _SERVER_PATHS = ["target.checkpoint", "server.workdir", "server.dump_dir"]
 
 

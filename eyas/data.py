@@ -1,11 +1,18 @@
-"""Conversations to token ids and loss masks, and the deterministic shard plan.
+"""Input records to token ids and loss masks, and the deterministic shard plan.
 
-    convs = load_conversations(cfg.data.path)
-    prepared = prepare(convs, tokenizer, cfg.data)
-    plans = write_shard_plans(prepared.train, cfg.extraction.num_shards, plan_dir)
+    records, skipped = load_records(cfg.data.path, vocab_size=4096, bad_lines="error")
+    prepared = prepare(records, tokenizer, cfg.data, vocab_size=4096)
+    plans = write_shard_plans(prepared.train, cfg.extraction.num_shards, plan_dir, info={...})
 
-The loss mask covers the assistant's tokens: each assistant turn is found by rendering the
-conversation up to that turn with and without it, so the mask follows the chat template exactly.
+Two kinds of JSONL lines, mixed freely: conversations `{"messages": [{"role", "content"}, ...]}`,
+tokenized here with the target's tokenizer and chat template, and pre-tokenized records
+`{"input_ids": [...], "loss_mask": [...]}`, taken as they are. The loss mask covers the assistant's
+tokens: each assistant turn is found by rendering the conversation up to that turn with and
+without it, so the mask follows the chat template exactly.
+
+A bad line (malformed JSON, missing or empty messages, an empty assistant turn, token ids outside
+the target's vocabulary, ...) is an error naming `file:line`, or with `bad_lines: skip` a counted
+skip that names the line in the stats. Nothing is written until every line has been read.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from eyas.config import DataConfig
 from eyas.shards import write_json_atomic
 
 ROLES = {"system", "user", "assistant"}
+PLAN_FORMAT = "eyas-plan/1"
+MAX_NAMED_SKIPS = 50  # the stats name at most this many skipped lines (and count all)
 
 
 class DataError(ValueError):
@@ -33,40 +42,101 @@ class TokenizedSample:
 
 
 @dataclass
+class Record:
+    """One usable input line: a conversation, or a pre-tokenized sample."""
+
+    where: str  # "file:line"
+    messages: list[dict[str, str]] | None = None
+    tokens: TokenizedSample | None = None
+
+
+@dataclass
 class Prepared:
     train: list[TokenizedSample]
     heldout_prompts: list[list[int]]  # rendered up to the first assistant turn
-    stats: dict[str, int] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _check_messages(record: Any, where: str) -> list[dict[str, str]]:
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: missing or empty 'messages'")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: message {j} needs a role in {sorted(ROLES)} and string content")
+        if m["role"] == "assistant" and not m["content"].strip():
+            raise DataError(f"{where}: message {j} is an empty assistant turn")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: no assistant turn, so nothing to train on")
+    return messages
+
+
+def check_ids(ids: list[int], vocab_size: int | None, where: str) -> None:
+    """Token ids must be ints in 0..vocab_size-1 (the target's embedding has no row for others)."""
+    for i, tok in enumerate(ids):
+        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+            bound = f"0..{vocab_size - 1}" if vocab_size is not None else ">= 0"
+            raise DataError(f"{where}: token id {tok!r} at position {i} is outside the vocabulary ({bound})")
+
+
+def _check_tokenized(record: dict, where: str, vocab_size: int | None) -> TokenizedSample:
+    ids, mask = record.get("input_ids"), record.get("loss_mask")
+    if not isinstance(ids, list) or not ids:
+        raise DataError(f"{where}: 'input_ids' must be a non-empty list of token ids")
+    if not isinstance(mask, list) or len(mask) != len(ids):
+        raise DataError(f"{where}: 'loss_mask' must be a list as long as input_ids ({len(ids)}), "
+                        f"got {type(mask).__name__} of length {len(mask) if isinstance(mask, list) else '-'}")
+    if any(m not in (0, 1) or isinstance(m, bool) for m in mask):
+        raise DataError(f"{where}: 'loss_mask' must hold only 0 and 1")
+    if not any(mask):
+        raise DataError(f"{where}: 'loss_mask' is all zero, so nothing to train on")
+    check_ids(ids, vocab_size, where)
+    return TokenizedSample(list(ids), list(mask))
+
+
+def load_records(path: str | Path, *, vocab_size: int | None = None,
+                 bad_lines: str = "error") -> tuple[list[Record], list[str]]:
+    """Read and check every line; returns (records, skipped "file:line: reason" messages).
+
+    bad_lines "error" raises DataError on the first bad line; "skip" skips it and names it.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: data file not found")
+    records, skipped = [], []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                try:
+                    raw = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: malformed JSON ({e.msg})") from None
+                if isinstance(raw, dict) and "input_ids" in raw and "messages" not in raw:
+                    records.append(Record(where, tokens=_check_tokenized(raw, where, vocab_size)))
+                else:
+                    records.append(Record(where, messages=_check_messages(raw, where)))
+            except DataError as e:
+                if bad_lines != "skip":
+                    raise
+                skipped.append(str(e))
+    if not records:
+        if skipped:
+            raise DataError(f"{path}: no usable conversations in the file ({len(skipped)} bad line(s) "
+                            f"skipped, e.g. {skipped[:3]})")
+        raise DataError(f"{path}: no conversations in the file (it is empty)")
+    return records, skipped
 
 
 def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
     """Read JSONL conversations ({"messages": [{"role", "content"}, ...]}), checking every line."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: data file not found")
-    convs = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: malformed JSON ({e.msg})") from None
-        messages = record.get("messages") if isinstance(record, dict) else None
-        if not isinstance(messages, list) or not messages:
-            raise DataError(f"{where}: missing or empty 'messages'")
-        for j, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise DataError(f"{where}: message {j} needs a role in {sorted(ROLES)} and string content")
-            if m["role"] == "assistant" and not m["content"].strip():
-                raise DataError(f"{where}: message {j} is an empty assistant turn")
-        if not any(m["role"] == "assistant" for m in messages):
-            raise DataError(f"{where}: no assistant turn, so nothing to train on")
-        convs.append(messages)
-    if not convs:
-        raise DataError(f"{path}: no conversations in the file")
-    return convs
+    records, _ = load_records(path)
+    for r in records:
+        if r.messages is None:
+            raise DataError(f"{r.where}: missing or empty 'messages' (a pre-tokenized record; use load_records)")
+    return [r.messages for r in records]
 
 
 def _render(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
@@ -87,36 +157,98 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]]) -> Tokenize
     return TokenizedSample(ids, mask)
 
 
-def prepare(convs: list[list[dict[str, str]]], tokenizer, cfg: DataConfig) -> Prepared:
-    """Tokenize, apply the length policy, and hold out the last conversations for evaluation."""
-    num_heldout = min(cfg.num_heldout, len(convs) - 1)
-    train_convs, heldout = convs[: len(convs) - num_heldout], convs[len(convs) - num_heldout:]
-    stats = {"conversations": len(train_convs), "truncated": 0, "dropped_overlong": 0,
-             "dropped_no_loss": 0}
+def prepare(records: list, tokenizer, cfg: DataConfig, *, vocab_size: int | None = None,
+            skipped: list[str] | None = None) -> Prepared:
+    """Tokenize, apply the length policy, and hold out the last records for evaluation.
+
+    `records` are Records (load_records) or bare message lists (load_conversations). Every drop is
+    counted in the stats, and the first MAX_NAMED_SKIPS are named with their line.
+    """
+    records = [r if isinstance(r, Record) else Record(f"{cfg.path}:#{k + 1}", messages=r)
+               for k, r in enumerate(records)]
+    num_heldout = min(cfg.num_heldout, len(records) - 1)
+    train_recs, heldout = records[: len(records) - num_heldout], records[len(records) - num_heldout:]
+    skipped = list(skipped or [])
+    stats: dict[str, Any] = {"conversations": len(train_recs), "truncated": 0, "dropped_overlong": 0,
+                             "dropped_no_loss": 0, "skipped_bad_lines": len(skipped)}
+
+    def skip(reason: str) -> None:
+        if cfg.bad_lines != "skip":
+            raise DataError(reason)
+        stats["skipped_bad_lines"] += 1
+        skipped.append(reason)
+
     train = []
-    for messages in train_convs:
-        s = tokenize_conversation(tokenizer, messages)
+    for r in train_recs:
+        try:
+            s = r.tokens or tokenize_conversation(tokenizer, r.messages)
+        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation: name the line
+            skip(f"{r.where}: the chat template cannot render this conversation ({type(e).__name__}: {e})")
+            continue
+        if r.messages is not None:
+            try:
+                check_ids(s.input_ids, vocab_size, f"{r.where} (after tokenizing)")
+            except DataError as e:
+                skip(str(e))
+                continue
         if len(s.input_ids) > cfg.max_length:
             if cfg.overlong == "drop":
                 stats["dropped_overlong"] += 1
+                skipped.append(f"{r.where}: {len(s.input_ids)} tokens > data.max_length {cfg.max_length}, dropped")
                 continue
             s = TokenizedSample(s.input_ids[: cfg.max_length], s.loss_mask[: cfg.max_length])
             stats["truncated"] += 1
         if not any(s.loss_mask):
             stats["dropped_no_loss"] += 1  # truncation cut every assistant token
+            skipped.append(f"{r.where}: no assistant token left within data.max_length, dropped")
             continue
         train.append(s)
     if not train:
         raise DataError(f"{cfg.path}: no trainable sequence left after the length policy ({stats})")
     prompts = []
-    for messages in heldout:
-        first = next(j for j, m in enumerate(messages) if m["role"] == "assistant")
-        prompts.append(_render(tokenizer, messages[:first], add_generation_prompt=True)[-cfg.max_length:])
+    for r in heldout:
+        if r.messages is not None:
+            first = next(j for j, m in enumerate(r.messages) if m["role"] == "assistant")
+            prompt = _render(tokenizer, r.messages[:first], add_generation_prompt=True)
+        else:
+            prompt = r.tokens.input_ids[: r.tokens.loss_mask.index(1)] or r.tokens.input_ids[:1]
+        prompts.append(prompt[-cfg.max_length:])
     stats["sequences"] = len(train)
     stats["tokens"] = sum(len(s.input_ids) for s in train)
     stats["loss_tokens"] = sum(sum(s.loss_mask) for s in train)
+    stats["skipped_lines"] = skipped[:MAX_NAMED_SKIPS]
     return Prepared(train, prompts, stats)
 
+
+# ---------------------------------------------------------------------------------------------
+# Provenance: what the token ids depend on
+# ---------------------------------------------------------------------------------------------
+
+def tokenizer_hashes(tokenizer, folder: str | Path | None = None) -> dict[str, str | None]:
+    """sha256 of the tokenizer (its tokenizer.json, else its vocabulary) and of its chat template."""
+    tok_hash = None
+    if folder is not None and (Path(folder) / "tokenizer.json").exists():
+        tok_hash = sha256_file(Path(folder) / "tokenizer.json")
+    elif hasattr(tokenizer, "get_vocab"):
+        tok_hash = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = json.dumps(template, sort_keys=True)
+    return {"tokenizer_sha256": tok_hash,
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None}
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# The shard plan
+# ---------------------------------------------------------------------------------------------
 
 @dataclass
 class ShardPlan:
@@ -126,17 +258,23 @@ class ShardPlan:
     content_hash: str  # sha256 over the shard's ids and masks
     num_sequences: int
     num_tokens: int
+    provenance: dict[str, Any] = field(default_factory=dict)  # tokenizer hashes etc., for manifests
 
     @property
     def name(self) -> str:
         return f"shard-{self.index:05d}"
 
 
-def write_shard_plans(samples: list[TokenizedSample], num_shards: int, plan_dir: str | Path) -> list[ShardPlan]:
-    """Split samples into contiguous shards by index and write one plan file per shard."""
+def write_shard_plans(samples: list[TokenizedSample], num_shards: int, plan_dir: str | Path,
+                      info: dict[str, Any] | None = None) -> list[ShardPlan]:
+    """Split samples into contiguous shards by index and write one plan file per shard.
+
+    plan.json (written last) lists the shards and carries `info` (provenance, data stats).
+    """
     plan_dir = Path(plan_dir)
     num_shards = max(1, min(num_shards, len(samples)))
     bounds = [round(k * len(samples) / num_shards) for k in range(num_shards + 1)]
+    info = dict(info or {})
     plans = []
     for k in range(num_shards):
         chunk = samples[bounds[k]: bounds[k + 1]]
@@ -144,11 +282,12 @@ def write_shard_plans(samples: list[TokenizedSample], num_shards: int, plan_dir:
                  for s in chunk]
         digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
         path = plan_dir / f"shard-{k:05d}.plan.jsonl"
-        if not path.exists() or _sha256_lines(path) != digest:
+        if not path.exists() or plan_file_hash(path) != digest:
             _write_text_atomic(path, "\n".join(lines) + "\n")
         plans.append(ShardPlan(k, num_shards, path, digest, len(chunk),
-                               sum(len(s.input_ids) for s in chunk)))
-    write_json_atomic(plan_dir / "plan.json", [_plan_json(p) for p in plans])
+                               sum(len(s.input_ids) for s in chunk), info.get("provenance", {})))
+    write_json_atomic(plan_dir / "plan.json", {"format": PLAN_FORMAT, **info,
+                                               "shards": [_plan_json(p) for p in plans]})
     return plans
 
 
@@ -156,13 +295,20 @@ def read_shard_plan(path: str | Path) -> list[TokenizedSample]:
     return [TokenizedSample(**json.loads(line)) for line in Path(path).read_text().splitlines() if line]
 
 
+def read_plan_index(plan_dir: str | Path) -> dict[str, Any]:
+    """plan.json: {"format", "shards": [...], provenance, stats}; a list in plans before eyas-plan/1."""
+    raw = json.loads((Path(plan_dir) / "plan.json").read_text())
+    return {"format": None, "shards": raw} if isinstance(raw, list) else raw
+
+
+def plan_file_hash(path: str | Path) -> str:
+    """The content hash of a plan file, as write_shard_plans computes it."""
+    return hashlib.sha256(Path(path).read_text().rstrip("\n").encode()).hexdigest()
+
+
 def _plan_json(p: ShardPlan) -> dict[str, Any]:
-    return {"index": p.index, "path": str(p.path), "content_hash": p.content_hash,
+    return {"index": p.index, "name": p.name, "path": str(p.path), "content_hash": p.content_hash,
             "num_sequences": p.num_sequences, "num_tokens": p.num_tokens}
-
-
-def _sha256_lines(path: Path) -> str:
-    return hashlib.sha256(path.read_text().rstrip("\n").encode()).hexdigest()
 
 
 def _write_text_atomic(path: Path, text: str) -> None:

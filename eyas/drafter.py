@@ -3,20 +3,24 @@
     cfg = DrafterConfig(hidden_size=256, target_hidden_size=256, num_attention_heads=4, ...)
     drafter = Eagle3Drafter(cfg)
     logits, h = drafter(input_ids, aux, positions, causal_mask(T))            # one step
-    logits, h = drafter(next_ids, h, positions + 1, causal_mask(T), ttt=kv)  # a TTT step
+    h, hn = drafter.step(next_ids, h, positions + 1, None, ttt=kv)            # a TTT step (training)
 
 One step: fc(concat of the target's 3 aux hidden states) -> one Llama decoder layer whose q/k/v read
 concat(input_layernorm(embed(token)), hidden_norm(h)) -> final norm -> lm_head over the draft vocab.
 The residual stream of the layer starts from h (not from the embedding), as in SGLang; the pre-norm
 output h is what the next draft step reads instead of fc(aux).
 
-State-dict names are SGLang's checkpoint names (`fc.weight`, `midlayer.self_attn.q_proj.weight`,
-`norm.weight`, `lm_head.weight`, `d2t`, `t2d`), so export is a rename-free dtype cast.
+The elementwise pieces (norms, RoPE, residual adds, SwiGLU) go through eyas/fused.py, which
+torch.compile fuses on a GPU. State-dict names are SGLang's checkpoint names (`fc.weight`,
+`midlayer.self_attn.q_proj.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`), so export is a
+rename-free dtype cast.
 
 Attention has two modes:
 - training-time test (TTT): `ttt` is a list the caller keeps across the unrolled steps. At step k
-  the query at position t attends to step 0's keys at positions <= t (masked by `mask`) and to its
-  own position t in steps 1..k (the "cache_hidden" scheme of EAGLE-3 / SpecForge).
+  the query at position t attends to step 0's keys at positions <= t and to its own position t in
+  steps 1..k (the "cache_hidden" scheme of EAGLE-3 / SpecForge). With `mask=None` this runs as one
+  causal flash attention plus diagonal terms (eyas/attention.py), never forming the T x T scores;
+  with an explicit `mask` it runs the plain masked-softmax reference.
 - drafting: `cache` is a KVCache; the new keys are appended and `mask` spans cache + new keys.
 """
 
@@ -28,6 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from eyas import fused
+from eyas.attention import ttt_attention
 
 
 @dataclass
@@ -62,10 +69,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x):  # (..., dim) -> same dtype as x; statistics in fp32 (F.rms_norm upcasts)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
@@ -121,23 +127,28 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
     def _heads(self, t):  # (B, nkv, S, hd) -> (B, nh, S, hd)
-        return t.repeat_interleave(self.nh // self.nkv, dim=1)
+        return t if self.nh == self.nkv else t.repeat_interleave(self.nh // self.nkv, dim=1)
 
     def forward(self, x, cos, sin, mask, ttt=None, cache=None):
         B, T, _ = x.shape  # x (B, T, 2H)
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = fused.rope_qk(q, k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, nkv, L+T, hd)
+        scale = 1.0 / math.sqrt(self.hd)
         if ttt is not None:
             ttt.append((k, v))
             (k, v), diag = ttt[0], ttt[1:]  # step 0's keys; one same-position key per later step
+            if mask is None:  # causal over step 0 + diagonal over steps 1..k, O(T) memory
+                y = ttt_attention(q, self._heads(k), self._heads(v), [self._heads(kd) for kd, _ in diag],
+                                  [self._heads(vd) for _, vd in diag], scale)  # (B, nh, T, hd)
+                return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
         else:
             diag = []
         k, v = self._heads(k), self._heads(v)
-        S, scale = k.shape[2], 1.0 / math.sqrt(self.hd)
+        S = k.shape[2]
         att = (q @ k.transpose(-2, -1)) * scale + mask  # (B, nh, T, S)
         extra = [(q * self._heads(kd)).sum(-1, keepdim=True) * scale for kd, _ in diag]  # (B, nh, T, 1)
         att = F.softmax(torch.cat([att, *extra], dim=-1).float(), dim=-1).to(q.dtype)
@@ -145,6 +156,20 @@ class Attention(nn.Module):
         for j, (_, vd) in enumerate(diag):
             y = y + att[..., S + j, None] * self._heads(vd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(g) * u keeping only g and u for the backward (silu(g) is recomputed): a third less MLP memory."""
+
+    @staticmethod
+    def forward(ctx, g, u):  # (B, T, I) each
+        ctx.save_for_backward(g, u)
+        return F.silu(g) * u
+
+    @staticmethod
+    def backward(ctx, dy):  # the same kernels autograd would run for F.silu(g) * u
+        g, u = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(dy * u, g), dy * F.silu(g)
 
 
 class MLP(nn.Module):
@@ -155,7 +180,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = self.gate_proj(x), self.up_proj(x)  # (B, T, I)
+        return self.down_proj(fused.swiglu(g, u) if fused.compiling() else _SwiGLU.apply(g, u))
 
 
 class DecoderLayer(nn.Module):
@@ -167,10 +193,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, emb, h, cos, sin, mask, ttt=None, cache=None):
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)  # (B, T, 2H)
-        h = h + self.self_attn(x, cos, sin, mask, ttt, cache)  # residual stream starts at h
-        return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, H)
+    def forward(self, emb, h, cos, sin, mask, ttt=None, cache=None, final_norm: RMSNorm | None = None):
+        """-> (h_out (B, T, H), final_norm(h_out) or None): the final norm fused with the last add."""
+        eps = self.input_layernorm.eps
+        x = fused.norm_cat(emb, h, self.input_layernorm.weight, self.hidden_norm.weight, eps)  # (B, T, 2H)
+        h, x = fused.add_norm(h, self.self_attn(x, cos, sin, mask, ttt, cache),  # residual stream starts at h
+                              self.post_attention_layernorm.weight, eps)
+        out = self.mlp(x)
+        if final_norm is None:
+            return h + out, None
+        return fused.add_norm(h, out, final_norm.weight, final_norm.eps)
 
 
 class Eagle3Drafter(nn.Module):
@@ -204,14 +236,21 @@ class Eagle3Drafter(nn.Module):
         """One draft step.
 
         input_ids (B, T) target ids; hidden (B, T, num_aux*H_t) target aux states, or (B, T, H) the
-        previous step's output; positions (T,) or (B, T); mask additive (1|B, 1, T, S).
+        previous step's output; positions (T,) or (B, T); mask additive (1|B, 1, T, S), or None for
+        causal TTT attention on the fast path (only with `ttt`).
         Returns logits over the draft vocab (B, T, V_d) (None unless with_logits) and the pre-norm
         output (B, T, H), which the next step reads.
         """
+        h, hn = self.step(input_ids, hidden, positions, mask, ttt, cache)
+        return (self.lm_head(hn) if with_logits else None), h
+
+    def step(self, input_ids, hidden, positions, mask, ttt=None, cache=None):
+        """forward() without the head -> (pre-norm output h (B, T, H), norm(h))."""
         emb = self.embed_tokens(input_ids)  # (B, T, H)
         if hidden.shape[-1] != self.cfg.hidden_size:  # SGLang's rule: fc only on the target's states
             hidden = self.fc(hidden)  # (B, T, H)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        h = self.midlayer(emb.to(hidden.dtype), hidden, cos.to(hidden.dtype), sin.to(hidden.dtype),
-                          mask.to(hidden.dtype), ttt, cache)
-        return (self.logits(h) if with_logits else None), h
+        if mask is None and ttt is None:
+            raise ValueError("Eagle3Drafter: mask=None (causal fast path) needs ttt")
+        return self.midlayer(emb.to(hidden.dtype), hidden, cos.to(hidden.dtype), sin.to(hidden.dtype),
+                             None if mask is None else mask.to(hidden.dtype), ttt, cache, final_norm=self.norm)

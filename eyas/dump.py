@@ -256,10 +256,43 @@ def assemble(records: list[DumpRecord], expected_token_ids: list[int], *,
     must equal the ones sent, shapes and metadata must agree across chunks, values must be finite.
     `rid` only names the request in the error when there are no records at all.
     """
+    records = sorted(records, key=lambda r: r.prefix_offset)
+    meta = validate(records, expected_token_ids, rid=rid)
+    return AssembledSample(
+        rid=records[0].rid,
+        token_ids=torch.cat([r.token_ids for r in records]),
+        aux_hidden_states=torch.cat([r.aux_hidden_states for r in records]),
+        last_hidden_state=torch.cat([r.last_hidden_state for r in records]),
+        meta=meta,
+    )
+
+
+# A float is NaN or inf exactly when its exponent bits are all ones: (bit view, exponent mask).
+_EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+             torch.float32: (torch.int32, 0x7F800000)}
+
+
+def _all_finite(x: torch.Tensor, rows: int = 256) -> bool:
+    """No NaN or inf in x, checked on the exponent bits in blocks of rows: ~7 GB/s for bf16 where
+    torch.isfinite manages ~0.1 GB/s, and the temporary stays small for a 4k-token chunk."""
+    if x.dtype not in _EXPONENT or x.dim() != 2 or not x.is_contiguous():
+        return bool(torch.isfinite(x).all())
+    view, mask = _EXPONENT[x.dtype]
+    bits = x.view(view).numpy()
+    return all(int((bits[a:a + rows] & mask).max(initial=0)) != mask for a in range(0, bits.shape[0], rows))
+
+
+def validate(records: list[DumpRecord], expected_token_ids: list[int], *, rid: str | None = None) -> dict[str, Any]:
+    """assemble's checks without concatenating (a collector can then write chunk by chunk).
+
+    `records` must be sorted by prefix_offset (read_records returns them so). Returns the metadata
+    shared by the chunks, plus num_tokens and num_chunks.
+    """
     if not records:
         raise DumpError(rid, "no records found (was EYAS_DUMP_DIR set on the server, and aux "
                              "capture enabled?)")
-    records = sorted(records, key=lambda r: r.prefix_offset)
+    if any(a.prefix_offset > b.prefix_offset for a, b in zip(records, records[1:])):
+        records = sorted(records, key=lambda r: r.prefix_offset)
     rid = records[0].rid
     first = records[0].meta
     num_layers = len(first["layer_ids"])
@@ -296,7 +329,7 @@ def assemble(records: list[DumpRecord], expected_token_ids: list[int], *,
             raise DumpError(rid, f"token id at position {pos + i} is {int(got[i])}, but "
                                  f"{int(sent[i])} was sent")
         for name in ("aux_hidden_states", "last_hidden_state"):
-            if not torch.isfinite(getattr(rec, name)).all():
+            if not _all_finite(getattr(rec, name)):
                 raise DumpError(rid, f"{where}: {name} has non-finite values (NaN or inf)")
         pos += n
     if pos != total:
@@ -305,10 +338,4 @@ def assemble(records: list[DumpRecord], expected_token_ids: list[int], *,
 
     meta = {k: first[k] for k in _SHARED_META}
     meta.update(num_tokens=total, num_chunks=len(records))
-    return AssembledSample(
-        rid=rid,
-        token_ids=torch.cat([r.token_ids for r in records]),
-        aux_hidden_states=torch.cat([r.aux_hidden_states for r in records]),
-        last_hidden_state=torch.cat([r.last_hidden_state for r in records]),
-        meta=meta,
-    )
+    return meta

@@ -1,7 +1,8 @@
 """Acceptance length of the exported drafter: greedy chain speculative decoding against the target.
 
     res = evaluate_acceptance(drafter_dir, target_checkpoint, prompts, cfg.evaluation, capture_ids)
-    res.acceptance_length  # tokens per target verify step, as SGLang reports it
+    res.acceptance_length           # tokens per target verify step, as SGLang reports it
+    res.settings["7/1/8"]           # one entry per evaluation.draft_steps (3/1/4, 7/1/8, ...)
 
 Per prompt: the target prefills the prompt (its argmax is the first new token) and the drafter
 prefills on the target's aux states; then each round the drafter proposes `draft_steps` tokens
@@ -10,7 +11,9 @@ the longest agreeing prefix plus the target's own next token (the bonus) is kept
 are rolled back to the kept tokens, and the drafter takes in the target's states for them.
 Acceptance length = completion tokens / verify steps (SGLang's `completion_tokens /
 spec_verify_ct`, so the prefill's token is counted too). The output is compared with plain greedy
-decoding of the target alone: speculative decoding must not change a single token.
+decoding of the target alone: speculative decoding must not change a single token. Each setting
+in `cfg.draft_steps` is a chain of that many draft steps, top-k 1, steps + 1 tokens per verify
+(SGLang's steps/topk/draft-tokens, 3/1/4 and 7/1/8); the target's reference output is computed once.
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from eyas.config import EvaluationConfig
 from eyas.drafter import KVCache, causal_mask
+
+if TYPE_CHECKING:
+    from eyas.config import EvaluationConfig
 
 
 @dataclass
@@ -35,6 +41,8 @@ class EvalResult:
     seconds: float
     accepted_per_verify: float = 0.0  # draft tokens accepted per verify step (no bonus, no prefill token)
     per_prompt: list[dict] = field(default_factory=list)
+    setting: str = ""  # the headline's "steps/1/steps+1"
+    settings: dict[str, dict] = field(default_factory=dict)  # every setting: the fields above, per setting
 
 
 def simulated_acceptance_length(per_step_acc) -> float:
@@ -135,20 +143,26 @@ def evaluate_acceptance(drafter_dir: str | Path, target_checkpoint: str | Path, 
     target.to(device)
     drafter.to(device)
     eos = _eos_ids(target)
-    total_new = verify_total = 0
-    identical, per_prompt = True, []
-    for prompt in prompts:
-        spec, steps = speculative_greedy(target, drafter, prompt, capture_ids, cfg.draft_steps,
-                                         cfg.max_new_tokens, eos)
-        ref = target_greedy(target, prompt, cfg.max_new_tokens, eos)
-        same = spec == ref
-        identical &= same
-        total_new, verify_total = total_new + len(spec), verify_total + steps
-        per_prompt.append({"prompt_tokens": len(prompt), "new_tokens": len(spec), "verify_steps": steps,
-                           "identical": same})
+    refs = [target_greedy(target, prompt, cfg.max_new_tokens, eos) for prompt in prompts]
+    settings = {}
+    for steps in cfg.draft_steps:
+        total_new = verify_total = 0
+        identical, per_prompt = True, []
+        for prompt, ref in zip(prompts, refs):
+            spec, n = speculative_greedy(target, drafter, prompt, capture_ids, steps, cfg.max_new_tokens, eos)
+            identical &= spec == ref
+            total_new, verify_total = total_new + len(spec), verify_total + n
+            per_prompt.append({"prompt_tokens": len(prompt), "new_tokens": len(spec), "verify_steps": n,
+                               "identical": spec == ref})
+        settings[f"{steps}/1/{steps + 1}"] = {
+            "acceptance_length": total_new / verify_total if verify_total else 1.0,
+            "total_new_tokens": total_new, "verify_steps": verify_total, "identical_to_target": identical,
+            "accepted_per_verify": (total_new - len(prompts)) / verify_total - 1 if verify_total else 0.0,
+            "per_prompt": per_prompt}
+    head, first = next(iter(settings)), next(iter(settings.values()))
     return EvalResult(
-        acceptance_length=total_new / verify_total if verify_total else 1.0,
-        num_prompts=len(prompts), total_new_tokens=total_new, verify_steps=verify_total,
-        identical_to_target=identical, seconds=round(time.monotonic() - t0, 3),
-        accepted_per_verify=(total_new - len(prompts)) / verify_total - 1 if verify_total else 0.0,
-        per_prompt=per_prompt)
+        acceptance_length=first["acceptance_length"], num_prompts=len(prompts),
+        total_new_tokens=first["total_new_tokens"], verify_steps=first["verify_steps"],
+        identical_to_target=all(s["identical_to_target"] for s in settings.values()),
+        seconds=round(time.monotonic() - t0, 3), accepted_per_verify=first["accepted_per_verify"],
+        per_prompt=first["per_prompt"], setting=head, settings=settings)

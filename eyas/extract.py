@@ -1,144 +1,235 @@
-"""Extraction of one shard: send its sequences through the server, collect the dumps, write the shard.
+"""Extraction of one shard: send its sequences through the server(s), collect the dumps, write the shard.
 
-    manifest = extract_shard(plan, out_dir, server_url=..., dump_dir=..., meta=..., ...)
+    with ServerPool([Endpoint(url, dump_dir, 4)], request_timeout_s=300) as pool:
+        manifest, reused = ensure_shard(plan, out_dir, cache_key, pool=pool, capture_ids=[2, 4, 5],
+                                        dtype="bfloat16", meta={...}, on_progress=print)
 
 Each sequence is one /generate request with its own rid and max_new_tokens=1 (the prefill is what
-we want). The server's hook writes one dump record per prefill chunk before it answers; the
-collector then reassembles the chunks, checks them against the ids we sent (eyas.dump.assemble),
-and streams the sample into the shard file. A shard that fails leaves no file behind.
+we want), sent through a ServerPool (eyas.client: async, bounded in flight per server, retried with
+backoff on transient errors). The server's hook writes one dump record per prefill chunk before it
+answers; the collector then checks the chunks against the ids we sent (eyas.dump.validate: coverage
+without gap or overlap, token ids, shapes, finite values, the captured layers) and writes them
+chunk by chunk into their place in the shard file, a few sequences at a time (`collect_workers`), so
+memory stays bounded by those sequences. A shard that fails leaves no file behind; a shard on disk
+is reused only if it matches its manifest and cache key.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
+import threading
 import time
 import uuid
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import httpx
 import torch
 
-from eyas.data import ShardPlan, read_shard_plan
-from eyas.dump import assemble, read_records, remove_records
-from eyas.shards import DTYPES, Sample, ShardWriter, manifest_path, verify_shard
+from eyas.client import Endpoint, RequestFailed, ServerPool, attempt_rids
+from eyas.data import ShardPlan, plan_file_hash, read_shard_plan
+from eyas.dump import DumpError, read_records, remove_records, validate
+from eyas.shards import DTYPES, ShardError, ShardWriter, bytes_per_token, partial_path, verify_shard
+
+SAMPLING = {"max_new_tokens": 1, "temperature": 0}
 
 
 class ExtractionError(RuntimeError):
     """A shard could not be extracted; names the shard and the sequence."""
 
 
+@dataclass
+class ShardProgress:
+    shard: str
+    samples_done: int
+    num_samples: int
+    tokens_done: int
+    num_tokens: int
+    bytes_done: int  # estimated from the tokens written
+    seconds: float
+
+
 def shard_path(out_dir: str | Path, plan: ShardPlan) -> Path:
     return Path(out_dir) / f"{plan.name}.safetensors"
 
 
-def existing_shard(out_dir: str | Path, plan: ShardPlan, cache_key: str) -> dict[str, Any] | None:
+def shard_cache_key(plan: ShardPlan, *, target_checkpoint: str, target_revision: str | None,
+                    capture_ids: list[int], dtype: str, patch_version: str, encoding: str = "plain") -> str:
+    """What a shard's content depends on: its sequences, the target, the layers, dtype, the hook."""
+    parts = [plan.content_hash, target_checkpoint, str(target_revision), ",".join(map(str, capture_ids)),
+             dtype, patch_version, "eyas-shard/1"]
+    if encoding != "plain":
+        parts.append(encoding)  # plain keys stay what they were before encodings existed
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+# Full sha256 checks already passed in this process: (path, size, mtime_ns, inode) -> sha256. The
+# Prefect cache-key function and the task both check a shard; the second check is then free.
+_verified: dict[tuple, str] = {}
+_verified_lock = threading.Lock()
+
+
+def existing_shard(out_dir: str | Path, plan: ShardPlan, cache_key: str, *, full: bool = True) -> dict[str, Any] | None:
     """The manifest of an already extracted, intact shard for this exact key, else None."""
     path = shard_path(out_dir, plan)
-    if not manifest_path(path).exists():
-        return None
     try:
-        manifest = verify_shard(path)
-    except (ValueError, OSError):
+        st = path.stat()
+        ident = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+        with _verified_lock:
+            known = _verified.get(ident)
+        manifest = verify_shard(path, full=full and known is None)
+    except (ValueError, OSError, KeyError):
         return None
-    return manifest if manifest.get("cache_key") == cache_key else None
+    if known is not None and known != manifest.get("sha256"):
+        return None
+    if full and known is None:
+        with _verified_lock:
+            _verified[ident] = manifest["sha256"]
+    if manifest.get("cache_key") != cache_key or manifest.get("content_hash", plan.content_hash) != plan.content_hash:
+        return None
+    return manifest
 
 
-def _request(client: httpx.Client, url: str, ids: list[int], rid: str, timeout: float) -> dict:
-    body = {"input_ids": ids, "rid": rid, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-    r = client.post(f"{url}/generate", json=body, timeout=timeout)
-    if r.status_code != 200:
-        raise ExtractionError(f"server answered {r.status_code} for rid {rid}: {r.text[:500]}")
-    return r.json()
+def ensure_shard(plan: ShardPlan, out_dir: str | Path, cache_key: str, **kwargs) -> tuple[dict[str, Any], bool]:
+    """Reuse the intact shard for this key, or extract it (kwargs: extract_shard's). -> (manifest, reused)."""
+    found = existing_shard(out_dir, plan, cache_key)
+    if found is not None:
+        return found, True
+    meta = {**kwargs.pop("meta", {}), "cache_key": cache_key}
+    return extract_shard(plan, out_dir, meta=meta, **kwargs), False
 
 
-def _collect(dump_dir: Path, rid: str, ids: list[int], timeout: float):
-    """Wait briefly for the records (a network filesystem may lag), then reassemble them."""
+class _Cancelled(Exception):
+    pass
+
+
+def extract_shard(plan: ShardPlan, out_dir: str | Path, *, capture_ids: list[int], dtype: str,
+                  meta: dict[str, Any], pool: ServerPool | None = None, encoding: str = "plain",
+                  record_timeout_s: float = 60.0, collect_workers: int = 2,
+                  on_progress: Callable[[ShardProgress], None] | None = None,
+                  server_url: str | None = None, dump_dir: str | Path | None = None, concurrency: int = 4,
+                  request_timeout_s: float = 300.0, retries: int = 2, backoff_s: float = 1.0) -> dict[str, Any]:
+    """Extract one planned shard into out_dir; returns its manifest.
+
+    Give a shared `pool`, or `server_url` + `dump_dir` for a one-server pool made for this call.
+    """
+    if pool is None:
+        if server_url is None or dump_dir is None:
+            raise ValueError("extract_shard needs a pool, or server_url and dump_dir")
+        with ServerPool([Endpoint(server_url, Path(dump_dir), concurrency)], request_timeout_s=request_timeout_s,
+                        retries=retries, backoff_s=backoff_s) as own:
+            return extract_shard(plan, out_dir, capture_ids=capture_ids, dtype=dtype, meta=meta, pool=own,
+                                 encoding=encoding, record_timeout_s=record_timeout_s,
+                                 collect_workers=collect_workers, on_progress=on_progress)
+    if plan_file_hash(plan.path) != plan.content_hash:
+        raise ExtractionError(f"{plan.name}: plan file {plan.path} changed since it was planned "
+                              f"(content hash differs); run the prepare stage again")
+    samples = read_shard_plan(plan.path)
+    path = shard_path(out_dir, plan)
+    partial_path(path).unlink(missing_ok=True)  # a killed attempt's leftover
+    nonce = uuid.uuid4().hex[:8]  # a retry never reads records left by an earlier attempt
+    state = {"writer": None, "norm": None}
+    writer_lock, cancel = threading.Lock(), threading.Event()
+    collect = threading.Semaphore(collect_workers)
+    t0 = time.monotonic()
+
+    def writer_for(got_meta: dict, hidden: int) -> ShardWriter:
+        with writer_lock:
+            if state["writer"] is None:
+                state["norm"] = got_meta["last_hidden_norm"]
+                state["writer"] = ShardWriter(
+                    path, [len(s.input_ids) for s in samples], hidden_size=hidden, num_aux=len(capture_ids),
+                    dtype=DTYPES[dtype], encoding=encoding,
+                    meta={**meta, "shard_index": plan.index, "num_shards": plan.num_shards,
+                          "content_hash": plan.content_hash, "last_hidden_norm": state["norm"]})
+            elif got_meta["last_hidden_norm"] != state["norm"]:
+                raise ExtractionError(f"{plan.name}: the server's last_hidden_norm changed from "
+                                      f"{state['norm']!r} to {got_meta['last_hidden_norm']!r} within the shard")
+            return state["writer"]
+
+    def wait_reply(fut: concurrent.futures.Future):
+        while True:
+            try:
+                return fut.result(timeout=0.2)
+            except concurrent.futures.TimeoutError:
+                if cancel.is_set():
+                    fut.cancel()
+                    raise _Cancelled() from None
+
+    def one(i: int) -> int:
+        s = samples[i]
+        rid = f"eyas-{plan.name}-{i:06d}-{nonce}"
+        where = f"{plan.name} sequence {i} (rid {rid})"
+        try:
+            reply = wait_reply(pool.generate(s.input_ids, rid, SAMPLING))
+            with collect:
+                if cancel.is_set():
+                    raise _Cancelled()
+                records = _wait_records(reply.endpoint.dump_dir, reply.rid, len(s.input_ids), record_timeout_s)
+                got = validate(records, s.input_ids)
+                captured = _capture_ids(got)
+                if captured != list(capture_ids):
+                    raise ExtractionError(f"{where}: server {reply.endpoint.url} captured layers {captured} "
+                                          f"({got.get('layer_convention')}), config expects capture-before "
+                                          f"{list(capture_ids)}")
+                w = writer_for(got, got["hidden_size"])
+                mask = torch.tensor(s.loss_mask, dtype=torch.bool)
+                for rec in records:
+                    a, n = rec.prefix_offset, rec.token_ids.shape[0]
+                    w.put_rows(i, a, rec.token_ids, mask[a:a + n], rec.aux_hidden_states, rec.last_hidden_state)
+                del records
+        except RequestFailed as e:
+            raise ExtractionError(f"{where}: {e}") from e
+        except (DumpError, ShardError) as e:
+            raise ExtractionError(f"{where} from {reply.endpoint.url}: {e}") from e
+        finally:
+            for ep in pool.endpoints:
+                for r in attempt_rids(rid, pool.retries):
+                    remove_records(ep.dump_dir, r)
+        return len(s.input_ids)
+
+    window = pool.capacity + collect_workers  # keep every server busy while a few are collected
+    per_token = None
+    done = tokens = 0
+    num_tokens = sum(len(s.input_ids) for s in samples)
+    ex = concurrent.futures.ThreadPoolExecutor(window, thread_name_prefix=f"eyas-{plan.name}")
+    try:
+        pending, nxt = set(), 0
+        while nxt < len(samples) or pending:
+            while nxt < len(samples) and len(pending) < window:
+                pending.add(ex.submit(one, nxt))
+                nxt += 1
+            finished, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            for f in finished:
+                tokens += f.result()
+                done += 1
+            if on_progress:
+                w = state["writer"]
+                per_token = per_token or bytes_per_token(w.hidden_size, w.num_aux, dtype, encoding)
+                on_progress(ShardProgress(plan.name, done, len(samples), tokens, num_tokens,
+                                          tokens * per_token, time.monotonic() - t0))
+    except BaseException:
+        cancel.set()
+        ex.shutdown(wait=True, cancel_futures=True)
+        if state["writer"] is not None:
+            state["writer"].abort()
+        raise
+    ex.shutdown(wait=True)
+    return state["writer"].close({"seconds": round(time.monotonic() - t0, 3)})
+
+
+def _wait_records(dump_dir: Path, rid: str, num_tokens: int, timeout: float):
+    """Wait briefly for the records (a network filesystem may lag), then return them sorted."""
     deadline = time.monotonic() + timeout
     while True:
         records = read_records(dump_dir, rid)
         covered = sum(r.token_ids.shape[0] for r in records)
-        if covered >= len(ids) or time.monotonic() > deadline:
-            return assemble(records, ids)
+        if covered >= num_tokens or time.monotonic() > deadline:
+            return records
         time.sleep(0.05)
-
-
-def extract_shard(plan: ShardPlan, out_dir: str | Path, *, server_url: str, dump_dir: str | Path,
-                  capture_ids: list[int], dtype: str, concurrency: int, request_timeout_s: float,
-                  record_timeout_s: float, meta: dict[str, Any],
-                  on_sample: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Extract one planned shard into out_dir; returns its manifest."""
-    samples = read_shard_plan(plan.path)
-    dump_dir, path = Path(dump_dir), shard_path(out_dir, plan)
-    nonce = uuid.uuid4().hex[:8]  # a retry never reads records left by an earlier attempt
-    writer: ShardWriter | None = None
-    t0 = time.monotonic()
-
-    def one(i: int) -> tuple[int, Sample, dict]:
-        s = samples[i]
-        rid = f"eyas-{plan.name}-{i:06d}-{nonce}"
-        try:
-            _request(client, server_url, s.input_ids, rid, request_timeout_s)
-            got = _collect(dump_dir, rid, s.input_ids, record_timeout_s)
-        except (httpx.HTTPError, ValueError) as e:
-            raise ExtractionError(f"{plan.name} sequence {i} (rid {rid}): {e}") from e
-        finally:
-            remove_records(dump_dir, rid)
-        return i, Sample(torch.tensor(s.input_ids), torch.tensor(s.loss_mask, dtype=torch.bool),
-                         got.aux_hidden_states, got.last_hidden_state), got.meta
-
-    try:
-        with httpx.Client() as client, ThreadPoolExecutor(concurrency) as pool:
-            for n_done, (i, sample, got_meta) in enumerate(
-                    _bounded(pool, one, len(samples), concurrency), start=1):
-                # The server says which layers it captured; a mismatch must never pass silently.
-                captured = _capture_ids(got_meta)
-                if captured != list(capture_ids):
-                    raise ExtractionError(f"{plan.name}: server captured layers {captured} "
-                                          f"({got_meta.get('layer_convention')}), config expects "
-                                          f"capture-before {list(capture_ids)}")
-                if writer is None:
-                    H = sample.last_hidden_state.shape[1]
-                    writer = ShardWriter(path, [len(s.input_ids) for s in samples], hidden_size=H,
-                                         num_aux=len(capture_ids), dtype=DTYPES[dtype],
-                                         meta={**meta, "shard_index": plan.index,
-                                               "num_shards": plan.num_shards,
-                                               "content_hash": plan.content_hash,
-                                               "last_hidden_norm": got_meta["last_hidden_norm"]})
-                writer.put(i, sample)
-                if on_sample:
-                    on_sample(n_done, len(samples))
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
-    manifest = writer.close()
-    manifest["seconds"] = round(time.monotonic() - t0, 3)
-    return manifest
 
 
 def _capture_ids(meta: dict) -> list[int]:
     ids = list(meta["layer_ids"])
     return [i + 1 for i in ids] if meta.get("layer_convention") == "output-of" else ids
-
-
-def _bounded(pool: ThreadPoolExecutor, fn, n: int, width: int):
-    """Yield fn(i) results as they finish, with at most `width` in flight (bounded memory)."""
-    pending, nxt = set(), 0
-    while nxt < n or pending:
-        while nxt < n and len(pending) < width:
-            pending.add(pool.submit(fn, nxt))
-            nxt += 1
-        done, pending = wait(pending, return_when=FIRST_COMPLETED)
-        for f in done:
-            yield f.result()
-
-
-def shard_cache_key(plan: ShardPlan, *, target_checkpoint: str, target_revision: str | None,
-                    capture_ids: list[int], dtype: str, patch_version: str) -> str:
-    """What a shard's content depends on: its sequences, the target, the layers, dtype, the hook."""
-    import hashlib
-
-    parts = [plan.content_hash, target_checkpoint, str(target_revision), ",".join(map(str, capture_ids)),
-             dtype, patch_version, "eyas-shard/1"]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()

@@ -50,7 +50,12 @@ def launch_command(cfg: PipelineConfig) -> str:
     common = ["--model-path", str(t.checkpoint), "--host", s.bind, "--port", str(s.port),
               "--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids", *capture,
               "--disable-radix-cache", "--chunked-prefill-size", str(s.chunked_prefill_size)]
-    if s.backend == "sglang":
+    if not s.capture_aux:
+        # A plain serving launch (the benchmark): no capture, no hook; launch_args add the rest.
+        module = ["sglang.launch_server"] if s.backend == "sglang" else ["eyas", "serve-local"]
+        args = [python, "-m", *module, "--model-path", str(t.checkpoint), "--host", s.bind,
+                "--port", str(s.port)]
+    elif s.backend == "sglang":
         hook = [{"name": "eyas-dump", "target_modules": ["*logits_processor"],
                  "hook_factory": SGLANG_HOOK,
                  "config": {"dump_dir": str(s.dump_dir), "layer_ids": t.capture_ids(),

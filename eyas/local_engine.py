@@ -7,6 +7,10 @@
 Prefill runs in chunks through the KV cache, as SGLang's chunked prefill does, and every chunk's
 hidden states go through eyas.dump before the request returns. The HTTP side is
 eyas/local_server.py.
+
+With a drafter (`Engine(..., speculative=Speculative.load(dir, target_path, num_steps=3))`),
+greedy requests are decoded by greedy chain speculative decoding (eyas.evaluate.speculative_greedy)
+and report SGLang's counter `spec_verify_ct`; acceptance length = completion tokens / verify steps.
 """
 
 from __future__ import annotations
@@ -198,10 +202,36 @@ class BadRequest(ValueError):
     """A /generate request that cannot be served; answered with 400 and this message."""
 
 
+class Speculative:
+    """An exported EAGLE-3 drafter (its SGLang-format folder) and the chain length to draft."""
+
+    def __init__(self, drafter: torch.nn.Module, capture_ids: list[int], num_steps: int, path: str):
+        self.drafter, self.capture_ids, self.num_steps, self.path = drafter, capture_ids, num_steps, path
+
+    @classmethod
+    def load(cls, drafter_dir: str | Path, target_path: str | Path, *, num_steps: int,
+             num_target_layers: int) -> "Speculative":
+        from eyas.export import load_exported
+
+        drafter, _, meta = load_exported(drafter_dir, target_checkpoint=target_path)
+        ids = list(meta["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        # SGLang reads this list as capture-before ids (a list starting with 1 is shifted by +1).
+        ids = [i + 1 for i in ids] if ids and ids[0] == 1 else ids
+        if max(ids) >= num_target_layers:
+            raise ValueError(f"{drafter_dir}: the drafter reads layers {ids}, the target has only "
+                             f"{num_target_layers}")
+        log(f"Loaded EAGLE3 draft model from {drafter_dir}: aux layers {ids}, {num_steps} steps, topk 1")
+        return cls(drafter, ids, num_steps, str(drafter_dir))
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, *, chunk_size: int,
-                 writer: DumpWriter | None, capture_ids: list[int], seed: int = 0):
+                 writer: DumpWriter | None, capture_ids: list[int], seed: int = 0,
+                 speculative: Speculative | None = None):
         self.model = model
+        self.speculative = speculative
+        # Totals since start, as SGLang's scheduler keeps them (for /server_info).
+        self.num_completion_tokens = self.num_verify_steps = 0
         self.tokenizer = tokenizer
         self.chunk_size = chunk_size  # -1: the whole prompt in one forward
         self.writer = writer
@@ -248,28 +278,57 @@ class Engine:
             generator = torch.Generator().manual_seed(params["sampling_seed"])
 
         with self.lock:
-            logits, cache = self.prefill(ids, rid)
-            output: list[int] = []
-            finish: dict[str, Any] = {"type": "length", "length": max_new}
-            for step in range(max_new):
-                if temperature == 0:
-                    token = int(logits.argmax())
-                else:
-                    probs = torch.softmax(logits.float() / temperature, dim=-1)
-                    token = int(torch.multinomial(probs, 1, generator=generator))
-                output.append(token)
-                if token in stop_ids:
-                    finish = {"type": "stop", "matched": token}
-                    break
-                if step + 1 == max_new:
-                    break  # no forward for a token we will not emit
-                out = self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
-                logits, cache = out.logits[0, -1], out.past_key_values
+            if self.speculative is not None and temperature == 0 and max_new > 0:
+                output, verify_steps = self._speculative(ids, max_new, stop_ids)
+                finish = ({"type": "stop", "matched": output[-1]} if output[-1] in stop_ids
+                          else {"type": "length", "length": max_new})
+            else:
+                output, finish = self._decode(ids, rid, max_new, temperature, stop_ids, generator)
+                verify_steps = max(len(output) - 1, 0)  # one target forward per token after the first
+            self.num_completion_tokens += len(output)
+            self.num_verify_steps += verify_steps
 
         text = ""
         if self.tokenizer is not None:
             text = self.tokenizer.decode(output, skip_special_tokens=params["skip_special_tokens"])
-        return {"text": text, "output_ids": output,
-                "meta_info": {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids),
-                              "completion_tokens": len(output), "cached_tokens": 0,
-                              "e2e_latency": time.monotonic() - tic}}
+        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids),
+                "completion_tokens": len(output), "cached_tokens": 0,
+                "e2e_latency": time.monotonic() - tic}
+        if self.speculative is not None:
+            meta["spec_verify_ct"] = verify_steps
+        return {"text": text, "output_ids": output, "meta_info": meta}
+
+    def _speculative(self, ids: list[int], max_new: int, stop_ids: set[int]) -> tuple[list[int], int]:
+        from eyas.evaluate import speculative_greedy
+
+        spec = self.speculative
+        return speculative_greedy(self.model, spec.drafter, ids, spec.capture_ids, spec.num_steps,
+                                  max_new, stop_ids)
+
+    def avg_spec_accept_length(self) -> float | None:
+        """Completion tokens / verify steps since start (SGLang's internal_states figure)."""
+        if self.speculative is None or self.num_verify_steps == 0:
+            return None
+        return self.num_completion_tokens / self.num_verify_steps
+
+    @torch.no_grad()
+    def _decode(self, ids, rid, max_new, temperature, stop_ids, generator) -> tuple[list[int], dict]:
+        """Plain decoding: chunked prefill (dumped), then one target forward per token."""
+        logits, cache = self.prefill(ids, rid)
+        output: list[int] = []
+        finish: dict[str, Any] = {"type": "length", "length": max_new}
+        for step in range(max_new):
+            if temperature == 0:
+                token = int(logits.argmax())
+            else:
+                probs = torch.softmax(logits.float() / temperature, dim=-1)
+                token = int(torch.multinomial(probs, 1, generator=generator))
+            output.append(token)
+            if token in stop_ids:
+                finish = {"type": "stop", "matched": token}
+                break
+            if step + 1 == max_new:
+                break  # no forward for a token we will not emit
+            out = self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            logits, cache = out.logits[0, -1], out.past_key_values
+        return output, finish

@@ -10,6 +10,11 @@ EYAS_DUMP_DIR is set and aux capture is on, writes every prefill chunk's hidden 
 eyas.dump, before the response is sent. It never reuses a prefix (no radix cache), so
 meta_info.cached_tokens is always 0.
 
+With a drafter it decodes greedy requests by chain speculative decoding, as SGLang does with
+--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR --speculative-num-steps 3
+--speculative-eagle-topk 1 --speculative-num-draft-tokens 4; each response's meta_info carries
+spec_verify_ct, and /server_info's internal_states[0].avg_spec_accept_length the running figure.
+
 Fault flags make it fail the way SGLang does, for the readiness sensor's tests:
 --fault {die,hang,oom}-at-shard --fault-shard K fires after K shards have loaded (bar at K/N).
 """
@@ -31,8 +36,8 @@ from typing import Any
 
 from eyas import __version__
 from eyas.dump import DUMP_DIR_ENV, DumpWriter, check_rid, dtype_from_env
-from eyas.local_engine import (FAULTS, READY_LINE, BadRequest, Engine, load_model, load_tokenizer, log,
-                               resolve_capture_ids)
+from eyas.local_engine import (FAULTS, READY_LINE, BadRequest, Engine, Speculative, load_model,
+                               load_tokenizer, log, resolve_capture_ids)
 
 
 # Sampling params SGLang accepts that eyas-local does not implement: allowed only at the value
@@ -64,7 +69,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-return-aux-hidden-states", action="store_true")
     p.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+", default=None,
                    help="capture-before ids: id i is the input of decoder layer i (HF hidden_states[i])")
-    p.add_argument("--speculative-algorithm", default=None, help="accepted; only names the aux convention")
+    p.add_argument("--speculative-algorithm", default=None,
+                   help="EAGLE3; without a draft model path it only names the aux convention")
+    p.add_argument("--speculative-draft-model-path", default=None,
+                   help="an exported EAGLE-3 drafter folder: greedy requests use speculative decoding")
+    p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens per verify step")
+    p.add_argument("--speculative-eagle-topk", type=int, default=1, help="only 1 (a chain) is implemented")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="with topk 1 it must be num-steps + 1 (the default)")
     p.add_argument("--disable-radix-cache", action="store_true", help="accepted; there is no prefix cache")
     p.add_argument("--chunked-prefill-size", type=int, default=8192,
                    help="tokens per prefill chunk; -1 = no chunking")
@@ -81,6 +93,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
         p.error(f"--chunked-prefill-size must be positive or -1, got {args.chunked_prefill_size}")
+    if args.speculative_draft_model_path is not None:
+        if args.speculative_algorithm != "EAGLE3":
+            p.error(f"--speculative-draft-model-path needs --speculative-algorithm EAGLE3, "
+                    f"got {args.speculative_algorithm!r}")
+        if args.enable_return_aux_hidden_states:
+            p.error("--enable-return-aux-hidden-states cannot be combined with "
+                    "--speculative-draft-model-path (SGLang refuses it too)")
+        if args.speculative_num_steps < 1:
+            p.error(f"--speculative-num-steps must be >= 1, got {args.speculative_num_steps}")
+        if args.speculative_eagle_topk != 1:
+            p.error(f"--speculative-eagle-topk {args.speculative_eagle_topk}: eyas-local drafts a chain "
+                    f"(topk 1) only")
+        if args.speculative_num_draft_tokens is None:
+            args.speculative_num_draft_tokens = args.speculative_num_steps + 1
+        if args.speculative_num_draft_tokens != args.speculative_num_steps + 1:
+            p.error(f"--speculative-num-draft-tokens must be num-steps + 1 = {args.speculative_num_steps + 1} "
+                    f"with topk 1, got {args.speculative_num_draft_tokens}")
     ids = args.return_aux_hidden_state_layer_ids
     if ids is not None and (len(set(ids)) != len(ids) or min(ids) < 0):
         p.error(f"--return-aux-hidden-state-layer-ids must be unique and non-negative, got {ids}")
@@ -232,7 +261,11 @@ class Handler(BaseHTTPRequestHandler):
         if path in ("/model_info", "/get_model_info"):
             return self._send(200, self.state.model_info)
         if path in ("/server_info", "/get_server_info"):
-            return self._send(200, self.state.server_info)
+            engine = self.state.engine
+            internal = {"avg_spec_accept_length": engine.avg_spec_accept_length(),
+                        "num_completion_tokens": engine.num_completion_tokens,
+                        "spec_verify_ct": engine.num_verify_steps}
+            return self._send(200, {**self.state.server_info, "internal_states": [internal]})
         if path == "/flush_cache":
             return self._send(200)
         self._send(404, {"error": f"no route GET {path}"})
@@ -317,8 +350,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"Dumping aux hidden states of layers {capture_ids} to {dump_dir} ({writer.dtype})")
     elif dump_dir:
         log(f"{DUMP_DIR_ENV} is set but --enable-return-aux-hidden-states is not: no dump")
+    speculative = None
+    if args.speculative_draft_model_path is not None:
+        speculative = Speculative.load(args.speculative_draft_model_path, args.model_path,
+                                       num_steps=args.speculative_num_steps, num_target_layers=num_layers)
     engine = Engine(model, tokenizer, chunk_size=args.chunked_prefill_size, writer=writer,
-                    capture_ids=capture_ids, seed=args.random_seed)
+                    capture_ids=capture_ids, seed=args.random_seed, speculative=speculative)
 
     # 3. Serve, then warm up over HTTP and announce readiness
     served = args.served_model_name or args.model_path

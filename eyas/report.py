@@ -28,7 +28,7 @@ class Stopwatch:
 
 def build_report(*, name: str, config_source: str | None, ready: dict, data_stats: dict,
                  manifests: list[dict], trained: dict, evaluation: dict, drafter_dir: str,
-                 stages: dict[str, float], patch: dict) -> dict[str, Any]:
+                 stages: dict[str, float], patch: dict, serving: dict | None = None) -> dict[str, Any]:
     tokens = sum(m["num_tokens"] for m in manifests)
     extract_s = stages.get("extract") or 0.0
     return {
@@ -36,6 +36,9 @@ def build_report(*, name: str, config_source: str | None, ready: dict, data_stat
         "eyas_version": __version__,
         "config": config_source,
         "acceptance_length": evaluation["acceptance_length"],
+        # Single-stream decoding speed with the drafter over without (None: benchmark disabled).
+        "speedup": serving["speedup"]["single_stream_tokens_per_s"] if serving else None,
+        "serving": serving,
         "patch": patch,
         "server": {"ready_seconds": ready.get("seconds"), "shards_total": ready.get("shards_total")},
         "data": data_stats,

@@ -2,14 +2,21 @@
 
 One shard = one safetensors file holding its samples concatenated, plus a JSON manifest beside it:
 
-    shard-00003.safetensors   input_ids int32 [T], loss_mask uint8 [T],
-                              aux_hidden_states [T, K*H], last_hidden_state [T, H],
+    shard-00003.safetensors   aux_hidden_states [T, K*H], last_hidden_state [T, H],
+                              input_ids int32 [T], loss_mask uint8 [T],
                               offsets int64 [N+1]  (sample i = rows offsets[i]:offsets[i+1])
     shard-00003.json          counts, bytes, sha256, layer ids and conventions, provenance
 
+With `encoding="fp8_e4m3"` the hidden states are stored as e4m3 with one float32 scale per token and
+layer (`aux_hidden_states_fp8` + `aux_hidden_states_scale [T, K]`, `last_hidden_state_fp8` +
+`last_hidden_state_scale [T, 1]`); ShardReader returns them dequantized to bf16, so training code
+never sees the difference. The names differ on purpose: a reader that does not know the encoding
+fails on a missing tensor instead of reading unscaled values.
+
 The writer knows every sample's length up front (the token ids are known before the target runs),
-so it lays out the file once and streams each sample into its place as it arrives, in any order:
-memory stays bounded by one sample. The file only gets its final name once complete.
+so it lays out the file once and writes each sample (or each chunk of one) into its place as it
+arrives, in any order and from several threads (positioned writes): memory stays bounded by the
+samples being written. The file only gets its final name once complete.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -25,10 +33,13 @@ from typing import Any, Iterable
 import torch
 from safetensors import safe_open
 
+from eyas import fp8
+
 FORMAT = "eyas-shard/1"
+ENCODINGS = ("plain", "fp8_e4m3")
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
-              torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8"}
+              torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8", fp8.E4M3: "F8_E4M3"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -51,122 +62,204 @@ def manifest_path(shard_path: str | Path) -> Path:
     return Path(shard_path).with_suffix(".json")
 
 
+def partial_path(shard_path: str | Path) -> Path:
+    """Where a shard is written before it is complete (a dot-name: never mistaken for a shard)."""
+    p = Path(shard_path)
+    return p.with_name(f".{p.name}.partial")
+
+
+def bytes_per_token(hidden_size: int, num_aux: int, dtype: str = "bfloat16", encoding: str = "plain") -> int:
+    """Bytes one token takes in a shard (without the header and the 8-byte offset per sample)."""
+    if encoding == "fp8_e4m3":
+        return (num_aux + 1) * (hidden_size + 4) + 4 + 1
+    item = torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    return (num_aux + 1) * hidden_size * item + 4 + 1
+
+
+def _layout(encoding: str, dtype: torch.dtype, T: int, N: int, H: int, K: int) -> list[tuple[str, str, list[int]]]:
+    """(name, safetensors dtype, shape) in the order the tensors lie in the file."""
+    if encoding == "fp8_e4m3":
+        hidden = [("aux_hidden_states_fp8", "F8_E4M3", [T, K * H]), ("aux_hidden_states_scale", "F32", [T, K]),
+                  ("last_hidden_state_fp8", "F8_E4M3", [T, H]), ("last_hidden_state_scale", "F32", [T, 1])]
+    else:
+        hidden = [("aux_hidden_states", _ST_DTYPES[dtype], [T, K * H]),
+                  ("last_hidden_state", _ST_DTYPES[dtype], [T, H])]
+    return hidden + [("input_ids", "I32", [T]), ("loss_mask", "U8", [T]), ("offsets", "I64", [N + 1])]
+
+
+_ITEM = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "F8_E4M3": 1}
+
+
+def _pwrite_all(fd: int, buf, offset: int) -> None:
+    view = memoryview(buf).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
 class ShardWriter:
-    """Streams samples into a pre-laid-out safetensors file; close() publishes it atomically."""
+    """Writes samples into a pre-laid-out safetensors file; close() publishes it atomically.
+
+    `put(i, sample)` writes a whole sample, `put_rows(i, start, ...)` a chunk of one; both may be
+    called from several threads at once. Every sample must be fully covered before close().
+    """
 
     def __init__(self, path: str | Path, lengths: list[int], *, hidden_size: int, num_aux: int,
-                 dtype: torch.dtype, meta: dict[str, Any]):
+                 dtype: torch.dtype, meta: dict[str, Any], encoding: str = "plain"):
         if not lengths or min(lengths) <= 0:
             raise ValueError(f"{path}: every sample needs at least one token, got lengths {lengths[:8]}...")
+        if encoding not in ENCODINGS:
+            raise ValueError(f"{path}: encoding must be one of {ENCODINGS}, got {encoding!r}")
         self.path, self.lengths, self.dtype, self.meta = Path(path), lengths, dtype, meta
-        self.hidden_size, self.num_aux = hidden_size, num_aux
+        self.hidden_size, self.num_aux, self.encoding = hidden_size, num_aux, encoding
         self.offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
-        num_tokens = int(self.offsets[-1])
-        item = torch.tensor([], dtype=dtype).element_size()
-        # name -> (safetensors dtype, shape, bytes per row); the order is the order on disk.
-        self._layout = [
-            ("aux_hidden_states", _ST_DTYPES[dtype], [num_tokens, num_aux * hidden_size], num_aux * hidden_size * item),
-            ("last_hidden_state", _ST_DTYPES[dtype], [num_tokens, hidden_size], hidden_size * item),
-            ("input_ids", "I32", [num_tokens], 4),
-            ("loss_mask", "U8", [num_tokens], 1),
-            ("offsets", "I64", [len(lengths) + 1], None),
-        ]
+        T, N = int(self.offsets[-1]), len(lengths)
         header, begin = {}, 0
-        self._base: dict[str, int] = {}
-        for name, st_dtype, shape, _ in self._layout:
-            size = (len(lengths) + 1) * 8 if name == "offsets" else shape[0] * (self._row_bytes(name))
+        self._base: dict[str, tuple[int, int]] = {}  # name -> (byte offset in the data buffer, bytes per row)
+        for name, st_dtype, shape in _layout(encoding, dtype, T, N, hidden_size, num_aux):
+            row = _ITEM[st_dtype] * (shape[1] if len(shape) == 2 else 1)
+            size = row * shape[0]
             header[name] = {"dtype": st_dtype, "shape": shape, "data_offsets": [begin, begin + size]}
-            self._base[name] = begin
+            self._base[name] = (begin, row)
             begin += size
-        header["__metadata__"] = {"eyas": json.dumps({"format": FORMAT, **meta}, sort_keys=True)}
+        file_meta = {"format": FORMAT, **meta}
+        if encoding != "plain":
+            file_meta["encoding"] = encoding
+        header["__metadata__"] = {"eyas": json.dumps(file_meta, sort_keys=True)}
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # safetensors aligns the data buffer to 8 bytes
         self._data_start = 8 + len(blob)
         self.total_bytes = self._data_start + begin
-        self._tmp = self.path.with_name(f".{self.path.name}.partial")
+        self._tmp = partial_path(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self._tmp, "w+b")
-        self._f.write(struct.pack("<Q", len(blob)) + blob)
-        self._f.truncate(self.total_bytes)
+        self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        _pwrite_all(self._fd, struct.pack("<Q", len(blob)) + blob, 0)
+        os.ftruncate(self._fd, self.total_bytes)
         self._write("offsets", 0, self.offsets)
-        self._done = [False] * len(lengths)
-
-    def _row_bytes(self, name: str) -> int:
-        return next(rb for n, _, _, rb in self._layout if n == name)
+        self._lock = threading.Lock()
+        self._covered = [0] * N
+        self._closed = False
+        self.fp8_error = (fp8.Fp8Error(num_aux), fp8.Fp8Error(1)) if encoding == "fp8_e4m3" else None
 
     def _write(self, name: str, row: int, t: torch.Tensor) -> None:
-        rb = 8 if name == "offsets" else self._row_bytes(name)
-        self._f.seek(self._data_start + self._base[name] + row * rb)
-        self._f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+        base, row_bytes = self._base[name]
+        arr = t.contiguous().view(torch.uint8).numpy()
+        _pwrite_all(self._fd, arr, self._data_start + base + row * row_bytes)
 
     def put(self, i: int, s: Sample) -> None:
-        """Write sample i (any order); its shapes must match the planned length."""
-        n, H, K = self.lengths[i], self.hidden_size, self.num_aux
-        if len(s) != n or s.aux_hidden_states.shape != (n, K * H) or s.last_hidden_state.shape != (n, H):
-            raise ShardError(f"{self.path}: sample {i} has shapes ids {tuple(s.input_ids.shape)}, aux "
-                             f"{tuple(s.aux_hidden_states.shape)}, last {tuple(s.last_hidden_state.shape)}; "
-                             f"expected n={n}, H={H}, K={K}")
-        row = int(self.offsets[i])
-        self._write("aux_hidden_states", row, s.aux_hidden_states.to(self.dtype))
-        self._write("last_hidden_state", row, s.last_hidden_state.to(self.dtype))
-        self._write("input_ids", row, s.input_ids.to(torch.int32))
-        self._write("loss_mask", row, s.loss_mask.to(torch.uint8))
-        self._done[i] = True
+        """Write sample i whole (any order); its shapes must match the planned length."""
+        if len(s) != self.lengths[i]:
+            raise ShardError(f"{self.path}: sample {i} has {len(s)} tokens, planned {self.lengths[i]}")
+        self.put_rows(i, 0, s.input_ids, s.loss_mask, s.aux_hidden_states, s.last_hidden_state)
 
-    def close(self) -> dict[str, Any]:
-        """Publish the file and its manifest; refuses if any sample is missing."""
-        missing = [i for i, d in enumerate(self._done) if not d]
+    def put_rows(self, i: int, start: int, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                 aux: torch.Tensor, last: torch.Tensor) -> None:
+        """Write rows start..start+n-1 of sample i: ids [n], mask [n], aux [n, K*H], last [n, H]."""
+        n, H, K = input_ids.shape[0], self.hidden_size, self.num_aux
+        if (not 0 <= i < len(self.lengths) or start < 0 or start + n > self.lengths[i]
+                or tuple(aux.shape) != (n, K * H) or tuple(last.shape) != (n, H) or loss_mask.shape[0] != n):
+            raise ShardError(f"{self.path}: sample {i} rows {start}..{start + n - 1}: shapes ids "
+                             f"{tuple(input_ids.shape)}, aux {tuple(aux.shape)}, last {tuple(last.shape)}; "
+                             f"expected a slice of the planned {self.lengths[i] if 0 <= i < len(self.lengths) else '?'} "
+                             f"tokens with H={H}, K={K}")
+        row = int(self.offsets[i]) + start
+        if self.encoding == "fp8_e4m3":
+            qa, sa = fp8.quantize(aux, K)
+            ql, sl = fp8.quantize(last, 1)
+            self._write("aux_hidden_states_fp8", row, qa)
+            self._write("aux_hidden_states_scale", row, sa)
+            self._write("last_hidden_state_fp8", row, ql)
+            self._write("last_hidden_state_scale", row, sl)
+            err_a, err_l = fp8.Fp8Error(K), fp8.Fp8Error(1)
+            err_a.add(aux, qa, sa)
+            err_l.add(last, ql, sl)
+        else:
+            self._write("aux_hidden_states", row, aux.to(self.dtype))
+            self._write("last_hidden_state", row, last.to(self.dtype))
+        self._write("input_ids", row, input_ids.to(torch.int32))
+        self._write("loss_mask", row, loss_mask.to(torch.uint8))
+        with self._lock:
+            self._covered[i] += n
+            if self._covered[i] > self.lengths[i]:
+                raise ShardError(f"{self.path}: sample {i} written twice ({self._covered[i]} rows for "
+                                 f"{self.lengths[i]} tokens)")
+            if self.fp8_error is not None:
+                self.fp8_error[0].merge(err_a)
+                self.fp8_error[1].merge(err_l)
+
+    @property
+    def samples_done(self) -> int:
+        return sum(c == n for c, n in zip(self._covered, self.lengths))
+
+    def close(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Publish the file and its manifest (plus `extra` fields); refuses if any sample is incomplete."""
+        missing = [i for i, (c, n) in enumerate(zip(self._covered, self.lengths)) if c != n]
         if missing:
             self.abort()
             raise ShardError(f"{self.path}: {len(missing)} sample(s) never written, e.g. {missing[:5]}")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._closed = True
         manifest = {
             "format": FORMAT, "file": self.path.name, "num_samples": len(self.lengths),
             "num_tokens": int(self.offsets[-1]), "bytes": self.total_bytes,
-            "sha256": _sha256(self._tmp), "dtype": _dtype_name(self.dtype),
+            "sha256": _sha256(self._tmp), "dtype": _dtype_name(self.dtype), "encoding": self.encoding,
             "hidden_size": self.hidden_size, "num_aux_layers": self.num_aux, **self.meta,
         }
+        if self.fp8_error is not None:
+            manifest["fp8_error"] = {"aux": self.fp8_error[0].summary(), "last": self.fp8_error[1].summary()}
+        manifest.update(extra or {})
         os.replace(self._tmp, self.path)
+        _fsync_dir(self.path.parent)
         write_json_atomic(manifest_path(self.path), manifest)
         return manifest
 
     def abort(self) -> None:
-        if not self._f.closed:
-            self._f.close()
+        if not self._closed:
+            self._closed = True
+            os.close(self._fd)
         self._tmp.unlink(missing_ok=True)
 
 
-def write_shard(path: str | Path, samples: Iterable[Sample], meta: dict[str, Any]) -> dict[str, Any]:
+def write_shard(path: str | Path, samples: Iterable[Sample], meta: dict[str, Any],
+                encoding: str = "plain") -> dict[str, Any]:
     """Write a whole shard from in-memory samples (tests, small jobs); returns the manifest."""
     samples = list(samples)
     first = samples[0]
     H = first.last_hidden_state.shape[1]
+    dtype = first.aux_hidden_states.dtype if encoding == "plain" else torch.bfloat16
     w = ShardWriter(path, [len(s) for s in samples], hidden_size=H,
-                    num_aux=first.aux_hidden_states.shape[1] // H, dtype=first.aux_hidden_states.dtype,
-                    meta=meta)
+                    num_aux=first.aux_hidden_states.shape[1] // H, dtype=dtype, meta=meta, encoding=encoding)
     for i, s in enumerate(samples):
         w.put(i, s)
     return w.close()
 
 
 class ShardReader:
-    """Reads samples of one shard by slicing the memory-mapped file (bounded memory)."""
+    """Reads samples of one shard by slicing the memory-mapped file (bounded memory).
 
-    def __init__(self, path: str | Path):
+    FP8 shards come back dequantized to `dtype` (bf16 by default); plain shards in their stored dtype.
+    """
+
+    def __init__(self, path: str | Path, dtype: torch.dtype = torch.bfloat16):
         self.path = Path(path)
         if not self.path.exists():
             raise ShardError(f"{self.path}: shard file not found")
         try:
             self._f = safe_open(str(self.path), framework="pt")
+            self.meta = json.loads(self._f.metadata()["eyas"])
         except Exception as e:  # noqa: BLE001 - any parse failure means a damaged file
             raise ShardError(f"{self.path}: not a readable safetensors file ({e})") from e
-        self.meta = json.loads(self._f.metadata()["eyas"])
+        self.encoding = self.meta.get("encoding", "plain")
+        if self.encoding not in ENCODINGS:
+            raise ShardError(f"{self.path}: unknown encoding {self.encoding!r} (this eyas reads {ENCODINGS})")
+        self.dtype = dtype
+        suffix = "_fp8" if self.encoding == "fp8_e4m3" else ""
+        self._aux, self._last = f"aux_hidden_states{suffix}", f"last_hidden_state{suffix}"
         self.offsets = self._f.get_tensor("offsets")
         self.num_tokens = int(self.offsets[-1])
-        self.hidden_size = self._f.get_slice("last_hidden_state").get_shape()[1]
-        self.num_aux = self._f.get_slice("aux_hidden_states").get_shape()[1] // self.hidden_size
+        self.hidden_size = self._f.get_slice(self._last).get_shape()[1]
+        self.num_aux = self._f.get_slice(self._aux).get_shape()[1] // self.hidden_size
 
     def __len__(self) -> int:
         return self.offsets.shape[0] - 1
@@ -175,23 +268,38 @@ class ShardReader:
         if not 0 <= i < len(self):
             raise IndexError(f"{self.path}: sample {i} out of range 0..{len(self) - 1}")
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        aux, last = self._f.get_slice(self._aux)[a:b], self._f.get_slice(self._last)[a:b]
+        if self.encoding == "fp8_e4m3":
+            aux = fp8.dequantize(aux, self._f.get_slice("aux_hidden_states_scale")[a:b], self.dtype)
+            last = fp8.dequantize(last, self._f.get_slice("last_hidden_state_scale")[a:b], self.dtype)
         return Sample(
             input_ids=self._f.get_slice("input_ids")[a:b].long(),
             loss_mask=self._f.get_slice("loss_mask")[a:b].bool(),
-            aux_hidden_states=self._f.get_slice("aux_hidden_states")[a:b],
-            last_hidden_state=self._f.get_slice("last_hidden_state")[a:b],
+            aux_hidden_states=aux,
+            last_hidden_state=last,
         )
 
     def __iter__(self):
         return (self.sample(i) for i in range(len(self)))
 
 
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest beside a shard file (ShardError if missing or not JSON)."""
+    mpath = manifest_path(path)
+    try:
+        return json.loads(mpath.read_text())
+    except FileNotFoundError:
+        raise ShardError(f"{path}: manifest {mpath.name} missing") from None
+    except json.JSONDecodeError as e:
+        raise ShardError(f"{mpath}: manifest is not valid JSON ({e})") from None
+
+
 def verify_shard(path: str | Path, *, full: bool = True) -> dict[str, Any]:
     """Check a shard against its manifest (size always; sha256 when full); returns the manifest."""
-    path, mpath = Path(path), manifest_path(path)
-    if not path.exists() or not mpath.exists():
+    path = Path(path)
+    if not path.exists() or not manifest_path(path).exists():
         raise ShardError(f"{path}: shard or manifest missing")
-    manifest = json.loads(mpath.read_text())
+    manifest = read_manifest(path)
     size = path.stat().st_size
     if size != manifest["bytes"]:
         raise ShardError(f"{path}: {size} bytes on disk, manifest says {manifest['bytes']} (truncated?)")
@@ -203,9 +311,20 @@ def verify_shard(path: str | Path, *, full: bool = True) -> dict[str, Any]:
 def write_json_atomic(path: str | Path, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _sha256(path: Path) -> str:

@@ -66,26 +66,45 @@ def load_target_tensors(checkpoint: str | Path, which: list[str]) -> dict[str, t
 
 
 class TargetHead(nn.Module):
-    """The target's output head over a stored last hidden state: [final RMSNorm] -> lm_head."""
+    """The target's output head over a stored last hidden state: [final RMSNorm] -> lm_head.
 
-    def __init__(self, lm_head: torch.Tensor, norm: torch.Tensor | None, eps: float):
+    `reorder(order)` permutes the head's rows once (training puts the draft vocabulary first, so one
+    GEMM gives both the exact full-vocabulary argmax and the draft-vocabulary logits); `forward`
+    always returns logits in target-id order.
+    """
+
+    def __init__(self, lm_head: torch.Tensor, norm: torch.Tensor | None, eps: float, dtype=torch.float32):
         super().__init__()
-        self.register_buffer("weight", lm_head.float())  # (V, H)
+        self.register_buffer("weight", lm_head.to(dtype))  # (V, H), rows in `order`
         self.register_buffer("norm_weight", None if norm is None else norm.float())  # (H,) or None
+        self.register_buffer("order", None)  # (V,) target id of each row; None = identity
         self.eps = eps
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: str | Path, *, last_hidden_norm: str) -> "TargetHead":
+    def from_checkpoint(cls, checkpoint: str | Path, *, last_hidden_norm: str, dtype=torch.float32) -> "TargetHead":
         """last_hidden_norm: "post" (stored states are already normed) or "pre" (apply the norm)."""
         if last_hidden_norm not in ("pre", "post"):
             raise ValueError(f"last_hidden_norm must be 'pre' or 'post', got {last_hidden_norm!r}")
         pre = last_hidden_norm == "pre"
         t = load_target_tensors(checkpoint, ["lm_head", "norm"] if pre else ["lm_head"])
         eps = read_target_config(checkpoint).get("rms_norm_eps", 1e-6)
-        return cls(t["lm_head"], t.get("norm"), eps)
+        return cls(t["lm_head"], t.get("norm"), eps, dtype)
 
-    def forward(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        x = last_hidden.float()  # (..., H)
+    def reorder(self, order: torch.Tensor) -> "TargetHead":
+        """Permute the rows: row i becomes target id order[i]."""
+        self.weight = self.weight[order.to(self.weight.device)].contiguous()
+        self.order = order.to(self.weight.device)
+        return self
+
+    def prepare(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) stored states -> the head's input, in the head's dtype (final norm in fp32 if pre)."""
+        x = last_hidden.float()
         if self.norm_weight is not None:
             x = self.norm_weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-        return x @ self.weight.T  # (..., V)
+        return x.to(self.weight.dtype)
+
+    def forward(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        z = (self.prepare(last_hidden) @ self.weight.T).float()  # (..., V) rows in `order`
+        if self.order is None:
+            return z
+        return torch.empty_like(z).index_copy_(-1, self.order, z)

@@ -1,15 +1,22 @@
-"""EAGLE-3 drafter training on hidden-state shards.
+"""EAGLE-3 drafter training on hidden-state shards (docs/training.md).
 
     from eyas.config import load_config
     cfg = load_config("configs/local-tiny.yaml")
-    result = train_drafter(cfg.training, cfg.target, shard_paths)
+    result = train_drafter(cfg.training, cfg.target, shard_paths)        # one process
+    torchrun --nproc-per-node 8 -m eyas.distributed JOB.json              # many (eyas/distributed.py)
 
-The recipe (docs: eagle3.md section 2). For a sequence tok[0..n), at TTT step k the input at
-position t is (embed(tok[t+1+k]), h) where h is fc(aux[t]) at step 0 and the drafter's own output
-at t from step k-1 afterwards; the label is the target's distribution at t+1+k (from the stored
-last hidden state through the target's lm_head, restricted to the draft vocab), which predicts
-tok[t+2+k]. A label counts only where that token is an assistant token (loss_mask) and the target's
-argmax is in the draft vocab. Loss = sum_k loss_decay**k * soft-CE_k.
+The recipe (eagle3.md section 2). For a sequence tok[0..n), at TTT step k the input at position t is
+(embed(tok[t+1+k]), h) where h is fc(aux[t]) at step 0 and the drafter's own output at t from step
+k-1 afterwards; the label is the target's distribution at t+1+k (the stored last hidden state
+through the target's lm_head, restricted to the draft vocab), which predicts tok[t+2+k]. A label
+counts only where that token is an assistant token and the target's argmax is in the draft vocab.
+Loss = sum_k loss_decay**k * soft-CE_k (eyas/losses.py).
+
+One optimizer step takes a global batch of batch_size * grad_accum * world_size sequences, drawn
+length-aware (sorted within windows of `length_grouping` global batches, so a micro-batch pads
+little) and cut into micro-batches; micro-batch j of a step goes to rank j % world_size. The loss is
+normalised by the global batch's count of scored positions, so any split of one global batch
+(accumulation, ranks) gives the same loss and gradient.
 
 Checkpoints (cfg.output_dir/checkpoints/step-NNNNNN/, each written whole then renamed into place)
 hold the trainable weights with d2t/t2d, drafter.json, and trainer_state.pt (optimizer, scheduler,
@@ -19,6 +26,7 @@ one and reproduces the uninterrupted run's losses exactly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -26,34 +34,42 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eyas.config import TargetConfig, TrainingConfig
+from eyas import fused
 from eyas.draft_vocab import build_draft_vocab, count_tokens
-from eyas.drafter import DrafterConfig, Eagle3Drafter, causal_mask
+from eyas.drafter import DrafterConfig, Eagle3Drafter
 from eyas.evaluate import simulated_acceptance_length
+from eyas.losses import TTTObjective, draft_first_order, scored_counts, teacher_labels
 from eyas.shards import ShardReader
 from eyas.target_head import TargetHead, load_target_tensors, read_target_config
+
+if TYPE_CHECKING:  # eyas.config needs pydantic; the GPU benchmark imports this module without it
+    from eyas.config import TargetConfig, TrainingConfig
 
 
 @dataclass
 class TrainResult:
     final_loss: float  # mean of the last few steps' losses
     first_loss: float
-    losses: list[float]  # per optimizer step: sum_k decay**k * CE_k
+    losses: list[float]  # per optimizer step: sum_k decay**k * CE_k over the global batch
     accuracies: list[list[float]]  # per step, per TTT step: drafter argmax == target argmax (assistant positions)
     steps: int
-    tokens: int  # sequence tokens trained on (all steps, this run and resumed ones)
+    tokens: int  # sequence tokens trained on (all steps, all ranks, this run and resumed ones)
     seconds: float
     checkpoint_dir: str
     draft_vocab_size: int
-    heldout_accuracies: list[float] | None = None  # per TTT step, on held-out samples
+    heldout_accuracies: list[float] | None = None  # per TTT step, on held-out samples, at the end
     simulated_acceptance_length: float | None = None  # 1 + sum_k prod_{i<=k} heldout acc_i
+    heldout_history: list[list[float]] = field(default_factory=list)  # [step, simulated AL] every eval_every
     resumed_from_step: int = 0
+    world_size: int = 1
+    global_batch: int = 0  # sequences per optimizer step
 
 
 # ----------------------------------------------------------------------------- data
@@ -61,7 +77,8 @@ class TrainResult:
 class ShardData:
     """Samples of several shards, read lazily by global index; the last few are held out."""
 
-    def __init__(self, paths: list[Path]):
+    def __init__(self, paths: list[Path], num_heldout: int | None = None, ttt_steps: int = 1,
+                 all_positions: bool = False):
         if not paths:
             raise ValueError("train_drafter: no shard files given")
         self.readers = [ShardReader(p) for p in paths]
@@ -72,13 +89,26 @@ class ShardData:
             raise ValueError(f"shards disagree on (hidden_size, num_aux): {sorted(hs)}")
         (self.hidden_size, self.num_aux), = hs
         n = len(self.index)
-        self.num_heldout = min(64, n // 20)  # 5%, for the simulated acceptance length
+        self.num_heldout = min(64, n // 20) if num_heldout is None else min(num_heldout, n - 1)
         self.train_ids = list(range(n - self.num_heldout))
         self.heldout_ids = list(range(n - self.num_heldout, n))
+        self.all_positions = all_positions  # every real token is a label, not only the loss mask's
+        self.scored = self._scored_counts(ttt_steps)  # (n, K) positions scored per TTT step
+
+    def _scored_counts(self, K: int) -> torch.Tensor:
+        rows = []
+        for r in self.readers:  # the loss-mask column only, never the states
+            with safe_open(str(r.path), framework="pt") as f:
+                mask = f.get_tensor("loss_mask").bool() | self.all_positions
+            rows += [scored_counts([mask[r.offsets[i]:r.offsets[i + 1]]], K) for i in range(len(r))]
+        return torch.stack(rows)
 
     def sample(self, i: int):
         r, j = self.index[i]
-        return r.sample(j)
+        s = r.sample(j)
+        if self.all_positions:
+            s.loss_mask = torch.ones_like(s.loss_mask)
+        return s
 
 
 def check_shard_meta(readers: list[ShardReader], target: TargetConfig) -> dict:
@@ -105,28 +135,37 @@ def check_shard_meta(readers: list[ShardReader], target: TargetConfig) -> dict:
     return meta
 
 
-def epoch_batches(lengths: list[int], ids: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """A seeded shuffle of ids into batches; lengths are grouped within windows of 16 batches to cut padding."""
+def epoch_plan(lengths: list[int], ids: list[int], micro: int, num_micro: int, seed: int, epoch: int,
+               window: int = 16) -> list[list[list[int]]]:
+    """One epoch as steps -> micro-batches -> sample ids, length-aware, independent of world size.
+
+    A seeded shuffle is cut into windows of `window` global batches (num_micro * micro sequences
+    each); each window is sorted by length and cut into global batches, each global batch into
+    num_micro micro-batches of similar lengths; the steps are shuffled again. An incomplete last
+    global batch is dropped.
+    """
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     perm = [ids[i] for i in torch.randperm(len(ids), generator=g).tolist()]
-    window, batches = 16 * batch_size, []
-    for s in range(0, len(perm), window):
-        chunk = sorted(perm[s:s + window], key=lambda i: -lengths[i])
-        batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
-    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+    G, steps = micro * num_micro, []
+    perm = perm[:len(perm) - len(perm) % G]
+    for s in range(0, len(perm), window * G):
+        chunk = sorted(perm[s:s + window * G], key=lambda i: (-lengths[i], i))
+        for b in range(0, len(chunk), G):
+            steps.append([chunk[b + m * micro:b + (m + 1) * micro] for m in range(num_micro)])
+    return [steps[i] for i in torch.randperm(len(steps), generator=g).tolist()]
 
 
-def collate(samples, device) -> dict[str, torch.Tensor]:
+def collate(samples, device, dtype=torch.float32) -> dict[str, torch.Tensor]:
     """Right-pad a list of samples: ids (B, T), loss_mask (B, T), aux (B, T, K*H), last (B, T, H)."""
     B, T = len(samples), max(len(s) for s in samples)
     out = {"ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-           "aux": torch.zeros(B, T, samples[0].aux_hidden_states.shape[1]),
-           "last": torch.zeros(B, T, samples[0].last_hidden_state.shape[1])}
+           "aux": torch.zeros(B, T, samples[0].aux_hidden_states.shape[1], dtype=dtype),
+           "last": torch.zeros(B, T, samples[0].last_hidden_state.shape[1], dtype=dtype)}
     for b, s in enumerate(samples):
         n = len(s)
         out["ids"][b, :n], out["loss_mask"][b, :n] = s.input_ids, s.loss_mask
-        out["aux"][b, :n], out["last"][b, :n] = s.aux_hidden_states.float(), s.last_hidden_state.float()
-    return {k: v.to(device) for k, v in out.items()}
+        out["aux"][b, :n], out["last"][b, :n] = s.aux_hidden_states, s.last_hidden_state
+    return {k: v.to(device, non_blocking=True) for k, v in out.items()}
 
 
 def shift_left(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -134,44 +173,6 @@ def shift_left(x: torch.Tensor, s: int) -> torch.Tensor:
     out = torch.zeros_like(x)
     out[:, :max(x.shape[1] - s, 0)] = x[:, s:]
     return out
-
-
-# ----------------------------------------------------------------------------- the loss
-
-@torch.no_grad()
-def make_labels(head: TargetHead, batch: dict, t2d: torch.Tensor, draft_of: torch.Tensor):
-    """Target distribution over the draft vocab at every position, and where it may be learned."""
-    with torch.autocast(batch["last"].device.type, enabled=False):  # fp32: argmax ties are rare
-        logits = head(batch["last"])  # (B, T, V) predicts the token at t+1
-    top = logits.argmax(-1)  # (B, T)
-    probs = F.softmax(logits[..., t2d].float(), dim=-1)  # (B, T, V_d), draft ids ascend with target ids
-    scored = shift_left(batch["loss_mask"], 1)  # (B, T) token t+1 is an assistant token
-    valid = scored & t2d[top]  # ... and the target's choice is one the drafter can make
-    return probs, valid, draft_of[top], scored
-
-
-def ttt_loss(model: Eagle3Drafter, batch: dict, labels, ttt_steps: int, decay: float):
-    """Unrolled TTT loss -> (loss, correct (K,), scored (K,)) with no per-position Python loop.
-
-    The head and the soft cross-entropy run only on positions with a label (the vocab-wide part).
-    Accuracy counts every assistant position, so a target token outside the draft vocab is a miss,
-    as it is when drafting.
-    """
-    probs, valid, target, scored = labels
-    ids = batch["ids"]
-    B, T = ids.shape
-    mask = causal_mask(T, device=ids.device)  # (1, 1, T, T)
-    pos = torch.arange(T, device=ids.device)
-    h, kv, loss, correct, counted = batch["aux"], [], 0.0, [], []
-    for k in range(ttt_steps):
-        _, h = model(shift_left(ids, 1 + k), h, pos + k, mask, ttt=kv, with_logits=False)  # (B, T, H)
-        v = valid[:, 1 + k:]  # (B, T-1-k) the label of position t is the target's at t+1+k
-        logits = model.logits(h[:, :T - 1 - k][v])  # (N, V_d)
-        ce = -(probs[:, 1 + k:][v] * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # (N,)
-        loss = loss + decay ** k * ce.sum() / max(ce.shape[0], 1)
-        correct.append((logits.argmax(-1) == target[:, 1 + k:][v]).sum())
-        counted.append(scored[:, 1 + k:].sum())
-    return loss, torch.stack(correct), torch.stack(counted)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -215,10 +216,45 @@ def lr_factor(step: int, warmup: int, max_steps: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def resolve_device(name: str) -> torch.device:
+def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW (0.9, 0.95); the fused CUDA kernel where every parameter is on a GPU."""
+    params = list(params)
+    fused = all(p.is_cuda for p in params)
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=fused)
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and dist.is_initialized():
+        return torch.device("cuda", local_rank)
     return torch.device(name)
+
+
+# ----------------------------------------------------------------------------- one optimizer step
+
+def optimizer_step(objective, wrapped, opt, sched, micro_batches, make_labels, *, ttt_steps: int, decay: float,
+                   counts: torch.Tensor, grad_clip: float, autocast, world: int = 1) -> torch.Tensor:
+    """Forward/backward every micro-batch of this rank, then clip and step -> [loss, correct.., scored..].
+
+    micro_batches yields collated batches; make_labels(batch) gives the teacher's labels. Gradients
+    are synchronised once, after the last micro-batch (DDP's no_sync before it).
+    """
+    micro_batches = list(micro_batches)
+    stats = torch.zeros(1 + 2 * ttt_steps, dtype=torch.float64)
+    for j, batch in enumerate(micro_batches):
+        sync = j == len(micro_batches) - 1 or not hasattr(wrapped, "no_sync")
+        with contextlib.nullcontext() if sync else wrapped.no_sync():
+            labels = make_labels(batch)
+            with autocast:
+                loss, correct, scored = wrapped(batch["ids"], batch["aux"], labels, ttt_steps, decay, counts)
+            (loss * world).backward()  # DDP/FSDP average over ranks; the loss is a share of the global sum
+        stats += torch.cat([loss.detach().reshape(1), correct, scored]).double().cpu()
+    torch.nn.utils.clip_grad_norm_([p for p in objective.parameters() if p.requires_grad], grad_clip)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return stats
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -227,11 +263,12 @@ def resolve_device(name: str) -> torch.device:
 class TrainState:
     step: int = 0
     epoch: int = 0
-    batch_pos: int = 0  # batches of this epoch already consumed
+    batch_pos: int = 0  # steps of this epoch already taken
     tokens: int = 0
     seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
     accuracies: list[list[float]] = field(default_factory=list)
+    heldout_history: list[list[float]] = field(default_factory=list)
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
@@ -239,28 +276,46 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(output_dir: Path, model, opt, sched, state: TrainState, info: dict, keep: int = 2) -> Path:
-    """Write checkpoints/step-NNNNNN whole in a temp folder, then rename it into place."""
+def _state_dicts(objective, opt):
+    """Full (unsharded) model and optimizer state dicts; collective under FSDP, keys without 'drafter.'."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model = get_model_state_dict(objective, options=opts)
+    model = {k.removeprefix("drafter."): v for k, v in model.items() if k != "drafter.embed_tokens.weight"}
+    return model, get_optimizer_state_dict(objective, opt, options=opts)
+
+
+def save_checkpoint(output_dir: Path, objective, opt, sched, state: TrainState, info: dict, *,
+                    rank: int = 0, keep: int = 2) -> Path:
+    """Write checkpoints/step-NNNNNN whole in a temp folder, then rename it into place (rank 0 writes)."""
+    model_sd, opt_sd = _state_dicts(objective, opt)
     root = output_dir / "checkpoints"
     final = root / f"step-{state.step:06d}"
-    tmp = root / f".tmp-step-{state.step:06d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.trainable_state_dict().items()},
-              str(tmp / "model.safetensors"))
-    (tmp / "drafter.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "state": asdict(state),
-                "rng": rng, "fingerprint": info["fingerprint"]}, tmp / "trainer_state.pt")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in sorted(root.glob("step-[0-9]*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    if rank == 0:
+        tmp = root / f".tmp-step-{state.step:06d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({k: v.detach().contiguous().cpu() for k, v in model_sd.items()},
+                  str(tmp / "model.safetensors"))
+        (tmp / "drafter.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        rng = {"torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        torch.save({"optimizer": opt_sd, "scheduler": sched.state_dict(), "state": asdict(state),
+                    "rng": rng, "fingerprint": info["fingerprint"]}, tmp / "trainer_state.pt")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in sorted(root.glob("step-[0-9]*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
     return final
 
 
-def load_checkpoint(path: Path, model, opt, sched, fingerprint: dict, log) -> TrainState:
+def load_checkpoint(path: Path, objective, opt, sched, fingerprint: dict, log) -> TrainState:
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
     ckpt = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
     old = ckpt["fingerprint"]
     differ = sorted(k for k in set(old) | set(fingerprint) if k != "max_steps" and old.get(k) != fingerprint.get(k))
@@ -269,9 +324,14 @@ def load_checkpoint(path: Path, model, opt, sched, fingerprint: dict, log) -> Tr
                          f"remove {path.parent} or use another training.output_dir")
     if old.get("max_steps") != fingerprint.get("max_steps"):
         log(f"resuming with max_steps {fingerprint['max_steps']} (checkpoint ran with {old['max_steps']})")
-    missing, unexpected = model.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
-    assert missing == ["embed_tokens.weight"] and not unexpected, (missing, unexpected)
-    opt.load_state_dict(ckpt["optimizer"])
+    weights = load_file(str(path / "model.safetensors"))
+    opts = StateDictOptions(full_state_dict=True, strict=False)
+    result = set_model_state_dict(objective, {"drafter." + k: v for k, v in weights.items()}, options=opts)
+    missing = [k for k in result.missing_keys if k != "drafter.embed_tokens.weight"]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"{path}: checkpoint weights do not fit the drafter (missing {missing}, "
+                         f"unexpected {result.unexpected_keys})")
+    set_optimizer_state_dict(objective, opt, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
     sched.load_state_dict(ckpt["scheduler"])
     torch.set_rng_state(ckpt["rng"]["torch"])
     if ckpt["rng"]["cuda"] and torch.cuda.is_available():
@@ -286,31 +346,55 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
                   log_every: int | None = None, stop_at_step: int | None = None) -> TrainResult:
     """Train (or resume) an EAGLE-3 drafter on shards; checkpoints land in cfg.output_dir.
 
-    stop_at_step: checkpoint and return once this step is reached, as if preempted; a later call
-    with the same arguments resumes. log_every defaults to about 20 lines per run.
+    Runs on one process, or on every rank of an initialised process group (torchrun; see
+    eyas/distributed.py), which then share each global batch. stop_at_step: checkpoint and return
+    once this step is reached, as if preempted; a later call with the same arguments resumes.
+    log_every defaults to about 20 lines per run. torch.compile (training.compile) is on only inside.
     """
-    device = resolve_device(cfg.device)
+    on_gpu = resolve_device(cfg.device).type == "cuda"
+    with fused.compile_scope(on_gpu if cfg.compile is None else cfg.compile):
+        return _train(cfg, target, shard_paths, target_config_json, log, log_every, stop_at_step)
+
+
+def _train(cfg, target, shard_paths, target_config_json, log, log_every, stop_at_step) -> TrainResult:
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = resolve_device(cfg.device, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    log = log if rank == 0 else (lambda _: None)
     out_dir = Path(cfg.output_dir)
     # 1. data, and what the shards say about how they were made
-    data = ShardData([Path(p) for p in shard_paths])
+    data = ShardData([Path(p) for p in shard_paths], cfg.num_heldout, cfg.ttt_steps, cfg.loss_positions == "all")
     meta = check_shard_meta(data.readers, target)
     tcfg = target_config_json or read_target_config(target.checkpoint)
     d2t, t2d = build_draft_vocab(count_tokens(data.readers, tcfg["vocab_size"]), tcfg["vocab_size"],
                                  cfg.draft_vocab_size)
-    # 2. the drafter (seeded), the target's head for the labels, the optimizer
+    G = cfg.batch_size * cfg.grad_accum * world
+    if G > len(data.train_ids):
+        raise ValueError(f"global batch of {G} sequences (batch_size {cfg.batch_size} x grad_accum "
+                         f"{cfg.grad_accum} x {world} ranks) exceeds the {len(data.train_ids)} training sequences")
+    # 2. the drafter (seeded, the same on every rank), the target's head, the optimizer
     dcfg = drafter_config(cfg, tcfg, data.hidden_size, data.num_aux)
+    bf16 = device.type == "cuda" and cfg.precision == "bf16"
     torch.manual_seed(cfg.seed)
     model = Eagle3Drafter(dcfg)
     init_from_target(model, target.checkpoint, d2t, t2d)
+    if bf16:
+        model.embed_tokens.to(torch.bfloat16)  # frozen: no master copy needed
     model.to(device)
-    head = TargetHead.from_checkpoint(target.checkpoint, last_hidden_norm=meta["last_hidden_norm"]).to(device)
-    t2d_dev = t2d.to(device)
-    draft_of = (torch.cumsum(t2d.long(), 0) - 1).to(device)  # target id -> draft id (where t2d)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    objective = wrapped = TTTObjective(model)
+    if world > 1:
+        wrapped = _parallelize(objective, cfg.distributed.strategy, device)
+    head = TargetHead.from_checkpoint(target.checkpoint, last_hidden_norm=meta["last_hidden_norm"],
+                                      dtype=torch.bfloat16 if bf16 else torch.float32)
+    head.reorder(draft_first_order(t2d)).to(device)
+    params = [p for p in objective.parameters() if p.requires_grad]
+    opt = make_optimizer(params, cfg.lr, cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
-    fingerprint = {**cfg.model_dump(mode="json", exclude={"output_dir", "checkpoint_every", "device"}),
-                   "shards": [[Path(r.path).name, r.num_tokens] for r in data.readers],
+    fingerprint = {**cfg.model_dump(mode="json", exclude={"output_dir", "checkpoint_every", "device", "eval_every",
+                                                          "batch_size", "grad_accum", "distributed", "compile"}),
+                   "global_batch": G, "shards": [[Path(r.path).name, r.num_tokens] for r in data.readers],
                    "capture_ids": target.capture_ids(), "last_hidden_norm": meta["last_hidden_norm"]}
     info = {"drafter": asdict(dcfg), "fingerprint": fingerprint, "shard_meta": meta,
             "target": {"checkpoint": str(target.checkpoint), "revision": target.revision,
@@ -318,48 +402,59 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
                        "capture_ids": target.capture_ids()}}
     state, ckpt = TrainState(), latest_checkpoint(out_dir)
     if ckpt is not None:
-        state = load_checkpoint(ckpt, model, opt, sched, fingerprint, log)
+        state = load_checkpoint(ckpt, objective, opt, sched, fingerprint, log)
         log(f"resumed from {ckpt} at step {state.step}")
     resumed_from, t_run = state.step, time.monotonic()
     t_log = t_run
     log_every = log_every or max(1, cfg.max_steps // 20)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    make_labels = lambda b: teacher_labels(head, b["last"], b["loss_mask"], cfg.draft_vocab_size, dtype)  # noqa: E731
     log(f"training drafter: {sum(p.numel() for p in params) / 1e6:.2f}M params, {len(data.train_ids)} train / "
-        f"{data.num_heldout} held-out sequences, draft vocab {cfg.draft_vocab_size}, device {device}")
+        f"{data.num_heldout} held-out sequences, global batch {G} ({world} rank(s) x {cfg.grad_accum} x "
+        f"{cfg.batch_size}), draft vocab {cfg.draft_vocab_size}, device {device}")
 
     # 3. the loop
-    batches = epoch_batches(data.lengths, data.train_ids, cfg.batch_size, cfg.seed, state.epoch)
+    num_micro = cfg.grad_accum * world
+    plan = epoch_plan(data.lengths, data.train_ids, cfg.batch_size, num_micro, cfg.seed, state.epoch,
+                      cfg.length_grouping)
     stop = min(cfg.max_steps, stop_at_step or cfg.max_steps)
     while state.step < stop:
-        if state.batch_pos >= len(batches):
+        if state.batch_pos >= len(plan):
             state.epoch, state.batch_pos = state.epoch + 1, 0
-            batches = epoch_batches(data.lengths, data.train_ids, cfg.batch_size, cfg.seed, state.epoch)
-        idx = batches[state.batch_pos]
-        batch = collate([data.sample(i) for i in idx], device)
+            plan = epoch_plan(data.lengths, data.train_ids, cfg.batch_size, num_micro, cfg.seed, state.epoch,
+                              cfg.length_grouping)
+        micro = plan[state.batch_pos]
+        counts = data.scored[[i for m in micro for i in m]].sum(0)  # (K,) the global batch's scored positions
+        mine = (collate([data.sample(i) for i in m], device, dtype) for m in micro[rank::world])
+        stats = optimizer_step(objective, wrapped, opt, sched, mine, make_labels, ttt_steps=cfg.ttt_steps,
+                               decay=cfg.loss_decay, counts=counts, grad_clip=cfg.grad_clip, autocast=autocast,
+                               world=world)
+        stats = _all_reduce(stats, device)
         state.batch_pos += 1
-        with autocast:
-            labels = make_labels(head, batch, t2d_dev, draft_of)
-            loss, correct, counted = ttt_loss(model, batch, labels, cfg.ttt_steps, cfg.loss_decay)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        sched.step()
         state.step += 1
-        state.tokens += sum(data.lengths[i] for i in idx)
-        state.losses.append(loss.item())
-        state.accuracies.append((correct / counted.clamp(min=1)).tolist())
+        state.tokens += sum(data.lengths[i] for m in micro for i in m)
+        K = cfg.ttt_steps
+        state.losses.append(float(stats[0]))
+        state.accuracies.append((stats[1:1 + K] / stats[1 + K:].clamp(min=1)).tolist())
         if state.step % log_every == 0 or state.step == stop:
             acc = " ".join(f"{a:.2f}" for a in state.accuracies[-1])
             log(f"step {state.step}/{cfg.max_steps} loss {state.losses[-1]:.4f} acc [{acc}] "
                 f"lr {sched.get_last_lr()[0]:.2e} {time.monotonic() - t_log:.1f}s")
+        if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.max_steps:
+            held = evaluate_heldout(objective, wrapped, make_labels, data, cfg, device, dtype, autocast, rank, world)
+            if held is not None:
+                state.heldout_history.append([state.step, simulated_acceptance_length(held)])
+                log(f"step {state.step}: held-out simulated acceptance length {state.heldout_history[-1][1]:.3f}")
         if state.step % cfg.checkpoint_every == 0 or state.step == stop:
             state.seconds += time.monotonic() - t_run
             t_run = time.monotonic()
-            ckpt = save_checkpoint(out_dir, model, opt, sched, state, info)
+            ckpt = save_checkpoint(out_dir, objective, opt, sched, state, info, rank=rank)
 
     # 4. held-out accuracy per TTT step -> simulated acceptance length
-    held = evaluate_heldout(model, head, data, t2d_dev, draft_of, cfg, device) if state.step >= cfg.max_steps else None
+    held = None
+    if state.step >= cfg.max_steps:
+        held = evaluate_heldout(objective, wrapped, make_labels, data, cfg, device, dtype, autocast, rank, world)
     tail = state.losses[-max(1, min(10, len(state.losses) // 10)):]
     return TrainResult(
         final_loss=sum(tail) / len(tail), first_loss=state.losses[0], losses=state.losses,
@@ -367,17 +462,45 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
         seconds=round(state.seconds + time.monotonic() - t_run, 3), checkpoint_dir=str(ckpt),
         draft_vocab_size=cfg.draft_vocab_size, heldout_accuracies=held,
         simulated_acceptance_length=None if held is None else simulated_acceptance_length(held),
-        resumed_from_step=resumed_from)
+        heldout_history=state.heldout_history, resumed_from_step=resumed_from, world_size=world, global_batch=G)
+
+
+def _parallelize(objective: TTTObjective, strategy: str, device: torch.device):
+    """DDP (replicas) or FSDP2 (weights, gradients and optimizer state sharded) over the process group."""
+    if strategy == "fsdp":  # one unit, gathered once per micro-batch (ZeRO-2 / SHARD_GRAD_OP-like)
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(objective, reshard_after_forward=False)
+        return objective
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(objective, device_ids=[device.index] if device.type == "cuda" else None,
+                                   broadcast_buffers=False)
+
+
+def _all_reduce(t: torch.Tensor, device) -> torch.Tensor:
+    if not dist.is_initialized():
+        return t
+    t = t.to(device)
+    dist.all_reduce(t)
+    return t.cpu()
 
 
 @torch.no_grad()
-def evaluate_heldout(model, head, data: ShardData, t2d, draft_of, cfg: TrainingConfig, device) -> list[float] | None:
+def evaluate_heldout(objective, wrapped, make_labels, data: ShardData, cfg: TrainingConfig, device, dtype,
+                     autocast, rank: int = 0, world: int = 1) -> list[float] | None:
+    """Per-TTT-step accuracy on the held-out sequences; every rank runs the same number of forwards."""
     if not data.heldout_ids:
         return None
-    correct = counted = 0
-    for s in range(0, len(data.heldout_ids), cfg.batch_size):
-        batch = collate([data.sample(i) for i in data.heldout_ids[s:s + cfg.batch_size]], device)
-        _, c, n = ttt_loss(model, batch, make_labels(head, batch, t2d, draft_of), cfg.ttt_steps, cfg.loss_decay)
-        correct, counted = correct + c, counted + n
-    return (correct / counted.clamp(min=1)).tolist()
-
+    ids = data.heldout_ids
+    batches = [ids[s:s + cfg.batch_size] for s in range(0, len(ids), cfg.batch_size)]
+    per_rank = -(-len(batches) // world)
+    stats = torch.zeros(2 * cfg.ttt_steps, dtype=torch.float64)
+    for j in range(per_rank):
+        idx = rank + j * world
+        batch = collate([data.sample(i) for i in batches[idx % len(batches)]], device, dtype)
+        with autocast:
+            _, c, n = wrapped(batch["ids"], batch["aux"], make_labels(batch), cfg.ttt_steps, cfg.loss_decay)
+        if idx < len(batches):  # a rank past the end repeats a batch (FSDP needs every rank) and drops it
+            stats += torch.cat([c, n]).double().cpu()
+    stats = _all_reduce(stats, device)
+    K = cfg.ttt_steps
+    return (stats[:K] / stats[K:].clamp(min=1)).tolist()

@@ -1,43 +1,233 @@
-"""Prefect tasks: tokenize and plan the data, extract one shard per task."""
+"""Prefect tasks: prepare the data (and the output dir), extract one shard per task, with progress."""
 
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
 import uuid
 from pathlib import Path
 
 from prefect import task
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.logging import get_run_logger
+from prefect.logging import get_logger, get_run_logger
 
-from eyas import data, extract
+from eyas import __version__, data, dataset, extract, resume
+from eyas.client import Endpoint, ServerPool
 from eyas.config import PipelineConfig
 from eyas.data import ShardPlan
+from eyas.hosts import make_host
 from eyas.target import load_tokenizer
 
 
+def _logger():
+    try:
+        return get_run_logger()
+    except Exception:  # noqa: BLE001 - outside a run context (cache-key function, callbacks)
+        return get_logger("eyas.extract")
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress: one ExtractionRun per output dir in this process, published as artifacts and log lines
+# ---------------------------------------------------------------------------------------------
+
+_runs: dict[str, dataset.ExtractionRun] = {}
+_runs_lock = threading.Lock()
+PUBLISH_EVERY_S = 2.0  # progress artifact and log line, at most this often while shards run
+TABLE_EVERY_S = 30.0  # a new version of the shard table (500 rows in production), at most this often
+
+
+class _Publisher:
+    """Turns ExtractionRun updates into a progress artifact, a table artifact and log lines."""
+
+    def __init__(self, name: str):
+        slug = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-") or "run"
+        self.progress_key, self.table_key = f"extract-{slug}", f"extract-shards-{slug}"
+        self.artifact_id = None
+        self.last = self.last_table = 0.0
+        self.lock = threading.Lock()
+        self.warned = False
+
+    def __call__(self, run: dataset.ExtractionRun, event: str) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if event == "progress" and now - self.last < PUBLISH_EVERY_S:
+                return
+            self.last = now
+            table = event == "complete" or (event == "shard" and now - self.last_table >= TABLE_EVERY_S)
+            if table:
+                self.last_table = now
+        figures, text = run.figures(), run.describe()
+        _logger().info("extraction: %s", text)
+        try:
+            with self.lock:
+                if self.artifact_id is None:
+                    self.artifact_id = create_progress_artifact(
+                        progress=figures["percent"], key=self.progress_key, description=text)
+                else:
+                    update_progress_artifact(artifact_id=self.artifact_id, progress=figures["percent"],
+                                             description=text)
+            if table:
+                create_table_artifact(table=run.table(), key=self.table_key,
+                                      description=f"extraction shards: {text}")
+        except Exception as e:  # noqa: BLE001 - the UI is a view; extraction goes on without it
+            if not self.warned:
+                self.warned = True
+                _logger().warning("extraction progress artifacts unavailable (%s: %s)", type(e).__name__, e)
+
+
+def _register_run(cfg: PipelineConfig, plans: list[ShardPlan], plan_info: dict) -> dataset.ExtractionRun:
+    run = dataset.ExtractionRun(cfg.extraction.output_dir, plans, plan_info=plan_info,
+                                on_change=_Publisher(cfg.name))
+    with _runs_lock:
+        _runs[str(Path(cfg.extraction.output_dir).resolve())] = run
+    return run
+
+
+def _run_for(cfg: PipelineConfig, plan: ShardPlan) -> dataset.ExtractionRun:
+    """This process's run for the output dir; rebuilt from plan.json when prepare ran elsewhere."""
+    key = str(Path(cfg.extraction.output_dir).resolve())
+    with _runs_lock:
+        run = _runs.get(key)
+    if run is not None and plan.name in run.plans and run.plans[plan.name].content_hash == plan.content_hash:
+        return run
+    index = data.read_plan_index(Path(plan.path).parent)
+    plans = [ShardPlan(s["index"], len(index["shards"]), Path(s["path"]), s["content_hash"], s["num_sequences"],
+                       s["num_tokens"], index.get("provenance", {})) for s in index["shards"]]
+    return _register_run(cfg, plans, index)
+
+
+# ---------------------------------------------------------------------------------------------
+# Servers: one pool per process and endpoint set, so the in-flight bound holds across shard tasks
+# ---------------------------------------------------------------------------------------------
+
+_pools: dict[tuple, ServerPool] = {}
+_pools_lock = threading.Lock()
+
+
+def endpoints(cfg: PipelineConfig) -> list[Endpoint]:
+    """The launched server plus extraction.endpoints."""
+    x = cfg.extraction
+    return [Endpoint(cfg.server.url, cfg.server.dump_dir, x.concurrency)] + [
+        Endpoint(e.url, e.dump_dir, e.concurrency or x.concurrency) for e in x.endpoints]
+
+
+def _pool_for(cfg: PipelineConfig) -> ServerPool:
+    x = cfg.extraction
+    key = (tuple(endpoints(cfg)), x.request_timeout_s, x.request_retries, x.retry_backoff_s)
+    with _pools_lock:
+        if key not in _pools:
+            _pools[key] = ServerPool(endpoints(cfg), request_timeout_s=x.request_timeout_s,
+                                     retries=x.request_retries, backoff_s=x.retry_backoff_s)
+        return _pools[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks
+# ---------------------------------------------------------------------------------------------
+
 @task(task_run_name="prepare-data", cache_policy=NO_CACHE)
-def prepare_data(cfg: PipelineConfig) -> tuple[list[ShardPlan], list[list[int]], dict]:
-    """Tokenize the conversations, hold some out, and write one plan file per shard."""
-    tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.target.checkpoint)
-    prepared = data.prepare(data.load_conversations(cfg.data.path), tokenizer, cfg.data)
-    plans = data.write_shard_plans(prepared.train, cfg.extraction.num_shards,
-                                   Path(cfg.extraction.output_dir) / "plan")
-    get_run_logger().info("prepared %s", prepared.stats)
+def prepare_data(cfg: PipelineConfig, data_path: str | None = None) -> tuple[list[ShardPlan], list[list[int]], dict]:
+    """Take the output dir, clean a killed run's leftovers, tokenize, plan the shards, check disk space.
+
+    `data_path` replaces data.path (the regenerated conversations, say).
+    """
+    logger, x, out = _logger(), cfg.extraction, Path(cfg.extraction.output_dir)
+    source = Path(data_path or cfg.data.path)
+    # 1. One run per output dir. Holding the lock proves a killed run's partial files and server
+    #    are stale: discard the files, stop that server (only if it runs this config's command).
+    resume.lock_output_dir(out)
+    removed = resume.discard_partials(out)
+    if removed:
+        logger.info("discarded %d partial file(s) of a killed run: %s", len(removed), removed[:10])
+    host = make_host(cfg.server.host)
+    try:
+        reclaimed = resume.reclaim_stale_server(host, cfg)
+    finally:
+        host.close()
+    if reclaimed:
+        logger.warning("server recorded in %s: %s", cfg.server.pid_path, reclaimed)
+    # 2. Tokenize and check every line (ids against the target's vocabulary).
+    folder = cfg.data.tokenizer or cfg.target.checkpoint
+    hidden, vocab = dataset.target_dims(folder, cfg.target.checkpoint)
+    tokenizer = load_tokenizer(folder)
+    records, skipped = data.load_records(source, vocab_size=vocab, bad_lines=cfg.data.bad_lines)
+    prepared = data.prepare(records, tokenizer, cfg.data.model_copy(update={"path": source}), vocab_size=vocab,
+                            skipped=skipped)
+    provenance = {**data.tokenizer_hashes(tokenizer, folder), "eyas_version": __version__}
+    info = {"provenance": provenance, "data_path": str(source), "data_sha256": data.sha256_file(source),
+            "stats": prepared.stats}
+    plans = data.write_shard_plans(prepared.train, x.num_shards, out / "plan", info=info)
+    # 3. Refuse now, before a long server load, if the shards cannot fit.
+    needed = dataset.estimate_bytes(plans, hidden, len(cfg.target.layer_ids), x.dtype, x.encoding, out)
+    space = dataset.check_disk_space(out, needed, keep_free_gb=x.keep_free_gb)
+    _register_run(cfg, plans, info)
+    logger.info("prepared %s; shards need %.3f GB more, %.1f GB free", {k: v for k, v in prepared.stats.items()
+                if k != "skipped_lines"}, needed / 1e9, space["free_bytes"] / 1e9)
+    for line in prepared.stats["skipped_lines"][:10]:
+        logger.warning("skipped %s", line)
     return plans, prepared.heldout_prompts, prepared.stats
+
+
+@task(task_run_name="regenerate-data", cache_policy=NO_CACHE)
+def regenerate_data(cfg: PipelineConfig) -> str:
+    """Answer the training conversations again with the target (resumable by part); returns the new file."""
+    from eyas.regenerate import regenerate
+
+    logger, r = _logger(), cfg.data.regenerate
+    folder = cfg.data.tokenizer or cfg.target.checkpoint
+    _, vocab = dataset.target_dims(folder, cfg.target.checkpoint)
+    tokenizer = load_tokenizer(folder)
+    records, skipped = data.load_records(cfg.data.path, vocab_size=vocab, bad_lines=cfg.data.bad_lines)
+    for line in skipped[:10]:
+        logger.warning("skipped %s", line)
+    num_heldout = min(cfg.data.num_heldout, len(records) - 1)  # evaluation prompts: kept as they are
+    train, heldout = records[: len(records) - num_heldout], records[len(records) - num_heldout:]
+    out_dir = r.output_dir or Path(cfg.extraction.output_dir) / "regenerated"
+
+    def on_part(k: int, n: int, m: dict) -> None:
+        state = "reused" if m.get("reused") else f"{m['seconds']:.1f}s"
+        logger.info("regenerate part %d/%d: %d conversations, %d turns answered by the target (%s)",
+                    k + 1, n, m["conversations"], m["regenerated_turns"], state)
+
+    path, summary = regenerate(train, tokenizer, _pool_for(cfg), out_dir, r, max_length=cfg.data.max_length,
+                               target=f"{cfg.target.checkpoint}@{cfg.target.revision}", passthrough=heldout,
+                               on_part=on_part)
+    logger.info("regenerated %s", {k: v for k, v in summary.items() if k != "params"})
+    return str(path)
 
 
 def _key(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> str:
     return extract.shard_cache_key(plan, target_checkpoint=str(cfg.target.checkpoint),
                                    target_revision=cfg.target.revision,
                                    capture_ids=cfg.target.capture_ids(),
-                                   dtype=cfg.extraction.dtype, patch_version=patch_version)
+                                   dtype=cfg.extraction.dtype, patch_version=patch_version,
+                                   encoding=cfg.extraction.encoding)
 
 
 def _cache_key_checked_on_disk(context, parameters) -> str:
     """Cache across runs on what the shard depends on, but only while the file is intact."""
     cfg, plan = parameters["cfg"], parameters["plan"]
     key = _key(cfg, plan, parameters["patch_version"])
-    if extract.existing_shard(cfg.extraction.output_dir, plan, key) is None:
+    found = extract.existing_shard(cfg.extraction.output_dir, plan, key)
+    if found is None:
         return f"{key}-recompute-{uuid.uuid4().hex}"  # deleted or corrupted: force a miss
+    _run_for(cfg, plan).shard_done(plan, found, reused=True)  # a cache hit never runs the task body
     return key
+
+
+def shard_meta(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> dict:
+    """Provenance written into the shard's header and manifest."""
+    t = cfg.target
+    capture = t.capture_ids()
+    return {"layer_ids": t.layer_ids, "layer_convention": t.layer_convention, "capture_ids": capture,
+            "layer_ids_capture_before": capture, "layer_ids_output_of": [i - 1 for i in capture],
+            "target_checkpoint": str(t.checkpoint), "target_revision": t.revision,
+            "patch_version": patch_version, "backend": cfg.server.backend, "eyas_version": __version__,
+            "tokenizer_sha256": plan.provenance.get("tokenizer_sha256"),
+            "chat_template_sha256": plan.provenance.get("chat_template_sha256")}
 
 
 @task(task_run_name="extract-{plan.name}-of-{plan.num_shards:05d}@{cfg.server.host.name}",
@@ -45,20 +235,35 @@ def _cache_key_checked_on_disk(context, parameters) -> str:
       retry_delay_seconds=[5, 30])
 def extract_shard(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> dict:
     """Extract one shard (or reuse an intact one); returns its manifest, never tensors."""
-    key = _key(cfg, plan, patch_version)
-    found = extract.existing_shard(cfg.extraction.output_dir, plan, key)
-    if found is not None:
-        return found
-    x, t = cfg.extraction, cfg.target
-    meta = {"cache_key": key, "layer_ids": t.layer_ids, "layer_convention": t.layer_convention,
-            "capture_ids": t.capture_ids(), "target_checkpoint": str(t.checkpoint),
-            "target_revision": t.revision, "patch_version": patch_version,
-            "backend": cfg.server.backend}
-    manifest = extract.extract_shard(
-        plan, x.output_dir, server_url=cfg.server.url, dump_dir=cfg.server.dump_dir,
-        capture_ids=t.capture_ids(), dtype=x.dtype, concurrency=x.concurrency,
-        request_timeout_s=x.request_timeout_s, record_timeout_s=x.record_timeout_s, meta=meta)
-    get_run_logger().info("%s: %d sequences, %d tokens, %.1f MB in %.1fs", plan.name,
-                          manifest["num_samples"], manifest["num_tokens"], manifest["bytes"] / 1e6,
-                          manifest["seconds"])
+    x, run = cfg.extraction, _run_for(cfg, plan)
+
+    def on_progress(p: extract.ShardProgress) -> None:
+        run.shard_progress(p.shard, p.tokens_done, p.bytes_done, p.samples_done)
+
+    if extract.existing_shard(x.output_dir, plan, _key(cfg, plan, patch_version)) is None:
+        run.shard_started(plan.name)
+    try:
+        manifest, reused = extract.ensure_shard(
+            plan, x.output_dir, _key(cfg, plan, patch_version), pool=_pool_for(cfg),
+            capture_ids=cfg.target.capture_ids(), dtype=x.dtype, encoding=x.encoding,
+            meta=shard_meta(cfg, plan, patch_version), record_timeout_s=x.record_timeout_s,
+            collect_workers=x.collect_workers, on_progress=on_progress)
+    except Exception as e:
+        run.shard_failed(plan.name, f"{type(e).__name__}: {e}")
+        raise
+    logger = get_run_logger()
+    if reused:
+        logger.info("%s: intact on disk, reused (%d sequences, %d tokens)", plan.name,
+                    manifest["num_samples"], manifest["num_tokens"])
+    else:
+        logger.info("%s: %d sequences, %d tokens, %.1f MB in %.1fs (%.0f tok/s)", plan.name,
+                    manifest["num_samples"], manifest["num_tokens"], manifest["bytes"] / 1e6,
+                    manifest["seconds"], manifest["num_tokens"] / max(manifest["seconds"], 1e-9))
+    complete = run.shard_done(plan, manifest, reused=reused)
+    if complete is not None:
+        logger.info("dataset complete: %s (%d shards, %d tokens, %.3f GB)", dataset.dataset_path(x.output_dir),
+                    complete["num_shards"], complete["num_tokens"], complete["bytes"] / 1e9)
     return manifest
+
+
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise

@@ -8,6 +8,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from eyas.config import PipelineConfig
+from eyas.distributed import launch_training
 from eyas.evaluate import evaluate_acceptance
 from eyas.export import export_drafter
 from eyas.train import train_drafter
@@ -19,10 +20,15 @@ def _plain(obj) -> dict:
 
 @task(task_run_name="train-drafter", cache_policy=NO_CACHE)
 def train(cfg: PipelineConfig, manifests: list[dict]) -> dict:
-    """Train the EAGLE-3 drafter on the extracted shards (resumes from its last checkpoint)."""
+    """Train the EAGLE-3 drafter on the extracted shards (resumes from its last checkpoint).
+
+    In this process by default; under torchrun on training.distributed's hosts when it asks for
+    more than one process or another host.
+    """
     logger = get_run_logger()
     shard_paths = [Path(cfg.extraction.output_dir) / m["file"] for m in manifests]
-    result = train_drafter(cfg.training, cfg.target, shard_paths, log=logger.info)
+    run = launch_training if cfg.training.distributed.launched else train_drafter
+    result = run(cfg.training, cfg.target, shard_paths, log=logger.info)
     return _plain(result)
 
 
@@ -36,10 +42,11 @@ def export(cfg: PipelineConfig, trained: dict, shard_meta: dict) -> str:
 
 @task(task_run_name="evaluate-acceptance", cache_policy=NO_CACHE)
 def evaluate(cfg: PipelineConfig, drafter_dir: str, prompts: list[list[int]]) -> dict:
-    """Greedy chain speculative decoding with the exported drafter against the target."""
+    """Greedy chain speculative decoding with the exported drafter against the target, per setting."""
     result = evaluate_acceptance(Path(drafter_dir), Path(cfg.target.checkpoint),
                                  prompts[: cfg.evaluation.num_prompts], cfg.evaluation,
                                  cfg.target.capture_ids())
-    get_run_logger().info("acceptance length %.3f over %d prompts", result.acceptance_length,
-                          result.num_prompts)
+    for name, s in result.settings.items():
+        get_run_logger().info("acceptance length %.3f at %s over %d prompts", s["acceptance_length"], name,
+                              result.num_prompts)
     return _plain(result)

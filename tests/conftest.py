@@ -150,3 +150,26 @@ def prefect_harness():
         # The heartbeat thread adds a second to every flow run; crash detection is not tested here.
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             yield
+
+
+@pytest.fixture(scope="session")
+def exported_drafter(random_target, tmp_path_factory) -> tuple[Path, Path]:
+    """(sharpened target, exported drafter folder): a briefly trained drafter in SGLang's format."""
+    import torch
+
+    from eyas.config import ExportConfig
+    from eyas.export import export_drafter
+    from eyas.train import train_drafter
+    from tests.helpers_training import (shard_meta, sharpen_target, target_config, training_config,
+                                        write_shards)
+
+    torch.set_num_threads(1)
+    target = sharpen_target(random_target, tmp_path_factory.mktemp("sharp-target"))
+    shards = write_shards(target, tmp_path_factory.mktemp("drafter-shards"), num_shards=1, per_shard=16,
+                          length=32)
+    trained = train_drafter(training_config(tmp_path_factory.mktemp("drafter-train"), max_steps=20),
+                            target_config(target), shards, log=lambda _: None)
+    drafter = export_drafter(trained, tmp_path_factory.mktemp("drafter-export") / "drafter",
+                             target=target_config(target), export=ExportConfig(dtype="bfloat16"),
+                             shard_meta=shard_meta())
+    return target, drafter

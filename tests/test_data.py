@@ -3,7 +3,8 @@ import json
 import pytest
 
 from eyas.config import DataConfig
-from eyas.data import DataError, load_conversations, prepare, read_shard_plan, tokenize_conversation, write_shard_plans
+from eyas.data import (DataError, load_conversations, load_records, prepare, read_shard_plan, tokenize_conversation,
+                       write_shard_plans)
 from eyas.target import load_tokenizer
 from tests.stage_config import ROOT
 
@@ -89,3 +90,65 @@ def test_shard_plans_are_deterministic_and_complete(tmp_path, tok):
     assert [s.input_ids for p in plans for s in read_shard_plan(p.path)] == [s.input_ids for s in samples]
     changed = write_shard_plans(samples[1:], 3, tmp_path / "plan")
     assert changed[0].content_hash != plans[0].content_hash
+
+
+def tokd(ids, mask):
+    return json.dumps({"input_ids": ids, "loss_mask": mask})
+
+
+@pytest.mark.parametrize("line, needle", [
+    (tokd([5, 4096, 7], [0, 1, 1]), r"token id 4096 at position 1 is outside the vocabulary \(0\.\.4095\)"),
+    (tokd([5, -1], [0, 1]), "token id -1 at position 1 is outside the vocabulary"),
+    (tokd([5, 6], [0, 1, 1]), "'loss_mask' must be a list as long as input_ids"),
+    (tokd([5, 6], [0, 0]), "'loss_mask' is all zero"),
+    (tokd([], []), "'input_ids' must be a non-empty list"),
+    (tokd([5, 6], [0, 2]), "only 0 and 1"),
+])
+def test_bad_pretokenized_records_are_named(tmp_path, line, needle):
+    path = _write(tmp_path, [tokd([5, 6, 7], [0, 1, 1]), line])
+    with pytest.raises(DataError, match=f"{path}:2: .*{needle}"):
+        load_records(path, vocab_size=4096)
+
+
+def test_pretokenized_and_conversation_records_mix(tmp_path, tok):
+    path = _write(tmp_path, [tokd([5, 6, 7, 8], [0, 0, 1, 1]), conv(("user", "q"), ("assistant", "a b c")),
+                             tokd([9, 10, 11], [0, 1, 1])])
+    records, skipped = load_records(path, vocab_size=4096)
+    p = prepare(records, tok, DataConfig(path=path, num_heldout=1), vocab_size=4096)
+    assert p.train[0].input_ids == [5, 6, 7, 8] and p.train[0].loss_mask == [0, 0, 1, 1]
+    assert p.train[1] == tokenize_conversation(tok, json.loads(conv(("user", "q"), ("assistant", "a b c")))["messages"])
+    assert p.heldout_prompts == [[9]]  # the ids before the first loss token
+    assert skipped == [] and p.stats["skipped_bad_lines"] == 0
+
+
+def test_bad_lines_can_be_skipped_counted_and_named(tmp_path, tok):
+    good = conv(("user", "q"), ("assistant", "a b c"))
+    path = _write(tmp_path, [good, "{oops", tokd([1, 99999], [0, 1]), conv(("user", "x"), ("assistant", " ")),
+                             tokd([3] * 40, [1] * 40), good, good])
+    records, skipped = load_records(path, vocab_size=4096, bad_lines="skip")
+    cfg = DataConfig(path=path, num_heldout=1, max_length=32, overlong="drop", bad_lines="skip")
+    p = prepare(records, tok, cfg, vocab_size=4096, skipped=skipped)
+    assert p.stats["skipped_bad_lines"] == 3 and p.stats["dropped_overlong"] == 1 and len(p.train) == 2
+    named = "\n".join(p.stats["skipped_lines"])
+    for needle in (f"{path}:2: malformed JSON", f"{path}:3: token id 99999", f"{path}:4: message 1 is an empty",
+                   f"{path}:5: 40 tokens > data.max_length 32, dropped"):
+        assert needle in named
+    with pytest.raises(DataError, match="no usable conversations .*3 bad line"):
+        load_records(_write(tmp_path, ["{oops", "[]", tokd([1], [0])]), bad_lines="skip")
+
+
+def test_tokenizer_ids_beyond_the_target_vocabulary_are_caught(tmp_path, tok):
+    # The tokenizer knows 4096 ids; a target with a smaller embedding cannot take them all.
+    path = _write(tmp_path, [conv(("user", "zebra " * 5), ("assistant", "quantum flux")), conv(("user", "a"), ("assistant", "b"))])
+    records, _ = load_records(path)
+    with pytest.raises(DataError, match=rf"{path}:1 \(after tokenizing\): token id \d+ at position \d+ is outside "
+                                        r"the vocabulary \(0\.\.9\)"):
+        prepare(records, tok, DataConfig(path=path, num_heldout=0), vocab_size=10)
+
+
+def test_a_bad_file_writes_no_plan(tmp_path, tok):
+    path = _write(tmp_path, [conv(("user", "a"), ("assistant", "b")), "{oops"])
+    with pytest.raises(DataError):
+        records, _ = load_records(path)
+        write_shard_plans(prepare(records, tok, DataConfig(path=path, num_heldout=0)).train, 2, tmp_path / "plan")
+    assert not (tmp_path / "plan").exists()

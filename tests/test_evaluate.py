@@ -35,6 +35,17 @@ def test_output_is_identical_to_target_only_greedy(setup, draft_steps):
     assert res.acceptance_length == pytest.approx(36 / res.verify_steps) and res.acceptance_length >= 1.0
 
 
+def test_3_1_4_and_7_1_8_in_one_evaluation(setup):
+    target, drafter, prompts = setup
+    res = evaluate_acceptance(drafter, target, prompts, EvaluationConfig(draft_steps=[3, 7], max_new_tokens=10),
+                              CAPTURE)
+    assert list(res.settings) == ["3/1/4", "7/1/8"] and res.setting == "3/1/4"
+    for s in res.settings.values():
+        assert s["identical_to_target"] and s["total_new_tokens"] == 30
+        assert 1.0 <= s["acceptance_length"] <= 8.0
+    assert res.acceptance_length == res.settings["3/1/4"]["acceptance_length"]
+
+
 def test_single_token_needs_no_verify_and_layers_must_match(setup):
     target, drafter, prompts = setup
     res = evaluate_acceptance(drafter, target, prompts[:1], EvaluationConfig(max_new_tokens=1), CAPTURE)

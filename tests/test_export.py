@@ -1,4 +1,11 @@
+import ast
 import json
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+from typing import Iterable, Tuple
 
 import pytest
 import torch
@@ -7,7 +14,7 @@ from safetensors import safe_open
 
 from eyas.config import ExportConfig
 from eyas.drafter import DrafterConfig, Eagle3Drafter, causal_mask
-from eyas.export import check_layer_ids, export_drafter, load_exported
+from eyas.export import DTYPES, check_layer_ids, export_drafter, load_exported
 from eyas.target_head import load_target_tensors
 from eyas.train import train_drafter
 from tests.helpers_training import shard_meta, target_config, training_config, write_shards
@@ -109,3 +116,111 @@ def test_reexport_replaces_the_folder_whole(trained, random_target, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
     assert not (out / "stale.txt").exists()
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+# ----------------------------------------------------------------------------- SGLang 0.5.23's loader
+
+SGLANG = "0.5.23"
+WHEELS = Path.home() / ".cache" / "eyas-test" / "wheels"
+
+
+@pytest.fixture(scope="module")
+def sglang_eagle3_source() -> str:
+    """models/llama_eagle3.py from the sglang 0.5.23 wheel (cached by the patch tests, else fetched)."""
+    found = sorted(WHEELS.glob(f"sglang-{SGLANG}-*.whl"))
+    if not found:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", f"sglang=={SGLANG}", "--no-deps", "-d",
+                            str(WHEELS)], capture_output=True, timeout=900)
+        found = sorted(WHEELS.glob(f"sglang-{SGLANG}-*.whl"))
+        if r.returncode or not found:
+            pytest.skip(f"sglang {SGLANG} wheel not cached in {WHEELS} and not downloadable")
+    with zipfile.ZipFile(found[0]) as z:
+        return z.read("sglang/srt/models/llama_eagle3.py").decode()
+
+
+def sglang_load_weights(source: str):
+    """LlamaForCausalLMEagle3.load_weights, its source taken verbatim from the wheel."""
+    tree = ast.parse(source)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LlamaForCausalLMEagle3")
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "load_weights")
+    ns = {"torch": torch, "Iterable": Iterable, "Tuple": Tuple, "default_weight_loader": _default_weight_loader}
+    exec(textwrap.dedent(ast.get_source_segment(source, fn)), ns)  # noqa: S102 - SGLang's own code
+    return ns["load_weights"]
+
+
+def _default_weight_loader(param, loaded_weight):  # sglang.srt.model_loader.weight_utils, at tp 1
+    assert param.size() == loaded_weight.size(), (param.size(), loaded_weight.size())
+    param.data.copy_(loaded_weight)
+    param.written[:] = True
+
+
+def _sharded(param, offsets: dict):
+    """The weight_loader of a fused column-parallel layer at tp 1: shard_id -> rows [a, b)."""
+    def load(p, loaded_weight, shard_id):
+        a, b = offsets[shard_id]
+        assert list(loaded_weight.shape) == [b - a, p.shape[1]], (shard_id, loaded_weight.shape, p.shape)
+        p.data[a:b].copy_(loaded_weight)
+        p.written[a:b] = True
+    param.weight_loader = load
+
+
+class FakeSGLangDrafter:
+    """The parameters LlamaForCausalLMEagle3 builds for a config.json (its __init__ and LlamaModel's)."""
+
+    def __init__(self, cfg: dict):
+        H, nh, nkv, hd, inter = (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+                                 cfg["head_dim"], cfg["intermediate_size"])
+        # the config rules LlamaModel.__init__ applies (llama_eagle3.py, class LlamaModel)
+        assert cfg.get("num_aux_hidden_states") is None and not cfg.get("norm_before_fc")
+        assert not cfg.get("fc_norm") and not cfg.get("use_aux_norm") and not cfg["tie_word_embeddings"]
+        assert cfg["draft_vocab_size"] is not None  # None would reuse the target's lm_head
+        num_aux = len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        shapes = {
+            "model.embed_tokens.weight": [cfg["vocab_size"], H],
+            "model.fc.weight": [H, cfg.get("target_hidden_size", H) * num_aux],
+            "model.layers.0.self_attn.qkv_proj.weight": [(nh + 2 * nkv) * hd, 2 * H],
+            "model.layers.0.self_attn.o_proj.weight": [H, nh * hd],
+            "model.layers.0.mlp.gate_up_proj.weight": [2 * inter, H],
+            "model.layers.0.mlp.down_proj.weight": [H, inter],
+            "model.layers.0.input_layernorm.weight": [H],
+            "model.layers.0.hidden_norm.weight": [H],
+            "model.layers.0.post_attention_layernorm.weight": [H],
+            "model.norm.weight": [H],
+            "lm_head.weight": [cfg["draft_vocab_size"], H],
+        }
+        self.params = {n: torch.nn.Parameter(torch.full(s, float("nan"), dtype=DTYPES[cfg["torch_dtype"]]),
+                                             requires_grad=False) for n, s in shapes.items()}
+        for p in self.params.values():
+            p.written = torch.zeros(p.shape[0], dtype=torch.bool)
+        _sharded(self.params["model.layers.0.self_attn.qkv_proj.weight"],
+                 {"q": (0, nh * hd), "k": (nh * hd, (nh + nkv) * hd), "v": ((nh + nkv) * hd, (nh + 2 * nkv) * hd)})
+        _sharded(self.params["model.layers.0.mlp.gate_up_proj.weight"], {0: (0, inter), 1: (inter, 2 * inter)})
+        self.hot_token_id = None
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+
+def test_sglang_0_5_23_loads_every_weight_and_reads_d2t_as_offsets(trained, random_target, tmp_path,
+                                                                    sglang_eagle3_source):
+    out = export(trained, random_target, tmp_path / "drafter")
+    cfg = json.loads((out / "config.json").read_text())
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        weights = {k: f.get_tensor(k) for k in f.keys()}
+    model = FakeSGLangDrafter(cfg)
+    sglang_load_weights(sglang_eagle3_source)(model, iter(weights.items()))
+    unwritten = [n for n, p in model.params.items() if not p.written.all() and n != "model.embed_tokens.weight"]
+    assert not unwritten, f"SGLang would leave these uninitialised (a name it skips silently): {unwritten}"
+    assert not model.params["model.embed_tokens.weight"].written.any()  # comes from the target
+    p = model.params
+    qkv = torch.cat([weights[f"midlayer.self_attn.{n}_proj.weight"] for n in "qkv"])
+    assert torch.equal(p["model.layers.0.self_attn.qkv_proj.weight"], qkv)
+    gate_up = torch.cat([weights["midlayer.mlp.gate_proj.weight"], weights["midlayer.mlp.up_proj.weight"]])
+    assert torch.equal(p["model.layers.0.mlp.gate_up_proj.weight"], gate_up)
+    assert torch.equal(p["lm_head.weight"], weights["lm_head.weight"])
+    assert torch.equal(p["model.fc.weight"], weights["fc.weight"])
+    # hot_token_id = d2t + arange: the target id of each draft id, exactly the tokens t2d marks
+    assert model.hot_token_id.dtype == torch.int64
+    assert torch.equal(model.hot_token_id, weights["t2d"].nonzero().flatten())
+    assert weights["d2t"].dtype == torch.int64 and all(v.dtype == torch.bfloat16 for k, v in weights.items()
+                                                       if k not in ("d2t", "t2d"))

@@ -1,45 +1,57 @@
 import random
+import socket
+import time
 
 import pytest
 import torch
 
 from eyas import readiness
+from eyas.client import Endpoint, ServerPool
 from eyas.data import TokenizedSample, write_shard_plans
-from eyas.extract import ExtractionError, existing_shard, extract_shard, shard_path
-from eyas.hosts import LocalHost
+from eyas.extract import ExtractionError, ensure_shard, existing_shard, extract_shard, shard_path
+from eyas.hosts import LocalHost, wait_dead
 from eyas.launch import start_server, stop_server
-from eyas.shards import ShardReader
+from eyas.shards import ShardReader, bytes_per_token, partial_path, verify_shard
 from tests.stage_config import stage_config
+
+CAPTURE = [2, 4, 5]
+META = {"cache_key": "k1", "layer_ids": CAPTURE, "layer_convention": "capture-before"}
+
+
+def _launch(tmp, target):
+    host, cfg = LocalHost(), stage_config(tmp, target, **{"server.env": {"OMP_NUM_THREADS": "1"}})
+    handle = start_server(host, cfg)
+    readiness.wait_until_ready(host, log_path=handle.log_path, pid=handle.pid, url=handle.url,
+                               start_offset=handle.log_offset, poll_interval_s=0.1, stall_timeout_s=30,
+                               deadline_s=120, http_timeout_s=5)
+    return host, cfg, handle
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, random_target):
-    tmp = tmp_path_factory.mktemp("extract")
-    host, cfg = LocalHost(), stage_config(tmp, random_target, **{"server.env": {"OMP_NUM_THREADS": "1"}})
-    handle = start_server(host, cfg)
-    s = cfg.sensor
-    readiness.wait_until_ready(host, log_path=handle.log_path, pid=handle.pid, url=handle.url,
-                               start_offset=handle.log_offset, poll_interval_s=0.1, stall_timeout_s=30,
-                               deadline_s=120, http_timeout_s=5)
+    host, cfg, handle = _launch(tmp_path_factory.mktemp("extract"), random_target)
     yield cfg, handle
     stop_server(host, cfg, handle.pid)
 
 
-def _plans(tmp, n=6, seed=0):
+def _plans(tmp, n=6, seed=0, num_shards=2):
     rng = random.Random(seed)
     samples = []
     for _ in range(n):
         length = rng.randint(5, 40)  # chunked-prefill-size is 16: most are 2-3 chunks
         samples.append(TokenizedSample([rng.randrange(3, 512) for _ in range(length)],
                                        [0] * (length // 2) + [1] * (length - length // 2)))
-    return samples, write_shard_plans(samples, 2, tmp / "plan")
+    return samples, write_shard_plans(samples, num_shards, tmp / "plan")
 
 
 def _extract(cfg, plan, out, **kw):
-    args = dict(server_url=cfg.server.url, dump_dir=cfg.server.dump_dir, capture_ids=[2, 4, 5],
-                dtype="bfloat16", concurrency=3, request_timeout_s=60, record_timeout_s=10,
-                meta={"cache_key": "k1", "layer_ids": [2, 4, 5], "layer_convention": "capture-before"})
+    args = dict(server_url=cfg.server.url, dump_dir=cfg.server.dump_dir, capture_ids=CAPTURE,
+                dtype="bfloat16", concurrency=3, request_timeout_s=60, record_timeout_s=10, meta=META)
     return extract_shard(plan, out, **{**args, **kw})
+
+
+def _endpoint(cfg, n=2):
+    return Endpoint(cfg.server.url, cfg.server.dump_dir, n)
 
 
 def test_shard_holds_the_targets_hidden_states(server, tmp_path, random_target):
@@ -47,13 +59,21 @@ def test_shard_holds_the_targets_hidden_states(server, tmp_path, random_target):
 
     cfg, _ = server
     samples, plans = _plans(tmp_path)
-    manifests = [_extract(cfg, p, tmp_path / "out") for p in plans]
+    seen = []
+    manifests = [_extract(cfg, p, tmp_path / "out", on_progress=seen.append) for p in plans]
     assert sum(m["num_samples"] for m in manifests) == len(samples)
     assert manifests[0]["last_hidden_norm"] == "post"
+    # Progress: one report per sequence, ending at the shard's totals.
+    last = seen[-1]
+    assert [p.samples_done for p in seen] == list(range(1, plans[0].num_sequences + 1)) + \
+        list(range(1, plans[1].num_sequences + 1))
+    assert last.tokens_done == last.num_tokens == plans[1].num_tokens
+    assert last.bytes_done == last.num_tokens * bytes_per_token(64, 3)
     model = transformers.AutoModelForCausalLM.from_pretrained(random_target, dtype=torch.float32).eval()
     reader = ShardReader(shard_path(tmp_path / "out", plans[0]))
     for planned, got in zip(samples, reader):
         assert got.input_ids.tolist() == planned.input_ids
+        assert got.loss_mask.long().tolist() == planned.loss_mask
         with torch.no_grad():
             hs = model(torch.tensor([planned.input_ids]), output_hidden_states=True).hidden_states
         aux = torch.cat([hs[2][0], hs[4][0], hs[5][0]], dim=-1)
@@ -62,15 +82,22 @@ def test_shard_holds_the_targets_hidden_states(server, tmp_path, random_target):
     assert list(cfg.server.dump_dir.iterdir()) == []  # records are removed once collected
 
 
-def test_intact_shard_is_reused_and_damaged_one_is_not(server, tmp_path):
+def test_intact_shard_is_reused_and_truncated_one_is_recomputed_identically(server, tmp_path):
     cfg, _ = server
     _, plans = _plans(tmp_path, seed=1)
-    m = _extract(cfg, plans[0], tmp_path / "out")
-    assert existing_shard(tmp_path / "out", plans[0], "k1")["sha256"] == m["sha256"]
-    assert existing_shard(tmp_path / "out", plans[0], "other-key") is None
+    kw = dict(server_url=cfg.server.url, dump_dir=cfg.server.dump_dir, capture_ids=CAPTURE, dtype="bfloat16",
+              meta={"layer_ids": CAPTURE})
+    m, reused = ensure_shard(plans[0], tmp_path / "out", "k1", **kw)
     path = shard_path(tmp_path / "out", plans[0])
-    path.write_bytes(path.read_bytes()[:-64])
+    inode, mtime = path.stat().st_ino, path.stat().st_mtime_ns
+    assert not reused and existing_shard(tmp_path / "out", plans[0], "k1")["sha256"] == m["sha256"]
+    assert existing_shard(tmp_path / "out", plans[0], "other-key") is None
+    again, reused = ensure_shard(plans[0], tmp_path / "out", "k1", **kw)
+    assert reused and again == m and (path.stat().st_ino, path.stat().st_mtime_ns) == (inode, mtime)
+    path.write_bytes(path.read_bytes()[:-64])  # truncated on disk
     assert existing_shard(tmp_path / "out", plans[0], "k1") is None
+    redone, reused = ensure_shard(plans[0], tmp_path / "out", "k1", **kw)
+    assert not reused and redone["sha256"] == m["sha256"] and verify_shard(path)
 
 
 def test_wrong_capture_layers_are_refused_and_nothing_is_written(server, tmp_path):
@@ -78,14 +105,107 @@ def test_wrong_capture_layers_are_refused_and_nothing_is_written(server, tmp_pat
     _, plans = _plans(tmp_path, seed=2)
     with pytest.raises(ExtractionError, match=r"captured layers \[2, 4, 5\]"):
         _extract(cfg, plans[0], tmp_path / "out", capture_ids=[1, 4, 6])
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("*.safetensors"))
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
-def test_server_gone_is_an_error_naming_the_shard(tmp_path):
+def test_ids_outside_the_vocabulary_fail_at_once_naming_the_sequence(server, tmp_path):
+    cfg, _ = server
+    samples = [TokenizedSample([5, 6, 7], [0, 1, 1]), TokenizedSample([5, 600, 7], [0, 1, 1])]
+    plan = write_shard_plans(samples, 1, tmp_path / "plan")[0]
+    with pytest.raises(ExtractionError, match=r"shard-00000 sequence 1 .*400.*input_ids\[1\] = 600 is "
+                                              r"outside the vocabulary \(0\.\.511\)") as e:
+        _extract(cfg, plan, tmp_path / "out", retries=3)
+    assert "-a0" in str(e.value.__cause__) or "answered 400" in str(e.value)  # one attempt: not retried
+    assert not any((tmp_path / "out").glob("*")) if (tmp_path / "out").exists() else True
+
+
+def test_server_gone_is_an_error_naming_the_shard(tmp_path, free_port):
     samples = [TokenizedSample([5, 6, 7], [0, 1, 1])]
     plan = write_shard_plans(samples, 1, tmp_path / "plan")[0]
-    with pytest.raises(ExtractionError, match="shard-00000 sequence 0"):
-        extract_shard(plan, tmp_path / "out", server_url="http://127.0.0.1:9", dump_dir=tmp_path / "d",
-                      capture_ids=[2, 4, 5], dtype="bfloat16", concurrency=1, request_timeout_s=2,
-                      record_timeout_s=1, meta={})
+    with pytest.raises(ExtractionError, match=r"shard-00000 sequence 0 .*failed after 2 attempts"):
+        extract_shard(plan, tmp_path / "out", server_url=f"http://127.0.0.1:{free_port}", dump_dir=tmp_path / "d",
+                      capture_ids=CAPTURE, dtype="bfloat16", concurrency=1, request_timeout_s=2,
+                      retries=1, backoff_s=0.05, meta={})
     assert not any((tmp_path / "out").glob("*")) if (tmp_path / "out").exists() else True
+
+
+def test_fp8_shard_reads_back_as_bf16_close_to_the_bf16_shard_at_half_the_bytes(server, tmp_path):
+    cfg, _ = server
+    _, plans = _plans(tmp_path, n=4, seed=3, num_shards=1)
+    ref = _extract(cfg, plans[0], tmp_path / "bf16")
+    m = _extract(cfg, plans[0], tmp_path / "fp8", encoding="fp8_e4m3")
+    assert m["encoding"] == "fp8_e4m3" and m["dtype"] == "bfloat16"
+    err = m["fp8_error"]
+    assert max(err["aux"]["rel_rms"]) < 0.04 and err["last"]["rel_rms"][0] < 0.04
+    assert err["aux"]["min_cosine"] > 0.998 and err["aux"]["tokens"] == m["num_tokens"]
+    a, b = ShardReader(shard_path(tmp_path / "bf16", plans[0])), ShardReader(shard_path(tmp_path / "fp8", plans[0]))
+    for x, y in zip(a, b):
+        assert y.aux_hidden_states.dtype == torch.bfloat16 and torch.equal(x.input_ids, y.input_ids)
+        rel = (x.aux_hidden_states.float() - y.aux_hidden_states.float()).norm() / x.aux_hidden_states.float().norm()
+        assert rel < 0.04
+    # Bytes: e4m3 values plus one float32 scale per token and layer (H=64 here, so scales weigh more
+    # than at H=7168, where (4*(7168+4)+5)/(4*7168*2+5) = 0.5003).
+    n, T = m["num_samples"], m["num_tokens"]
+    assert m["bytes"] - T * bytes_per_token(64, 3, encoding="fp8_e4m3") - 8 * (n + 1) < 4096
+    assert ref["bytes"] - T * bytes_per_token(64, 3) - 8 * (n + 1) < 4096
+
+
+def _kill(host, handle, port):
+    host.kill_group(handle.pid, 9)
+    assert wait_dead(host, handle.pid, 10)
+    # /proc shows the main thread as a zombie while the other threads still hold the socket.
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"port {port} still taken 15 s after the server died")
+
+
+def test_server_killed_mid_shard_fails_over_or_retries_with_identical_output(server, tmp_path, tmp_path_factory,
+                                                                           random_target):
+    """One of two servers killed mid-shard: the shard finishes on the other. Then the only server
+    killed mid-shard and restarted: the retries finish it. Both shards equal an undisturbed run."""
+    cfg, _ = server
+    _, plans = _plans(tmp_path, n=14, seed=4, num_shards=1)
+    ref = _extract(cfg, plans[0], tmp_path / "ref")
+    host, cfg_b, handle_b = _launch(tmp_path_factory.mktemp("server-b"), random_target)
+    try:
+        # 1. Two endpoints; B dies after the first sequence is in.
+        killed = []
+
+        def kill_b(p):
+            if not killed:
+                killed.append(p.samples_done)
+                _kill(host, handle_b, cfg_b.server.port)
+
+        with ServerPool([_endpoint(cfg, 1), _endpoint(cfg_b, 3)], retries=3, backoff_s=30) as pool:
+            m = extract_shard(plans[0], tmp_path / "failover", capture_ids=CAPTURE, dtype="bfloat16",
+                              meta=META, pool=pool, on_progress=kill_b)
+            stats = pool.stats()
+        assert killed == [1] and stats[cfg_b.server.url]["failures"] >= 1
+        assert m["sha256"] == ref["sha256"]
+
+        # 2. One endpoint, killed mid-shard and started again on the same port: the retries wait it out.
+        handle_b = start_server(host, cfg_b)
+        readiness.wait_until_ready(host, log_path=handle_b.log_path, pid=handle_b.pid, url=handle_b.url,
+                                   start_offset=handle_b.log_offset, poll_interval_s=0.1, stall_timeout_s=30,
+                                   deadline_s=120, http_timeout_s=5)
+        restarted = []
+
+        def kill_and_restart(p):
+            if not restarted:
+                _kill(host, handle_b, cfg_b.server.port)
+                restarted.append(start_server(host, cfg_b))  # loads for seconds; requests fail meanwhile
+
+        with ServerPool([_endpoint(cfg_b, 2)], retries=30, backoff_s=0.2, backoff_max_s=1.0) as pool:
+            m = extract_shard(plans[0], tmp_path / "restart", capture_ids=CAPTURE, dtype="bfloat16",
+                              meta=META, pool=pool, on_progress=kill_and_restart)
+            stats = pool.stats()
+        handle_b = restarted[0]
+        assert stats[cfg_b.server.url]["failures"] >= 1, stats
+        assert m["sha256"] == ref["sha256"]
+        assert not partial_path(shard_path(tmp_path / "restart", plans[0])).exists()
+    finally:
+        stop_server(host, cfg_b, handle_b.pid)

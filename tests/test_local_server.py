@@ -246,3 +246,65 @@ def test_parse_args_checks():
         parse_args(["--model-path", "m", "--chunked-prefill-size", "0"])
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "m", "--return-aux-hidden-state-layer-ids", "2", "2"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding with an exported EAGLE-3 drafter
+# ---------------------------------------------------------------------------------------------
+
+SPEC_FLAGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
+              "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--speculative-num-draft-tokens", "5"], "must be num-steps"),
+    (["--speculative-eagle-topk", "2"], "topk 1"),
+    (["--enable-return-aux-hidden-states"], "cannot be combined"),
+])
+def test_speculative_flags_are_checked(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "x", *SPEC_FLAGS, "--speculative-draft-model-path", "d", *flags])
+    assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "x", "--speculative-draft-model-path", "d"])  # no EAGLE3
+    args = parse_args(["--model-path", "x", "--speculative-algorithm", "EAGLE3",
+                       "--speculative-draft-model-path", "d", "--speculative-num-steps", "7"])
+    assert args.speculative_num_draft_tokens == 8
+
+
+def test_speculative_server_matches_plain_greedy_and_reports_verify_steps(start_server, exported_drafter):
+    from transformers import AutoModelForCausalLM
+
+    from eyas.evaluate import target_greedy
+
+    target, drafter = exported_drafter
+    proc = start_server(*SPEC_FLAGS, "--speculative-draft-model-path", str(drafter), "--disable-radix-cache",
+                        model=target, name="spec-server")
+    reference = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    text = proc.wait_for(READY_LINE)
+    assert "Loaded EAGLE3 draft model" in text
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 12, 30)]
+    completion = verify = 0
+    with httpx.Client(base_url=proc.url, timeout=60) as c:
+        for ids in prompts:
+            body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 16,
+                                                          "ignore_eos": True}}
+            meta_before = c.get("/server_info").json()["internal_states"][0]
+            res = c.post("/generate", json=body).json()
+            with torch.no_grad():
+                assert res["output_ids"] == target_greedy(reference, ids, 16, set())
+            m = res["meta_info"]
+            assert m["completion_tokens"] == 16 and m["finish_reason"]["type"] == "length"
+            assert 15 / 4 <= m["spec_verify_ct"] <= 15  # 1..4 tokens per verify after the prefill's
+            completion, verify = completion + 16, verify + m["spec_verify_ct"]
+            after = c.get("/server_info").json()["internal_states"][0]
+            assert after["spec_verify_ct"] - meta_before["spec_verify_ct"] == m["spec_verify_ct"]
+        # sampled requests decode plainly (one verify per token after the first) and still work
+        res = c.post("/generate", json={"input_ids": prompts[0], "sampling_params": {
+            "temperature": 1.0, "max_new_tokens": 5, "ignore_eos": True, "sampling_seed": 1}}).json()
+        assert res["meta_info"]["spec_verify_ct"] == 4
+        info = c.get("/server_info").json()
+    assert info["speculative_draft_model_path"] == str(drafter)
+    assert info["internal_states"][0]["avg_spec_accept_length"] >= 1.0
+    assert completion / verify >= 1.0

@@ -25,9 +25,11 @@ def run(prefect_harness, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("e2e")
     cfg = load_config(ROOT / "configs" / "local-tiny.yaml", {
-        "run_dir": str(tmp / "run"), "server.port": _free_port(),
+        "name": "e2e-pipeline", "run_dir": str(tmp / "run"), "server.port": _free_port(),
         "server.workdir": str(tmp / "server"), "server.dump_dir": str(tmp / "server" / "dump"),
         "extraction.output_dir": str(tmp / "shards"), "training.output_dir": str(tmp / "train"),
+        "benchmark.num_prompts": 2, "benchmark.max_new_tokens": 16, "benchmark.num_repeats": 1,
+        "benchmark.interleave": False,
     })
     state = eagle3_pipeline(cfg, return_state=True)
     return cfg, state
@@ -35,15 +37,18 @@ def run(prefect_harness, tmp_path_factory):
 
 def test_flow_completed_with_every_task_completed(run):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
 
     cfg, state = run
     assert state.is_completed(), state.message
 
     async def task_states():
-        async with get_client() as client:
+        async with get_client() as client:  # the pipeline and its subflows: extract, serve, train
+            flows = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                name=FlowRunFilterName(like_=f"%-{cfg.name}@localhost")))
+            assert {f.name.split("-")[0] for f in flows} == {"eagle3", "extract", "serve", "train"}
             runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(
-                id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+                id=FlowRunFilterId(any_=[f.id for f in flows])))
             return {r.name: r.state.type.value for r in runs}
 
     states = asyncio.run(task_states())
@@ -119,3 +124,12 @@ def test_exported_drafter_reloads_and_accepts_more_than_one_token(run):
     again = evaluate_acceptance(drafter, cfg.target.checkpoint, prompts,
                                 EvaluationConfig(max_new_tokens=24, num_prompts=2), cfg.target.capture_ids())
     assert again.identical_to_target and again.acceptance_length > 1.0
+
+
+def test_report_ends_with_the_serving_speedup(run):
+    _, state = run
+    report = state.result()
+    serving = report["serving"]
+    assert report["speedup"] == serving["speedup"]["single_stream_tokens_per_s"] > 0
+    assert serving["identical_outputs"] is True
+    assert report["stages_seconds"]["serve_bench"] > 0

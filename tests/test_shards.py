@@ -75,3 +75,58 @@ def test_manifest_records_size_and_hash(tmp_path):
     m = write_shard(path, make_samples([4]), {"target_checkpoint": "/m"})
     on_disk = json.loads(manifest_path(path).read_text())
     assert on_disk == m and on_disk["bytes"] == path.stat().st_size and len(on_disk["sha256"]) == 64
+
+
+def test_fp8_round_trip_returns_bf16_within_the_measured_error(tmp_path):
+    from eyas import fp8
+
+    samples = make_samples([7, 33], H=64)
+    for s in samples:  # residual streams: token norms spread over orders of magnitude
+        s.aux_hidden_states = (s.aux_hidden_states.float() * torch.logspace(-2, 2, len(s))[:, None]).bfloat16()
+    m = write_shard(tmp_path / "s.safetensors", samples, {}, encoding="fp8_e4m3")
+    r = ShardReader(tmp_path / "s.safetensors")
+    assert r.encoding == "fp8_e4m3" and r.hidden_size == 64 and r.num_aux == 3
+    for a, b in zip(samples, r):
+        assert b.aux_hidden_states.dtype == torch.bfloat16 and torch.equal(a.input_ids, b.input_ids)
+        rel = (a.aux_hidden_states.float() - b.aux_hidden_states.float()).norm(dim=-1) / a.aux_hidden_states.float().norm(dim=-1)
+        assert rel.max() < 0.05  # e4m3: 3 mantissa bits, per-token scale keeps small tokens exact-ish
+    err = m["fp8_error"]["aux"]
+    assert err["tokens"] == 40 and 0.005 < max(err["rel_rms"]) < 0.04 and err["min_cosine"] > 0.999
+    assert m["bytes"] == verify_shard(tmp_path / "s.safetensors")["bytes"]
+    # A reader unaware of the encoding finds no aux_hidden_states rather than unscaled values.
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "s.safetensors"), "pt") as f:
+        assert "aux_hidden_states" not in f.keys() and f.get_slice("aux_hidden_states_fp8").get_dtype() == "F8_E4M3"
+    q, scale = fp8.quantize(torch.zeros(2, 6), 2)
+    assert torch.equal(fp8.dequantize(q, scale), torch.zeros(2, 6))
+
+
+def test_chunks_from_several_threads_fill_a_shard(tmp_path):
+    import threading
+
+    samples = make_samples([40, 25, 9])
+    w = ShardWriter(tmp_path / "s.safetensors", [40, 25, 9], hidden_size=8, num_aux=3, dtype=torch.bfloat16, meta={})
+    chunks = [(i, a) for i, s in enumerate(samples) for a in range(0, len(s), 8)]
+
+    def put(i, a):
+        s = samples[i]
+        w.put_rows(i, a, s.input_ids[a:a + 8], s.loss_mask[a:a + 8], s.aux_hidden_states[a:a + 8],
+                   s.last_hidden_state[a:a + 8])
+    threads = [threading.Thread(target=put, args=c) for c in reversed(chunks)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    w.close()
+    for a, b in zip(samples, ShardReader(tmp_path / "s.safetensors")):
+        assert torch.equal(a.aux_hidden_states, b.aux_hidden_states) and torch.equal(a.input_ids, b.input_ids)
+
+
+def test_a_sample_written_twice_or_past_its_length_is_refused(tmp_path):
+    s = make_samples([4])[0]
+    w = ShardWriter(tmp_path / "s.safetensors", [4], hidden_size=8, num_aux=3, dtype=torch.bfloat16, meta={})
+    with pytest.raises(ShardError, match="rows 2..5"):
+        w.put_rows(0, 2, s.input_ids, s.loss_mask, s.aux_hidden_states, s.last_hidden_state)
+    w.put(0, s)
+    with pytest.raises(ShardError, match="written twice"):
+        w.put(0, s)
+    w.abort()
+    assert list(tmp_path.iterdir()) == []

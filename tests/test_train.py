@@ -90,3 +90,42 @@ def test_collate_and_shift(shards):
     assert b["ids"].shape == (2, 40) and b["aux"].shape == (2, 40, 192) and b["aux"].dtype == torch.float32
     x = torch.arange(5)[None]
     assert shift_left(x, 2).tolist() == [[2, 3, 4, 0, 0]]
+
+
+def test_gradient_accumulation_gives_the_losses_of_one_big_batch(sharp_target, shards, tmp_path):
+    tgt = target_config(sharp_target)
+    big = train_drafter(training_config(tmp_path / "a", max_steps=4, batch_size=4, checkpoint_every=100),
+                        tgt, shards, log=quiet)
+    logs = []
+    acc = train_drafter(training_config(tmp_path / "b", max_steps=4, batch_size=2, grad_accum=2,
+                                        checkpoint_every=100), tgt, shards, log=logs.append)
+    assert big.global_batch == acc.global_batch == 4 and "global batch 4 (1 rank(s) x 2 x 2)" in logs[0]
+    assert acc.losses == pytest.approx(big.losses, rel=1e-5)
+    assert acc.tokens == big.tokens
+    wa, wb = load_file(f"{big.checkpoint_dir}/model.safetensors"), load_file(f"{acc.checkpoint_dir}/model.safetensors")
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
+
+
+def test_held_out_acceptance_is_tracked_during_training(sharp_target, shards, tmp_path):
+    cfg = training_config(tmp_path / "t", max_steps=6, eval_every=2, checkpoint_every=100, num_heldout=4)
+    logs = []
+    r = train_drafter(cfg, target_config(sharp_target), shards, log=logs.append)
+    assert [s for s, _ in r.heldout_history] == [2, 4]  # the last step's figure is the result's own
+    assert all(1.0 <= al <= 4.0 for _, al in r.heldout_history)
+    assert sum("held-out simulated acceptance length" in line for line in logs) == 2
+    assert "24 train" not in logs[0] and "20 train / 4 held-out" in logs[0]
+
+
+def test_training_and_evaluation_config_sections():
+    from eyas.config import DistributedConfig, EvaluationConfig, HostConfig
+
+    assert EvaluationConfig(draft_steps=3).draft_steps == [3]  # one setting, as older configs wrote it
+    assert EvaluationConfig(draft_steps=[3, 7]).draft_steps == [3, 7]
+    with pytest.raises(ValueError, match="distinct"):
+        EvaluationConfig(draft_steps=[3, 3])
+    assert not DistributedConfig().launched  # one process: train inside the flow's process
+    assert DistributedConfig(nproc_per_node=2).launched
+    assert DistributedConfig(hosts=[HostConfig(kind="ssh", hostname="n1", known_hosts="/k")]).launched
+    with pytest.raises(ValueError, match="grad_accum"):
+        training_config("/tmp/x", grad_accum=0)

@@ -1,0 +1,372 @@
+"""GPU benchmark of one EAGLE-3 training step at Kimi-K2.5 size (docs/performance.md, ## Training).
+
+    PYTHONUNBUFFERED=1 python3 bench/train.py --out $OUT               # one H200: the figures
+    python bench/train.py                                              # no GPU: a tiny smoke run
+
+The drafter is SGLang's LlamaForCausalLMEagle3 at Kimi-K2.5 size (H 7168, 64 heads of 128,
+intermediate 18432, vocab 163840, draft vocab 32000), trained on synthetic target states (random
+aux and last hidden states, a random draft-vocabulary map) at sequence 4096 with 7 TTT steps.
+A step is exactly what `eyas.train` runs per optimizer step: the chunked teacher over the full
+vocabulary, the TTT forward/backward with the fused head loss, gradient clipping, fused AdamW,
+the schedule. Step time is the median of --steps synchronized steps after --warmup.
+
+Model FLOPs per token (MFU counts these only; the teacher's 2 x 163840 x 7168 per token is not):
+    6 x P_step x K          P_step = q,k,v,o + gate,up,down + lm_head + norms (used every TTT step)
+  + 4 x P_fc                fc runs once, and needs no input gradient (its input is data)
+  + 12 x nh x hd x sum_k((T+1)/2 + k)   attention: QK and PV, forward 4, backward 8 per query-key pair
+                                         (causal over step 0's keys plus k diagonal keys at step k)
+MFU = FLOPs/token x tokens/s / peak, against the datasheet's dense bf16 989 TFLOP/s and against the
+bf16 GEMM rate this script measures on the same GPU (8192^3, random data).
+
+Needs torch, safetensors and numpy only (no pydantic): it imports eyas's model and loss modules.
+Ends with one JSON line: {"bench": "train", "figures": {...}, "goals": {...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from eyas import fused  # noqa: E402
+from eyas.attention import reference_ttt_attention, ttt_attention  # noqa: E402
+from eyas.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eyas.losses import (FP32_OUT, Labels, TTTObjective, draft_first_order, head_soft_ce, scored_counts,  # noqa: E402
+                         teacher_labels)
+from eyas.target_head import TargetHead  # noqa: E402
+from eyas.train import lr_factor, make_optimizer, optimizer_step  # noqa: E402
+
+KIMI = dict(hidden_size=7168, target_hidden_size=7168, num_attention_heads=64, num_key_value_heads=64,
+            head_dim=128, intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000)
+TINY = dict(hidden_size=64, target_hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+            head_dim=16, intermediate_size=128, vocab_size=512, draft_vocab_size=128)
+DATASHEET_BF16 = 989e12
+GOALS = {"tokens_per_s_b1": 12000, "tokens_per_s_b4": 13400, "peak_gb_b1": 40, "peak_gb_b4": 109}
+
+
+def flops_per_token(c: DrafterConfig, T: int, K: int) -> dict:
+    H, I, nh, nkv, hd = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    step = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * I + c.draft_vocab_size * H + 4 * H
+    fc = c.num_aux * c.target_hidden_size * H
+    attn = 12 * nh * hd * sum((T + 1) / 2 + k for k in range(K))
+    return {"params_per_ttt_step": step, "fc_params": fc, "linear": 6 * step * K, "fc": 4 * fc,
+            "attention": attn, "total": 6 * step * K + 4 * fc + attn}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+# ----------------------------------------------------------------------------- checks
+
+def check_kernels(device, dtype) -> dict:
+    """Fast paths against plain autograd math in float64, on fresh random inputs."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    out = {}
+    B, nh, T, hd = 2, 4, 256, 128
+    for K in (1, 3, 6):
+        ts = [torch.randn(B, nh, T, hd, generator=g).to(device, dtype).requires_grad_() for _ in range(3 + 2 * K)]
+        y = ttt_attention(ts[0], ts[1], ts[2], ts[3:3 + K], ts[3 + K:], hd ** -0.5)
+        dy = torch.randn_like(y)
+        grads = torch.autograd.grad(y, ts, dy)
+        ref = [t.detach().double().requires_grad_() for t in ts]
+        yr = reference_ttt_attention(ref[0], ref[1], ref[2], ref[3:3 + K], ref[3 + K:], hd ** -0.5)
+        gr = torch.autograd.grad(yr, ref, dy.double())
+        out[f"ttt_attention_k{K}"] = max([rel(y, yr)] + [rel(a, b) for a, b in zip(grads, gr)])
+    N, H, V, M = 3000, 256, 1000, 3000
+    h = (torch.randn(N, H, generator=g) * 0.5).to(device, dtype).requires_grad_()
+    w = (torch.randn(V, H, generator=g) * 0.05).to(device).requires_grad_()
+    probs = torch.softmax(torch.randn(M, V, generator=g) * 3, -1).to(device)
+    rows = torch.randint(0, M, (N,), generator=g).to(device)
+    rw = (torch.rand(N, generator=g) * (torch.rand(N, generator=g) > 0.2)).to(device)
+    loss, _ = head_soft_ce(h, w, probs, rows, rw, chunk=1024)
+    dh, dw = torch.autograd.grad(loss, [h, w])
+    hr, wr = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    lr = -(rw.double()[:, None] * probs.double()[rows] * torch.log_softmax(hr @ wr.T, -1)).sum()
+    dhr, dwr = torch.autograd.grad(lr, [hr, wr])
+    out["head_soft_ce"] = max(rel(loss, lr), rel(dh, dhr), rel(dw, dwr))
+    return out
+
+
+def check_compiled(device, dtype) -> dict:
+    """A small drafter's loss and gradients with the fused (compiled) regions against eager."""
+    c = DrafterConfig(**TINY)
+    model, head = build(c, device, dtype, seed=3)
+    objective, K = TTTObjective(model), 4
+    d = batch(c, 2, 96, device, dtype, seed=3)
+    labels = teacher_labels(head, d["last"], d["loss_mask"], c.draft_vocab_size, dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    out, before = [], fused.compiling()
+    for on in (False, True):
+        fused.use_compile(on)
+        with autocast:
+            loss, _, _ = objective(d["ids"], d["aux"], labels, K, 0.8)
+        out.append([loss] + list(torch.autograd.grad(loss, params)))
+    fused.use_compile(before)
+    return {"compiled_vs_eager": max(rel(a, b) for a, b in zip(out[1], out[0]))}
+
+
+def gemm_rate(device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    sync(device)
+    return 10 * 2 * 8192 ** 3 / (time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- the model and data
+
+def build(c: DrafterConfig, device, dtype, seed: int = 0):
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Eagle3Drafter(c)
+        if dtype != torch.float32:
+            model.embed_tokens.to(dtype)
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        t2d[torch.randperm(c.vocab_size)[:c.draft_vocab_size]] = True  # a synthetic draft vocabulary
+        chosen = t2d.nonzero().flatten()
+        model.d2t.copy_(chosen - torch.arange(c.draft_vocab_size))
+        model.t2d.copy_(t2d)
+        head = TargetHead(torch.randn(c.vocab_size, c.hidden_size, dtype=dtype) * 0.02, None, 1e-6, dtype)
+        head.reorder(draft_first_order(t2d))
+    return model, head
+
+
+def batch(c: DrafterConfig, B: int, T: int, device, dtype, seed: int) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[:, :T // 16] = False  # a short prompt
+    return {"ids": torch.randint(0, c.vocab_size, (B, T), generator=g).to(device),
+            "loss_mask": mask.to(device),
+            "aux": torch.randn(B, T, c.num_aux * c.target_hidden_size, generator=g).to(device, dtype),
+            "last": torch.randn(B, T, c.hidden_size, generator=g).to(device, dtype)}
+
+
+def timed(fn, device, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args) -> dict:
+    objective = TTTObjective(model)
+    data = [batch(c, B, T, device, dtype, seed=s) for s in range(2)]
+    counts = [scored_counts(list(d["loss_mask"].cpu()), K) for d in data]
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    make_labels = lambda b: teacher_labels(head, b["last"], b["loss_mask"], c.draft_vocab_size, dtype)  # noqa: E731
+    losses, i = [], [0]
+
+    def step():
+        j = i[0] % 2
+        stats = optimizer_step(objective, objective, opt, sched, [data[j]], make_labels, ttt_steps=K, decay=0.8,
+                               counts=counts[j], grad_clip=0.5, autocast=autocast)
+        losses.append(float(stats[0]))
+        i[0] += 1
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    times = timed(step, device, args.warmup, args.steps)
+    peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
+    reserved = torch.cuda.max_memory_reserved() / 1e9 if device.type == "cuda" else float("nan")
+    med = statistics.median(times)
+    return {"batch": B, "step_s": med, "step_s_all": [round(t, 4) for t in times], "tokens_per_s": B * T / med,
+            "peak_gb": peak, "peak_reserved_gb": reserved, "losses": [round(x, 4) for x in losses]}
+
+
+def profile_step(model, head, opt, sched, c, T, K, device, dtype, out_dir) -> str:
+    """The top kernels of one batch-1 step by GPU time (torch.profiler), as a table."""
+    from torch.profiler import ProfilerActivity, profile
+    objective = TTTObjective(model)
+    d = batch(c, 1, T, device, dtype, seed=9)
+    counts = scored_counts(list(d["loss_mask"].cpu()), K)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    make_labels = lambda b: teacher_labels(head, b["last"], b["loss_mask"], c.draft_vocab_size, dtype)  # noqa: E731
+    step = lambda: optimizer_step(objective, objective, opt, sched, [d], make_labels, ttt_steps=K, decay=0.8,  # noqa: E731
+                                  counts=counts, grad_clip=0.5, autocast=autocast)
+    step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        sync(device)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    if out_dir:
+        (Path(out_dir) / "profile_b1.txt").write_text(table)
+    return table
+
+
+def breakdown(model, head, opt, c, T, K, device, dtype, args) -> dict:
+    """Batch 1, the parts of a step timed alone: teacher, forward+backward, clip+AdamW."""
+    objective = TTTObjective(model)
+    d = batch(c, 1, T, device, dtype, seed=7)
+    counts = scored_counts(list(d["loss_mask"].cpu()), K)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    labels: list[Labels] = []
+    params = [p for p in model.parameters() if p.requires_grad]
+    teacher = lambda: labels.append(teacher_labels(head, d["last"], d["loss_mask"], c.draft_vocab_size, dtype))  # noqa: E731
+
+    def fwd_bwd():
+        with autocast:
+            loss, _, _ = objective(d["ids"], d["aux"], labels[-1], K, 0.8, counts)
+        loss.backward()
+
+    def fwd():
+        with torch.no_grad(), autocast:
+            objective(d["ids"], d["aux"], labels[-1], K, 0.8, counts)
+
+    def opt_step():
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+
+    out = {"teacher_s": statistics.median(timed(teacher, device, 1, args.steps))}
+    out["forward_nograd_s"] = statistics.median(timed(fwd, device, 1, 3))
+    out["forward_backward_s"] = statistics.median(timed(fwd_bwd, device, 1, args.steps))
+    out["clip_adamw_s"] = statistics.median(timed(opt_step, device, 1, args.steps))
+    opt.zero_grad(set_to_none=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="a tiny drafter (the default without a GPU)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (default 4096; tiny 64)")
+    ap.add_argument("--ttt", type=int, default=7)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--compile", choices=["on", "off"], default=None,
+                    help="fuse the elementwise regions with torch.compile (default: on for CUDA)")
+    ap.add_argument("--eager-batches", type=int, nargs="*", default=None,
+                    help="batches to measure again without compile (default 1 4 when compiling)")
+    ap.add_argument("--out", default=None, help="folder for bench_train.json")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type != "cuda" and not args.tiny:  # Kimi size needs ~40 GB and a GPU's speed
+        args.tiny, args.batches, args.steps, args.warmup = True, [1, 2], 2, 1
+    c = DrafterConfig(**(TINY if args.tiny else KIMI))
+    T, K = args.seq or (64 if args.tiny else 4096), args.ttt
+    fl = flops_per_token(c, T, K)
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    log(f"{env}; drafter {c}; T {T}, TTT {K}; {fl['total'] / 1e9:.2f} GFLOP/token model FLOPs")
+
+    figures: dict = {"env": env, "seq": T, "ttt_steps": K, "flops_per_token": fl}
+    compile_on = (args.compile or ("on" if device.type == "cuda" else "off")) == "on"
+    figures["compile"] = compile_on
+    figures["checks_rel_err"] = check_kernels(device, dtype)
+    if compile_on:
+        t0 = time.perf_counter()
+        try:
+            figures["checks_rel_err"].update(check_compiled(device, dtype))
+            log(f"compiled the fused regions in {time.perf_counter() - t0:.1f}s (with a small check run)")
+        except Exception as e:  # noqa: BLE001 - report, then measure eager rather than nothing
+            log(f"torch.compile failed, measuring eager: {type(e).__name__}: {str(e)[:2000]}")
+            figures["compile_error"], compile_on = f"{type(e).__name__}: {str(e)[:2000]}", False
+            figures["compile"] = False
+    fused.use_compile(compile_on)
+    log(f"kernel checks (relative error vs float64): {figures['checks_rel_err']}")
+    figures["gemm_bf16_tflops"] = gemm_rate(device) / 1e12
+    log(f"bf16 GEMM 8192^3: {figures['gemm_bf16_tflops']:.0f} TFLOP/s")
+
+    t0 = time.perf_counter()
+    model, head = build(c, device, dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(params, 1e-4, 0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 10, 1000))
+    figures["trainable_params"] = sum(p.numel() for p in params)
+    log(f"built in {time.perf_counter() - t0:.1f}s: {figures['trainable_params'] / 1e9:.3f}B trainable params, "
+        f"optimizer fused={opt.defaults.get('fused')}")
+
+    results = []
+    for B in args.batches:
+        try:
+            r = run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args)
+        except torch.cuda.OutOfMemoryError as e:
+            r = {"batch": B, "oom": str(e).splitlines()[0]}
+            opt.zero_grad(set_to_none=True)
+        except Exception as e:  # noqa: BLE001 - keep measuring the other sizes
+            r = {"batch": B, "error": f"{type(e).__name__}: {str(e)[:1500]}"}
+            opt.zero_grad(set_to_none=True)
+        if "tokens_per_s" in r:
+            r["tflops"] = r["tokens_per_s"] * fl["total"] / 1e12
+            r["mfu_datasheet"] = r["tflops"] * 1e12 / DATASHEET_BF16
+            r["mfu_measured_gemm"] = r["tflops"] / figures["gemm_bf16_tflops"]
+            log(f"batch {B}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tok/s, {r['tflops']:.0f} TFLOP/s, "
+                f"MFU {r['mfu_datasheet']:.1%} (of GEMM {r['mfu_measured_gemm']:.1%}), peak {r['peak_gb']:.1f} GB, "
+                f"losses {r['losses']}")
+        else:
+            log(f"batch {B}: {r}")
+        results.append(r)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    figures["batches"] = results
+    eager = args.eager_batches if args.eager_batches is not None else ([1, 4] if compile_on else [])
+    figures["eager_batches"] = []
+    fused.use_compile(False)
+    for B in eager:
+        r = run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args)
+        log(f"eager batch {B}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tok/s, peak {r['peak_gb']:.1f} GB")
+        figures["eager_batches"].append(r)
+    fused.use_compile(compile_on)
+    figures["fp32_out_gemms"] = dict(FP32_OUT)
+    figures["breakdown_b1"] = breakdown(model, head, opt, c, T, K, device, dtype, args)
+    log(f"breakdown at batch 1: {figures['breakdown_b1']}")
+    if device.type == "cuda":
+        try:
+            print(profile_step(model, head, opt, sched, c, T, K, device, dtype, args.out), flush=True)
+        except Exception as e:  # noqa: BLE001 - the profile is a bonus
+            log(f"profile failed: {type(e).__name__}: {e}")
+
+    by = {r["batch"]: r for r in results} if not args.tiny else {}  # goals are for the Kimi size on a GPU
+    goals = {}
+    for b, key in ((1, "tokens_per_s_b1"), (4, "tokens_per_s_b4")):
+        v = by.get(b, {}).get("tokens_per_s")
+        goals[key] = {"value": v, "goal": f">= {GOALS[key]}", "met": v is not None and v >= GOALS[key]}
+    for b, key in ((1, "peak_gb_b1"), (4, "peak_gb_b4")):
+        v = by.get(b, {}).get("peak_gb")
+        goals[key] = {"value": v, "goal": f"<= {GOALS[key]}", "met": v is not None and v <= GOALS[key]}
+    goals["batch8_fits"] = {"value": "tokens_per_s" in by.get(8, {}), "goal": "fits in one H200",
+                            "met": "tokens_per_s" in by.get(8, {})}
+    line = {"bench": "train", "figures": figures, "goals": goals}
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bench_train.json").write_text(json.dumps(line, indent=2) + "\n")
+    print(json.dumps(line, separators=(",", ":")), flush=True)
+
+
+if __name__ == "__main__":
+    main()

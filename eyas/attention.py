@@ -1,0 +1,92 @@
+"""Training-time-test attention without the (T, T*k) score matrix.
+
+    y = ttt_attention(q, k0, v0, kd, vd, scale)   # q (B, nh, T, hd); kd/vd: lists of (B, nh, T, hd)
+
+At TTT step k the query at position t attends to step 0's keys at positions <= t (causal) and to
+its own position t in each of steps 1..k (one key per step: the diagonal). Written as one softmax
+over both, that is a flash-attention pass over step 0's keys, giving y0 and its log-sum-exp lse0,
+plus k diagonal scores s_j = q . kd_j * scale per position, merged by log-sum-exp:
+
+    lse = logsumexp(lse0, s_1..s_k);  y = exp(lse0 - lse) y0 + sum_j exp(s_j - lse) vd_j
+
+The backward does the same: the flash backward kernel run with the *merged* output and lse computes
+exactly the step-0 part of the merged softmax's gradient (it forms P = exp(S - lse) and
+D = rowsum(dy * y) itself; ring attention uses the same identity), and the diagonal part is a few
+elementwise products (eyas/fused.py: one or two kernels each under torch.compile). Memory is O(T)
+per head, never O(T^2), and the work is one causal attention plus O(k T hd). The flash kernels are
+PyTorch's own (`aten._scaled_dot_product_flash_attention` on CUDA in bf16/fp16, its `_for_cpu` twin
+on the CPU); elsewhere `reference_ttt_attention` (plain autograd math, O(T^2) memory) is used, and
+the tests hold the two equal, gradients included.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eyas import fused
+
+aten = torch.ops.aten
+
+
+def _flash_ok(q: torch.Tensor) -> bool:
+    if q.device.type == "cuda":
+        return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
+    return q.device.type == "cpu"
+
+
+def _flash_fwd(q, k, v, scale):
+    """Causal attention -> (y (B, nh, T, hd), lse (B, nh, T) fp32, state for the backward)."""
+    if q.device.type == "cuda":
+        out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+        return out[0], out[1], out[2:8]
+    y, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return y, lse, None
+
+
+def _flash_bwd(dy, q, k, v, y, lse, state, scale):
+    if q.device.type == "cuda":
+        cum_q, cum_k, max_q, max_k, rng, unused = state
+        return aten._scaled_dot_product_flash_attention_backward(
+            dy, q, k, v, y, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng, unused, scale=scale)
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dy, q, k, v, y, lse, 0.0, True, scale=scale)
+
+
+class _TTTAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k0, v0, kd, vd, scale):  # kd, vd (k, B, nh, T, hd): the diagonal keys/values
+        y0, lse0, state = _flash_fwd(q, k0, v0, scale)  # (B, nh, T, hd), (B, nh, T)
+        y, lse, a = fused.diag_forward(q, y0, lse0, kd, vd, scale)
+        ctx.scale, ctx.state = scale, state
+        ctx.save_for_backward(q, k0, v0, kd, vd, y, lse, a)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k0, v0, kd, vd, y, lse, a = ctx.saved_tensors
+        dy = dy.contiguous()
+        dq0, dk0, dv0 = _flash_bwd(dy, q, k0, v0, y, lse, ctx.state, ctx.scale)
+        dq, dkd, dvd = fused.diag_backward(dy, y, q, a, kd, vd, dq0, ctx.scale)
+        return dq, dk0, dv0, dkd, dvd, None
+
+
+def reference_ttt_attention(q, k0, v0, kd: list, vd: list, scale: float) -> torch.Tensor:
+    """The same function in plain autograd math: causal scores over k0 plus one diagonal column per step."""
+    T = q.shape[2]
+    att = (q @ k0.transpose(-2, -1)) * scale  # (B, nh, T, T)
+    att = att.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    extra = [(q * k).sum(-1, keepdim=True) * scale for k in kd]  # (B, nh, T, 1) each
+    att = F.softmax(torch.cat([att, *extra], dim=-1).float(), dim=-1).to(q.dtype)
+    y = att[..., :T] @ v0  # (B, nh, T, hd)
+    for j, v in enumerate(vd):
+        y = y + att[..., T + j, None] * v
+    return y
+
+
+def ttt_attention(q, k0, v0, kd: list, vd: list, scale: float) -> torch.Tensor:
+    """Step-k TTT attention (see the module docstring); all tensors (B, nh, T, hd), heads expanded."""
+    if not kd:
+        return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale)
+    if not _flash_ok(q):
+        return reference_ttt_attention(q, k0, v0, kd, vd, scale)
+    return _TTTAttention.apply(q, k0, v0, torch.stack(kd), torch.stack(vd), scale)

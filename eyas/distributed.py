@@ -1,0 +1,139 @@
+"""Multi-process drafter training: torchrun on every node, launched through the Host seam.
+
+    result = launch_training(cfg.training, cfg.target, shard_paths, log=print)   # blocks
+    python -m torch.distributed.run --nproc-per-node 8 -m eyas.distributed JOB.json   # what runs
+
+`launch_training` writes a job file (the training and target config, the shard paths) into
+`training.output_dir/launch/`, then starts one torchrun per node, detached, through `Host.start`:
+node i on `training.distributed.hosts[i]` (this machine when the list is empty), node 0's hostname
+as the rendezvous address. Every process runs this module's `main`, which sets its GPU, initialises
+the process group (NCCL on GPUs, gloo on CPUs) and calls `train_drafter`; the ranks share each
+global batch (eyas/train.py), under DDP or FSDP (`training.distributed.strategy`). Rank 0 writes the
+TrainResult to `launch/result.json` atomically. The launcher follows node 0's log, and once every
+node has exited returns the result, or raises naming the node, its exit code and its log.
+
+Shards, the target checkpoint and training.output_dir must be at the same paths on every training
+host (a shared filesystem): the job file is copied to each host, nothing else is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import eyas
+
+
+class TrainingLaunchError(RuntimeError):
+    """A node's torchrun failed or never finished; the message names the node, host and log."""
+
+
+def _node_command(python: str, nnodes: int, node: int, nproc: int, master: str, port: int, job: Path,
+                  rc_path: Path) -> str:
+    run = (f"{shlex.quote(python)} -m torch.distributed.run --nnodes {nnodes} --node-rank {node} "
+           f"--nproc-per-node {nproc} --master-addr {shlex.quote(master)} --master-port {port} "
+           f"-m eyas.distributed {shlex.quote(str(job))}")
+    return f"sh -c {shlex.quote(f'{run}; echo $? > {shlex.quote(str(rc_path))}')}"
+
+
+def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json: dict | None = None,
+                    log: Callable[[str], None] = print, poll_s: float = 1.0, hosts=None,
+                    stop_at_step: int | None = None):
+    """Run train_drafter under torchrun on the configured hosts -> TrainResult (rank 0's)."""
+    from eyas.hosts import LocalHost, make_host
+    from eyas.shards import write_json_atomic
+    from eyas.train import TrainResult
+
+    d = cfg.distributed
+    hosts = hosts or ([make_host(h) for h in d.hosts] if d.hosts else [LocalHost()])
+    local = all(isinstance(h, LocalHost) for h in hosts)
+    master = "127.0.0.1" if local else (d.hosts[0].hostname or d.hosts[0].name)
+    python = d.python or (sys.executable if local else "python3")
+    folder = Path(cfg.output_dir) / "launch"
+    job, result = folder / "job.json", folder / "result.json"
+    write_json_atomic(job, {"training": cfg.model_dump(mode="json"), "target": target.model_dump(mode="json"),
+                            "shards": [str(p) for p in shard_paths], "target_config_json": target_config_json,
+                            "result": str(result), "stop_at_step": stop_at_step})
+    if result.exists():
+        result.unlink()
+    env = {"PYTHONPATH": str(Path(eyas.__file__).resolve().parents[1])} if local else {}
+    env.update(d.env)
+    nodes = []  # (host, pid, log path, rc path)
+    try:
+        for i, host in enumerate(hosts):
+            log_path, rc_path = folder / f"node-{i}.log", folder / f"node-{i}.rc"
+            host.run(f"rm -f {shlex.quote(str(rc_path))} {shlex.quote(str(log_path))}", check=False)
+            if not local:
+                host.put(job, job)
+            cmd = _node_command(python, len(hosts), i, d.nproc_per_node, master, d.master_port, job, rc_path)
+            pid = host.start(cmd, log_path=log_path, env=env, cwd=str(folder))
+            log(f"[{host.name}] node {i}/{len(hosts)}: torchrun with {d.nproc_per_node} process(es), pid {pid}, "
+                f"log {log_path}")
+            nodes.append((host, pid, log_path, rc_path))
+        _wait(nodes, d.timeout_s, poll_s, log)
+    finally:
+        for host, pid, _, _ in nodes:
+            if host.is_alive(pid):
+                host.kill_group(pid)
+    for i, (host, pid, log_path, rc_path) in enumerate(nodes):
+        rc_text, _ = host.read_from(rc_path, 0)
+        rc = int(rc_text.decode().strip() or -1) if rc_text else None
+        if rc != 0:
+            tail = host.read_from(log_path, 0, 1 << 24)[0].decode(errors="replace")[-3000:]
+            raise TrainingLaunchError(f"[{host.name}] training node {i}: torchrun exited "
+                                      f"{'without an exit code' if rc is None else rc}; see {log_path}\n{tail}")
+    if not result.exists():
+        raise TrainingLaunchError(f"every node exited 0 but rank 0 wrote no {result}; see {nodes[0][2]}")
+    return TrainResult(**json.loads(result.read_text()))
+
+
+def _wait(nodes, timeout_s: float, poll_s: float, log) -> None:
+    """Until every node has exited; node 0's log lines go to `log` as they come."""
+    host0, _, log0, _ = nodes[0]
+    deadline, offset, partial = time.monotonic() + timeout_s, 0, b""
+    while any(h.is_alive(pid) for h, pid, _, _ in nodes):
+        if time.monotonic() > deadline:
+            raise TrainingLaunchError(f"training did not finish within {timeout_s:.0f}s; see {log0}")
+        chunk, offset = host0.read_from(log0, offset)
+        *lines, partial = (partial + chunk).split(b"\n")
+        for line in lines:
+            log(line.decode(errors="replace"))
+        time.sleep(poll_s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One torchrun process: set the device, join the group, train, rank 0 writes the result."""
+    from eyas.config import TargetConfig, TrainingConfig
+    from eyas.shards import write_json_atomic
+    from eyas.train import train_drafter
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: python -m torch.distributed.run ... -m eyas.distributed JOB.json")
+    job = json.loads(Path(args[0]).read_text())
+    cfg, target = TrainingConfig.model_validate(job["training"]), TargetConfig.model_validate(job["target"])
+    gpu = cfg.device != "cpu" and torch.cuda.is_available()
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if gpu else "gloo")
+    try:
+        result = train_drafter(cfg, target, [Path(p) for p in job["shards"]],
+                               target_config_json=job.get("target_config_json"),
+                               log=lambda m: print(m, flush=True), stop_at_step=job.get("stop_at_step"))
+        if dist.get_rank() == 0:
+            write_json_atomic(job["result"], asdict(result))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Regenerate the assistant turns of the training conversations with the target itself.
+
+    with ServerPool([Endpoint(url, dump_dir, 4)]) as pool:
+        path, summary = regenerate(records, tokenizer, pool, out_dir, RegenerateConfig(enabled=True),
+                                   target="/models/Kimi-K2.5@main", max_length=4096)
+    records, _ = load_records(path)         # then prepare and extract as usual
+
+Training on the target's own responses is the largest lever on acceptance (eagle3.md): the drafter
+learns the distribution it will be asked to predict. Each assistant turn is replaced, in order, by
+the target's answer to the conversation so far (earlier turns already regenerated), through
+/generate with the configured sampling (greedy by default; a seed per conversation and turn when
+sampling, so a rerun asks the same). Requests are never dumped (rid prefix `WARMUP_regen-`: the
+dump hook skips it), so a server launched for extraction serves them as they are.
+
+Sharded and resumable: the conversations are split into contiguous parts; each part is written to
+`part-{k:05d}.jsonl` with a manifest naming its input hash, target and sampling, and a part whose
+manifest matches is never regenerated again. `regenerated.jsonl` (all parts, in order) is written
+atomically once every part is done. Pre-tokenized records pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from eyas.client import ServerPool
+from eyas.config import RegenerateConfig
+from eyas.data import Record, _render
+from eyas.shards import write_json_atomic
+
+FORMAT = "eyas-regen/1"
+RID_PREFIX = "WARMUP_regen-"  # the dump writer skips WARMUP* rids: nothing is dumped for these
+
+
+class RegenerationError(RuntimeError):
+    """A conversation could not be regenerated; names the part and the input line."""
+
+
+def _record_json(r: Record) -> str:
+    if r.messages is not None:
+        return json.dumps({"messages": r.messages}, ensure_ascii=False, separators=(",", ":"))
+    return json.dumps({"input_ids": r.tokens.input_ids, "loss_mask": r.tokens.loss_mask}, separators=(",", ":"))
+
+
+def part_bounds(n: int, num_parts: int) -> list[tuple[int, int]]:
+    num_parts = max(1, min(num_parts, n))
+    b = [round(k * n / num_parts) for k in range(num_parts + 1)]
+    return list(zip(b, b[1:]))
+
+
+def turn_end_ids(tokenizer) -> list[int]:
+    """Token ids that end an assistant turn: the template's closing special token, and EOS."""
+    probe = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    full = _render(tokenizer, probe, add_generation_prompt=False)
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids = [full[-1]] if full and full[-1] in special else []
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return sorted(set(ids))
+
+
+def _seed(conv_index: int, turn: int, base: int) -> int:
+    return int(hashlib.sha256(f"{base}:{conv_index}:{turn}".encode()).hexdigest()[:8], 16)
+
+
+def regenerate_conversation(messages: list[dict], conv_index: int, tokenizer, pool: ServerPool,
+                            cfg: RegenerateConfig, stop_ids: list[int], max_length: int,
+                            where: str) -> tuple[list[dict], dict[str, int]]:
+    """The conversation with each assistant turn answered again by the target, in order."""
+    out: list[dict] = []
+    counts = {"regenerated_turns": 0, "kept_original_turns": 0, "dropped_turns": 0}
+    for j, m in enumerate(messages):
+        if m["role"] != "assistant":
+            out.append(dict(m))
+            continue
+        prompt = _render(tokenizer, out, add_generation_prompt=True)
+        if len(prompt) >= max_length:  # nothing of this turn would survive truncation
+            counts["dropped_turns"] += sum(x["role"] == "assistant" for x in messages[j:])
+            break
+        params = {"max_new_tokens": min(cfg.max_new_tokens, max_length - len(prompt)),
+                  "temperature": cfg.temperature, "stop_token_ids": stop_ids}
+        if cfg.temperature > 0:
+            params["sampling_seed"] = _seed(conv_index, j, cfg.seed)
+        try:
+            reply = pool.generate(prompt, f"{RID_PREFIX}{conv_index:07d}-{j:03d}", params).result()
+        except Exception as e:  # noqa: BLE001 - named with the line it came from
+            raise RegenerationError(f"{where}: turn {j}: {e}") from e
+        text = tokenizer.decode(reply.body.get("output_ids") or [], skip_special_tokens=True)
+        if text.strip():
+            out.append({"role": "assistant", "content": text})
+            counts["regenerated_turns"] += 1
+        else:  # an empty answer would make an empty (untrainable) turn
+            out.append(dict(m))
+            counts["kept_original_turns"] += 1
+    if not any(x["role"] == "assistant" for x in out):
+        out = [dict(m) for m in messages]  # not even the first turn fits: keep it for truncation
+        counts["kept_original_turns"] += 1
+    return out, counts
+
+
+def regenerate(records: list[Record], tokenizer, pool: ServerPool, out_dir: str | Path, cfg: RegenerateConfig, *,
+               target: str, max_length: int, passthrough: list[Record] = (),
+               on_part: Callable[[int, int, dict], None] | None = None) -> tuple[Path, dict[str, Any]]:
+    """Regenerate every part not already done; returns (regenerated.jsonl, summary).
+
+    `passthrough` records (the held-out ones, say) are appended to regenerated.jsonl unchanged.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stop_ids = turn_end_ids(tokenizer)
+    params = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
+              "stop_token_ids": stop_ids, "max_length": max_length, "target": target}
+    bounds = part_bounds(len(records), cfg.num_parts)
+    manifests = []
+    for k, (a, b) in enumerate(bounds):
+        lines = [_record_json(r) for r in records[a:b]]
+        input_hash = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+        path, mpath = out_dir / f"part-{k:05d}.jsonl", out_dir / f"part-{k:05d}.json"
+        done = _read_json(mpath)
+        if (done and done.get("input_sha256") == input_hash and done.get("params") == params and path.exists()
+                and hashlib.sha256(path.read_bytes()).hexdigest() == done.get("output_sha256")):
+            manifests.append({**done, "reused": True})
+            if on_part:
+                on_part(k, len(bounds), manifests[-1])
+            continue
+        manifests.append(_regenerate_part(records, a, b, k, len(bounds), tokenizer, pool, cfg, stop_ids, max_length,
+                                          params, input_hash, path, mpath))
+        if on_part:
+            on_part(k, len(bounds), manifests[-1])
+    combined = out_dir / "regenerated.jsonl"
+    tmp = combined.with_name(f".{combined.name}.tmp")
+    with open(tmp, "wb") as f:
+        for k in range(len(bounds)):
+            f.write((out_dir / f"part-{k:05d}.jsonl").read_bytes())
+        for r in passthrough:
+            f.write((_record_json(r) + "\n").encode())
+    tmp.replace(combined)
+    summary = {"format": FORMAT, "parts": len(bounds), "params": params,
+               **{key: sum(m[key] for m in manifests) for key in
+                  ("records", "conversations", "regenerated_turns", "kept_original_turns", "dropped_turns",
+                   "output_tokens")},
+               "parts_reused": sum(bool(m.get("reused")) for m in manifests), "passed_through": len(passthrough)}
+    write_json_atomic(out_dir / "regenerate.json", summary)
+    return combined, summary
+
+
+def _regenerate_part(records, a, b, k, num_parts, tokenizer, pool, cfg, stop_ids, max_length, params, input_hash,
+                     path: Path, mpath: Path) -> dict:
+    t0 = time.monotonic()
+    counts = {"regenerated_turns": 0, "kept_original_turns": 0, "dropped_turns": 0}
+    lock = threading.Lock()
+
+    def one(i: int) -> str:
+        r = records[i]
+        if r.messages is None:
+            return _record_json(r)
+        messages, c = regenerate_conversation(r.messages, i, tokenizer, pool, cfg, stop_ids, max_length,
+                                              f"part {k} ({r.where})")
+        with lock:
+            for key, v in c.items():
+                counts[key] += v
+        return json.dumps({"messages": messages}, ensure_ascii=False, separators=(",", ":"))
+
+    # Turns of one conversation are sequential; conversations run side by side up to the pool's width.
+    with ThreadPoolExecutor(max(1, pool.capacity)) as ex:
+        lines = list(ex.map(one, range(a, b)))
+    text = ("\n".join(lines) + "\n").encode()
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(text)
+    tmp.replace(path)
+    output_tokens = 0
+    for line in lines:
+        for m in json.loads(line).get("messages", []):
+            if m["role"] == "assistant":
+                output_tokens += len(tokenizer.encode(m["content"], add_special_tokens=False))
+    manifest = {"format": FORMAT, "part": k, "num_parts": num_parts, "records": b - a,
+                "conversations": sum(records[i].messages is not None for i in range(a, b)),
+                "input_sha256": input_hash, "output_sha256": hashlib.sha256(text).hexdigest(), "params": params,
+                "output_tokens": output_tokens, "seconds": round(time.monotonic() - t0, 3), **counts}
+    write_json_atomic(mpath, manifest)
+    return manifest
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None

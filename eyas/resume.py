@@ -1,0 +1,116 @@
+"""What a run needs after an earlier one was killed (kill -9, OOM killer, lost node).
+
+    lock_output_dir(out_dir)              # one run per output dir; a killed run's lock is gone with it
+    discard_partials(out_dir)             # .shard-*.partial and temp files of a killed writer
+    reclaim_stale_server(host, cfg)       # stop the server a killed run of this config left running
+
+The lock is an flock on `<output_dir>/.eyas.lock`, held for the life of the process: the kernel
+drops it when the process dies, however it dies, so a lock that can be taken proves that no live
+run uses this output directory. Only then are partial files deleted and a recorded server with
+this config's exact command line stopped (a server of another config is never touched: the launch
+then refuses with its own message).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shlex
+import threading
+import time
+from pathlib import Path
+
+from eyas.config import PipelineConfig
+from eyas.hosts import Host
+
+
+class OutputBusy(RuntimeError):
+    """Another live process holds the output directory."""
+
+
+_held: dict[str, int] = {}  # resolved lock path -> fd, for this process
+_held_lock = threading.Lock()
+
+
+def hold_lock(path: str | Path, *, wait_s: float = 0.0, what: str = "it") -> Path:
+    """Hold an flock on `path` for this process (idempotent); released when the process dies.
+
+    Waits up to wait_s for another holder, then raises OutputBusy naming the holder's pid. Usable
+    for any "one live run at a time" rule whose holder may be killed (a GPU host's lock, say).
+    """
+    path = Path(path).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + wait_s
+    with _held_lock:
+        if str(path) in _held:
+            return path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                    os.close(fd)
+                    raise OutputBusy(f"{what} is in use by another eyas run (pid {owner}, lock {path})") from None
+                time.sleep(0.5)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _held[str(path)] = fd
+    return path
+
+
+def release_lock(path: str | Path) -> None:
+    with _held_lock:
+        fd = _held.pop(str(Path(path).resolve()), None)
+    if fd is not None:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+def lock_output_dir(output_dir: str | Path) -> Path:
+    """Take the output directory's lock for this process (idempotent); OutputBusy if another has it."""
+    output_dir = Path(output_dir)
+    return hold_lock(output_dir / ".eyas.lock",
+                     what=f"{output_dir} (wait for that run, or point extraction.output_dir elsewhere)")
+
+
+def unlock_output_dir(output_dir: str | Path) -> None:
+    release_lock(Path(output_dir) / ".eyas.lock")
+
+
+def discard_partials(output_dir: str | Path) -> list[str]:
+    """Delete files a killed writer left (".*.partial", ".*.tmp*"); returns their names.
+    Only call with the output lock held: a live writer's partial file looks the same."""
+    output_dir = Path(output_dir)
+    removed = []
+    for folder in (output_dir, output_dir / "plan"):
+        if not folder.is_dir():
+            continue
+        for p in folder.iterdir():
+            if p.name.startswith(".") and (p.name.endswith(".partial") or ".tmp" in p.name):
+                p.unlink(missing_ok=True)
+                removed.append(p.name)
+    return sorted(removed)
+
+
+def _cmdline(host: Host, pid: int) -> list[str] | None:
+    r = host.run(f"tr '\\0' '\\n' < /proc/{int(pid)}/cmdline", check=False, timeout=15)
+    return r.stdout.split("\n")[:-1] if r.ok and r.stdout else None
+
+
+def reclaim_stale_server(host: Host, cfg: PipelineConfig) -> dict | None:
+    """Stop the server recorded in server.pid if it lives and runs exactly this config's launch command.
+
+    Call only with the output lock held (then no live run of this config uses that server). Returns
+    what was done, or None when there was nothing to reclaim.
+    """
+    from eyas.launch import _recorded_pid, launch_command, stop_server
+
+    pid = _recorded_pid(host, cfg)
+    if pid is None or not host.is_alive(pid):
+        return None
+    argv = _cmdline(host, pid)
+    if argv != shlex.split(launch_command(cfg)):
+        return {"pid": pid, "outcome": "left alone: not this config's server", "cmdline": argv}
+    return {**stop_server(host, cfg, pid), "reason": "stale server of a killed run of this config"}

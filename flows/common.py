@@ -1,0 +1,83 @@
+"""What every eyas flow shares: the config parameter, the per-host lock, the stop-on-failure hook.
+
+A flow's `config` parameter is either a path to a YAML config (relative paths are taken from the
+repository root, so deployments work from any working directory), an inline mapping with the same
+fields, or an already loaded PipelineConfig (what `eyas run` passes). `overrides` are dotted fields
+applied on top ({"training.max_steps": 20}), exactly like `eyas run --set`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Union
+
+from prefect.concurrency.sync import concurrency
+from prefect.logging import get_run_logger
+
+from eyas.config import PipelineConfig, config_from_dict, load_config
+from eyas.hosts import make_host
+from eyas.launch import stop_server
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = "configs/local-tiny.yaml"
+
+ConfigParam = Union[str, dict[str, Any], PipelineConfig]
+
+
+def resolve_config(config: ConfigParam, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """A path, an inline mapping or a PipelineConfig, plus dotted overrides -> a validated config."""
+    if isinstance(config, PipelineConfig):
+        if not overrides:
+            return config
+        config = config.model_dump(mode="json")
+    if isinstance(config, dict):
+        return config_from_dict(config, base_dir=ROOT, source="<inline config>", overrides=overrides)
+    path = Path(config)
+    return load_config(path if path.is_absolute() else ROOT / path, overrides)
+
+
+def host_limit_name(cfg: PipelineConfig) -> str:
+    """The global concurrency limit that owns a server host's GPUs (one server at a time)."""
+    return f"eyas-gpu-host-{cfg.server.host.name}"
+
+
+def ensure_host_limit(cfg: PipelineConfig) -> str:
+    """Create the host's limit (1 slot) if nobody has; an operator may have made it already."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    name = host_limit_name(cfg)
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            try:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+            except ObjectAlreadyExists:
+                pass
+    return name
+
+
+def gpu_host(cfg: PipelineConfig):
+    """Hold the host's strict limit while a server lives there: a second run waits, never doubles."""
+    return concurrency(ensure_host_limit(cfg), occupy=1, strict=True)
+
+
+def stop_server_hook(flow, flow_run, state) -> None:
+    """on_failure / on_crashed: stop the server the run launched, so no failed run holds GPUs."""
+    try:
+        cfg = resolve_config(flow_run.parameters["config"], flow_run.parameters.get("overrides"))
+    except Exception as e:  # noqa: BLE001 - a bad config never launched anything
+        print(f"stop-server hook: config unreadable ({e}); nothing to stop")
+        return
+    host = make_host(cfg.server.host)
+    try:
+        outcome = stop_server(host, cfg)
+    finally:
+        host.close()
+    try:
+        get_run_logger().warning("run %s: stopped the server on %s: %s", state.name,
+                                 cfg.server.host.name, outcome)
+    except Exception:  # noqa: BLE001 - hooks may run without a run context
+        print(f"stop-server hook ({state.name}): {outcome}")

@@ -1,0 +1,54 @@
+"""Subflows that own the target server: bring it up (patch, launch, wait) and tear it down.
+
+    prefect deployment run 'eyas-serve/serve'       # a server for manual work; stop it with teardown
+    prefect deployment run 'eyas-teardown/teardown'
+
+Run alone, `serve` leaves the server up (that is its purpose); inside `extract` the caller holds the
+host's GPU lock and stops the server when extraction ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from eyas.report import Stopwatch
+from flows.common import DEFAULT_CONFIG, ConfigParam, resolve_config, stop_server_hook
+from tasks.patch import patch_host, unpatch_host
+from tasks.server import launch_server, stop_server, wait_until_ready
+
+
+def run_name(prefix: str):
+    """flow_run_name: `<prefix>-<config name>@<server host>`, whatever form the config came in."""
+    def name() -> str:
+        p = flow_run.parameters
+        cfg = resolve_config(p["config"], p.get("overrides"))
+        return f"{prefix}-{cfg.name}@{cfg.server.host.name}"
+    return name
+
+
+@flow(name="eyas-serve", flow_run_name=run_name("serve"), log_prints=True,
+      on_failure=[stop_server_hook], on_crashed=[stop_server_hook])
+def serve(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None) -> dict:
+    """Patch the server host, launch the target server, wait until it is ready."""
+    cfg, stage = resolve_config(config, overrides), Stopwatch()
+    with stage("patch"):
+        patched = patch_host(cfg)
+    with stage("launch"):
+        handle = launch_server(cfg)
+    with stage("wait_ready"):
+        ready = wait_until_ready(cfg, handle)
+    return {"handle": handle, "ready": ready, "patch": patched, "stages": stage.seconds}
+
+
+@flow(name="eyas-teardown", flow_run_name=run_name("teardown"), log_prints=True)
+def teardown(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None,
+             unpatch: bool = False) -> dict:
+    """Stop the server a config launched (idempotent); optionally restore the host's SGLang."""
+    cfg = resolve_config(config, overrides)
+    out = {"stop": stop_server(cfg)}
+    if unpatch:
+        out["unpatch"] = unpatch_host(cfg)
+    return out

@@ -1,0 +1,51 @@
+"""Subflow: train the drafter on extracted shards, export it for SGLang, measure acceptance.
+
+    prefect deployment run 'eyas-train/train'     # on the shards already in extraction.output_dir
+
+Alone it reads the shard manifests from disk (each checked against its file size) and the
+held-out prompts from the data; inside the pipeline it gets both from `extract`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from prefect.events import emit_event
+
+from eyas.report import Stopwatch
+from eyas.shards import verify_shard
+from flows.common import DEFAULT_CONFIG, ConfigParam, resolve_config
+from flows.serve import run_name
+from tasks.extract import prepare_data
+from tasks.train import evaluate, export, train
+
+
+@flow(name="eyas-train", flow_run_name=run_name("train"), log_prints=True)
+def train_drafter(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None,
+                  manifests: list[dict] | None = None,
+                  prompts: list[list[int]] | None = None) -> dict:
+    """Train (resuming from the newest checkpoint), export, evaluate."""
+    cfg, stage = resolve_config(config, overrides), Stopwatch()
+    if manifests is None:
+        manifests = _manifests_on_disk(Path(cfg.extraction.output_dir))
+    if prompts is None:
+        _, prompts, _ = prepare_data(cfg)
+    with stage("train"):
+        trained = train(cfg, manifests)
+    with stage("export"):
+        drafter_dir = export(cfg, trained, manifests[0])
+    emit_event(event="eyas.drafter.exported", resource={"prefect.resource.id": f"eyas.run.{cfg.name}"},
+               payload={"drafter_dir": drafter_dir})
+    with stage("evaluate"):
+        evaluation = evaluate(cfg, drafter_dir, prompts)
+    return {"trained": trained, "drafter_dir": drafter_dir, "evaluation": evaluation,
+            "stages": stage.seconds}
+
+
+def _manifests_on_disk(folder: Path) -> list[dict]:
+    shards = sorted(folder.glob("shard-*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no shards in {folder}: run the extract flow first")
+    return [verify_shard(p, full=False) for p in shards]

@@ -1,0 +1,98 @@
+"""A real Prefect server on 127.0.0.1 with a process work pool and a worker, for deployment tests.
+
+Everything runs with its own PREFECT_HOME, so it never touches an operator's server or database.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+POOL = "eyas"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class PrefectServer:
+    home: Path
+    port: int
+    env: dict
+    procs: list = field(default_factory=list)
+
+    @property
+    def api(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def cli(self, *args: str, timeout: float = 120) -> str:
+        r = subprocess.run([str(BIN / "prefect"), *args], cwd=ROOT, env=self.env, text=True,
+                           capture_output=True, timeout=timeout)
+        if r.returncode != 0:
+            raise AssertionError(f"prefect {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+        return r.stdout
+
+    def spawn(self, args: list[str], log: str) -> subprocess.Popen:
+        p = subprocess.Popen([str(BIN / "prefect"), *args], cwd=ROOT, env=self.env,
+                             stdout=open(self.home / log, "w"), stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.api + path, timeout=10) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict):
+        req = urllib.request.Request(self.api + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):  # a worker wants TERM then INT
+                    try:
+                        os.killpg(p.pid, sig)
+                        p.wait(10)
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
+                    except ProcessLookupError:
+                        break
+
+
+def start_prefect_server(home: Path, timeout: float = 90) -> PrefectServer:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_API_URL=f"http://127.0.0.1:{port}/api", PWD=str(ROOT),
+               PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",
+               PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    server = PrefectServer(home, port, env)
+    server.spawn(["server", "start", "--host", "127.0.0.1", "--port", str(port)], "server.log")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if server.get("/health") is True:
+                return server
+        except OSError:
+            pass
+        if time.monotonic() > deadline or server.procs[0].poll() is not None:
+            server.stop()
+            raise AssertionError("prefect server did not start:\n" + (home / "server.log").read_text()[-3000:])
+        time.sleep(0.5)

@@ -1,0 +1,54 @@
+"""Training under torchrun through the Host seam: two gloo processes on this machine's CPU."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eyas.distributed import TrainingLaunchError, launch_training
+from eyas.train import train_drafter
+from tests.helpers_training import sharpen_target, target_config, training_config, write_shards
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def setup(random_target, tmp_path_factory):
+    target = sharpen_target(random_target, tmp_path_factory.mktemp("sharp"))
+    shards = write_shards(target, tmp_path_factory.mktemp("shards"), num_shards=2, per_shard=10, length=24)
+    one = train_drafter(training_config(tmp_path_factory.mktemp("one"), max_steps=5, batch_size=2, grad_accum=2,
+                                        checkpoint_every=100), target_config(target), shards, log=lambda _: None)
+    return target, shards, one
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_give_the_losses_of_one_with_the_same_global_batch(setup, tmp_path, free_port, strategy):
+    target, shards, one = setup
+    cfg = training_config(tmp_path / "two", max_steps=5, batch_size=2, grad_accum=1, checkpoint_every=100,
+                          distributed={"nproc_per_node": 2, "master_port": free_port, "strategy": strategy})
+    logs = []
+    two = launch_training(cfg, target_config(target), shards, log=logs.append, poll_s=0.2)
+    assert (two.world_size, two.global_batch, one.global_batch) == (2, 4, 4)
+    assert two.losses == pytest.approx(one.losses, rel=1e-4, abs=1e-6)
+    assert sum(two.accuracies, []) == pytest.approx(sum(one.accuracies, []), abs=1e-6)
+    assert two.heldout_accuracies == pytest.approx(one.heldout_accuracies, abs=1e-6)
+    assert any("global batch 4 (2 rank(s) x 1 x 2)" in line for line in logs), logs[:5]
+    wa = load_file(f"{one.checkpoint_dir}/model.safetensors")
+    wb = load_file(f"{two.checkpoint_dir}/model.safetensors")
+    assert set(wa) == set(wb)
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
+    job = json.loads((tmp_path / "two" / "launch" / "job.json").read_text())
+    assert job["training"]["distributed"]["strategy"] == strategy
+
+
+def test_a_failing_node_is_reported_with_its_exit_code_and_log(setup, tmp_path, free_port):
+    target, shards, _ = setup
+    python = tmp_path / "broken-python"
+    python.write_text("#!/bin/sh\necho 'no torch on this host' >&2\nexit 3\n")
+    python.chmod(0o755)
+    cfg = training_config(tmp_path / "bad", distributed={"nproc_per_node": 2, "master_port": free_port,
+                                                         "python": str(python)})
+    with pytest.raises(TrainingLaunchError, match=r"node 0: torchrun exited 3; see .*node-0.log\nno torch on this host"):
+        launch_training(cfg, target_config(target), shards, log=lambda _: None, poll_s=0.1)

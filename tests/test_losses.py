@@ -1,0 +1,133 @@
+"""The fast training paths against plain autograd math: TTT attention, fused head loss, teacher, unroll."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eyas.attention import reference_ttt_attention, ttt_attention
+from eyas.drafter import causal_mask
+from eyas.losses import TTTObjective, draft_first_order, head_soft_ce, scored_counts, teacher_labels
+from eyas.target_head import TargetHead
+from eyas.train import epoch_plan, shift_left
+from tests.test_drafter import make
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_ttt_attention_matches_the_masked_softmax_with_gradients(K):
+    g = torch.Generator().manual_seed(K)
+    ts = [torch.randn(2, 3, 29, 16, generator=g, requires_grad=True) for _ in range(3 + 2 * K)]
+    args = (ts[0], ts[1], ts[2], ts[3:3 + K], ts[3 + K:], 0.25)
+    y, want = ttt_attention(*args), reference_ttt_attention(*args)
+    dy = torch.randn(y.shape, generator=g)
+    for a, b in zip(torch.autograd.grad(y, ts, dy), torch.autograd.grad(want, ts, dy)):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(y, want, atol=2e-6, rtol=1e-5)
+
+
+def test_fused_head_loss_matches_log_softmax_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    N, H, V, M = 50, 16, 40, 30
+    h = torch.randn(N, H, generator=g, requires_grad=True)
+    w = torch.randn(V, H, generator=g, requires_grad=True)
+    probs = torch.softmax(torch.randn(M, V, generator=g) * 2, -1)
+    rows = torch.randint(0, M, (N,), generator=g)
+    row_w = torch.rand(N, generator=g) * (torch.rand(N, generator=g) > 0.3)
+    loss, pred = head_soft_ce(h, w, probs, rows, row_w, chunk=16)  # 4 chunks, the last one short
+    logits = h @ w.T
+    want = -(row_w[:, None] * probs[rows] * F.log_softmax(logits, -1)).sum()
+    torch.testing.assert_close(loss, want)
+    assert torch.equal(pred, logits.argmax(-1))
+    for a, b in zip(torch.autograd.grad(loss * 3, [h, w]), torch.autograd.grad(want * 3, [h, w])):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        again, pred2 = head_soft_ce(h, w, probs, rows, row_w, chunk=7)
+    torch.testing.assert_close(again, want.detach())
+    assert torch.equal(pred2, pred)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_chunked_teacher_equals_the_full_vocab_head(norm):
+    g = torch.Generator().manual_seed(1)
+    V, H, Vd = 60, 8, 20
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.randperm(V, generator=g)[:Vd]] = True
+    weight, nw = torch.randn(V, H, generator=g), torch.rand(H, generator=g) + 0.5
+    head = TargetHead(weight, nw if norm == "pre" else None, 1e-6)
+    last, mask = torch.randn(3, 11, H, generator=g), torch.rand(3, 11, generator=g) > 0.3
+    full = head(last)  # (B, T, V) in target-id order
+    head.reorder(draft_first_order(t2d))
+    torch.testing.assert_close(head(last), full)  # reordering keeps forward's meaning
+    lab = teacher_labels(head, last, mask, Vd, chunk=4)
+    top = full.argmax(-1)
+    draft_of = torch.cumsum(t2d.long(), 0) - 1
+    assert torch.equal(lab.target, torch.where(t2d[top], draft_of[top], -1))
+    torch.testing.assert_close(lab.probs, torch.softmax(full[..., t2d], -1).view(33, Vd))
+    assert torch.equal(lab.scored, shift_left(mask, 1))
+    assert torch.equal(lab.valid, lab.scored & t2d[top])
+
+
+def reference_loss(m, ids, aux, labels, K, decay):
+    """The skeleton's unroll: explicit masks, logits for every position, CE averaged per step."""
+    B, T = ids.shape
+    h, kv, loss = aux, [], 0.0
+    for k in range(K):
+        logits, h = m(shift_left(ids, 1 + k), h, torch.arange(T) + k, causal_mask(T), ttt=kv)
+        v = labels.valid[:, 1 + k:]
+        p = labels.probs.view(B, T, -1)[:, 1 + k:][v]
+        ce = -(p * F.log_softmax(logits[:, :T - 1 - k][v], -1)).sum()
+        loss = loss + decay ** k * ce / labels.scored[:, 1 + k:].sum()
+    return loss
+
+
+def test_ttt_objective_equals_the_reference_unroll():
+    m = make(seed=2)
+    g = torch.Generator().manual_seed(2)
+    B, T, K = 2, 13, 3
+    ids = torch.randint(0, 64, (B, T), generator=g)
+    aux = torch.randn(B, T, 96, generator=g)
+    t2d = m.t2d.clone()
+    t2d[torch.randperm(64, generator=g)[:40]] = True
+    head = TargetHead(torch.randn(64, 32, generator=g), None, 1e-6).reorder(draft_first_order(t2d))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[:, :3] = False
+    labels = teacher_labels(head, torch.randn(B, T, 32, generator=g), mask, 40)
+    params = [p for p in m.parameters() if p.requires_grad]
+    loss, correct, scored = TTTObjective(m)(ids, aux, labels, K, 0.8)
+    want = reference_loss(m, ids, aux, labels, K, 0.8)
+    torch.testing.assert_close(loss, want)
+    for a, b in zip(torch.autograd.grad(loss, params), torch.autograd.grad(want, params)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    assert scored.tolist() == [int(labels.scored[:, 1 + k:].sum()) for k in range(K)]
+    assert torch.equal(scored.double(), scored_counts(list(mask), K))  # known from the masks alone
+    assert (correct <= scored).all()
+
+
+def test_epoch_plan_is_length_aware_and_the_same_for_any_split():
+    lengths = [5, 50, 7, 48, 9, 46, 11, 44, 13, 42, 15, 40, 3]
+    ids = list(range(13))
+    a = epoch_plan(lengths, ids, micro=2, num_micro=2, seed=0, epoch=0, window=3)  # 1 rank x 2 accum
+    b = epoch_plan(lengths, ids, micro=4, num_micro=1, seed=0, epoch=0, window=3)  # one micro-batch
+    assert len(a) == len(b) == 3  # 13 // 4 global batches; the rest is dropped
+    assert [sorted(x for m in s for x in m) for s in a] == [sorted(s[0]) for s in b]
+    for step in a:
+        assert all(len(m) == 2 for m in step)
+        ls = [lengths[i] for m in step for i in m]
+        assert ls == sorted(ls, reverse=True)  # longest first: a micro-batch pads little
+    assert epoch_plan(lengths, ids, 2, 2, seed=0, epoch=1, window=3) != a  # a new order every epoch
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_regions_and_flash_kernels_match_on_a_gpu():
+    """bench/train.py's checks, as a test where a GPU is at hand (bf16 against float64 / eager)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_train", Path(__file__).parents[1] / "bench" / "train.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    device = torch.device("cuda")
+    errors = {**bench.check_kernels(device, torch.bfloat16), **bench.check_compiled(device, torch.bfloat16)}
+    assert all(e < 2e-2 for e in errors.values()), errors

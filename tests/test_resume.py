@@ -1,0 +1,200 @@
+"""Kill -9 a real `eyas run` mid-extraction, run it again: finished shards are kept, the rest done.
+
+The first run is a subprocess in its own session (with its temporary Prefect server), killed with
+SIGKILL as soon as the first shard file is published. The target server it launched (its own
+session) survives, as it would after a lost login node. The second run, same command, must stop
+that stale server, discard the partial file, serve the finished shards from Prefect's cache without
+rewriting them (same inode and mtime), extract the rest, and complete.
+
+Both runs talk to the test session's Prefect server (no temporary server to start per run); the
+shard cache records live in the runs' own PREFECT_HOME, as they would on a worker.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eyas.dataset import DiskSpaceError, check_disk_space
+from eyas.hosts import LocalHost, wait_dead
+from eyas.shards import ShardReader, verify_shard
+from tests.stage_config import ROOT, free_port
+
+pytestmark = pytest.mark.slow
+
+
+HOST = "resume-test"  # its own GPU-host limit name: eyas-gpu-host-resume-test
+
+
+def _command(tmp: Path, data: Path, port: int) -> list[str]:
+    sets = {"name": HOST, "run_dir": tmp / "run", "server.host.name": HOST, "server.port": port, "server.workdir": tmp / "server",
+            "server.dump_dir": tmp / "server" / "dump", "extraction.output_dir": tmp / "shards",
+            "training.output_dir": tmp / "train", "data.path": data, "data.num_heldout": 2,
+            "extraction.num_shards": 8, "extraction.concurrency": 2, "training.max_steps": 2,
+            "training.batch_size": 2, "training.warmup_steps": 0, "evaluation.num_prompts": 1,
+            "evaluation.max_new_tokens": 4, "sensor.poll_interval_s": 0.1}
+    cmd = [sys.executable, "-m", "eyas", "run", str(ROOT / "configs" / "local-tiny.yaml")]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    return cmd
+
+
+def _env(tmp: Path) -> dict:
+    from prefect.settings import PREFECT_API_URL
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp / "prefect"), PREFECT_API_URL=PREFECT_API_URL.value(),
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def _free_gpu_slot_of_dead_run() -> int:
+    """WORKAROUND, see the report to the lead: flows/common.py:gpu_host takes a Prefect global
+    concurrency slot that a SIGKILLed run never gives back (its lease is never revoked when the
+    server runs without services, and only after 300 s otherwise), so the rerun would wait for it
+    forever. Until gpu_host frees a dead holder's slot itself, the test frees it as an operator
+    would (`prefect gcl update eyas-gpu-host-HOST --active-slots 0`). Returns the slots freed."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+    from prefect.exceptions import ObjectNotFound
+
+    name = f"eyas-gpu-host-{HOST}"
+    with get_client(sync_client=True) as client:
+        try:
+            held = client.read_global_concurrency_limit_by_name(name).active_slots
+        except ObjectNotFound:
+            return 0
+        if held:
+            client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
+    return held
+
+
+def test_kill_9_mid_extraction_then_rerun_keeps_finished_shards(tmp_path, prefect_harness):
+    data = tmp_path / "conversations.jsonl"
+    lines = (ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:34]
+    data.write_text("\n".join(lines) + "\n")
+    cmd, env, shards = _command(tmp_path, data, free_port()), _env(tmp_path), tmp_path / "shards"
+
+    # 1. First run, killed with SIGKILL once a shard is published and while others are not.
+    with open(tmp_path / "run1.log", "w") as log:
+        first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        deadline = time.monotonic() + 240
+        while not list(shards.glob("shard-*.json")):
+            assert first.poll() is None, (tmp_path / "run1.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no shard within 240 s"
+            time.sleep(0.02)
+        time.sleep(1.0)  # let Prefect record the first shard's result (later ones may lack it)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(30)
+    done = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in shards.glob("shard-*.safetensors")
+            if p.with_suffix(".json").exists()}
+    assert 1 <= len(done) < 8, done
+    host, pid = LocalHost(), int((tmp_path / "server" / "server.pid").read_text())
+    assert host.is_alive(pid)  # the killed run's server lives on
+    _free_gpu_slot_of_dead_run()
+
+    # 2. Same command again: completes.
+    with open(tmp_path / "run2.log", "w") as log:
+        second = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        try:
+            second.wait(300)
+        except subprocess.TimeoutExpired:
+            os.killpg(second.pid, signal.SIGKILL)
+            second.wait(30)
+    out = (tmp_path / "run2.log").read_text()
+    assert second.returncode == 0, out[-4000:]
+    assert wait_dead(host, pid, 5), "the stale server was not stopped"
+    assert "stale server of a killed run of this config" in out
+
+    # Finished shards untouched: served from Prefect's cache, or (published but killed before
+    # Prefect recorded the result) found intact on disk; never rewritten. The rest complete and valid.
+    cached = 0
+    for name, ident in done.items():
+        p = shards / name
+        assert (p.stat().st_ino, p.stat().st_mtime_ns) == ident, f"{name} was rewritten"
+        hit = f"extract-{p.stem}-of-00008@{HOST}' - Finished in state Cached" in out
+        assert hit or f"{p.stem}: intact on disk, reused" in out, name
+        cached += hit
+    assert cached >= 1, "no shard came from Prefect's cache"
+    files = sorted(shards.glob("shard-*.safetensors"))
+    assert len(files) == 8 and all(verify_shard(p) for p in files)
+    assert not [p.name for p in shards.iterdir() if p.name.endswith(".partial")]
+    # dataset.json: the whole extraction, with provenance in both layer conventions.
+    ds = json.loads((shards / "dataset.json").read_text())
+    assert ds["num_shards"] == 8 and [s["file"] for s in ds["shards"]] == [p.name for p in files]
+    assert ds["num_tokens"] == sum(ShardReader(p).num_tokens for p in files)
+    assert ds["layer_ids_capture_before"] == [2, 4, 5] and ds["layer_ids_output_of"] == [1, 3, 4]
+    assert ds["last_hidden_norm"] == "post" and ds["target_revision"] == "fixture-v1"
+    assert len(ds["tokenizer_sha256"]) == 64 and len(ds["chat_template_sha256"]) == 64
+    assert ds["eyas_version"] and ds["data"]["stats"]["sequences"] == 32
+
+    # Progress: the same figures in the task log and in the run's artifacts.
+    assert f"extraction: 8/8 shards ({len(done)} reused)" in out and "tok/s" in out and "GB written" in out
+    progress, table = _artifacts(f"extract-{HOST}"), _artifacts(f"extract-shards-{HOST}")
+    assert progress.type == "progress" and progress.data == 100.0 and "8/8 shards" in progress.description
+    assert table.type == "table" and len(json.loads(table.data)) == 8
+    assert {r["status"] for r in json.loads(table.data)} == {"done", "reused"}
+
+
+def _artifacts(key: str):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    assert found, f"no artifact {key}"
+    return max(found, key=lambda a: a.updated)
+
+
+def test_disk_space_estimate_counts_missing_shards_and_refuses_with_a_clear_error(tmp_path):
+    import torch
+
+    from eyas.data import TokenizedSample, write_shard_plans
+    from eyas.dataset import HEADER_BYTES, estimate_bytes
+    from eyas.shards import Sample, write_shard
+
+    plans = write_shard_plans([TokenizedSample([3] * n, [1] * n) for n in (10, 20, 30, 40)], 2, tmp_path / "plan")
+    per_token = 4 * 256 * 2 + 5  # 3 aux layers + last, H=256, bf16, + id and mask
+    full = estimate_bytes(plans, 256, 3, "bfloat16", "plain", tmp_path)
+    assert full == 100 * per_token + 8 * 6 + 2 * HEADER_BYTES
+    # A shard already on disk for this plan, dtype and encoding needs no more space.
+    m = write_shard(tmp_path / "shard-00000.safetensors",
+                    [Sample(torch.full((n,), 3), torch.ones(n, dtype=torch.bool), torch.zeros(n, 768, dtype=torch.bfloat16),
+                            torch.zeros(n, 256, dtype=torch.bfloat16)) for n in (10, 20)],
+                    {"content_hash": plans[0].content_hash})
+    assert estimate_bytes(plans, 256, 3, "bfloat16", "plain", tmp_path) == full - 30 * per_token - 8 * 3 - HEADER_BYTES
+    assert m["bytes"] <= 30 * per_token + 8 * 3 + HEADER_BYTES
+    fp8 = estimate_bytes(plans, 256, 3, "bfloat16", "fp8_e4m3", tmp_path / "elsewhere")
+    assert fp8 - 2 * HEADER_BYTES < (full - 2 * HEADER_BYTES) * 0.53
+    with pytest.raises(DiskSpaceError, match=r"needs 5\.00 GB more and must leave extraction\.keep_free_gb"
+                                             r"=1000000\.0 GB free, but the disk has .* GB free"):
+        check_disk_space(tmp_path / "out", 5_000_000_000, keep_free_gb=1e6)
+    assert check_disk_space(tmp_path / "out", 1000, keep_free_gb=0)["needed_bytes"] == 1000
+
+
+def test_output_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
+    from eyas.resume import OutputBusy, discard_partials, lock_output_dir, unlock_output_dir
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eyas.resume import lock_output_dir; "
+                               f"lock_output_dir({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)"],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(OutputBusy, match=rf"in use by another eyas run \(pid {holder.pid}"):
+            lock_output_dir(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait(10)
+    (tmp_path / ".shard-00002.safetensors.partial").write_bytes(b"x")
+    (tmp_path / "shard-00001.json").write_text("{}")
+    lock_output_dir(tmp_path)  # the killed holder's lock went with it
+    assert discard_partials(tmp_path) == [".shard-00002.safetensors.partial"]
+    assert (tmp_path / "shard-00001.json").exists()
+    unlock_output_dir(tmp_path)
