@@ -49,7 +49,7 @@ def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json:
                     log: Callable[[str], None] = print, poll_s: float = 1.0, hosts=None,
                     stop_at_step: int | None = None):
     """Run train_drafter under torchrun on the configured hosts -> TrainResult (rank 0's)."""
-    from eyas.hosts import LocalHost, make_host
+    from eyas.hosts import HostError, LocalHost, make_host
     from eyas.shards import write_json_atomic
     from eyas.train import TrainResult
 
@@ -91,6 +91,11 @@ def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json:
             tail = host.read_from(log_path, 0, 1 << 24)[0].decode(errors="replace")[-3000:]
             raise TrainingLaunchError(f"[{host.name}] training node {i}: torchrun exited "
                                       f"{'without an exit code' if rc is None else rc}; see {log_path}\n{tail}")
+    if not local:  # rank 0 wrote it on node 0's host
+        try:
+            hosts[0].get(result, result)
+        except (OSError, HostError):
+            pass
     if not result.exists():
         raise TrainingLaunchError(f"every node exited 0 but rank 0 wrote no {result}; see {nodes[0][2]}")
     return TrainResult(**json.loads(result.read_text()))

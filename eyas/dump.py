@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 DUMP_DIR_ENV = "EYAS_DUMP_DIR"  #: set on the server: where records go (unset = no dump)
 DUMP_DTYPE_ENV = "EYAS_DUMP_DTYPE"  #: optional: bfloat16 (default), float16 or float32
@@ -159,11 +159,31 @@ class DumpWriter:
         # filesystem. No fsync: readers need visibility, not durability across a power cut.
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
         try:
-            save_file(tensors, str(tmp), metadata=metadata)
+            _save(tensors, tmp, metadata)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
         return path
+
+
+_ST_DTYPES = {torch.int32: "I32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """A safetensors file written straight from the tensors' memory (safetensors' save_file makes a
+    bytes copy of every tensor first: at 57 KB per token that copy is a third of the write)."""
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = metadata
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for t in tensors.values():
+            f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
 
 
 # ---------------------------------------------------------------------------------------------

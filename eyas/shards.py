@@ -110,6 +110,8 @@ class ShardWriter:
             raise ValueError(f"{path}: every sample needs at least one token, got lengths {lengths[:8]}...")
         if encoding not in ENCODINGS:
             raise ValueError(f"{path}: encoding must be one of {ENCODINGS}, got {encoding!r}")
+        # FP8 shards record the dtype readers get back (bf16), whatever the dump's precision was.
+        dtype = torch.bfloat16 if encoding == "fp8_e4m3" else dtype
         self.path, self.lengths, self.dtype, self.meta = Path(path), lengths, dtype, meta
         self.hidden_size, self.num_aux, self.encoding = hidden_size, num_aux, encoding
         self.offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)

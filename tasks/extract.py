@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import re
 import threading
@@ -105,6 +106,14 @@ def _run_for(cfg: PipelineConfig, plan: ShardPlan) -> dataset.ExtractionRun:
 
 _pools: dict[tuple, ServerPool] = {}
 _pools_lock = threading.Lock()
+
+
+@atexit.register
+def _close_pools() -> None:
+    with _pools_lock:
+        for pool in _pools.values():
+            pool.close()
+        _pools.clear()
 
 
 def endpoints(cfg: PipelineConfig) -> list[Endpoint]:

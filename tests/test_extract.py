@@ -1,3 +1,4 @@
+import json
 import random
 import socket
 import time
@@ -163,16 +164,34 @@ def _kill(host, handle, port):
     raise AssertionError(f"port {port} still taken 15 s after the server died")
 
 
-def test_server_killed_mid_shard_fails_over_or_retries_with_identical_output(server, tmp_path, tmp_path_factory,
+def test_server_killed_mid_shard_retries_or_fails_over_with_identical_output(server, tmp_path, tmp_path_factory,
                                                                            random_target):
-    """One of two servers killed mid-shard: the shard finishes on the other. Then the only server
-    killed mid-shard and restarted: the retries finish it. Both shards equal an undisturbed run."""
+    """The only server killed mid-shard and started again: the retries finish the shard. Then one of
+    two servers killed mid-shard: the shard finishes on the other. Both equal an undisturbed run."""
     cfg, _ = server
     _, plans = _plans(tmp_path, n=14, seed=4, num_shards=1)
     ref = _extract(cfg, plans[0], tmp_path / "ref")
     host, cfg_b, handle_b = _launch(tmp_path_factory.mktemp("server-b"), random_target)
     try:
-        # 1. Two endpoints; B dies after the first sequence is in.
+        # 1. One endpoint, killed after the first sequence is in and started again on the same port:
+        #    requests fail while it loads, and the retries with backoff wait it out.
+        restarted = []
+
+        def kill_and_restart(p):
+            if not restarted:
+                _kill(host, handle_b, cfg_b.server.port)
+                restarted.append(start_server(host, cfg_b))
+
+        with ServerPool([_endpoint(cfg_b, 2)], retries=30, backoff_s=0.2, backoff_max_s=1.0) as pool:
+            m = extract_shard(plans[0], tmp_path / "restart", capture_ids=CAPTURE, dtype="bfloat16",
+                              meta=META, pool=pool, on_progress=kill_and_restart)
+            stats = pool.stats()
+        handle_b = restarted[0]
+        assert stats[cfg_b.server.url]["failures"] >= 1, stats
+        assert m["sha256"] == ref["sha256"]
+        assert not partial_path(shard_path(tmp_path / "restart", plans[0])).exists()
+
+        # 2. Two endpoints; B dies after the first sequence is in: the rest go to A.
         killed = []
 
         def kill_b(p):
@@ -186,26 +205,70 @@ def test_server_killed_mid_shard_fails_over_or_retries_with_identical_output(ser
             stats = pool.stats()
         assert killed == [1] and stats[cfg_b.server.url]["failures"] >= 1
         assert m["sha256"] == ref["sha256"]
-
-        # 2. One endpoint, killed mid-shard and started again on the same port: the retries wait it out.
-        handle_b = start_server(host, cfg_b)
-        readiness.wait_until_ready(host, log_path=handle_b.log_path, pid=handle_b.pid, url=handle_b.url,
-                                   start_offset=handle_b.log_offset, poll_interval_s=0.1, stall_timeout_s=30,
-                                   deadline_s=120, http_timeout_s=5)
-        restarted = []
-
-        def kill_and_restart(p):
-            if not restarted:
-                _kill(host, handle_b, cfg_b.server.port)
-                restarted.append(start_server(host, cfg_b))  # loads for seconds; requests fail meanwhile
-
-        with ServerPool([_endpoint(cfg_b, 2)], retries=30, backoff_s=0.2, backoff_max_s=1.0) as pool:
-            m = extract_shard(plans[0], tmp_path / "restart", capture_ids=CAPTURE, dtype="bfloat16",
-                              meta=META, pool=pool, on_progress=kill_and_restart)
-            stats = pool.stats()
-        handle_b = restarted[0]
-        assert stats[cfg_b.server.url]["failures"] >= 1, stats
-        assert m["sha256"] == ref["sha256"]
-        assert not partial_path(shard_path(tmp_path / "restart", plans[0])).exists()
     finally:
         stop_server(host, cfg_b, handle_b.pid)
+
+
+# ---------------------------------------------------------------------------------------------
+# Regeneration of the assistant turns, through the same server
+# ---------------------------------------------------------------------------------------------
+
+CHAT = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+        "{% if add_generation_prompt %}assistant {% endif %}")
+
+
+def _conversations(tmp_path):
+    rng = random.Random(5)
+
+    def words(n):
+        return " ".join(f"w{rng.randrange(3, 512)}" for _ in range(n))
+    convs = [[{"role": "user", "content": words(6)}, {"role": "assistant", "content": words(5)}] for _ in range(4)]
+    convs.append(convs[0] + [{"role": "user", "content": words(3)}, {"role": "assistant", "content": words(4)}])
+    lines = [json.dumps({"messages": c}) for c in convs] + [json.dumps({"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]})]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_regenerated_turns_are_the_targets_answers_and_parts_resume(server, tmp_path, random_target):
+    from transformers import AutoTokenizer
+
+    from eyas.config import DataConfig, RegenerateConfig
+    from eyas.data import _render, load_records, prepare
+    from eyas.regenerate import regenerate, turn_end_ids
+
+    cfg, _ = server
+    tok = AutoTokenizer.from_pretrained(str(random_target))
+    tok.chat_template = CHAT
+    records, _ = load_records(_conversations(tmp_path), vocab_size=512)
+    rcfg, kw = RegenerateConfig(enabled=True, max_new_tokens=6, num_parts=3), dict(target="random", max_length=64)
+    with ServerPool([_endpoint(cfg)], retries=1, backoff_s=0.2) as pool:
+        path, summary = regenerate(records[:-1], tok, pool, tmp_path / "regen", rcfg, passthrough=records[-1:], **kw)
+        assert summary["parts"] == 3 and summary["parts_reused"] == 0 and summary["conversations"] == 5
+        assert summary["regenerated_turns"] + summary["kept_original_turns"] == 6
+        out = [json.loads(line) for line in path.read_text().splitlines()]
+        assert out[-1] == {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}  # passed through unchanged
+        for before, after in zip(records[:-1], out[:-1]):
+            assert [(m["role"], m["content"]) for m in after["messages"] if m["role"] == "user"] == \
+                [(m["role"], m["content"]) for m in before.messages if m["role"] == "user"]
+        # Each answer is the target's greedy continuation of the conversation so far.
+        first = out[4]["messages"]
+        for j in (1, 3):  # the second turn answers the regenerated first one
+            again = pool.generate(_render(tok, first[:j], add_generation_prompt=True), f"WARMUP_check-{j}",
+                                  {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": turn_end_ids(tok)}).result()
+            assert first[j]["content"] == tok.decode(again.body["output_ids"], skip_special_tokens=True)
+        assert out[0]["messages"][1]["content"] == first[1]["content"]  # same prompt, same answer
+        assert list(cfg.server.dump_dir.iterdir()) == []  # regeneration requests are never dumped
+
+        # Resume: finished parts are never asked again; a lost part is redone identically.
+        before = path.read_bytes()
+        (tmp_path / "regen" / "part-00001.jsonl").unlink()
+        n0 = pool.stats()[cfg.server.url]["requests"]
+        path, summary = regenerate(records[:-1], tok, pool, tmp_path / "regen", rcfg, passthrough=records[-1:], **kw)
+        assert summary["parts_reused"] == 2 and path.read_bytes() == before
+        assert 0 < pool.stats()[cfg.server.url]["requests"] - n0 <= 3  # only the lost part's turns
+        recs, skipped = load_records(path, vocab_size=512)  # it prepares like any input
+        assert len(prepare(recs, tok, DataConfig(path=path, num_heldout=1), vocab_size=512).train) == 5
+        _, other = regenerate(records[:-1], tok, pool, tmp_path / "regen",
+                              rcfg.model_copy(update={"max_new_tokens": 3}), **kw)
+        assert other["parts_reused"] == 0  # other sampling: another dataset
