@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from eyas import __version__
 from eyas.data import ShardPlan
-from eyas.shards import ShardError, bytes_per_token, manifest_path, read_manifest, write_json_atomic
+from eyas.shards import ShardError, bytes_per_token, read_manifest, write_json_atomic
 
 DATASET_FORMAT = "eyas-dataset/1"
 HEADER_BYTES = 64 * 1024  # a generous bound on a shard's safetensors header
@@ -255,16 +255,3 @@ class ExtractionRun:
         if self.on_change is not None:
             self.on_change(self, event)
 
-
-def shard_manifests_on_disk(output_dir: str | Path, plans: list[ShardPlan]) -> dict[str, dict]:
-    """Manifests of planned shards whose file has the manifest's size (a cheap check)."""
-    out = {}
-    for p in plans:
-        path = Path(output_dir) / f"{p.name}.safetensors"
-        try:
-            m = read_manifest(path)
-            if path.stat().st_size == m["bytes"] and manifest_path(path).exists():
-                out[p.name] = m
-        except (ShardError, OSError, KeyError):
-            continue
-    return out

@@ -136,9 +136,15 @@ def main(argv: list[str] | None = None) -> None:
                                log=lambda m: print(m, flush=True), stop_at_step=job.get("stop_at_step"))
         if dist.get_rank() == 0:
             write_json_atomic(job["result"], asdict(result))
+        dist.barrier()  # every rank is done before any tears the group down
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # After a clean run gloo's threads can abort the interpreter's own teardown ("terminate called
+    # without an active exception", seen under load); all output is written, so leave directly.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

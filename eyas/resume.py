@@ -35,26 +35,35 @@ _held_lock = threading.Lock()
 def hold_lock(path: str | Path, *, wait_s: float = 0.0, what: str = "it") -> Path:
     """Hold an flock on `path` for this process (idempotent); released when the process dies.
 
-    Waits up to wait_s for another holder, then raises OutputBusy naming the holder's pid. Usable
-    for any "one live run at a time" rule whose holder may be killed (a GPU host's lock, say).
+    Waits up to wait_s for another holder (float("inf"): until it is gone), then raises OutputBusy
+    naming the holder's pid. Usable for any "one live run at a time" rule whose holder may be
+    killed without warning (a GPU host's lock, say).
     """
     path = Path(path).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + wait_s
     with _held_lock:
         if str(path) in _held:
             return path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+    deadline = time.monotonic() + wait_s
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            with _held_lock:
+                if str(path) in _held:  # this process holds it (another thread got there first)
                     os.close(fd)
-                    raise OutputBusy(f"{what} is in use by another eyas run (pid {owner}, lock {path})") from None
-                time.sleep(0.5)
+                    return path
+            if time.monotonic() >= deadline:
+                owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise OutputBusy(f"{what} is in use by another eyas run (pid {owner}, lock {path})") from None
+            time.sleep(0.5)
+    with _held_lock:
+        if str(path) in _held:  # another thread of this process took it meanwhile
+            os.close(fd)  # (flock is per open file: closing ours leaves theirs held)
+            return path
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         _held[str(path)] = fd
