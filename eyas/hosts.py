@@ -75,6 +75,14 @@ class Host(Protocol):
     def close(self) -> None: ...
 
 
+def _alive_from_status(status: str) -> bool:
+    """Liveness from /proc/<pid>/status. A zombie main thread is dead only once its other threads
+    are gone too: until then they may still hold the server's port, and a relaunch would fail."""
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    zombie = fields.get("State", "").strip().startswith("Z")
+    return not zombie or int(fields.get("Threads", "1").strip() or 1) > 1
+
+
 def _background_script(command: str, log_path: str | Path, env: dict[str, str] | None,
                        cwd: str | Path | None) -> str:
     """A shell line that starts `command` detached and prints its pid at once.
@@ -129,11 +137,9 @@ class LocalHost(_BaseHost):
             return False
         except PermissionError:
             return True
-        # A child of ours that exited stays a zombie until reaped; count it as dead.
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            return state != "Z"
-        except (FileNotFoundError, IndexError):
+            return _alive_from_status(Path(f"/proc/{pid}/status").read_text())
+        except FileNotFoundError:
             return False
 
     def read_from(self, path, offset, max_bytes=1 << 20) -> tuple[bytes, int]:
@@ -227,9 +233,8 @@ class SSHHost(_BaseHost):
         # an exec channel (ps) costs a fork of a session on the host, ~100x more. A zombie
         # counts as dead.
         try:
-            with self._open().sftp().open(f"/proc/{int(pid)}/stat", "rb") as f:
-                stat = f.read(512).decode(errors="replace")
-            return stat.rsplit(")", 1)[1].split()[0] != "Z"
+            with self._open().sftp().open(f"/proc/{int(pid)}/status", "rb") as f:
+                return _alive_from_status(f.read(4096).decode(errors="replace"))
         except FileNotFoundError:
             return False
         except (IOError, IndexError) as e:
