@@ -58,6 +58,10 @@ def turn_end_ids(tokenizer) -> list[int]:
     probe = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     full = _render(tokenizer, probe, add_generation_prompt=False)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    # all_special_ids holds only the named ones (bos/eos/pad...): a chat token such as <|end|> is an
+    # added token marked special, and is the turn's end all the same (else a reply runs past it).
+    special |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+                if getattr(t, "special", False)}
     ids = [full[-1]] if full and full[-1] in special else []
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(int(tokenizer.eos_token_id))
@@ -113,17 +117,14 @@ def regenerate(records: list[Record], tokenizer, pool: ServerPool, out_dir: str 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stop_ids = turn_end_ids(tokenizer)
-    params = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
-              "stop_token_ids": stop_ids, "max_length": max_length, "target": target}
+    params = _params(cfg, stop_ids, max_length, target)
     bounds = part_bounds(len(records), cfg.num_parts)
     manifests = []
     for k, (a, b) in enumerate(bounds):
-        lines = [_record_json(r) for r in records[a:b]]
-        input_hash = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+        input_hash = _input_hash(records[a:b])
         path, mpath = out_dir / f"part-{k:05d}.jsonl", out_dir / f"part-{k:05d}.json"
-        done = _read_json(mpath)
-        if (done and done.get("input_sha256") == input_hash and done.get("params") == params and path.exists()
-                and hashlib.sha256(path.read_bytes()).hexdigest() == done.get("output_sha256")):
+        done = _finished_part(out_dir, k, input_hash, params)
+        if done is not None:
             manifests.append({**done, "reused": True})
             if on_part:
                 on_part(k, len(bounds), manifests[-1])
@@ -147,6 +148,32 @@ def regenerate(records: list[Record], tokenizer, pool: ServerPool, out_dir: str 
                "parts_reused": sum(bool(m.get("reused")) for m in manifests), "passed_through": len(passthrough)}
     write_json_atomic(out_dir / "regenerate.json", summary)
     return combined, summary
+
+
+def pending_parts(records: list[Record], tokenizer, out_dir: str | Path, cfg: RegenerateConfig, *, target: str,
+                  max_length: int) -> list[int]:
+    """The parts `regenerate` would still ask the target for (empty: no server needed)."""
+    params = _params(cfg, turn_end_ids(tokenizer), max_length, target)
+    return [k for k, (a, b) in enumerate(part_bounds(len(records), cfg.num_parts))
+            if _finished_part(Path(out_dir), k, _input_hash(records[a:b]), params) is None]
+
+
+def _params(cfg: RegenerateConfig, stop_ids: list[int], max_length: int, target: str) -> dict:
+    return {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
+            "stop_token_ids": stop_ids, "max_length": max_length, "target": target}
+
+
+def _input_hash(records: list[Record]) -> str:
+    return hashlib.sha256("\n".join(_record_json(r) for r in records).encode()).hexdigest()
+
+
+def _finished_part(out_dir: Path, k: int, input_hash: str, params: dict) -> dict | None:
+    """Part k's manifest when it was made from these inputs and its file is intact, else None."""
+    path, done = out_dir / f"part-{k:05d}.jsonl", _read_json(out_dir / f"part-{k:05d}.json")
+    if (done and done.get("input_sha256") == input_hash and done.get("params") == params and path.exists()
+            and hashlib.sha256(path.read_bytes()).hexdigest() == done.get("output_sha256")):
+        return done
+    return None
 
 
 def _regenerate_part(records, a, b, k, num_parts, tokenizer, pool, cfg, stop_ids, max_length, params, input_hash,

@@ -12,7 +12,7 @@ from eyas.shards import write_json_atomic
 
 
 class Stopwatch:
-    """Seconds per named stage, in the order the stages ran."""
+    """Seconds per named stage, in the order the stages first ran (a stage run twice adds up)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
@@ -23,7 +23,7 @@ class Stopwatch:
         try:
             yield
         finally:
-            self.seconds[stage] = round(time.monotonic() - t0, 3)
+            self.seconds[stage] = round(self.seconds.get(stage, 0.0) + time.monotonic() - t0, 3)
 
 
 def build_report(*, name: str, config_source: str | None, ready: dict, data_stats: dict,

@@ -19,6 +19,7 @@ import shlex
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from eyas.config import PipelineConfig
 from eyas.hosts import Host
@@ -32,19 +33,21 @@ _held: dict[str, int] = {}  # resolved lock path -> fd, for this process
 _held_lock = threading.Lock()
 
 
-def hold_lock(path: str | Path, *, wait_s: float = 0.0, what: str = "it") -> Path:
+def hold_lock(path: str | Path, *, wait_s: float = 0.0, what: str = "it",
+              on_wait: Callable[[str], None] | None = None, report_every_s: float = 60.0) -> Path:
     """Hold an flock on `path` for this process (idempotent); released when the process dies.
 
     Waits up to wait_s for another holder (float("inf"): until it is gone), then raises OutputBusy
-    naming the holder's pid. Usable for any "one live run at a time" rule whose holder may be
-    killed without warning (a GPU host's lock, say).
+    naming the holder's pid; `on_wait(holder_pid)` is told at once and every report_every_s while
+    it waits. Usable for any "one live run at a time" rule whose holder may be killed without
+    warning (a GPU host's lock, flows/common.py).
     """
     path = Path(path).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     with _held_lock:
         if str(path) in _held:
             return path
-    deadline = time.monotonic() + wait_s
+    deadline, reported = time.monotonic() + wait_s, None
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     while True:
         try:
@@ -55,10 +58,13 @@ def hold_lock(path: str | Path, *, wait_s: float = 0.0, what: str = "it") -> Pat
                 if str(path) in _held:  # this process holds it (another thread got there first)
                     os.close(fd)
                     return path
-            if time.monotonic() >= deadline:
-                owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            owner, now = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?", time.monotonic()
+            if now >= deadline:
                 os.close(fd)
                 raise OutputBusy(f"{what} is in use by another eyas run (pid {owner}, lock {path})") from None
+            if on_wait is not None and (reported is None or now - reported >= report_every_s):
+                reported = now
+                on_wait(owner)
             time.sleep(0.5)
     with _held_lock:
         if str(path) in _held:  # another thread of this process took it meanwhile

@@ -15,11 +15,11 @@ from prefect.events import emit_event
 from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from eyas import extract as core_extract
 from eyas.report import Stopwatch
 from flows.common import DEFAULT_CONFIG, ConfigParam, gpu_host, resolve_config, stop_server_hook
 from flows.serve import run_name, serve
-from tasks.extract import _cache_key_checked_on_disk, _key, extract_shard, prepare_data
+from tasks.extract import (extract_shard_for, prepare_data, regenerate_data, regeneration_pending,
+                           shard_intact)
 from tasks.patch import patch_host
 from tasks.server import stop_server
 
@@ -28,31 +28,40 @@ from tasks.server import stop_server
       task_runner=ThreadPoolTaskRunner(max_workers=2),
       on_failure=[stop_server_hook], on_crashed=[stop_server_hook])
 def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None) -> dict:
-    """Plan the shards, bring the server up, extract every shard, stop the server.
+    """Plan the shards, bring the server up, (regenerate the replies,) extract every shard, stop it.
 
     When every shard is already intact on disk (a re-run), no server is launched at all.
     """
     cfg, stage = resolve_config(config, overrides), Stopwatch()
     resource = {"prefect.resource.id": f"eyas.run.{cfg.name}", "eyas.host": cfg.server.host.name}
+    regen = cfg.data.regenerate.enabled
 
     # Data first: a bad input file should fail before a ten-minute server load.
     with stage("prepare"):
         plans, prompts, data_stats = prepare_data(cfg)
+        if regen and not regeneration_pending(cfg):  # regenerated before: no server needed for it
+            plans, prompts, data_stats = prepare_data(cfg, regenerate_data(cfg), take_output_dir=False)
+            regen = False
     with stage("patch"):
         patched = patch_host(cfg)
     patch_version = patched.get("patch_version", "local")
-    intact = {plan.name: _intact(cfg, plan, patch_version) for plan in plans}
-    if all(intact.values()):
+    intact = {plan.name: shard_intact(cfg, plan, patch_version) for plan in plans}
+    if not regen and all(intact.values()):
         # Nothing to extract: every shard is a cache hit, so no server, no GPU lock.
         up = {"ready": {}, "patch": patched, "stages": {}}
         with stage("extract"):
-            manifests = _extract_all(cfg, plans, patch_version, intact, resource)
+            manifests = _extract_all(cfg, plans, patch_version, resource)
     else:
         with gpu_host(cfg):
             up = serve(cfg)
             try:
+                if regen:  # the target answers the training conversations; shards come from its answers
+                    with stage("regenerate"):
+                        regenerated = regenerate_data(cfg)
+                    with stage("prepare"):
+                        plans, prompts, data_stats = prepare_data(cfg, regenerated, take_output_dir=False)
                 with stage("extract"):
-                    manifests = _extract_all(cfg, plans, patch_version, intact, resource)
+                    manifests = _extract_all(cfg, plans, patch_version, resource)
             finally:
                 with stage("stop"):
                     stop_server(cfg, up["handle"])
@@ -62,35 +71,15 @@ def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | No
             "ready": up["ready"], "patch": up["patch"], "stages": {**up["stages"], **stage.seconds}}
 
 
-def _extract_all(cfg, plans, patch_version: str, intact: dict[str, bool], resource: dict) -> list[dict]:
+def _extract_all(cfg, plans, patch_version: str, resource: dict) -> list[dict]:
     """One task per shard (bounded by the task runner), an `eyas.shard.done` event as each ends.
 
     The tasks publish the progress artifact `extract-NAME` and the shard table `extract-shards-NAME`.
     """
-    futures = [_shard_task(intact[plan.name]).submit(cfg, plan, patch_version) for plan in plans]
+    futures = [extract_shard_for(cfg, plan, patch_version).submit(cfg, plan, patch_version) for plan in plans]
     for done, future in enumerate(as_completed(futures), 1):
         m = future.result()
         emit_event(event="eyas.shard.done", resource=resource,
                    payload={"file": m.get("file"), "tokens": m["num_tokens"], "done": done,
                             "total": len(plans)})
     return [f.result() for f in futures]
-
-
-def _stable_key(context, parameters) -> str:
-    """The shard's cache key, stored under the same name whether the shard was missing or not."""
-    return _cache_key_checked_on_disk(context, parameters).split("-recompute-")[0]
-
-
-def _intact(cfg, plan, patch_version: str) -> bool:
-    """The shard's file is on disk, matches its manifest, and was made from these exact inputs."""
-    return core_extract.existing_shard(cfg.extraction.output_dir, plan,
-                                       _key(cfg, plan, patch_version)) is not None
-
-
-def _shard_task(intact: bool):
-    """Cached on the shard's inputs across runs; refreshed when its file is missing or damaged.
-
-    (A record stored under a one-off "recompute" key would never be found again, so the second run
-    after a first extraction could not be a cache hit; refreshing overwrites the record instead.)
-    """
-    return extract_shard.with_options(cache_key_fn=_stable_key, refresh_cache=not intact)

@@ -7,7 +7,6 @@ import logging
 import re
 import threading
 import time
-import uuid
 from pathlib import Path
 
 from prefect import task
@@ -137,16 +136,10 @@ def _pool_for(cfg: PipelineConfig) -> ServerPool:
 # Tasks
 # ---------------------------------------------------------------------------------------------
 
-@task(task_run_name="prepare-data", cache_policy=NO_CACHE)
-def prepare_data(cfg: PipelineConfig, data_path: str | None = None) -> tuple[list[ShardPlan], list[list[int]], dict]:
-    """Take the output dir, clean a killed run's leftovers, tokenize, plan the shards, check disk space.
-
-    `data_path` replaces data.path (the regenerated conversations, say).
-    """
-    logger, x, out = _logger(), cfg.extraction, Path(cfg.extraction.output_dir)
-    source = Path(data_path or cfg.data.path)
-    # 1. One run per output dir. Holding the lock proves a killed run's partial files and server
-    #    are stale: discard the files, stop that server (only if it runs this config's command).
+def _take_output_dir(cfg: PipelineConfig, logger) -> None:
+    """One run per output dir. Holding its lock proves a killed run's partial files and server are
+    stale: discard the files, stop that server (only if it runs this config's command)."""
+    out = Path(cfg.extraction.output_dir)
     resume.lock_output_dir(out)
     removed = resume.discard_partials(out)
     if removed:
@@ -158,7 +151,21 @@ def prepare_data(cfg: PipelineConfig, data_path: str | None = None) -> tuple[lis
         host.close()
     if reclaimed:
         logger.warning("server recorded in %s: %s", cfg.server.pid_path, reclaimed)
-    # 2. Tokenize and check every line (ids against the target's vocabulary).
+
+
+@task(task_run_name="prepare-data", cache_policy=NO_CACHE)
+def prepare_data(cfg: PipelineConfig, data_path: str | None = None,
+                 take_output_dir: bool = True) -> tuple[list[ShardPlan], list[list[int]], dict]:
+    """Take the output dir, clean a killed run's leftovers, tokenize, plan the shards, check disk space.
+
+    `data_path` replaces data.path (the regenerated conversations, say). `take_output_dir=False`
+    when this run took it already: its own server, launched since, must not be taken for stale.
+    """
+    logger, x, out = _logger(), cfg.extraction, Path(cfg.extraction.output_dir)
+    source = Path(data_path or cfg.data.path)
+    if take_output_dir:
+        _take_output_dir(cfg, logger)
+    # Tokenize and check every line (ids against the target's vocabulary).
     folder = cfg.data.tokenizer or cfg.target.checkpoint
     hidden, vocab = dataset.target_dims(folder, cfg.target.checkpoint)
     tokenizer = load_tokenizer(folder)
@@ -169,7 +176,7 @@ def prepare_data(cfg: PipelineConfig, data_path: str | None = None) -> tuple[lis
     info = {"provenance": provenance, "data_path": str(source), "data_sha256": data.sha256_file(source),
             "stats": prepared.stats}
     plans = data.write_shard_plans(prepared.train, x.num_shards, out / "plan", info=info)
-    # 3. Refuse now, before a long server load, if the shards cannot fit.
+    # Refuse now, before a long server load, if the shards cannot fit.
     needed = dataset.estimate_bytes(plans, hidden, len(cfg.target.layer_ids), x.dtype, x.encoding, out)
     space = dataset.check_disk_space(out, needed, keep_free_gb=x.keep_free_gb)
     _register_run(cfg, plans, info)
@@ -180,29 +187,44 @@ def prepare_data(cfg: PipelineConfig, data_path: str | None = None) -> tuple[lis
     return plans, prepared.heldout_prompts, prepared.stats
 
 
-@task(task_run_name="regenerate-data", cache_policy=NO_CACHE)
-def regenerate_data(cfg: PipelineConfig) -> str:
-    """Answer the training conversations again with the target (resumable by part); returns the new file."""
-    from eyas.regenerate import regenerate
-
-    logger, r = _logger(), cfg.data.regenerate
+def _regeneration_inputs(cfg: PipelineConfig):
+    """(training records, held-out records, tokenizer, output dir, target) of the regeneration."""
     folder = cfg.data.tokenizer or cfg.target.checkpoint
     _, vocab = dataset.target_dims(folder, cfg.target.checkpoint)
     tokenizer = load_tokenizer(folder)
     records, skipped = data.load_records(cfg.data.path, vocab_size=vocab, bad_lines=cfg.data.bad_lines)
-    for line in skipped[:10]:
-        logger.warning("skipped %s", line)
     num_heldout = min(cfg.data.num_heldout, len(records) - 1)  # evaluation prompts: kept as they are
     train, heldout = records[: len(records) - num_heldout], records[len(records) - num_heldout:]
-    out_dir = r.output_dir or Path(cfg.extraction.output_dir) / "regenerated"
+    out_dir = cfg.data.regenerate.output_dir or Path(cfg.extraction.output_dir) / "regenerated"
+    return train, heldout, tokenizer, Path(out_dir), f"{cfg.target.checkpoint}@{cfg.target.revision}", skipped
+
+
+def regeneration_pending(cfg: PipelineConfig) -> list[int]:
+    """Parts of the regeneration still to ask the target for; [] = regenerated.jsonl needs no server."""
+    from eyas.regenerate import pending_parts
+
+    train, _, tokenizer, out_dir, target, _ = _regeneration_inputs(cfg)
+    return pending_parts(train, tokenizer, out_dir, cfg.data.regenerate, target=target,
+                         max_length=cfg.data.max_length)
+
+
+@task(task_run_name="regenerate-data@{cfg.server.host.name}", cache_policy=NO_CACHE)
+def regenerate_data(cfg: PipelineConfig) -> str:
+    """Answer the training conversations again with the target (resumable by part); returns the new file."""
+    from eyas.regenerate import regenerate
+
+    logger = _logger()
+    train, heldout, tokenizer, out_dir, target, skipped = _regeneration_inputs(cfg)
+    for line in skipped[:10]:
+        logger.warning("skipped %s", line)
 
     def on_part(k: int, n: int, m: dict) -> None:
         state = "reused" if m.get("reused") else f"{m['seconds']:.1f}s"
         logger.info("regenerate part %d/%d: %d conversations, %d turns answered by the target (%s)",
                     k + 1, n, m["conversations"], m["regenerated_turns"], state)
 
-    path, summary = regenerate(train, tokenizer, _pool_for(cfg), out_dir, r, max_length=cfg.data.max_length,
-                               target=f"{cfg.target.checkpoint}@{cfg.target.revision}", passthrough=heldout,
+    path, summary = regenerate(train, tokenizer, _pool_for(cfg), out_dir, cfg.data.regenerate,
+                               max_length=cfg.data.max_length, target=target, passthrough=heldout,
                                on_part=on_part)
     logger.info("regenerated %s", {k: v for k, v in summary.items() if k != "params"})
     return str(path)
@@ -216,15 +238,29 @@ def _key(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> str:
                                    encoding=cfg.extraction.encoding)
 
 
-def _cache_key_checked_on_disk(context, parameters) -> str:
-    """Cache across runs on what the shard depends on, but only while the file is intact."""
+def shard_intact(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> bool:
+    """The shard's file is on disk, matches its manifest, and was made from these exact inputs."""
+    return extract.existing_shard(cfg.extraction.output_dir, plan, _key(cfg, plan, patch_version)) is not None
+
+
+def _shard_cache_key(context, parameters) -> str:
+    """What the shard depends on: its content hash, the target, layers, dtype, encoding, patch."""
     cfg, plan = parameters["cfg"], parameters["plan"]
     key = _key(cfg, plan, parameters["patch_version"])
     found = extract.existing_shard(cfg.extraction.output_dir, plan, key)
-    if found is None:
-        return f"{key}-recompute-{uuid.uuid4().hex}"  # deleted or corrupted: force a miss
-    _run_for(cfg, plan).shard_done(plan, found, reused=True)  # a cache hit never runs the task body
+    if found is not None:
+        _run_for(cfg, plan).shard_done(plan, found, reused=True)  # a cache hit never runs the task body
     return key
+
+
+def extract_shard_for(cfg: PipelineConfig, plan: ShardPlan, patch_version: str):
+    """The shard's task, checked on disk before the cache is trusted.
+
+    Intact: Prefect's record under the shard's key is used (state Cached). Missing or damaged: the
+    record is refreshed (recomputed and stored again under the same key, so the next run hits it;
+    a one-off "miss" key would leave nothing a later run could find).
+    """
+    return extract_shard.with_options(refresh_cache=not shard_intact(cfg, plan, patch_version))
 
 
 def shard_meta(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> dict:
@@ -240,10 +276,13 @@ def shard_meta(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> dict
 
 
 @task(task_run_name="extract-{plan.name}-of-{plan.num_shards:05d}@{cfg.server.host.name}",
-      cache_key_fn=_cache_key_checked_on_disk, persist_result=True, retries=2,
+      cache_key_fn=_shard_cache_key, persist_result=True, retries=2,
       retry_delay_seconds=[5, 30])
 def extract_shard(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> dict:
-    """Extract one shard (or reuse an intact one); returns its manifest, never tensors."""
+    """Extract one shard (or reuse an intact one); returns its manifest, never tensors.
+
+    Submit it through `extract_shard_for`, which refreshes the cache when the file is not intact.
+    """
     x, run = cfg.extraction, _run_for(cfg, plan)
 
     def on_progress(p: extract.ShardProgress) -> None:

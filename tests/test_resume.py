@@ -4,7 +4,8 @@ The first run is a subprocess in its own session (with its temporary Prefect ser
 SIGKILL as soon as the first shard file is published. The target server it launched (its own
 session) survives, as it would after a lost login node. The second run, same command, must stop
 that stale server, discard the partial file, serve the finished shards from Prefect's cache without
-rewriting them (same inode and mtime), extract the rest, and complete.
+rewriting them (same inode and mtime), give back the GPU-host slot the killed run kept, extract the
+rest, and complete.
 
 Both runs talk to the test session's Prefect server (no temporary server to start per run); the
 shard cache records live in the runs' own PREFECT_HOME, as they would on a worker.
@@ -54,27 +55,6 @@ def _env(tmp: Path) -> dict:
     return env
 
 
-def _free_gpu_slot_of_dead_run() -> int:
-    """WORKAROUND, see the report to the lead: flows/common.py:gpu_host takes a Prefect global
-    concurrency slot that a SIGKILLed run never gives back (its lease is never revoked when the
-    server runs without services, and only after 300 s otherwise), so the rerun would wait for it
-    forever. Until gpu_host frees a dead holder's slot itself, the test frees it as an operator
-    would (`prefect gcl update eyas-gpu-host-HOST --active-slots 0`). Returns the slots freed."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
-    from prefect.exceptions import ObjectNotFound
-
-    name = f"eyas-gpu-host-{HOST}"
-    with get_client(sync_client=True) as client:
-        try:
-            held = client.read_global_concurrency_limit_by_name(name).active_slots
-        except ObjectNotFound:
-            return 0
-        if held:
-            client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
-    return held
-
-
 def test_kill_9_mid_extraction_then_rerun_keeps_finished_shards(tmp_path, prefect_harness):
     data = tmp_path / "conversations.jsonl"
     lines = (ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:34]
@@ -98,7 +78,7 @@ def test_kill_9_mid_extraction_then_rerun_keeps_finished_shards(tmp_path, prefec
     assert 1 <= len(done) < 8, done
     host, pid = LocalHost(), int((tmp_path / "server" / "server.pid").read_text())
     assert host.is_alive(pid)  # the killed run's server lives on
-    _free_gpu_slot_of_dead_run()
+    # ...and its GPU-host slot stays taken in Prefect: the second run must give it back itself.
 
     # 2. Same command again: completes.
     with open(tmp_path / "run2.log", "w") as log:
@@ -113,6 +93,7 @@ def test_kill_9_mid_extraction_then_rerun_keeps_finished_shards(tmp_path, prefec
     assert second.returncode == 0, out[-4000:]
     assert wait_dead(host, pid, 5), "the stale server was not stopped"
     assert "stale server of a killed run of this config" in out
+    assert "slot(s) of eyas-gpu-host-resume-test kept by a killed run" in out
 
     # Finished shards untouched: served from Prefect's cache, or (published but killed before
     # Prefect recorded the result) found intact on disk; never rewritten. The rest complete and valid.

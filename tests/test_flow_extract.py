@@ -1,0 +1,46 @@
+"""flows/extract.py with regeneration: the shards hold the target's own answers, and a re-run needs no
+server at all (regenerated parts and shards are both found intact)."""
+
+import json
+
+import pytest
+
+from eyas.dataset import dataset_path
+from eyas.shards import ShardReader
+from flows.extract import extract
+from tests.stage_config import ROOT, stage_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(prefect_harness, tmp_path):
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("\n".join((ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:10]) + "\n")
+    cfg = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{
+        "data.path": str(data), "data.num_heldout": 2, "data.max_length": 384,
+        "data.regenerate.enabled": True, "data.regenerate.max_new_tokens": 12, "data.regenerate.num_parts": 2,
+        "extraction.num_shards": 2, "server.chunked_prefill_size": 128})
+
+    first = extract(cfg)
+    assert set(first["stages"]) >= {"prepare", "regenerate", "extract", "stop"}
+    regenerated = tmp_path / "shards" / "regenerated" / "regenerated.jsonl"
+    summary = json.loads((regenerated.parent / "regenerate.json").read_text())
+    assert summary["conversations"] == 8 and summary["regenerated_turns"] >= 8 and summary["passed_through"] == 2
+    assert json.loads(dataset_path(cfg.extraction.output_dir).read_text())["data"]["data_path"] == str(regenerated)
+    # The shards hold the regenerated conversations, token for token.
+    from eyas.data import load_records, prepare
+    from eyas.target import load_tokenizer
+
+    records, _ = load_records(regenerated)
+    ours = prepare(records, load_tokenizer(cfg.target.checkpoint), cfg.data.model_copy(update={"path": regenerated}),
+                   vocab_size=10**9).train
+    stored = sorted(s.input_ids.tolist() for m in first["manifests"] for s in ShardReader(tmp_path / "shards" / m["file"]))
+    assert stored == sorted(t.input_ids for t in ours) and len(stored) == 8
+    original, _ = load_records(data)
+    assert [r.messages for r in records[-2:]] == [r.messages for r in original[-2:]]  # held out: as they were
+    assert records[0].messages != original[0].messages
+
+    second = extract(cfg)
+    assert "regenerate" not in second["stages"] and "stop" not in second["stages"]  # no server launched
+    assert second["ready"] == {}
+    assert [m["sha256"] for m in second["manifests"]] == [m["sha256"] for m in first["manifests"]]
