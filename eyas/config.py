@@ -319,6 +319,9 @@ class PipelineConfig(StrictModel):
     evaluation: EvaluationConfig = EvaluationConfig()
     export: ExportConfig = ExportConfig()
     benchmark: BenchmarkConfig = BenchmarkConfig()
+    #: cached stages to recompute although their inputs did not change (to re-measure, say); the
+    #: cache record is overwritten. Shards: delete the file (a missing or damaged one is redone).
+    refresh: list[Literal["evaluate", "serve_bench"]] = []
 
     @model_validator(mode="after")
     def _check_remote_paths(self) -> "PipelineConfig":

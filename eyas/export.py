@@ -19,6 +19,7 @@ that a list starting with 1 is taken as output-of ids and shifted by +1.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.config import ExportConfig, TargetConfig
+from eyas.data import sha256_file
 from eyas.drafter import DrafterConfig, Eagle3Drafter
 from eyas.target_head import load_target_tensors, read_target_config
 
@@ -179,6 +181,14 @@ def _write_dir_atomic(out_dir: Path, config: dict, tensors: dict) -> Path:
     os.replace(tmp, out_dir)
     shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def drafter_digest(drafter_dir: str | Path) -> str:
+    """sha256 over an exported drafter's files (config.json, then model.safetensors): its identity."""
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        h.update(name.encode() + b"\0" + bytes.fromhex(sha256_file(Path(drafter_dir) / name)))
+    return h.hexdigest()
 
 
 def load_exported(drafter_dir: str | Path, *, target_checkpoint: str | Path | None = None):

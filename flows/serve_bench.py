@@ -25,7 +25,7 @@ from eyas.launch import stop_server
 from eyas.shards import write_json_atomic
 from flows.common import DEFAULT_CONFIG, ConfigParam, gpu_host, resolve_config
 from flows.serve import run_name
-from tasks.serve_bench import benchmark_serving
+from tasks.serve_bench import benchmark_serving_for
 
 
 def stop_bench_servers(flow, flow_run, state) -> None:
@@ -57,7 +57,7 @@ def serve_bench_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, 
         prompts = serve_bench.heldout_prompts(cfg)
     # 2. Plain server, then the speculative one, through the same launch/readiness/stop code.
     with gpu_host(cfg):
-        result = benchmark_serving(cfg, drafter_dir, prompts)
+        result = benchmark_serving_for(cfg)(cfg, drafter_dir, prompts)
     # 3. Record it beside the run.
     write_json_atomic(Path(cfg.run_dir) / "serve_bench.json", result)
     create_markdown_artifact(key=f"serve-bench-{cfg.name}", markdown=serve_bench.markdown(result),

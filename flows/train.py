@@ -19,7 +19,7 @@ from eyas.shards import verify_shard
 from flows.common import DEFAULT_CONFIG, ConfigParam, resolve_config
 from flows.serve import run_name
 from tasks.extract import prepare_data
-from tasks.train import evaluate, export, train
+from tasks.train import evaluate_for, export, train
 
 
 @flow(name="eyas-train", flow_run_name=run_name("train"), log_prints=True)
@@ -39,7 +39,7 @@ def train_drafter(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any
     emit_event(event="eyas.drafter.exported", resource={"prefect.resource.id": f"eyas.run.{cfg.name}"},
                payload={"drafter_dir": drafter_dir})
     with stage("evaluate"):
-        evaluation = evaluate(cfg, drafter_dir, prompts)
+        evaluation = evaluate_for(cfg)(cfg, drafter_dir, prompts)
     return {"trained": trained, "drafter_dir": drafter_dir, "evaluation": evaluation,
             "stages": stage.seconds}
 

@@ -1,5 +1,7 @@
 """Prefect tasks: train the drafter, export it in SGLang's format, measure its acceptance length."""
 
+import hashlib
+import json
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
@@ -10,7 +12,7 @@ from prefect.logging import get_run_logger
 from eyas.config import PipelineConfig
 from eyas.distributed import launch_training
 from eyas.evaluate import evaluate_acceptance
-from eyas.export import export_drafter
+from eyas.export import drafter_digest, export_drafter
 from eyas.train import train_drafter
 
 
@@ -40,7 +42,25 @@ def export(cfg: PipelineConfig, trained: dict, shard_meta: dict) -> str:
     return str(out)
 
 
-@task(task_run_name="evaluate-acceptance", cache_policy=NO_CACHE)
+def result_key(*parts) -> str:
+    """A cache key over JSON-able parts (config sections, digests, prompts)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _evaluation_key(context, parameters) -> str:
+    """The drafter's bytes, the target, the settings and prompts: the same inputs, the same figures."""
+    cfg, prompts = parameters["cfg"], parameters["prompts"]
+    return "evaluate-" + result_key(drafter_digest(parameters["drafter_dir"]), str(cfg.target.checkpoint),
+                                    cfg.target.revision, cfg.target.capture_ids(),
+                                    cfg.evaluation.model_dump(mode="json"), prompts[: cfg.evaluation.num_prompts])
+
+
+def evaluate_for(cfg: PipelineConfig):
+    """The evaluation task, recomputed (record overwritten) when the config's `refresh` names it."""
+    return evaluate.with_options(refresh_cache="evaluate" in cfg.refresh)
+
+
+@task(task_run_name="evaluate-acceptance", cache_key_fn=_evaluation_key, persist_result=True)
 def evaluate(cfg: PipelineConfig, drafter_dir: str, prompts: list[list[int]]) -> dict:
     """Greedy chain speculative decoding with the exported drafter against the target, per setting."""
     result = evaluate_acceptance(Path(drafter_dir), Path(cfg.target.checkpoint),

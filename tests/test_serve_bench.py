@@ -81,3 +81,28 @@ def test_disabled_benchmark_launches_nothing(prefect_harness, tmp_path):
     cfg = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{"benchmark.enabled": False})
     assert serve_bench_flow(cfg, drafter_dir=str(tmp_path / "missing")) is None
     assert not (tmp_path / "server").exists()
+
+
+def test_a_rerun_reports_the_cached_measurement_unless_refreshed(prefect_harness, exported_drafter, tmp_path):
+    from flows.serve_bench import serve_bench_flow
+
+    target, drafter = exported_drafter
+    cfg = stage_config(tmp_path, target, **{"benchmark.num_prompts": 1, "benchmark.max_new_tokens": 6,
+                                            "benchmark.num_warmup": 0, "benchmark.num_repeats": 1,
+                                            "benchmark.concurrency": 1, "benchmark.interleave": False})
+    prompts, log = [[5, 6, 7, 8], [9, 10, 11]], Path(cfg.server.workdir) / "bench-plain" / "server.log"
+
+    def launches(run) -> tuple[dict, bool]:
+        before = log.stat().st_mtime_ns if log.exists() else None
+        result = run()
+        return result, log.stat().st_mtime_ns != before
+
+    first, launched = launches(lambda: serve_bench_flow(cfg, drafter_dir=str(drafter), prompts=prompts))
+    assert launched
+    again, launched = launches(lambda: serve_bench_flow(cfg, drafter_dir=str(drafter), prompts=prompts))
+    assert again == first and not launched  # the same inputs: the cached figures, no server
+    _, launched = launches(lambda: serve_bench_flow(cfg, drafter_dir=str(drafter), prompts=prompts[:1]))
+    assert launched  # other prompts: measured
+    refresh = cfg.model_copy(update={"refresh": ["serve_bench"]})
+    refreshed, launched = launches(lambda: serve_bench_flow(refresh, drafter_dir=str(drafter), prompts=prompts))
+    assert launched and refreshed["settings"] == first["settings"]
