@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -204,6 +205,27 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
+DRAFTER_FILES = ("config.json", "model.safetensors")
+
+
+def stage_drafter(host: Host, cfg: PipelineConfig, drafter_dir: str | Path) -> Path:
+    """The drafter's path as the server host sees it: the same folder on this machine; on an SSH
+    host, a copy under <server.workdir>/drafters/<digest> (uploaded once, whole, then renamed)."""
+    if cfg.server.host.kind == "local":
+        return Path(drafter_dir)
+    from eyas.export import drafter_digest
+
+    remote = Path(cfg.server.workdir) / "drafters" / drafter_digest(drafter_dir)[:16]
+    if host.run(f"test -f {shlex.quote(str(remote / DRAFTER_FILES[0]))}", check=False).ok:
+        return remote  # named by its content: present means complete
+    tmp = remote.with_name(f".{remote.name}.partial")
+    host.run(f"rm -rf {shlex.quote(str(tmp))}")
+    for name in DRAFTER_FILES:
+        host.put(Path(drafter_dir) / name, tmp / name)
+    host.run(f"rm -rf {shlex.quote(str(remote))} && mv {shlex.quote(str(tmp))} {shlex.quote(str(remote))}")
+    return remote
+
+
 def run_serve_bench(cfg: PipelineConfig, drafter_dir: str | Path, prompts: list[list[int]],
                     host: Host | None = None, log=print) -> dict[str, Any]:
     """Both servers, side by side -> figures, speed-up ratios, machine and settings."""
@@ -214,9 +236,12 @@ def run_serve_bench(cfg: PipelineConfig, drafter_dir: str | Path, prompts: list[
     t0 = time.monotonic()
     own_host = host is None
     host = host or make_host(cfg.server.host)
-    plain_cfg = server_config(cfg, "plain", None)
-    spec_cfg = server_config(cfg, "speculative", drafter_dir, port_offset=1 if b.interleave else 0)
     try:
+        served = stage_drafter(host, cfg, drafter_dir)
+        if str(served) != str(drafter_dir):
+            log(f"drafter uploaded to {cfg.server.host.name}:{served}")
+        plain_cfg = server_config(cfg, "plain", None)
+        spec_cfg = server_config(cfg, "speculative", served, port_offset=1 if b.interleave else 0)
         if b.interleave:
             plain, spec = bench_interleaved(host, [plain_cfg, spec_cfg], prompts, log)
         else:

@@ -106,3 +106,27 @@ def test_a_rerun_reports_the_cached_measurement_unless_refreshed(prefect_harness
     refresh = cfg.model_copy(update={"refresh": ["serve_bench"]})
     refreshed, launched = launches(lambda: serve_bench_flow(refresh, drafter_dir=str(drafter), prompts=prompts))
     assert launched and refreshed["settings"] == first["settings"]
+
+
+def test_the_drafter_is_uploaded_once_to_an_ssh_server_host(sshd, exported_drafter, tmp_path):
+    from eyas.hosts import SSHHost
+    from eyas.serve_bench import DRAFTER_FILES, stage_drafter
+    from tests.test_hosts import ssh_config
+
+    _, drafter = exported_drafter
+    host_cfg = ssh_config(sshd)
+    cfg = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{"server.host": host_cfg.model_dump()})
+    local = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target")
+    assert stage_drafter(None, local, drafter) == drafter  # a local server reads it where it is
+    host = SSHHost(host_cfg)
+    try:
+        remote = stage_drafter(host, cfg, drafter)
+        assert remote.parent == tmp_path / "server" / "drafters" and remote != drafter
+        for name in DRAFTER_FILES:
+            assert (remote / name).read_bytes() == (drafter / name).read_bytes()
+        stamp = (remote / "model.safetensors").stat().st_mtime_ns
+        assert stage_drafter(host, cfg, drafter) == remote  # named by its digest: not sent again
+        assert (remote / "model.safetensors").stat().st_mtime_ns == stamp
+        assert not list(remote.parent.glob(".*partial"))
+    finally:
+        host.close()
