@@ -2,6 +2,7 @@
 
     PYTHONUNBUFFERED=1 python3 bench/train.py --out $OUT               # one H200: the figures
     python bench/train.py                                              # no GPU: a tiny smoke run
+    python3 bench/train.py --variants base all --variant-batches 1 4   # switches side by side, interleaved
 
 The drafter is SGLang's LlamaForCausalLMEagle3 at Kimi-K2.5 size (H 7168, 64 heads of 128,
 intermediate 18432, vocab 163840, draft vocab 32000), trained on synthetic target states (random
@@ -37,13 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from eyas import fused  # noqa: E402
+from eyas import attention, fused  # noqa: E402
+from eyas import drafter as drafter_mod  # noqa: E402
+from eyas import train as eyas_train  # noqa: E402
 from eyas.attention import reference_ttt_attention, ttt_attention  # noqa: E402
 from eyas.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eyas.losses import (FP32_OUT, Labels, TTTObjective, draft_first_order, head_soft_ce, scored_counts,  # noqa: E402
                          teacher_labels)
 from eyas.target_head import TargetHead  # noqa: E402
-from eyas.train import lr_factor, make_optimizer, optimizer_step  # noqa: E402
+from eyas.train import clip_and_step, lr_factor, make_optimizer, optimizer_step  # noqa: E402
 
 KIMI = dict(hidden_size=7168, target_hidden_size=7168, num_attention_heads=64, num_key_value_heads=64,
             head_dim=128, intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000)
@@ -208,26 +211,6 @@ def run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args) -> dict:
             "peak_gb": peak, "peak_reserved_gb": reserved, "losses": [round(x, 4) for x in losses]}
 
 
-def profile_step(model, head, opt, sched, c, T, K, device, dtype, out_dir) -> str:
-    """The top kernels of one batch-1 step by GPU time (torch.profiler), as a table."""
-    from torch.profiler import ProfilerActivity, profile
-    objective = TTTObjective(model)
-    d = batch(c, 1, T, device, dtype, seed=9)
-    counts = scored_counts(list(d["loss_mask"].cpu()), K)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
-    make_labels = lambda b: teacher_labels(head, b["last"], b["loss_mask"], c.draft_vocab_size, dtype)  # noqa: E731
-    step = lambda: optimizer_step(objective, objective, opt, sched, [d], make_labels, ttt_steps=K, decay=0.8,  # noqa: E731
-                                  counts=counts, grad_clip=0.5, autocast=autocast)
-    step()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        sync(device)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
-    if out_dir:
-        (Path(out_dir) / "profile_b1.txt").write_text(table)
-    return table
-
-
 def breakdown(model, head, opt, c, T, K, device, dtype, args) -> dict:
     """Batch 1, the parts of a step timed alone: teacher, forward+backward, clip+AdamW."""
     objective = TTTObjective(model)
@@ -248,8 +231,7 @@ def breakdown(model, head, opt, c, T, K, device, dtype, args) -> dict:
             objective(d["ids"], d["aux"], labels[-1], K, 0.8, counts)
 
     def opt_step():
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
+        clip_and_step(params, opt, 0.5)
 
     out = {"teacher_s": statistics.median(timed(teacher, device, 1, args.steps))}
     out["forward_nograd_s"] = statistics.median(timed(fwd, device, 1, 3))
@@ -257,6 +239,133 @@ def breakdown(model, head, opt, c, T, K, device, dtype, args) -> dict:
     out["clip_adamw_s"] = statistics.median(timed(opt_step, device, 1, args.steps))
     opt.zero_grad(set_to_none=True)
     return out
+
+
+# Switches of the optimisations, for side-by-side runs (--variants): name -> (gradient-accumulation fusion,
+# attention kernel of TTT steps >= 1, clip inside fused AdamW, accumulate weight gradients in fp32).
+# "all" is the default configuration.
+VARIANTS = {"base": (False, "flash", False, False), "cudnn_clip": (False, "cudnn", True, False),
+            "all": (True, "cudnn", True, False), "all_fp32acc": (True, "cudnn", True, True)}
+
+
+def set_variant(name: str) -> None:
+    shared, backend, clip, fp32acc = VARIANTS[name]
+    TTTObjective.shared_weights = shared
+    attention.BACKEND["cuda"] = backend
+    eyas_train.FUSED_CLIP = clip
+    drafter_mod.GRAD_ACC_FP32 = fp32acc
+
+
+def run_variants(names, model, head, opt, sched, c, B, T, K, device, dtype, rounds: int, per_round: int) -> list:
+    """The variants side by side at one batch size, interleaved (a warm-up step each, then `rounds` rounds
+    of `per_round` timed steps of every variant in turn), so clock and thermal drift hit all alike."""
+    objective = TTTObjective(model)
+    data = batch(c, B, T, device, dtype, seed=0)
+    counts = scored_counts(list(data["loss_mask"].cpu()), K)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    make_labels = lambda b: teacher_labels(head, b["last"], b["loss_mask"], c.draft_vocab_size, dtype)  # noqa: E731
+    step = lambda: optimizer_step(objective, objective, opt, sched, [data], make_labels, ttt_steps=K,  # noqa: E731
+                                  decay=0.8, counts=counts, grad_clip=0.5, autocast=autocast)
+    times: dict = {n: [] for n in names}
+    peaks: dict = {}
+    for n in names:
+        set_variant(n)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        step()
+        sync(device)
+        peaks[n] = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
+    for _ in range(rounds):
+        for n in names:
+            set_variant(n)
+            times[n] += timed(step, device, 0, per_round)
+    set_variant("all")
+    out = []
+    for n in names:
+        med = statistics.median(times[n])
+        out.append({"variant": n, "batch": B, "step_s": med, "tokens_per_s": B * T / med, "peak_gb": peaks[n],
+                    "step_s_all": [round(t, 4) for t in times[n]]})
+        log(f"variant {n} batch {B}: {med * 1e3:.1f} ms/step, {B * T / med:.0f} tok/s, peak {peaks[n]:.1f} GB, "
+            f"steps {out[-1]['step_s_all']}")
+    return out
+
+
+def kernel_summary(prof, top: int = 40) -> dict:
+    """GPU time by kernel class (GEMM, attention, Triton, the rest) and the top kernels, from a profile."""
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t > 0 and e.device_type.name == "CUDA":
+            rows.append((t / 1e3, e.count, e.key))
+    rows.sort(reverse=True)
+
+    def kind(name: str) -> str:
+        n = name.lower()
+        if any(w in n for w in ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")) and "flash" not in n:
+            return "gemm"
+        if any(w in n for w in ("flash", "fmha", "cudnn", "attn", "sdpa")):
+            return "attention"
+        if n.startswith("triton"):
+            return "triton"
+        if "adam" in n or "norm" in n and "foreach" in n:
+            return "optimizer"
+        return "other"
+    by: dict = {}
+    for t, _, name in rows:
+        by[kind(name)] = by.get(kind(name), 0.0) + t
+    return {"total_ms": sum(t for t, _, _ in rows), "by_kind_ms": {k: round(v, 2) for k, v in by.items()},
+            "top": [[round(t, 2), n, name[:120]] for t, n, name in rows[:top]]}
+
+
+def profile_batch(model, head, opt, sched, c, B, T, K, device, dtype) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    objective = TTTObjective(model)
+    d = batch(c, B, T, device, dtype, seed=9)
+    counts = scored_counts(list(d["loss_mask"].cpu()), K)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    make_labels = lambda b: teacher_labels(head, b["last"], b["loss_mask"], c.draft_vocab_size, dtype)  # noqa: E731
+    step = lambda: optimizer_step(objective, objective, opt, sched, [d], make_labels, ttt_steps=K, decay=0.8,  # noqa: E731
+                                  counts=counts, grad_clip=0.5, autocast=autocast)
+    step()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        sync(device)
+    return kernel_summary(prof)
+
+
+def check_fused_clip(device) -> float:
+    """One AdamW step with the clip inside the fused kernel against clip_grad_norm_ + step: max relative error."""
+    if device.type != "cuda":
+        return float("nan")
+    g = torch.Generator(device="cpu").manual_seed(5)
+    out = []
+    for on in (False, True):
+        ps = [torch.nn.Parameter(torch.randn(n, generator=g).to(device)) for n in (1000, 3000)]
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(device) * 3
+        opt = make_optimizer(ps, 1e-2, 0.01)
+        before, eyas_train.FUSED_CLIP = eyas_train.FUSED_CLIP, on
+        clip_and_step(ps, opt, 0.5)
+        eyas_train.FUSED_CLIP = before
+        out.append(torch.cat([p.detach().flatten() for p in ps]))
+        g = torch.Generator(device="cpu").manual_seed(5)
+    return rel(out[1], out[0])
+
+
+def gemm_fp32_out(device) -> dict:
+    """The weight-gradient GEMM of the fused q/k/v (24576 x 14336, 4096 rows): bf16 out vs fp32 out vs += fp32."""
+    if device.type != "cuda":
+        return {}
+    dy = torch.randn(4096, 24576, device=device, dtype=torch.bfloat16)
+    x = torch.randn(4096, 14336, device=device, dtype=torch.bfloat16)
+    acc = torch.zeros(24576, 14336, device=device)
+    fl = 2 * 4096 * 24576 * 14336
+    res = {}
+    for name, fn in (("bf16_out", lambda: dy.T @ x), ("fp32_out", lambda: fused.mm_f32(dy.T, x)),
+                     ("fp32_accumulate", lambda: fused.addmm_f32_(acc, dy.T, x))):
+        res[name] = fl / statistics.median(timed(fn, device, 3, 10)) / 1e12
+    return res
 
 
 def main() -> None:
@@ -273,6 +382,11 @@ def main() -> None:
     ap.add_argument("--eager-batches", type=int, nargs="*", default=None,
                     help="batches to measure again without compile (default 1 4 when compiling)")
     ap.add_argument("--out", default=None, help="folder for bench_train.json")
+    ap.add_argument("--variants", nargs="*", default=None, choices=list(VARIANTS),
+                    help="measure these switch settings side by side first (at --variant-batches)")
+    ap.add_argument("--variant-batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--profile-batches", type=int, nargs="*", default=[1],
+                    help="profile one step at these batches (GPU time by kernel class)")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -288,6 +402,12 @@ def main() -> None:
     compile_on = (args.compile or ("on" if device.type == "cuda" else "off")) == "on"
     figures["compile"] = compile_on
     figures["checks_rel_err"] = check_kernels(device, dtype)
+    if device.type == "cuda":
+        attention.BACKEND["cuda"] = "flash"
+        figures["checks_rel_err"].update({f"{k}_flash": v for k, v in check_kernels(device, dtype).items()
+                                          if k.startswith("ttt")})
+        set_variant("all")
+        figures["checks_rel_err"]["fused_clip_adamw"] = check_fused_clip(device)
     if compile_on:
         t0 = time.perf_counter()
         try:
@@ -301,6 +421,8 @@ def main() -> None:
     log(f"kernel checks (relative error vs float64): {figures['checks_rel_err']}")
     figures["gemm_bf16_tflops"] = gemm_rate(device) / 1e12
     log(f"bf16 GEMM 8192^3: {figures['gemm_bf16_tflops']:.0f} TFLOP/s")
+    figures["dw_gemm_tflops"] = gemm_fp32_out(device)
+    log(f"weight-gradient GEMM (TFLOP/s): {figures['dw_gemm_tflops']}; attention kernel {attention.BACKEND}")
 
     t0 = time.perf_counter()
     model, head = build(c, device, dtype)
@@ -310,6 +432,19 @@ def main() -> None:
     figures["trainable_params"] = sum(p.numel() for p in params)
     log(f"built in {time.perf_counter() - t0:.1f}s: {figures['trainable_params'] / 1e9:.3f}B trainable params, "
         f"optimizer fused={opt.defaults.get('fused')}")
+
+    figures["variants"] = []
+    if args.variants:
+        for B in args.variant_batches:
+            try:
+                figures["variants"] += run_variants(args.variants, model, head, opt, sched, c, B, T, K, device, dtype,
+                                                    rounds=3, per_round=2)
+            except Exception as e:  # noqa: BLE001
+                log(f"variants at batch {B}: {type(e).__name__}: {str(e)[:1500]}")
+                opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    set_variant("all")
 
     results = []
     for B in args.batches:
@@ -346,10 +481,17 @@ def main() -> None:
     figures["breakdown_b1"] = breakdown(model, head, opt, c, T, K, device, dtype, args)
     log(f"breakdown at batch 1: {figures['breakdown_b1']}")
     if device.type == "cuda":
-        try:
-            print(profile_step(model, head, opt, sched, c, T, K, device, dtype, args.out), flush=True)
-        except Exception as e:  # noqa: BLE001 - the profile is a bonus
-            log(f"profile failed: {type(e).__name__}: {e}")
+        figures["profiles"] = {}
+        for B in args.profile_batches:
+            try:
+                prof = profile_batch(model, head, opt, sched, c, B, T, K, device, dtype)
+                figures["profiles"][B] = prof
+                log(f"profile batch {B}: {prof['total_ms']:.1f} ms GPU, {prof['by_kind_ms']}")
+                for row in prof["top"][:25]:
+                    print("   ", row, flush=True)
+            except Exception as e:  # noqa: BLE001 - the profile is a bonus
+                log(f"profile failed: {type(e).__name__}: {e}")
+            torch.cuda.empty_cache()
 
     by = {r["batch"]: r for r in results} if not args.tiny else {}  # goals are for the Kimi size on a GPU
     goals = {}

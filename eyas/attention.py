@@ -12,11 +12,13 @@ plus k diagonal scores s_j = q . kd_j * scale per position, merged by log-sum-ex
 The backward does the same: the flash backward kernel run with the *merged* output and lse computes
 exactly the step-0 part of the merged softmax's gradient (it forms P = exp(S - lse) and
 D = rowsum(dy * y) itself; ring attention uses the same identity), and the diagonal part is a few
-elementwise products (eyas/fused.py: one or two kernels each under torch.compile). Memory is O(T)
-per head, never O(T^2), and the work is one causal attention plus O(k T hd). The flash kernels are
-PyTorch's own (`aten._scaled_dot_product_flash_attention` on CUDA in bf16/fp16, its `_for_cpu` twin
-on the CPU); elsewhere `reference_ttt_attention` (plain autograd math, O(T^2) memory) is used, and
-the tests hold the two equal, gradients included.
+elementwise products (eyas/fused.py: one or two kernels each under torch.compile), reading the
+diagonal keys/values where they lie (a list, never a stacked copy). Memory is O(T) per head, never
+O(T^2), and the work is one causal attention plus O(k T hd). The flash kernels are PyTorch's own: on
+CUDA in bf16/fp16 cuDNN's `aten._scaled_dot_product_cudnn_attention` or
+`aten._scaled_dot_product_flash_attention` (BACKEND below), on the CPU the flash `_for_cpu` twin;
+elsewhere `reference_ttt_attention` (plain autograd math, O(T^2) memory) is used, and the tests hold
+the two equal, gradients included.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ from eyas import fused
 aten = torch.ops.aten
 
 
+# The kernel for the causal part of TTT steps >= 1 on CUDA: "cudnn" (cuDNN's fused attention, the
+# kernel PyTorch's sdpa picks for step 0 on Hopper) or "flash" (PyTorch's FlashAttention-2). Both
+# return the log-sum-exp and take it back in the backward, which the merge below needs; a cuDNN
+# failure falls back to flash for the rest of the process.
+BACKEND = {"cuda": "cudnn"}
+
+
 def _flash_ok(q: torch.Tensor) -> bool:
     if q.device.type == "cuda":
         return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
@@ -36,16 +45,27 @@ def _flash_ok(q: torch.Tensor) -> bool:
 
 
 def _flash_fwd(q, k, v, scale):
-    """Causal attention -> (y (B, nh, T, hd), lse (B, nh, T) fp32, state for the backward)."""
+    """Causal attention -> (y (B, nh, T, hd), lse (fp32, (B, nh, T) or (B, nh, T, 1)), state for the backward)."""
     if q.device.type == "cuda":
+        if BACKEND["cuda"] == "cudnn":
+            try:
+                out = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+                return out[0], out[1], ("cudnn", *out[2:8])
+            except RuntimeError:
+                BACKEND["cuda"] = "flash"
         out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
-        return out[0], out[1], out[2:8]
+        return out[0], out[1], ("flash", *out[2:8])
     y, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
     return y, lse, None
 
 
 def _flash_bwd(dy, q, k, v, y, lse, state, scale):
     if q.device.type == "cuda":
+        kind, *state = state
+        if kind == "cudnn":
+            cum_q, cum_k, max_q, max_k, seed, offset = state
+            return aten._scaled_dot_product_cudnn_attention_backward(
+                dy, q, k, v, y, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
         cum_q, cum_k, max_q, max_k, rng, unused = state
         return aten._scaled_dot_product_flash_attention_backward(
             dy, q, k, v, y, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng, unused, scale=scale)
@@ -54,20 +74,22 @@ def _flash_bwd(dy, q, k, v, y, lse, state, scale):
 
 class _TTTAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k0, v0, kd, vd, scale):  # kd, vd (k, B, nh, T, hd): the diagonal keys/values
-        y0, lse0, state = _flash_fwd(q, k0, v0, scale)  # (B, nh, T, hd), (B, nh, T)
-        y, lse, a = fused.diag_forward(q, y0, lse0, kd, vd, scale)
-        ctx.scale, ctx.state = scale, state
-        ctx.save_for_backward(q, k0, v0, kd, vd, y, lse, a)
+    def forward(ctx, q, k0, v0, scale, n, *kv):  # kv: the n diagonal keys, then the n values, (B, nh, T, hd) each
+        y0, lse0, state = _flash_fwd(q, k0, v0, scale)  # (B, nh, T, hd), (B, nh, T[, 1])
+        y, lse, a = fused.diag_forward(q, y0, lse0.view(q.shape[:3]), list(kv[:n]), list(kv[n:]), scale)
+        ctx.scale, ctx.state, ctx.n, ctx.lse_meta = scale, state, n, (lse0.shape, lse0.dtype)
+        ctx.save_for_backward(q, k0, v0, y, lse, a, *kv)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        q, k0, v0, kd, vd, y, lse, a = ctx.saved_tensors
-        dy = dy.contiguous()
-        dq0, dk0, dv0 = _flash_bwd(dy, q, k0, v0, y, lse, ctx.state, ctx.scale)
-        dq, dkd, dvd = fused.diag_backward(dy, y, q, a, kd, vd, dq0, ctx.scale)
-        return dq, dk0, dv0, dkd, dvd, None
+        q, k0, v0, y, lse, a, *kv = ctx.saved_tensors
+        n = ctx.n
+        if dy.stride() != y.stride():  # the kernels want dy laid out like y
+            dy = torch.empty_like(y).copy_(dy)
+        dq0, dk0, dv0 = _flash_bwd(dy, q, k0, v0, y, lse.view(ctx.lse_meta[0]).to(ctx.lse_meta[1]), ctx.state, ctx.scale)
+        dq, dkd, dvd = fused.diag_backward(dy, y, q, a, list(kv[:n]), list(kv[n:]), dq0, ctx.scale)
+        return dq, dk0, dv0, None, None, *dkd, *dvd
 
 
 def reference_ttt_attention(q, k0, v0, kd: list, vd: list, scale: float) -> torch.Tensor:
@@ -89,4 +111,4 @@ def ttt_attention(q, k0, v0, kd: list, vd: list, scale: float) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale)
     if not _flash_ok(q):
         return reference_ttt_attention(q, k0, v0, kd, vd, scale)
-    return _TTTAttention.apply(q, k0, v0, torch.stack(kd), torch.stack(vd), scale)
+    return _TTTAttention.apply(q, k0, v0, scale, len(kd), *kd, *vd)

@@ -117,6 +117,95 @@ class KVCache:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
 
+# Gradient-accumulation fusion (TTTWeights): the per-step weight gradients are summed inside the weight-
+# gradient GEMMs (beta = 1). In bf16 (the default: the sum autograd forms, one fused GEMM instead of a
+# GEMM and an add per step) or in fp32 (more exact; cuBLAS's fp32-output kernels ran ~10% slower on
+# the H200, which costs more than the adds it saves: docs/performance.md).
+GRAD_ACC_FP32 = False
+
+
+class _GradSink:
+    """The gradient of one weight, summed over the TTT steps inside the weight-gradient GEMMs."""
+
+    def __init__(self):
+        self.buf = None  # (out, in), made by the first weight-gradient GEMM
+
+    def add(self, dy_t, x):  # += dy_t @ x: the first GEMM writes the buffer, the next ones accumulate into it
+        if self.buf is None:
+            self.buf = fused.mm_f32(dy_t, x) if GRAD_ACC_FP32 and dy_t.dtype.itemsize < 4 else dy_t @ x
+        elif self.buf.dtype == dy_t.dtype:
+            self.buf.addmm_(dy_t, x)
+        else:
+            fused.addmm_f32_(self.buf, dy_t, x)
+
+
+class _Collect(torch.autograd.Function):
+    """A 0-dim token every use of a shared weight depends on; its backward, which autograd runs once
+    after all of them, hands the summed gradient to the weight (an ordinary AccumulateGrad, so the
+    DDP/FSDP hooks see an ordinary gradient)."""
+
+    @staticmethod
+    def forward(ctx, sink, w):
+        ctx.sink, ctx.dtype = sink, w.dtype
+        return w.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        buf, ctx.sink.buf = ctx.sink.buf, None
+        return None, None if buf is None else buf.to(ctx.dtype)
+
+
+class _SharedLinear(torch.autograd.Function):
+    """x @ w.T for a weight shared by the TTT steps: dx as usual, dW added to the weight's sink."""
+
+    @staticmethod
+    def forward(ctx, x, token, w, sink):  # x (..., in); w (out, in) detached, already in the compute dtype
+        x = x.to(w.dtype)
+        ctx.save_for_backward(x)
+        ctx.w, ctx.sink = w, sink
+        return x @ w.T
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = (dy2 @ ctx.w).view(x.shape) if ctx.needs_input_grad[0] else None
+        ctx.sink.add(dy2.T, x.reshape(-1, x.shape[-1]))
+        return dx, dy.new_zeros((), dtype=torch.float32), None, None
+
+
+class TTTWeights:
+    """The drafter's GEMM weights for one TTT unroll: cast to the compute dtype once, and each one's
+    gradient summed over the steps inside its weight-gradient GEMMs instead of one gradient per step
+    summed by autograd and then cast (gradient-accumulation fusion). The math is the nn.Linear
+    modules'; only the kernels differ."""
+
+    def __init__(self, drafter: "Eagle3Drafter", dtype: torch.dtype):
+        a, m = drafter.midlayer.self_attn, drafter.midlayer.mlp
+        mods = {"fc": drafter.fc, "q_proj": a.q_proj, "k_proj": a.k_proj, "v_proj": a.v_proj, "o_proj": a.o_proj,
+                "gate_proj": m.gate_proj, "up_proj": m.up_proj, "down_proj": m.down_proj}
+        grad = torch.is_grad_enabled()
+        self.w, self.sink, self.token = {}, {}, {}
+        for name, mod in mods.items():
+            w = mod.weight
+            self.w[name] = w.detach().to(dtype)
+            self.sink[name] = _GradSink()
+            self.token[name] = _Collect.apply(self.sink[name], w) if grad and w.requires_grad else None
+
+    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        w = self.w[name]
+        if self.token[name] is None:
+            return x.to(w.dtype) @ w.T
+        return _SharedLinear.apply(x, self.token[name], w, self.sink[name])
+
+
+def compute_dtype(device: torch.device, default: torch.dtype) -> torch.dtype:
+    """The autocast dtype where autocast is on for the device, else `default`."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return default
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -129,11 +218,12 @@ class Attention(nn.Module):
     def _heads(self, t):  # (B, nkv, S, hd) -> (B, nh, S, hd)
         return t if self.nh == self.nkv else t.repeat_interleave(self.nh // self.nkv, dim=1)
 
-    def forward(self, x, cos, sin, mask, ttt=None, cache=None):
+    def forward(self, x, cos, sin, mask, ttt=None, cache=None, shared: TTTWeights | None = None):
         B, T, _ = x.shape  # x (B, T, 2H)
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        lin = (lambda name, t: getattr(self, name)(t)) if shared is None else shared.linear
+        q = lin("q_proj", x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = lin("k_proj", x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = lin("v_proj", x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         q, k = fused.rope_qk(q, k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, nkv, L+T, hd)
@@ -144,7 +234,7 @@ class Attention(nn.Module):
             if mask is None:  # causal over step 0 + diagonal over steps 1..k, O(T) memory
                 y = ttt_attention(q, self._heads(k), self._heads(v), [self._heads(kd) for kd, _ in diag],
                                   [self._heads(vd) for _, vd in diag], scale)  # (B, nh, T, hd)
-                return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+                return lin("o_proj", y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
         else:
             diag = []
         k, v = self._heads(k), self._heads(v)
@@ -155,7 +245,7 @@ class Attention(nn.Module):
         y = att[..., :S] @ v  # (B, nh, T, hd)
         for j, (_, vd) in enumerate(diag):
             y = y + att[..., S + j, None] * self._heads(vd)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+        return lin("o_proj", y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -179,9 +269,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        g, u = self.gate_proj(x), self.up_proj(x)  # (B, T, I)
-        return self.down_proj(fused.swiglu(g, u) if fused.compiling() else _SwiGLU.apply(g, u))
+    def forward(self, x, shared: TTTWeights | None = None):
+        lin = (lambda name, t: getattr(self, name)(t)) if shared is None else shared.linear
+        g, u = lin("gate_proj", x), lin("up_proj", x)  # (B, T, I)
+        return lin("down_proj", fused.swiglu(g, u) if fused.compiling() else _SwiGLU.apply(g, u))
 
 
 class DecoderLayer(nn.Module):
@@ -193,13 +284,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, emb, h, cos, sin, mask, ttt=None, cache=None, final_norm: RMSNorm | None = None):
+    def forward(self, emb, h, cos, sin, mask, ttt=None, cache=None, final_norm: RMSNorm | None = None,
+                shared: TTTWeights | None = None):
         """-> (h_out (B, T, H), final_norm(h_out) or None): the final norm fused with the last add."""
         eps = self.input_layernorm.eps
         x = fused.norm_cat(emb, h, self.input_layernorm.weight, self.hidden_norm.weight, eps)  # (B, T, 2H)
-        h, x = fused.add_norm(h, self.self_attn(x, cos, sin, mask, ttt, cache),  # residual stream starts at h
+        h, x = fused.add_norm(h, self.self_attn(x, cos, sin, mask, ttt, cache, shared),  # residual stream starts at h
                               self.post_attention_layernorm.weight, eps)
-        out = self.mlp(x)
+        out = self.mlp(x, shared)
         if final_norm is None:
             return h + out, None
         return fused.add_norm(h, out, final_norm.weight, final_norm.eps)
@@ -244,13 +336,16 @@ class Eagle3Drafter(nn.Module):
         h, hn = self.step(input_ids, hidden, positions, mask, ttt, cache)
         return (self.lm_head(hn) if with_logits else None), h
 
-    def step(self, input_ids, hidden, positions, mask, ttt=None, cache=None):
-        """forward() without the head -> (pre-norm output h (B, T, H), norm(h))."""
+    def step(self, input_ids, hidden, positions, mask, ttt=None, cache=None, shared: TTTWeights | None = None):
+        """forward() without the head -> (pre-norm output h (B, T, H), norm(h)).
+
+        shared: the TTT unroll's TTTWeights (training), used instead of the Linear modules."""
         emb = self.embed_tokens(input_ids)  # (B, T, H)
         if hidden.shape[-1] != self.cfg.hidden_size:  # SGLang's rule: fc only on the target's states
-            hidden = self.fc(hidden)  # (B, T, H)
+            hidden = self.fc(hidden) if shared is None else shared.linear("fc", hidden)  # (B, T, H)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         if mask is None and ttt is None:
             raise ValueError("Eagle3Drafter: mask=None (causal fast path) needs ttt")
         return self.midlayer(emb.to(hidden.dtype), hidden, cos.to(hidden.dtype), sin.to(hidden.dtype),
-                             None if mask is None else mask.to(hidden.dtype), ttt, cache, final_norm=self.norm)
+                             None if mask is None else mask.to(hidden.dtype), ttt, cache, final_norm=self.norm,
+                             shared=shared)

@@ -24,6 +24,32 @@ import torch.nn.functional as F
 _COMPILE = False
 _compiled: dict = {}
 
+FP32_OUT = {"mm": True, "addmm": True}  # CUDA bf16 GEMMs with fp32 output (torch >= 2.8); probed once
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with fp32 output, from the fp32 accumulator where the backend allows."""
+    if a.dtype != torch.float32 and a.is_cuda and FP32_OUT["mm"]:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):
+            FP32_OUT["mm"] = False
+    return (a @ b).float()
+
+
+def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b in the GEMM's epilogue (beta = 1) where the backend allows."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if a.is_cuda and FP32_OUT["addmm"]:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError):
+            FP32_OUT["addmm"] = False
+    acc.add_((a @ b).float())
+
 
 def use_compile(enabled: bool) -> None:
     """Route the functions below through torch.compile (True) or run them eagerly (False)."""
@@ -51,10 +77,19 @@ def _fused(fn):
         if not _COMPILE:
             return fn(*args, **kwargs)
         if fn not in _compiled:
+            _raise_recompile_limit()
             _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
         return _compiled[fn](*args, **kwargs)
     call.__name__, call.__doc__, call.eager = fn.__name__, fn.__doc__, fn
     return call
+
+
+def _raise_recompile_limit(n: int = 64) -> None:
+    """diag_* specialise on the number of TTT steps (a list's length), and dtypes add variants."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), n))
 
 
 def _rms(x, w, eps):  # RMSNorm, statistics in fp32, output in x's dtype
@@ -96,31 +131,37 @@ def swiglu(g, u):
     return F.silu(g) * u
 
 
+
 @_fused
-def diag_forward(q, y0, lse0, kd, vd, scale: float):
+def diag_forward(q, y0, lse0, kd: list, vd: list, scale: float):
     """Merge a causal attention (y0, lse0) with one diagonal key per earlier TTT step.
 
-    q, y0 (B, nh, T, hd); lse0 (B, nh, T) fp32; kd, vd (k, B, nh, T, hd) -> y (q's dtype), the
-    merged lse (B, nh, T) and the softmax weights a (1+k, B, nh, T) of y0 and of each diagonal key.
+    q, y0 (B, nh, T, hd); lse0 (B, nh, T) fp32; kd, vd lists of k tensors (B, nh, T, hd) (read in
+    place, never stacked) -> y (q's dtype), the merged lse (B, nh, T) and the softmax weights
+    a (1+k, B, nh, T) of y0 and of each diagonal key.
     """
-    s = (q.float()[None] * kd.float()).sum(-1) * scale  # (k, B, nh, T)
-    s = torch.cat([lse0[None].float(), s])
+    qf = q.float()
+    s = torch.stack([lse0.float()] + [(qf * k.float()).sum(-1) * scale for k in kd])  # (1+k, B, nh, T)
     lse = torch.logsumexp(s, dim=0)
     a = torch.exp(s - lse)
-    y = a[0, ..., None] * y0.float() + (a[1:, ..., None] * vd.float()).sum(0)
+    y = a[0, ..., None] * y0.float()
+    for j, v in enumerate(vd):
+        y = y + a[1 + j, ..., None] * v.float()
     return y.to(q.dtype), lse, a
 
 
 @_fused
-def diag_backward(dy, y, q, a, kd, vd, dq0, scale: float):
-    """The diagonal terms' gradients, plus dq0 (the flash backward's dq) -> (dq, dkd, dvd)."""
-    dyf = dy.float()
+def diag_backward(dy, y, q, a, kd: list, vd: list, dq0, scale: float):
+    """The diagonal terms' gradients, plus dq0 (the flash backward's dq) -> (dq, [dkd], [dvd])."""
+    dyf, qf = dy.float(), q.float()
     D = (dyf * y.float()).sum(-1)  # (B, nh, T), as the flash backward forms it
-    ds = a[1:] * ((dyf[None] * vd.float()).sum(-1) - D) * scale  # (k, B, nh, T)
-    dq = dq0.float() + (ds[..., None] * kd.float()).sum(0)
-    dkd = ds[..., None] * q.float()[None]
-    dvd = a[1:, ..., None] * dyf[None]
-    return dq.to(q.dtype), dkd.to(kd.dtype), dvd.to(vd.dtype)
+    dq, dkd, dvd = dq0.float(), [], []
+    for j, (k, v) in enumerate(zip(kd, vd)):
+        ds = a[1 + j] * ((dyf * v.float()).sum(-1) - D) * scale  # (B, nh, T)
+        dq = dq + ds[..., None] * k.float()
+        dkd.append((ds[..., None] * qf).to(k.dtype))
+        dvd.append((a[1 + j, ..., None] * dyf).to(v.dtype))
+    return dq.to(q.dtype), dkd, dvd
 
 
 @_fused

@@ -25,34 +25,14 @@ import torch
 import torch.nn as nn
 
 from eyas import fused
-from eyas.drafter import Eagle3Drafter
+from eyas.drafter import Eagle3Drafter, TTTWeights, compute_dtype
 from eyas.target_head import TargetHead
 
 HEAD_CHUNK_ROWS = 8192  # rows of the drafter's fused head per chunk: (rows, draft_vocab) fp32 transient
 TEACHER_CHUNK_ROWS = 4096  # positions per chunk of the teacher: (rows, vocab) logits transient
 
-FP32_OUT = {"mm": True, "addmm": True}  # CUDA bf16 GEMMs with fp32 output (torch >= 2.8); probed once
-
-
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with fp32 output, from the fp32 accumulator where the backend allows."""
-    if a.dtype != torch.float32 and a.is_cuda and FP32_OUT["mm"]:
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError):
-            FP32_OUT["mm"] = False
-    return (a @ b).float()
-
-
-def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b without a separate fp32 copy of the product where the backend allows."""
-    if a.dtype != torch.float32 and a.is_cuda and FP32_OUT["addmm"]:
-        try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            return
-        except (RuntimeError, TypeError):
-            FP32_OUT["addmm"] = False
-    acc.add_((a @ b).float())
+FP32_OUT = fused.FP32_OUT  # CUDA bf16 GEMMs with fp32 output (torch >= 2.8); probed once
+_mm_f32, _addmm_f32_ = fused.mm_f32, fused.addmm_f32_
 
 
 # ----------------------------------------------------------------------------- teacher
@@ -153,7 +133,13 @@ def scored_counts(loss_masks, K: int) -> torch.Tensor:
 
 
 class TTTObjective(nn.Module):
-    """The whole training forward as one module, so DDP/FSDP see every use of every weight."""
+    """The whole training forward as one module, so DDP/FSDP see every use of every weight.
+
+    With shared_weights (the default) the drafter's GEMM weights are cast once per unroll and their
+    gradients summed in fp32 inside the GEMMs (drafter.TTTWeights); off, the nn.Linear modules run.
+    """
+
+    shared_weights = True
 
     def __init__(self, drafter: Eagle3Drafter, head_chunk: int = HEAD_CHUNK_ROWS):
         super().__init__()
@@ -164,10 +150,11 @@ class TTTObjective(nn.Module):
         m, (B, T), K = self.drafter, ids.shape, ttt_steps
         pos = torch.arange(T, device=ids.device)
         h, kv, normed = aux, [], []
+        shared = TTTWeights(m, compute_dtype(ids.device, m.fc.weight.dtype)) if self.shared_weights else None
         for k in range(K):
             nxt = torch.zeros_like(ids)
             nxt[:, :T - 1 - k] = ids[:, 1 + k:]  # step k at t reads token t+1+k
-            h, hn = m.step(nxt, h, pos + k, None, ttt=kv)  # (B, T, H) pre-norm (next step's input), normed
+            h, hn = m.step(nxt, h, pos + k, None, ttt=kv, shared=shared)  # (B, T, H) pre-norm (next step's input), normed
             normed.append(hn)
         hn = torch.stack(normed)  # (K, B, T, H)
         rows, inside = label_rows(B, T, K, ids.device)

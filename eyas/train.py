@@ -232,6 +232,30 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 # ----------------------------------------------------------------------------- one optimizer step
 
+FUSED_CLIP = True  # apply the clip factor inside the fused AdamW kernel (below); False: clip_grad_norm_ first
+
+
+def clip_and_step(params, opt: torch.optim.Optimizer, max_norm: float) -> None:
+    """clip_grad_norm_(params, max_norm), then opt.step().
+
+    With the fused AdamW kernel and plain (not sharded) gradients the clip factor is not applied in
+    a pass of its own over every gradient: the kernel's grad_scale divides each gradient by
+    1 / clip_grad_norm_'s clamped coefficient as it reads it (the mechanism GradScaler uses), which
+    saves reading and writing all fp32 gradients once. Same update, up to the last bit of rounding.
+    """
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not (FUSED_CLIP and opt.defaults.get("fused") and grads and all(type(g) is torch.Tensor for g in grads)):
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        opt.step()
+        return
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, False, True)
+    opt.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)  # 1 / min(max_norm / (norm + 1e-6), 1)
+    try:
+        opt.step()
+    finally:
+        opt.grad_scale = None
+
 def optimizer_step(objective, wrapped, opt, sched, micro_batches, make_labels, *, ttt_steps: int, decay: float,
                    counts: torch.Tensor, grad_clip: float, autocast, world: int = 1) -> torch.Tensor:
     """Forward/backward every micro-batch of this rank, then clip and step -> [loss, correct.., scored..].
@@ -240,7 +264,7 @@ def optimizer_step(objective, wrapped, opt, sched, micro_batches, make_labels, *
     are synchronised once, after the last micro-batch (DDP's no_sync before it).
     """
     micro_batches = list(micro_batches)
-    stats = torch.zeros(1 + 2 * ttt_steps, dtype=torch.float64)
+    stats = 0
     for j, batch in enumerate(micro_batches):
         sync = j == len(micro_batches) - 1 or not hasattr(wrapped, "no_sync")
         with contextlib.nullcontext() if sync else wrapped.no_sync():
@@ -248,12 +272,11 @@ def optimizer_step(objective, wrapped, opt, sched, micro_batches, make_labels, *
             with autocast:
                 loss, correct, scored = wrapped(batch["ids"], batch["aux"], labels, ttt_steps, decay, counts)
             (loss * world).backward()  # DDP/FSDP average over ranks; the loss is a share of the global sum
-        stats += torch.cat([loss.detach().reshape(1), correct, scored]).double().cpu()
-    torch.nn.utils.clip_grad_norm_([p for p in objective.parameters() if p.requires_grad], grad_clip)
-    opt.step()
+        stats = stats + torch.cat([loss.detach().reshape(1), correct, scored]).double()
+    clip_and_step([p for p in objective.parameters() if p.requires_grad], opt, grad_clip)
     sched.step()
     opt.zero_grad(set_to_none=True)
-    return stats
+    return stats.cpu()  # on the device until now: no wait for the GPU before the optimizer is queued
 
 
 # ----------------------------------------------------------------------------- training
