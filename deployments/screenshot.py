@@ -3,8 +3,10 @@
     PREFECT_API_URL=http://127.0.0.1:4200/api python deployments/screenshot.py [FLOW_RUN_ID] \
         [--out docs/images/prefect-pipeline-run.png]
 
-Without FLOW_RUN_ID it takes the newest `eagle3-pipeline` run. The page shows the run's state,
-deployment and work pool, its subflow runs on the timeline with the report artifact, and the logs.
+Without FLOW_RUN_ID it takes the newest `eagle3-pipeline` run. Two pictures: the run page (state,
+deployment and work pool, its subflow runs on the timeline with the report artifact, the logs),
+and beside it (`-artifacts.png`) the Artifacts page: the report, the loading and extraction progress,
+the shard table, the serving benchmark.
 `EYAS_UI_SCREENSHOT=docs/images/prefect-pipeline-run.png pytest tests/test_deployments.py` retakes
 it from the deployment tests' own server and pipeline run. Needs Debian's chromium
 (`apt-get install -y chromium`); runs it headless with the flags this sandboxed, offline machine needs.
@@ -57,8 +59,9 @@ def main() -> None:
     args = p.parse_args()
     api = os.environ.get("PREFECT_API_URL", "http://127.0.0.1:4200/api").rstrip("/")
     run_id = args.flow_run_id or newest_pipeline_run(api)
-    ui = api.removesuffix("/api")
-    print(screenshot(f"{ui}/runs/flow-run/{run_id}", Path(args.out)))
+    ui, out = api.removesuffix("/api"), Path(args.out)
+    print(screenshot(f"{ui}/runs/flow-run/{run_id}", out))
+    print(screenshot(f"{ui}/artifacts", out.with_name(f"{out.stem}-artifacts.png")))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from eyas.report import Stopwatch
 from flows.common import DEFAULT_CONFIG, ConfigParam, gpu_host, resolve_config, stop_server_hook
 from flows.serve import run_name, serve
 from tasks.extract import (extract_shard_for, prepare_data, regenerate_data, regeneration_pending,
-                           shard_intact)
+                           shards_intact)
 from tasks.patch import patch_host
 from tasks.server import stop_server
 
@@ -45,7 +45,7 @@ def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | No
     with stage("patch"):
         patched = patch_host(cfg)
     patch_version = patched.get("patch_version", "local")
-    intact = {plan.name: shard_intact(cfg, plan, patch_version) for plan in plans}
+    intact = shards_intact(cfg, plans, patch_version)
     if not regen and all(intact.values()):
         # Nothing to extract: every shard is a cache hit, so no server, no GPU lock.
         up = {"ready": {}, "patch": patched, "stages": {}}

@@ -243,6 +243,15 @@ def shard_intact(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> bo
     return extract.existing_shard(cfg.extraction.output_dir, plan, _key(cfg, plan, patch_version)) is not None
 
 
+def shards_intact(cfg: PipelineConfig, plans: list[ShardPlan], patch_version: str) -> dict[str, bool]:
+    """shard_intact for every plan, hashed side by side (a re-run at scale reads every shard once;
+    the sha256 is remembered, so the cache-key function's check of the same file is then free)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, min(8, len(plans))), thread_name_prefix="eyas-verify") as ex:
+        return dict(zip([p.name for p in plans], ex.map(lambda p: shard_intact(cfg, p, patch_version), plans)))
+
+
 def _shard_cache_key(context, parameters) -> str:
     """What the shard depends on: its content hash, the target, layers, dtype, encoding, patch."""
     cfg, plan = parameters["cfg"], parameters["plan"]

@@ -192,4 +192,4 @@ def test_ui_screenshot_of_the_pipeline_run(server, first):
     out = Path(os.environ["EYAS_UI_SCREENSHOT"]).resolve()
     subprocess.run([sys.executable, "deployments/screenshot.py", run["id"], "--out", str(out)],
                    cwd=ROOT, env=server.env, check=True, timeout=180)
-    assert out.stat().st_size > 20_000
+    assert out.stat().st_size > 20_000 and out.with_name(f"{out.stem}-artifacts.png").stat().st_size > 20_000
