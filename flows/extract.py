@@ -45,8 +45,8 @@ def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | No
     with stage("patch"):
         patched = patch_host(cfg)
     patch_version = patched.get("patch_version", "local")
-    intact = shards_intact(cfg, plans, patch_version)
-    if not regen and all(intact.values()):
+    # (Pending regeneration replans the shards: checking the present ones would be wasted reading.)
+    if not regen and all(shards_intact(cfg, plans, patch_version).values()):
         # Nothing to extract: every shard is a cache hit, so no server, no GPU lock.
         up = {"ready": {}, "patch": patched, "stages": {}}
         with stage("extract"):

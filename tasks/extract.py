@@ -188,7 +188,7 @@ def prepare_data(cfg: PipelineConfig, data_path: str | None = None,
 
 
 def _regeneration_inputs(cfg: PipelineConfig):
-    """(training records, held-out records, tokenizer, output dir, target) of the regeneration."""
+    """(training records, held-out records, tokenizer, output dir, target, skipped lines) of the regeneration."""
     folder = cfg.data.tokenizer or cfg.target.checkpoint
     _, vocab = dataset.target_dims(folder, cfg.target.checkpoint)
     tokenizer = load_tokenizer(folder)

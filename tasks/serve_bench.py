@@ -10,10 +10,12 @@ from tasks.train import result_key
 
 
 def _serving_key(context, parameters) -> str:
-    """The drafter's bytes, the target, the server and benchmark settings, the prompts."""
+    """The drafter's bytes, the target, the host and its server's launch settings, the benchmark
+    settings, the prompts."""
     cfg = parameters["cfg"]
     return "serve-bench-" + result_key(drafter_digest(parameters["drafter_dir"]), str(cfg.target.checkpoint),
                                        cfg.target.revision, cfg.server.host.name, cfg.server.backend,
+                                       cfg.server.launch_args, cfg.server.env,  # tuning changes the figures
                                        cfg.benchmark.model_dump(mode="json"), parameters["prompts"])
 
 
