@@ -11,7 +11,9 @@ Each endpoint has a bounded number of requests in flight, across every shard tas
 pool (tasks/extract.py keeps one pool per process and endpoint set), and a request goes to the
 endpoint with the most free slots. Transient failures (connection refused or reset, timeouts, 5xx,
 429) are retried with exponential backoff, on whichever endpoint is free and not backing off; a
-server answering 4xx (a bad request: ids outside the vocabulary, say) is never retried.
+server answering 4xx (a bad request: ids outside the vocabulary, say) is never retried. An endpoint
+with an `alive` check whose process is found gone after a failure is dropped at once: its requests
+go to the others, or fail at once when none is left, instead of backing off for minutes.
 
 Every attempt gets its own rid (`<rid>-a<k>`), so records a dying server half-wrote for an earlier
 attempt can never be mixed into the sample: the collector reads only the attempt that answered,
@@ -27,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -45,6 +47,9 @@ class Endpoint:
     url: str
     dump_dir: Path  # where this server writes dump records, as seen from this machine
     max_in_flight: int = 4
+    #: asked after a transient failure: False means the server process is gone, so its requests go
+    #: to the other endpoints at once (or fail at once if none is left) instead of backing off
+    alive: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "url", self.url.rstrip("/"))
@@ -69,6 +74,7 @@ class _State:
     failures: int = 0  # consecutive transient failures
     total_failures: int = 0
     requests: int = 0
+    dead: bool = False  # its process is gone (Endpoint.alive said so): never picked again
     errors: list[str] = field(default_factory=list)
 
 
@@ -118,7 +124,7 @@ class ServerPool:
         return sum(e.max_in_flight for e in self.endpoints)
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        return {url: {"requests": s.requests, "in_flight": s.in_flight, "failures": s.total_failures,
+        return {url: {"requests": s.requests, "in_flight": s.in_flight, "failures": s.total_failures, "dead": s.dead,
                       "last_errors": s.errors[-3:]} for url, s in self._state.items()}
 
     # ------------------------------------------------------------------ public, any thread
@@ -149,14 +155,18 @@ class ServerPool:
     def _pick(self) -> Endpoint | None:
         now = time.monotonic()
         free = [e for e in self.endpoints if self._state[e.url].in_flight < e.max_in_flight
-                and self._state[e.url].backoff_until <= now]
+                and self._state[e.url].backoff_until <= now and not self._state[e.url].dead]
         if not free:
             return None
         return max(free, key=lambda e: (e.max_in_flight - self._state[e.url].in_flight) / e.max_in_flight)
 
-    async def _acquire(self) -> Endpoint:
+    async def _acquire(self, rid: str) -> Endpoint:
         async with self._changed:
             while True:
+                if all(s.dead for s in self._state.values()):
+                    raise RequestFailed(rid, "every server's process is gone: "
+                                             f"{[s.errors[-1] for s in self._state.values() if s.errors]}",
+                                        transient=False)
                 ep = self._pick()
                 if ep is not None:
                     self._state[ep.url].in_flight += 1
@@ -187,7 +197,7 @@ class ServerPool:
     async def _generate(self, body: dict[str, Any], rid: str) -> Reply:
         t0, tried = time.monotonic(), []
         for attempt in range(self.retries + 1):
-            ep = await self._acquire()
+            ep = await self._acquire(rid)
             arid = attempt_rid(rid, attempt)
             error: str | None = None
             try:
@@ -203,5 +213,13 @@ class ServerPool:
             finally:
                 await self._release(ep, error)
             tried.append(error)
+            if ep.alive is not None and not self._state[ep.url].dead:
+                alive = await asyncio.get_running_loop().run_in_executor(None, ep.alive)
+                if not alive:
+                    async with self._changed:
+                        s = self._state[ep.url]
+                        s.dead = True
+                        s.errors = (s.errors + [f"{ep.url}: the server process is gone ({error})"])[-10:]
+                        self._changed.notify_all()
         raise RequestFailed(rid, f"failed after {self.retries + 1} attempts in {time.monotonic() - t0:.1f}s; "
                                  f"last errors: {tried[-3:]}", transient=True)

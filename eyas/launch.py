@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 from eyas.config import PipelineConfig
 from eyas.dump import DUMP_DIR_ENV
-from eyas.hosts import Host, HostError, wait_dead
+from eyas.hosts import Host, HostError, make_host, wait_dead
 
 # The forward hook that the patch stage installs on SGLang hosts (patches/sglang/<version>/).
 SGLANG_HOOK = "eyas_sglang_hook:make_hook"
@@ -82,6 +82,18 @@ def _recorded_pid(host: Host, cfg: PipelineConfig) -> int | None:
     r = host.run(f"cat {shlex.quote(str(cfg.server.pid_path))}", check=False)
     text = r.stdout.strip()
     return int(text) if r.ok and text.isdigit() else None
+
+
+def server_alive(cfg: PipelineConfig) -> bool:
+    """Is the server recorded in server.pid_path alive? (Asked after a request failed: connects anew.)"""
+    host = make_host(cfg.server.host)
+    try:
+        pid = _recorded_pid(host, cfg)
+        return pid is not None and host.is_alive(pid)
+    except Exception:  # noqa: BLE001 - unreachable host: not proof of death; the requests' backoff decides
+        return True
+    finally:
+        host.close()
 
 
 def start_server(host: Host, cfg: PipelineConfig) -> ServerHandle:

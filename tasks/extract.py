@@ -7,6 +7,7 @@ import logging
 import re
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 from prefect import task
@@ -19,6 +20,7 @@ from eyas.client import Endpoint, ServerPool
 from eyas.config import PipelineConfig
 from eyas.data import ShardPlan
 from eyas.hosts import make_host
+from eyas.launch import server_alive
 from eyas.target import load_tokenizer
 
 
@@ -116,9 +118,9 @@ def _close_pools() -> None:
 
 
 def endpoints(cfg: PipelineConfig) -> list[Endpoint]:
-    """The launched server plus extraction.endpoints."""
+    """The launched server (dropped at once if its process dies) plus extraction.endpoints."""
     x = cfg.extraction
-    return [Endpoint(cfg.server.url, cfg.server.dump_dir, x.concurrency)] + [
+    return [Endpoint(cfg.server.url, cfg.server.dump_dir, x.concurrency, alive=partial(server_alive, cfg))] + [
         Endpoint(e.url, e.dump_dir, e.concurrency or x.concurrency) for e in x.endpoints]
 
 

@@ -209,6 +209,38 @@ def test_server_killed_mid_shard_retries_or_fails_over_with_identical_output(ser
         stop_server(host, cfg_b, handle_b.pid)
 
 
+def test_a_dead_server_fails_the_shard_at_once_instead_of_backing_off(tmp_path, tmp_path_factory, random_target):
+    """With the launched server's liveness check (what the extract task passes), its death is
+    recognised at the first failed request: seconds, where 30 retries of 30 s backoff would take hours."""
+    from functools import partial
+
+    from eyas.launch import server_alive
+
+    _, plans = _plans(tmp_path, n=10, seed=6, num_shards=1)
+    host, cfg_b, handle_b = _launch(tmp_path_factory.mktemp("server-dead"), random_target)
+    killed = []
+
+    def kill_b(p):
+        if not killed:
+            killed.append(time.monotonic())
+            _kill(host, handle_b, cfg_b.server.port)
+
+    endpoint = Endpoint(cfg_b.server.url, cfg_b.server.dump_dir, 2, alive=partial(server_alive, cfg_b))
+    try:
+        assert server_alive(cfg_b)
+        with ServerPool([endpoint], retries=30, backoff_s=30) as pool:
+            with pytest.raises(ExtractionError, match="process is gone"):
+                extract_shard(plans[0], tmp_path / "out", capture_ids=CAPTURE, dtype="bfloat16", meta=META,
+                              pool=pool, on_progress=kill_b)
+            assert pool.stats()[cfg_b.server.url]["dead"] is True
+        assert time.monotonic() - killed[0] < 30
+        assert not server_alive(cfg_b)
+        assert not shard_path(tmp_path / "out", plans[0]).exists()
+        assert not partial_path(shard_path(tmp_path / "out", plans[0])).exists()
+    finally:
+        stop_server(host, cfg_b, handle_b.pid)
+
+
 # ---------------------------------------------------------------------------------------------
 # Regeneration of the assistant turns, through the same server
 # ---------------------------------------------------------------------------------------------
