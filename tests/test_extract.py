@@ -203,7 +203,8 @@ def test_server_killed_mid_shard_retries_or_fails_over_with_identical_output(ser
             m = extract_shard(plans[0], tmp_path / "failover", capture_ids=CAPTURE, dtype="bfloat16",
                               meta=META, pool=pool, on_progress=kill_b)
             stats = pool.stats()
-        assert killed == [1] and stats[cfg_b.server.url]["failures"] >= 1
+        assert len(killed) == 1 and 1 <= killed[0] < 14, killed  # mid-shard: some sequences in, most not
+        assert stats[cfg_b.server.url]["failures"] >= 1
         assert m["sha256"] == ref["sha256"]
     finally:
         stop_server(host, cfg_b, handle_b.pid)
