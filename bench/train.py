@@ -43,7 +43,7 @@ from eyas import drafter as drafter_mod  # noqa: E402
 from eyas import train as eyas_train  # noqa: E402
 from eyas.attention import reference_ttt_attention, ttt_attention  # noqa: E402
 from eyas.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
-from eyas.losses import (FP32_OUT, Labels, TTTObjective, draft_first_order, head_soft_ce, scored_counts,  # noqa: E402
+from eyas.losses import (Labels, TTTObjective, draft_first_order, head_soft_ce, scored_counts,  # noqa: E402
                          teacher_labels)
 from eyas.target_head import TargetHead  # noqa: E402
 from eyas.train import clip_and_step, lr_factor, make_optimizer, optimizer_step  # noqa: E402
@@ -477,7 +477,7 @@ def main() -> None:
         log(f"eager batch {B}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tok/s, peak {r['peak_gb']:.1f} GB")
         figures["eager_batches"].append(r)
     fused.use_compile(compile_on)
-    figures["fp32_out_gemms"] = dict(FP32_OUT)
+    figures["fp32_out_gemms"] = dict(fused.FP32_OUT)
     figures["breakdown_b1"] = breakdown(model, head, opt, c, T, K, device, dtype, args)
     log(f"breakdown at batch 1: {figures['breakdown_b1']}")
     if device.type == "cuda":

@@ -31,8 +31,6 @@ from eyas.target_head import TargetHead
 HEAD_CHUNK_ROWS = 8192  # rows of the drafter's fused head per chunk: (rows, draft_vocab) fp32 transient
 TEACHER_CHUNK_ROWS = 4096  # positions per chunk of the teacher: (rows, vocab) logits transient
 
-FP32_OUT = fused.FP32_OUT  # CUDA bf16 GEMMs with fp32 output (torch >= 2.8); probed once
-_mm_f32, _addmm_f32_ = fused.mm_f32, fused.addmm_f32_
 
 
 # ----------------------------------------------------------------------------- teacher
@@ -59,7 +57,7 @@ def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor
     probs = torch.empty(B * T, num_draft, dtype=probs_dtype, device=last.device)
     top = torch.empty(B * T, dtype=torch.long, device=last.device)
     for s in range(0, B * T, chunk):
-        z = _mm_f32(head.prepare(x[s:s + chunk]), head.weight.T)  # (n, V) draft ids first
+        z = fused.mm_f32(head.prepare(x[s:s + chunk]), head.weight.T)  # (n, V) draft ids first
         top[s:s + chunk] = z.argmax(-1)
         probs[s:s + chunk] = torch.softmax(z[:, :num_draft], dim=-1).to(probs_dtype)
     target = torch.where(top < num_draft, top, -1).view(B, T)
@@ -81,7 +79,7 @@ class _HeadSoftCE(torch.autograd.Function):
         pred = torch.empty(N, dtype=torch.long, device=h.device)
         for s in range(0, N, chunk):
             hc, rc, wc = h[s:s + chunk], rows[s:s + chunk], row_w[s:s + chunk]  # (n, H), (n,), (n,)
-            z = _mm_f32(hc, W.T)  # (n, V_d) logits, fp32
+            z = fused.mm_f32(hc, W.T)  # (n, V_d) logits, fp32
             if not grad:
                 part, pred[s:s + chunk] = fused.soft_ce_rows_nograd(z, probs, rc, wc)
                 loss += part
@@ -89,7 +87,7 @@ class _HeadSoftCE(torch.autograd.Function):
             part, pred[s:s + chunk], dz = fused.soft_ce_rows(z, probs, rc, wc, h.dtype)  # dz = (q - p) * w
             loss += part
             gh[s:s + chunk] = dz @ W
-            _addmm_f32_(gw, dz.T, hc)
+            fused.addmm_f32_(gw, dz.T, hc)
         ctx.save_for_backward(gh, gw)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(pred)
@@ -136,7 +134,8 @@ class TTTObjective(nn.Module):
     """The whole training forward as one module, so DDP/FSDP see every use of every weight.
 
     With shared_weights (the default) the drafter's GEMM weights are cast once per unroll and their
-    gradients summed in fp32 inside the GEMMs (drafter.TTTWeights); off, the nn.Linear modules run.
+    gradients summed inside the weight-gradient GEMMs (drafter.TTTWeights; in bf16 unless
+    drafter.GRAD_ACC_FP32); off, the nn.Linear modules run.
     """
 
     shared_weights = True

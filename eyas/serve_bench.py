@@ -33,6 +33,7 @@ import httpx
 
 from eyas import launch, readiness
 from eyas.config import BenchmarkConfig, PipelineConfig
+from eyas.export import drafter_digest
 from eyas.hosts import Host, make_host
 
 
@@ -213,8 +214,6 @@ def stage_drafter(host: Host, cfg: PipelineConfig, drafter_dir: str | Path) -> P
     host, a copy under <server.workdir>/drafters/<digest> (uploaded once, whole, then renamed)."""
     if cfg.server.host.kind == "local":
         return Path(drafter_dir)
-    from eyas.export import drafter_digest
-
     remote = Path(cfg.server.workdir) / "drafters" / drafter_digest(drafter_dir)[:16]
     if host.run(f"test -f {shlex.quote(str(remote / DRAFTER_FILES[0]))}", check=False).ok:
         return remote  # named by its content: present means complete
