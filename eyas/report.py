@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -9,6 +10,12 @@ from typing import Any
 
 from eyas import __version__
 from eyas.shards import write_json_atomic
+
+
+def artifact_key(prefix: str, name: str) -> str:
+    """A Prefect artifact key for a run name: Prefect takes lowercase letters, digits and dashes only,
+    while run names may also hold capitals, '_' and '.' ("Kimi_K2.5" -> "load-kimi-k2-5")."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"{prefix}-{name}".lower())
 
 
 class Stopwatch:

@@ -19,7 +19,7 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from eyas.report import Stopwatch, build_report, write_report
+from eyas.report import Stopwatch, artifact_key, build_report, write_report
 from flows.common import DEFAULT_CONFIG, ConfigParam, resolve_config, stop_server_hook
 from flows.extract import extract
 from flows.serve import run_name
@@ -46,7 +46,7 @@ def eagle3_pipeline(config: ConfigParam = DEFAULT_CONFIG,
                                   **(stage.seconds if serving else {})},
                           patch=extracted["patch"], serving=serving)
     path = write_report(cfg.run_dir, report)
-    create_markdown_artifact(key=f"report-{cfg.name}", markdown=_markdown(report, path),
+    create_markdown_artifact(key=artifact_key("report", cfg.name), markdown=_markdown(report, path),
                              description="eyas run report")
     return report
 

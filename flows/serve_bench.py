@@ -22,6 +22,7 @@ from prefect.artifacts import create_markdown_artifact
 from eyas import serve_bench
 from eyas.hosts import make_host
 from eyas.launch import stop_server
+from eyas.report import artifact_key
 from eyas.shards import write_json_atomic
 from flows.common import DEFAULT_CONFIG, ConfigParam, gpu_host, resolve_config
 from flows.serve import run_name
@@ -60,7 +61,7 @@ def serve_bench_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, 
         result = benchmark_serving_for(cfg)(cfg, drafter_dir, prompts)
     # 3. Record it beside the run.
     write_json_atomic(Path(cfg.run_dir) / "serve_bench.json", result)
-    create_markdown_artifact(key=f"serve-bench-{cfg.name}", markdown=serve_bench.markdown(result),
+    create_markdown_artifact(key=artifact_key("serve-bench", cfg.name), markdown=serve_bench.markdown(result),
                              description="serving speed with vs without the drafter")
     return result
 

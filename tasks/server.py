@@ -11,6 +11,7 @@ from prefect.logging import get_run_logger
 from eyas import launch, readiness
 from eyas.config import PipelineConfig
 from eyas.hosts import HostAuthError, make_host
+from eyas.report import artifact_key
 
 
 def _transient(task, task_run, state) -> bool:
@@ -43,7 +44,7 @@ def launch_server(cfg: PipelineConfig) -> dict:
 def wait_until_ready(cfg: PipelineConfig, handle: dict) -> dict:
     """Poll the server log until ready (progress in the UI); fail fast on crash, stall, deadline."""
     logger = get_run_logger()
-    artifact = create_progress_artifact(progress=0.0, key=f"load-{cfg.name}",
+    artifact = create_progress_artifact(progress=0.0, key=artifact_key("load", cfg.name),
                                         description=f"target loading on {cfg.server.host.name}")
 
     resource = {"prefect.resource.id": f"eyas.server.{cfg.server.host.name}.{cfg.server.port}",

@@ -50,7 +50,8 @@ def serve_and_stop(cfg):
 def test_ready_server_gives_progress_artifact_and_events(prefect_harness, tmp_path, random_target):
     from prefect.client.orchestration import get_client
 
-    cfg = stage_config(tmp_path, random_target, **{"name": "sensor-ok"})
+    # capitals, '_' and '.' are fine in a run name but not in a Prefect artifact key: the key is normalised
+    cfg = stage_config(tmp_path, random_target, **{"name": "Sensor_OK.1"})
     ready = serve_and_stop(cfg)
     assert ready["shards_total"] >= 8
 
@@ -59,7 +60,7 @@ def test_ready_server_gives_progress_artifact_and_events(prefect_harness, tmp_pa
             return await client.read_latest_artifacts()
 
     latest = {a.key: a for a in asyncio.run(artifact())}
-    assert latest["load-sensor-ok"].type == "progress" and float(latest["load-sensor-ok"].data) == 100.0
+    assert latest["load-sensor-ok-1"].type == "progress" and float(latest["load-sensor-ok-1"].data) == 100.0
     rid = f"eyas.server.localhost.{cfg.server.port}"
     seen = _wait_for_events("eyas.server.", rid, {"eyas.server.loading", "eyas.server.ready"})
     assert {"eyas.server.loading", "eyas.server.ready"} <= seen
