@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from eyas import attention, fused  # noqa: E402
 from eyas import drafter as drafter_mod  # noqa: E402
+from eyas import losses as losses_mod  # noqa: E402
 from eyas import train as eyas_train  # noqa: E402
 from eyas.attention import reference_ttt_attention, ttt_attention  # noqa: E402
 from eyas.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
@@ -95,6 +96,16 @@ def check_kernels(device, dtype) -> dict:
         yr = reference_ttt_attention(ref[0], ref[1], ref[2], ref[3:3 + K], ref[3 + K:], hd ** -0.5)
         gr = torch.autograd.grad(yr, ref, dy.double())
         out[f"ttt_attention_k{K}"] = max([rel(y, yr)] + [rel(a, b) for a, b in zip(grads, gr)])
+    for K, L in ((1, 200), (3, 97)):  # queries the last L of T positions (bottom-right causal), as with skipping
+        ts = [torch.randn(B, nh, T if i in (1, 2) else L, hd, generator=g).to(device, dtype).requires_grad_()
+              for i in range(3 + 2 * K)]
+        y = ttt_attention(ts[0], ts[1], ts[2], ts[3:3 + K], ts[3 + K:], hd ** -0.5)
+        dy = torch.randn_like(y)
+        grads = torch.autograd.grad(y, ts, dy)
+        ref = [t.detach().double().requires_grad_() for t in ts]
+        yr = reference_ttt_attention(ref[0], ref[1], ref[2], ref[3:3 + K], ref[3 + K:], hd ** -0.5)
+        gr = torch.autograd.grad(yr, ref, dy.double())
+        out[f"ttt_attention_k{K}_last{L}"] = max([rel(y, yr)] + [rel(a, b) for a, b in zip(grads, gr)])
     N, H, V, M = 3000, 256, 1000, 3000
     h = (torch.randn(N, H, generator=g) * 0.5).to(device, dtype).requires_grad_()
     w = (torch.randn(V, H, generator=g) * 0.05).to(device).requires_grad_()
@@ -241,19 +252,32 @@ def breakdown(model, head, opt, c, T, K, device, dtype, args) -> dict:
     return out
 
 
-# Switches of the optimisations, for side-by-side runs (--variants): name -> (gradient-accumulation fusion,
-# attention kernel of TTT steps >= 1, clip inside fused AdamW, accumulate weight gradients in fp32).
-# "all" is the default configuration.
-VARIANTS = {"base": (False, "flash", False, False), "cudnn_clip": (False, "cudnn", True, False),
-            "all": (True, "cudnn", True, False), "all_fp32acc": (True, "cudnn", True, True)}
+# Switches of the optimisations, for side-by-side runs (--variants): gradient-accumulation fusion
+# (shared), attention kernel of TTT steps >= 1, clip inside fused AdamW, weight-gradient sums in fp32,
+# skipping positions the loss mask does not score, the Triton soft cross-entropy, how a step's weight
+# gradient joins the sum (drafter.GRAD_SINK), cuBLAS or cuBLASLt for PyTorch's GEMMs.
+# "default" is the default configuration; each variant names what differs from it.
+DEFAULT = dict(shared=True, backend="cudnn", clip=True, fp32acc=False, skip=True, tce=True, sink="badd",
+               blas="cublas")
+VARIANTS = {"default": {},
+            "base": dict(shared=False, backend="flash", clip=False, skip=False, tce=False),  # 2026-12-03's base
+            "all": dict(skip=False, tce=False),  # the default of 2026-12-03
+            "skip": dict(tce=False), "tce": dict(skip=False),
+            "sink_t": dict(sink="badd_t"), "sink_add": dict(sink="add"), "lt": dict(blas="cublaslt"),
+            "lt_sink_t": dict(blas="cublaslt", sink="badd_t"), "fp32acc": dict(fp32acc=True)}
 
 
 def set_variant(name: str) -> None:
-    shared, backend, clip, fp32acc = VARIANTS[name]
-    TTTObjective.shared_weights = shared
-    attention.BACKEND["cuda"] = backend
-    eyas_train.FUSED_CLIP = clip
-    drafter_mod.GRAD_ACC_FP32 = fp32acc
+    v = {**DEFAULT, **VARIANTS[name]}
+    TTTObjective.shared_weights = v["shared"]
+    attention.BACKEND["cuda"] = v["backend"]
+    eyas_train.FUSED_CLIP = v["clip"]
+    drafter_mod.GRAD_ACC_FP32 = v["fp32acc"]
+    drafter_mod.GRAD_SINK = v["sink"]
+    losses_mod.SKIP_UNSCORED = v["skip"]
+    fused.TRITON_CE = v["tce"]
+    if torch.cuda.is_available():
+        torch.backends.cuda.preferred_blas_library(v["blas"])
 
 
 def run_variants(names, model, head, opt, sched, c, B, T, K, device, dtype, rounds: int, per_round: int) -> list:
@@ -268,18 +292,24 @@ def run_variants(names, model, head, opt, sched, c, B, T, K, device, dtype, roun
                                   decay=0.8, counts=counts, grad_clip=0.5, autocast=autocast)
     times: dict = {n: [] for n in names}
     peaks: dict = {}
-    for n in names:
+    for n in list(names):
         set_variant(n)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        step()
-        sync(device)
+        try:
+            step()
+            sync(device)
+        except Exception as e:  # noqa: BLE001 - drop this variant, measure the others
+            log(f"variant {n} batch {B}: {type(e).__name__}: {str(e)[:1000]}")
+            opt.zero_grad(set_to_none=True)
+            names = [m for m in names if m != n]
+            continue
         peaks[n] = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
     for _ in range(rounds):
         for n in names:
             set_variant(n)
             times[n] += timed(step, device, 0, per_round)
-    set_variant("all")
+    set_variant("default")
     out = []
     for n in names:
         med = statistics.median(times[n])
@@ -353,19 +383,78 @@ def check_fused_clip(device) -> float:
     return rel(out[1], out[0])
 
 
-def gemm_fp32_out(device) -> dict:
-    """The weight-gradient GEMM of the fused q/k/v (24576 x 14336, 4096 rows): bf16 out vs fp32 out vs += fp32."""
+def gemm_shapes(device, batches=(1, 4)) -> dict:
+    """TFLOP/s of each GEMM of a step at Kimi size, by shape, under cuBLAS and cuBLASLt: forward, input
+    gradient, and the ways a weight gradient can join its sum (drafter.GRAD_SINK); the head's three GEMMs
+    per 8192-row chunk and the teacher's per 4096 positions."""
     if device.type != "cuda":
         return {}
-    dy = torch.randn(4096, 24576, device=device, dtype=torch.bfloat16)
-    x = torch.randn(4096, 14336, device=device, dtype=torch.bfloat16)
-    acc = torch.zeros(24576, 14336, device=device)
-    fl = 2 * 4096 * 24576 * 14336
-    res = {}
-    for name, fn in (("bf16_out", lambda: dy.T @ x), ("fp32_out", lambda: fused.mm_f32(dy.T, x)),
-                     ("fp32_accumulate", lambda: fused.addmm_f32_(acc, dy.T, x))):
-        res[name] = fl / statistics.median(timed(fn, device, 3, 10)) / 1e12
+    c = DrafterConfig(**KIMI)
+    H, I, nhd, Vd = c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim, c.draft_vocab_size
+    shapes = {"qkv": (nhd, 2 * H), "o": (H, nhd), "gate_up": (I, H), "down": (H, I), "fc": (H, 3 * H)}
+    bf = dict(device=device, dtype=torch.bfloat16)
+    res: dict = {}
+    rate = lambda fl, fn: round(fl / statistics.median(timed(fn, device, 2, 5)) / 1e12, 1)  # noqa: E731
+    for blas in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(blas)
+        for B in batches:
+            M = 4096 * B
+            for name, (n_out, n_in) in shapes.items():
+                x, dy, w = (torch.randn(M, n_in, **bf), torch.randn(M, n_out, **bf), torch.randn(n_out, n_in, **bf))
+                buf, buf_t = torch.randn(n_out, n_in, **bf), torch.randn(n_in, n_out, **bf)
+                fl = 2 * M * n_out * n_in
+                ops = {"fwd": lambda: x @ w.T, "dgrad": lambda: dy @ w, "wgrad": lambda: dy.T @ x,
+                       "badd": lambda: buf.addmm_(dy.T, x), "badd_t": lambda: buf_t.addmm_(x.T, dy),
+                       "add": lambda: buf.add_(dy.T @ x)}
+                res[f"{blas} b{B} {name}"] = {op: rate(fl, fn) for op, fn in ops.items()}
+        N = 8192
+        hc, W, dz = torch.randn(N, H, **bf), torch.randn(Vd, H, **bf) * 0.05, torch.randn(N, Vd, **bf)
+        gw, gw_b = torch.zeros(Vd, H, device=device), torch.zeros(Vd, H, **bf)
+        fl = 2 * N * Vd * H
+        res[f"{blas} head chunk"] = {
+            "z_fp32": rate(fl, lambda: fused.mm_f32(hc, W.T)), "z_bf16": rate(fl, lambda: hc @ W.T),
+            "gh": rate(fl, lambda: dz @ W), "gw_fp32acc": rate(fl, lambda: fused.addmm_f32_(gw, dz.T, hc)),
+            "gw_bf16badd": rate(fl, lambda: gw_b.addmm_(dz.T, hc))}
+        Wt = torch.randn(c.vocab_size, H, **bf) * 0.02
+        x = torch.randn(4096, H, **bf)
+        res[f"{blas} teacher"] = {"z_fp32": rate(2 * 4096 * c.vocab_size * H, lambda: fused.mm_f32(x, Wt.T))}
+        for k, v in res.items():
+            if k.startswith(blas):
+                log(f"GEMM TFLOP/s {k}: {v}")
+    torch.backends.cuda.preferred_blas_library("cublas")
+    torch.cuda.empty_cache()
     return res
+
+
+def soft_ce_timing(device) -> dict:
+    """The soft cross-entropy of one head chunk (8192 x 32000): the Triton kernel against torch.compile's,
+    ms and relative error of loss and gradient against float64."""
+    if device.type != "cuda":
+        return {}
+    g = torch.Generator(device="cpu").manual_seed(11)
+    N, V = 8192, 32000
+    z = (torch.randn(N, V, generator=g) * 4).to(device)
+    probs = torch.softmax(torch.randn(2 * N, V, generator=g) * 3, -1).to(device, torch.bfloat16)
+    rows = torch.randint(0, 2 * N, (N,), generator=g).to(device)
+    w = (torch.rand(N, generator=g) * (torch.rand(N, generator=g) > 0.2)).to(device)
+    p = probs[rows].double()
+    logq = torch.log_softmax(z.double(), -1)
+    ref_loss, ref_dz = -((p * logq).sum(-1) * w.double()).sum(), (logq.exp() - p) * w.double()[:, None]
+    out = {}
+    for block, warps in ((2048, 4), (4096, 8), (8192, 16)):
+        fused.CE_BLOCK, fused.CE_WARPS = block, warps
+        out[f"triton_{block}_{warps}_ms"] = 1e3 * statistics.median(
+            timed(lambda: fused.soft_ce_rows(z, probs, rows, w, torch.bfloat16), device, 2, 10))
+    fused.CE_BLOCK, fused.CE_WARPS = 4096, 8
+    for name, on in (("triton", True), ("compiled", False)):
+        fused.TRITON_CE = on
+        loss, pred, dz = fused.soft_ce_rows(z, probs, rows, w, torch.bfloat16)
+        out[f"{name}_rel_err"] = max(rel(loss, ref_loss), rel(dz, ref_dz))
+        out[f"{name}_argmax_ok"] = bool(torch.equal(pred, z.argmax(-1)))
+        out[f"{name}_ms"] = 1e3 * statistics.median(timed(lambda: fused.soft_ce_rows(z, probs, rows, w, torch.bfloat16),
+                                                          device, 2, 10))
+    fused.TRITON_CE = DEFAULT["tce"]
+    return out
 
 
 def main() -> None:
@@ -385,6 +474,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=None, choices=list(VARIANTS),
                     help="measure these switch settings side by side first (at --variant-batches)")
     ap.add_argument("--variant-batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--gemm-shapes", action="store_true", help="time each GEMM shape of a step first")
     ap.add_argument("--profile-batches", type=int, nargs="*", default=[1],
                     help="profile one step at these batches (GPU time by kernel class)")
     args = ap.parse_args()
@@ -406,7 +496,7 @@ def main() -> None:
         attention.BACKEND["cuda"] = "flash"
         figures["checks_rel_err"].update({f"{k}_flash": v for k, v in check_kernels(device, dtype).items()
                                           if k.startswith("ttt")})
-        set_variant("all")
+        set_variant("default")
         figures["checks_rel_err"]["fused_clip_adamw"] = check_fused_clip(device)
     if compile_on:
         t0 = time.perf_counter()
@@ -421,8 +511,10 @@ def main() -> None:
     log(f"kernel checks (relative error vs float64): {figures['checks_rel_err']}")
     figures["gemm_bf16_tflops"] = gemm_rate(device) / 1e12
     log(f"bf16 GEMM 8192^3: {figures['gemm_bf16_tflops']:.0f} TFLOP/s")
-    figures["dw_gemm_tflops"] = gemm_fp32_out(device)
-    log(f"weight-gradient GEMM (TFLOP/s): {figures['dw_gemm_tflops']}; attention kernel {attention.BACKEND}")
+    if args.gemm_shapes:
+        figures["gemm_shapes_tflops"] = gemm_shapes(device)
+    figures["soft_ce"] = soft_ce_timing(device)
+    log(f"soft cross-entropy of one head chunk: {figures['soft_ce']}; attention kernel {attention.BACKEND}")
 
     t0 = time.perf_counter()
     model, head = build(c, device, dtype)
@@ -444,7 +536,7 @@ def main() -> None:
                 opt.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    set_variant("all")
+    set_variant("default")
 
     results = []
     for B in args.batches:

@@ -14,7 +14,13 @@ exactly the step-0 part of the merged softmax's gradient (it forms P = exp(S - l
 D = rowsum(dy * y) itself; ring attention uses the same identity), and the diagonal part is a few
 elementwise products (eyas/fused.py: one or two kernels each under torch.compile), reading the
 diagonal keys/values where they lie (a list, never a stacked copy). Memory is O(T) per head, never
-O(T^2), and the work is one causal attention plus O(k T hd). The flash kernels are PyTorch's own: on
+O(T^2), and the work is one causal attention plus O(k T hd).
+
+The queries may be the last rows of a shorter range than step 0's keys (q (B, nh, L, hd), k0/v0
+(B, nh, S, hd), L <= S: query i sits at key position S - L + i, the bottom-right-aligned causal mask
+of FlashAttention-2): TTTObjective runs the steps >= 1 only at the positions some step scores.
+
+The flash kernels are PyTorch's own: on
 CUDA in bf16/fp16 cuDNN's `aten._scaled_dot_product_cudnn_attention` or
 `aten._scaled_dot_product_flash_attention` (BACKEND below), on the CPU the flash `_for_cpu` twin;
 elsewhere `reference_ttt_attention` (plain autograd math, O(T^2) memory) is used, and the tests hold
@@ -34,7 +40,8 @@ aten = torch.ops.aten
 # The kernel for the causal part of TTT steps >= 1 on CUDA: "cudnn" (cuDNN's fused attention, the
 # kernel PyTorch's sdpa picks for step 0 on Hopper) or "flash" (PyTorch's FlashAttention-2). Both
 # return the log-sum-exp and take it back in the backward, which the merge below needs; a cuDNN
-# failure falls back to flash for the rest of the process.
+# failure falls back to flash for the rest of the process. Queries shorter than the keys always take
+# flash, whose causal mask is bottom-right aligned (cuDNN's alignment is not promised).
 BACKEND = {"cuda": "cudnn"}
 
 
@@ -44,10 +51,16 @@ def _flash_ok(q: torch.Tensor) -> bool:
     return q.device.type == "cpu"
 
 
+def _pad_front(t, n: int):
+    """n zero rows before t's rows (dim 2)."""
+    return t if n == 0 else torch.cat([t.new_zeros(t.shape[:2] + (n,) + t.shape[3:]), t], dim=2)
+
+
 def _flash_fwd(q, k, v, scale):
-    """Causal attention -> (y (B, nh, T, hd), lse (fp32, (B, nh, T) or (B, nh, T, 1)), state for the backward)."""
+    """Causal attention -> (y (B, nh, L, hd), lse (fp32, (B, nh, L) or (B, nh, L, 1)), state for the backward)."""
+    off = k.shape[2] - q.shape[2]  # q's rows are the last L of the S key positions
     if q.device.type == "cuda":
-        if BACKEND["cuda"] == "cudnn":
+        if BACKEND["cuda"] == "cudnn" and off == 0:
             try:
                 out = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
                 return out[0], out[1], ("cudnn", *out[2:8])
@@ -55,8 +68,9 @@ def _flash_fwd(q, k, v, scale):
                 BACKEND["cuda"] = "flash"
         out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
         return out[0], out[1], ("flash", *out[2:8])
-    y, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-    return y, lse, None
+    # the CPU kernel aligns the mask top-left: the skipped leading queries run as zeros, then are dropped
+    y, lse = aten._scaled_dot_product_flash_attention_for_cpu(_pad_front(q, off), k, v, 0.0, True, scale=scale)
+    return y[:, :, off:], lse[:, :, off:], None
 
 
 def _flash_bwd(dy, q, k, v, y, lse, state, scale):
@@ -69,7 +83,12 @@ def _flash_bwd(dy, q, k, v, y, lse, state, scale):
         cum_q, cum_k, max_q, max_k, rng, unused = state
         return aten._scaled_dot_product_flash_attention_backward(
             dy, q, k, v, y, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng, unused, scale=scale)
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dy, q, k, v, y, lse, 0.0, True, scale=scale)
+    # zero rows in front (see _flash_fwd): with dy = 0 there they add nothing to dk, dv
+    off = k.shape[2] - q.shape[2]
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _pad_front(dy, off), _pad_front(q, off), k, v, _pad_front(y, off), _pad_front(lse, off), 0.0, True,
+        scale=scale)
+    return dq[:, :, off:], dk, dv
 
 
 class _TTTAttention(torch.autograd.Function):
@@ -94,20 +113,21 @@ class _TTTAttention(torch.autograd.Function):
 
 def reference_ttt_attention(q, k0, v0, kd: list, vd: list, scale: float) -> torch.Tensor:
     """The same function in plain autograd math: causal scores over k0 plus one diagonal column per step."""
-    T = q.shape[2]
-    att = (q @ k0.transpose(-2, -1)) * scale  # (B, nh, T, T)
-    att = att.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    extra = [(q * k).sum(-1, keepdim=True) * scale for k in kd]  # (B, nh, T, 1) each
+    L, S = q.shape[2], k0.shape[2]
+    att = (q @ k0.transpose(-2, -1)) * scale  # (B, nh, L, S)
+    att = att.masked_fill(torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1 + S - L), float("-inf"))
+    extra = [(q * k).sum(-1, keepdim=True) * scale for k in kd]  # (B, nh, L, 1) each
     att = F.softmax(torch.cat([att, *extra], dim=-1).float(), dim=-1).to(q.dtype)
-    y = att[..., :T] @ v0  # (B, nh, T, hd)
+    y = att[..., :S] @ v0  # (B, nh, L, hd)
     for j, v in enumerate(vd):
-        y = y + att[..., T + j, None] * v
+        y = y + att[..., S + j, None] * v
     return y
 
 
 def ttt_attention(q, k0, v0, kd: list, vd: list, scale: float) -> torch.Tensor:
-    """Step-k TTT attention (see the module docstring); all tensors (B, nh, T, hd), heads expanded."""
-    if not kd:
+    """Step-k TTT attention (see the module docstring); q, kd, vd (B, nh, L, hd), k0, v0 (B, nh, S >= L, hd),
+    heads expanded."""
+    if not kd and q.shape[2] == k0.shape[2]:
         return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale)
     if not _flash_ok(q):
         return reference_ttt_attention(q, k0, v0, kd, vd, scale)

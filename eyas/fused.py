@@ -115,9 +115,11 @@ def add_norm(h, delta, w, eps: float):
 
 @_fused
 def rope_qk(q, k, cos, sin):
-    """Rotate-half RoPE on q (B, nh, T, hd) and k (B, nkv, T, hd); cos/sin (T, hd) or (B, T, hd)."""
-    if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
+    """Rotate-half RoPE on q (B, T, nh, hd) and k (B, T, nkv, hd); cos/sin (T, hd) or (B, T, hd).
+
+    Position-major, as the projections write them: the attention reads them through a transpose, and
+    the gradients come back in this layout, so no copy sits between the GEMMs and the attention."""
+    cos, sin = cos[..., None, :], sin[..., None, :]
 
     def rot(x):
         x1, x2 = x.chunk(2, dim=-1)
@@ -132,44 +134,64 @@ def swiglu(g, u):
 
 
 
+def _tr(x):  # (B, nh, T, hd) <-> (B, T, nh, hd), and (B, nh, T) <-> (B, T, nh)
+    return x.transpose(1, 2)
+
+
 @_fused
 def diag_forward(q, y0, lse0, kd: list, vd: list, scale: float):
     """Merge a causal attention (y0, lse0) with one diagonal key per earlier TTT step.
 
     q, y0 (B, nh, T, hd); lse0 (B, nh, T) fp32; kd, vd lists of k tensors (B, nh, T, hd) (read in
     place, never stacked) -> y (q's dtype), the merged lse (B, nh, T) and the softmax weights
-    a (1+k, B, nh, T) of y0 and of each diagonal key.
+    a (1+k, B, T, nh) of y0 and of each diagonal key. Computed position-major, so y is laid out
+    (B, T, nh, hd) in memory, as o_proj reads it (a view, not a copy).
     """
-    qf = q.float()
-    s = torch.stack([lse0.float()] + [(qf * k.float()).sum(-1) * scale for k in kd])  # (1+k, B, nh, T)
+    qf = _tr(q).float()
+    s = torch.stack([_tr(lse0).float()] + [(qf * _tr(k).float()).sum(-1) * scale for k in kd])  # (1+k, B, T, nh)
     lse = torch.logsumexp(s, dim=0)
     a = torch.exp(s - lse)
-    y = a[0, ..., None] * y0.float()
+    y = a[0, ..., None] * _tr(y0).float()
     for j, v in enumerate(vd):
-        y = y + a[1 + j, ..., None] * v.float()
-    return y.to(q.dtype), lse, a
+        y = y + a[1 + j, ..., None] * _tr(v).float()
+    return _tr(y.to(q.dtype)), _tr(lse).contiguous(), a
 
 
 @_fused
 def diag_backward(dy, y, q, a, kd: list, vd: list, dq0, scale: float):
-    """The diagonal terms' gradients, plus dq0 (the flash backward's dq) -> (dq, [dkd], [dvd])."""
-    dyf, qf = dy.float(), q.float()
-    D = (dyf * y.float()).sum(-1)  # (B, nh, T), as the flash backward forms it
-    dq, dkd, dvd = dq0.float(), [], []
+    """The diagonal terms' gradients, plus dq0 (the flash backward's dq) -> (dq, [dkd], [dvd]), each
+    (B, nh, T, hd) laid out (B, T, nh, hd) in memory, as the projections' gradients want them."""
+    dyf, qf = _tr(dy).float(), _tr(q).float()
+    D = (dyf * _tr(y).float()).sum(-1)  # (B, T, nh), as the flash backward forms it
+    dq, dkd, dvd = _tr(dq0).float(), [], []
     for j, (k, v) in enumerate(zip(kd, vd)):
-        ds = a[1 + j] * ((dyf * v.float()).sum(-1) - D) * scale  # (B, nh, T)
-        dq = dq + ds[..., None] * k.float()
-        dkd.append((ds[..., None] * qf).to(k.dtype))
-        dvd.append((a[1 + j, ..., None] * dyf).to(v.dtype))
-    return dq.to(q.dtype), dkd, dvd
+        ds = a[1 + j] * ((dyf * _tr(v).float()).sum(-1) - D) * scale  # (B, T, nh)
+        dq = dq + ds[..., None] * _tr(k).float()
+        dkd.append(_tr((ds[..., None] * qf).to(k.dtype)))
+        dvd.append(_tr((a[1 + j, ..., None] * dyf).to(v.dtype)))
+    return _tr(dq.to(q.dtype)), dkd, dvd
 
 
-@_fused
 def soft_ce_rows(z, probs, rows, w, dz_dtype: torch.dtype):
     """Soft cross-entropy of logits z (n, V) fp32 against probs[rows] (n, V), weighted by w (n,).
 
     -> (sum_i w_i CE_i, argmax per row, d/dz (n, V) in dz_dtype); probs may be bf16, read in place.
+    On CUDA one Triton kernel (below), elsewhere the PyTorch math (compiled or eager).
     """
+    if _triton_ce(z):
+        return _soft_ce_triton(z, probs, rows, w, torch.empty(z.shape, dtype=dz_dtype, device=z.device))
+    return _soft_ce_torch(z, probs, rows, w, dz_dtype)
+
+
+def soft_ce_rows_nograd(z, probs, rows, w):
+    """soft_ce_rows without the gradient (evaluation)."""
+    if _triton_ce(z):
+        return _soft_ce_triton(z, probs, rows, w, None)[:2]
+    return _soft_ce_torch_nograd(z, probs, rows, w)
+
+
+@_fused
+def _soft_ce_torch(z, probs, rows, w, dz_dtype: torch.dtype):
     p = probs[rows].float()
     logq = z - torch.logsumexp(z, dim=-1, keepdim=True)
     loss = -((p * logq).sum(-1) * w).sum()
@@ -177,9 +199,83 @@ def soft_ce_rows(z, probs, rows, w, dz_dtype: torch.dtype):
 
 
 @_fused
-def soft_ce_rows_nograd(z, probs, rows, w):
-    """soft_ce_rows without the gradient (evaluation)."""
+def _soft_ce_torch_nograd(z, probs, rows, w):
     p = probs[rows].float()
     logq = z - torch.logsumexp(z, dim=-1, keepdim=True)
     return -((p * logq).sum(-1) * w).sum(), z.argmax(-1)
+
+
+# The soft cross-entropy as one Triton kernel on CUDA: torch.compile's version (dynamic shapes) read
+# the (n, 32000) fp32 logits four times and ran at about a quarter of the bandwidth (docs/performance.md);
+# this one reads them twice (an online max / sum-exp / argmax pass, then the loss and gradient pass)
+# and the teacher's row once. TRITON_CE = False: the PyTorch version everywhere.
+TRITON_CE = True
+_ce_kernel = None
+
+
+def _triton_ce(z: torch.Tensor) -> bool:
+    global _ce_kernel
+    if not (TRITON_CE and z.is_cuda):
+        return False
+    if _ce_kernel is None:
+        try:
+            _ce_kernel = _build_ce_kernel()
+        except ImportError:
+            _ce_kernel = False
+    return bool(_ce_kernel)
+
+
+def _soft_ce_triton(z, probs, rows, w, dz):
+    n, V = z.shape
+    loss = torch.empty(n, dtype=torch.float32, device=z.device)
+    pred = torch.empty(n, dtype=torch.long, device=z.device)
+    if n:
+        z, probs = z.contiguous(), probs.contiguous()
+        _ce_kernel[(n,)](z, probs, rows, w.float(), loss, pred, z if dz is None else dz, V, z.stride(0),
+                         probs.stride(0), 0 if dz is None else dz.stride(0), GRAD=dz is not None,
+                         BLOCK=CE_BLOCK, num_warps=CE_WARPS)
+    return loss.sum(), pred, dz
+
+
+CE_BLOCK, CE_WARPS = 4096, 8
+
+
+def _build_ce_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def soft_ce_kernel(z_ptr, p_ptr, rows_ptr, w_ptr, loss_ptr, pred_ptr, dz_ptr, V, z_stride, p_stride, dz_stride,
+                       GRAD: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        z_row = z_ptr + i * z_stride
+        p_row = p_ptr + tl.load(rows_ptr + i).to(tl.int64) * p_stride
+        w = tl.load(w_ptr + i)
+        lanes = tl.arange(0, BLOCK)
+        m = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane: running max, sum of exp, first argmax
+        acc = tl.zeros([BLOCK], tl.float32)
+        arg = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, V, BLOCK):
+            cols = start + lanes
+            z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
+            m_new = tl.maximum(m, z)
+            arg = tl.where(z > m, cols, arg)  # strictly greater: the first index of a tie stays
+            acc = acc * tl.where(m == m_new, 1.0, tl.exp(m - m_new)) + tl.where(cols < V, tl.exp(z - m_new), 0.0)
+            m = m_new
+        top = tl.max(m, 0)
+        lse = top + tl.log(tl.sum(acc * tl.exp(m - top), 0))
+        tl.store(pred_ptr + i, tl.min(tl.where(m == top, arg, V), 0).to(tl.int64))
+        dot = tl.zeros([BLOCK], tl.float32)  # sum p * log q
+        for start in range(0, V, BLOCK):
+            cols = start + lanes
+            inside = cols < V
+            logq = tl.load(z_row + cols, mask=inside, other=0.0) - lse
+            p = tl.load(p_row + cols, mask=inside, other=0.0).to(tl.float32)
+            dot += p * logq
+            if GRAD:
+                tl.store(dz_ptr + i * dz_stride + cols, ((tl.exp(logq) - p) * w).to(dz_ptr.dtype.element_ty),
+                         mask=inside)
+        tl.store(loss_ptr + i, -tl.sum(dot, 0) * w)
+
+    return soft_ce_kernel
 

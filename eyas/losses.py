@@ -15,6 +15,11 @@ micro-batches, all ranks): it is known from the loss masks alone, before any for
 accumulation and data parallelism give exactly the loss of one big batch. A position is labelled
 where the token it predicts is an assistant token and the target's argmax lies in the draft
 vocabulary; positions whose argmax does not still count in counts[k] and as misses in accuracy.
+
+Work only where the loss mask can use it: the teacher runs on the positions between the batch's first
+and last scored position, and the TTT steps >= 1 (and every step's head) only on the positions some
+step scores (`ttt_span`: a prompt prefix and right padding drop out). The loss and its gradients
+are the same function; a position is never dropped for its label's content.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from eyas.target_head import TargetHead
 
 HEAD_CHUNK_ROWS = 8192  # rows of the drafter's fused head per chunk: (rows, draft_vocab) fp32 transient
 TEACHER_CHUNK_ROWS = 4096  # positions per chunk of the teacher: (rows, vocab) logits transient
+SKIP_UNSCORED = True  # teacher, TTT steps >= 1 and head only where the loss mask scores (False: everywhere)
 
 
 
@@ -41,6 +47,9 @@ class Labels:
     target: torch.Tensor  # (B, T) the target's argmax as a draft id, -1 where outside the draft vocab
     valid: torch.Tensor  # (B, T) bool: token t+1 is an assistant token and target >= 0
     scored: torch.Tensor  # (B, T) bool: token t+1 is an assistant token
+    # [first, last + 1) of the positions scored in any sequence; probs and target hold the teacher only there
+    # (zeros and -1 elsewhere). None: not known (TTTObjective reads it off `scored`).
+    span: tuple[int, int] | None = None
 
 
 def draft_first_order(t2d: torch.Tensor) -> torch.Tensor:
@@ -51,19 +60,30 @@ def draft_first_order(t2d: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor, num_draft: int,
                    probs_dtype=torch.float32, chunk: int = TEACHER_CHUNK_ROWS) -> Labels:
-    """Labels from the stored last hidden states (B, T, H); head.weight must be draft-first ordered."""
+    """Labels from the stored last hidden states (B, T, H); head.weight must be draft-first ordered.
+
+    The head runs only on the positions inside the batch's scored span (no prompt prefix, no padding):
+    nothing reads the labels of a position that is not scored."""
     B, T, H = last.shape
-    x = last.reshape(B * T, H)
-    probs = torch.empty(B * T, num_draft, dtype=probs_dtype, device=last.device)
-    top = torch.empty(B * T, dtype=torch.long, device=last.device)
-    for s in range(0, B * T, chunk):
-        z = fused.mm_f32(head.prepare(x[s:s + chunk]), head.weight.T)  # (n, V) draft ids first
-        top[s:s + chunk] = z.argmax(-1)
-        probs[s:s + chunk] = torch.softmax(z[:, :num_draft], dim=-1).to(probs_dtype)
-    target = torch.where(top < num_draft, top, -1).view(B, T)
     scored = torch.zeros_like(loss_mask, dtype=torch.bool)
     scored[:, :-1] = loss_mask[:, 1:].bool()  # the target at t predicts token t+1
-    return Labels(probs, target, scored & (target >= 0), scored)
+    first, end = scored_span(scored) if SKIP_UNSCORED else (0, T)
+    probs = torch.zeros(B, T, num_draft, dtype=probs_dtype, device=last.device)
+    top = torch.full((B, T), num_draft, dtype=torch.long, device=last.device)  # outside the draft vocab
+    for b in range(B):
+        for s in range(first, end, chunk):
+            e = min(s + chunk, end)
+            z = fused.mm_f32(head.prepare(last[b, s:e]), head.weight.T)  # (n, V) draft ids first
+            top[b, s:e] = z.argmax(-1)
+            probs[b, s:e] = torch.softmax(z[:, :num_draft], dim=-1).to(probs_dtype)
+    target = torch.where(top < num_draft, top, -1)
+    return Labels(probs.view(B * T, num_draft), target, scored & (target >= 0), scored, (first, end))
+
+
+def scored_span(scored: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) of the positions scored in any sequence of the batch, (0, 0) if none (one sync)."""
+    at = scored.any(0).nonzero().flatten()
+    return (int(at[0]), int(at[-1]) + 1) if at.numel() else (0, 0)
 
 
 # ----------------------------------------------------------------------------- fused head + soft CE
@@ -112,12 +132,28 @@ def head_soft_ce(h, weight, probs, rows, row_w, chunk: int = HEAD_CHUNK_ROWS):
 
 # ----------------------------------------------------------------------------- the TTT unroll
 
-def label_rows(B: int, T: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row (k, b, t) is labelled by the teacher at (b, t+1+k): -> (flat teacher row (K, B, T), inside (K, 1, T))."""
-    src = torch.arange(T, device=device)[None] + 1 + torch.arange(K, device=device)[:, None]  # (K, T)
+def label_rows(B: int, T: int, K: int, device, span: tuple[int, int] | None = None):
+    """Row (k, b, t) is labelled by the teacher at (b, t+1+k), for t in span (default all of [0, T))
+    -> (flat teacher row (K, B, L), inside (K, 1, L))."""
+    s, e = span or (0, T)
+    src = torch.arange(s, e, device=device)[None] + 1 + torch.arange(K, device=device)[:, None]  # (K, L)
     inside = (src < T)[:, None]
-    rows = torch.arange(B, device=device)[None, :, None] * T + src.clamp(max=T - 1)[:, None]  # (K, B, T)
+    rows = torch.arange(B, device=device)[None, :, None] * T + src.clamp(max=T - 1)[:, None]  # (K, B, L)
     return rows, inside
+
+
+def ttt_span(labels: Labels, T: int, K: int) -> tuple[int, int]:
+    """[s, e): the positions t where some TTT step k < K scores row (k, b, t) in some sequence.
+
+    Row (k, b, t) is scored where labels.scored[b, t+1+k] (t+1+k < T), so with scored positions in
+    [first, end) the rows lie in t in [first - K, end - 1). Everything the steps >= 1 compute at a
+    position depends only on that position's own chain and on step 0's keys at or before it, so the
+    steps may run on this range alone. The whole sequence where nothing is scored."""
+    if not SKIP_UNSCORED:
+        return 0, T
+    first, end = labels.span if labels.span is not None else scored_span(labels.scored)
+    s, e = max(0, first - K), min(end - 1, T)
+    return (s, e) if s < e else (0, T)
 
 
 def scored_counts(loss_masks, K: int) -> torch.Tensor:
@@ -148,22 +184,28 @@ class TTTObjective(nn.Module):
         """ids (B, T), aux (B, T, 3H) -> (loss, correct (K,), scored (K,)); counts (K,) the denominators."""
         m, (B, T), K = self.drafter, ids.shape, ttt_steps
         pos = torch.arange(T, device=ids.device)
-        h, kv, normed = aux, [], []
+        kv, normed = [], []
         shared = TTTWeights(m, compute_dtype(ids.device, m.fc.weight.dtype)) if self.shared_weights else None
+        s, e = ttt_span(labels, T, K)  # the steps >= 1 and the head run on positions [s, e) only
         for k in range(K):
             nxt = torch.zeros_like(ids)
             nxt[:, :T - 1 - k] = ids[:, 1 + k:]  # step k at t reads token t+1+k
-            h, hn = m.step(nxt, h, pos + k, None, ttt=kv, shared=shared)  # (B, T, H) pre-norm (next step's input), normed
+            if k == 0:  # all positions: step 0's keys are every later step's causal keys
+                h, hn = m.step(nxt, aux, pos, None, ttt=kv, shared=shared)  # (B, T, H) pre-norm, normed
+                if (s, e) != (0, T):  # later queries are the last rows of keys [0, e) (bottom-right causal)
+                    h, hn, kv[0] = h[:, s:e], hn[:, s:e], tuple(t[:, :, :e] for t in kv[0])
+            else:
+                h, hn = m.step(nxt[:, s:e], h, pos[s:e] + k, None, ttt=kv, shared=shared)  # (B, L, H)
             normed.append(hn)
-        hn = torch.stack(normed)  # (K, B, T, H)
-        rows, inside = label_rows(B, T, K, ids.device)
-        valid = labels.valid.view(-1)[rows] & inside  # (K, B, T)
+        hn = torch.stack(normed)  # (K, B, L, H)
+        rows, inside = label_rows(B, T, K, ids.device, (s, e))
+        valid = labels.valid.view(-1)[rows] & inside  # (K, B, L)
         scored = labels.scored.view(-1)[rows] & inside
         if counts is None:
             counts = scored.sum((1, 2))
         decay_k = decay ** torch.arange(K, device=ids.device, dtype=torch.float32)
         row_w = valid * (decay_k / counts.to(ids.device, torch.float32).clamp(min=1))[:, None, None]
-        loss, pred = head_soft_ce(hn.view(K * B * T, -1), m.lm_head.weight, labels.probs, rows.view(-1),
+        loss, pred = head_soft_ce(hn.view(K * B * (e - s), -1), m.lm_head.weight, labels.probs, rows.view(-1),
                                   row_w.view(-1), self.head_chunk)
-        correct = ((pred.view(K, B, T) == labels.target.view(-1)[rows]) & scored).sum((1, 2))
+        correct = ((pred.view(K, B, e - s) == labels.target.view(-1)[rows]) & scored).sum((1, 2))
         return loss, correct, scored.sum((1, 2))

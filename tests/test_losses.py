@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from eyas.attention import reference_ttt_attention, ttt_attention
 from eyas.drafter import causal_mask
-from eyas.losses import TTTObjective, draft_first_order, head_soft_ce, scored_counts, teacher_labels
+from eyas.losses import TTTObjective, draft_first_order, head_soft_ce, scored_counts, teacher_labels, ttt_span
 from eyas.target_head import TargetHead
 from eyas.train import epoch_plan, shift_left
 from tests.test_drafter import make
@@ -62,10 +62,12 @@ def test_chunked_teacher_equals_the_full_vocab_head(norm):
     lab = teacher_labels(head, last, mask, Vd, chunk=4)
     top = full.argmax(-1)
     draft_of = torch.cumsum(t2d.long(), 0) - 1
-    assert torch.equal(lab.target, torch.where(t2d[top], draft_of[top], -1))
-    torch.testing.assert_close(lab.probs, torch.softmax(full[..., t2d], -1).view(33, Vd))
     assert torch.equal(lab.scored, shift_left(mask, 1))
+    at = lab.scored  # labels are read (and computed) only where scored
+    assert torch.equal(lab.target[at], torch.where(t2d[top], draft_of[top], -1)[at])
+    torch.testing.assert_close(lab.probs.view(3, 11, Vd)[at], torch.softmax(full[..., t2d], -1)[at])
     assert torch.equal(lab.valid, lab.scored & t2d[top])
+    assert lab.probs.isfinite().all()
 
 
 def reference_loss(m, ids, aux, labels, K, decay):
@@ -102,6 +104,53 @@ def test_ttt_objective_equals_the_reference_unroll():
     assert scored.tolist() == [int(labels.scored[:, 1 + k:].sum()) for k in range(K)]
     assert torch.equal(scored.double(), scored_counts(list(mask), K))  # known from the masks alone
     assert (correct <= scored).all()
+
+
+def _objective_case(mask, K=3, seed=4):
+    m = make(seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    B, T = mask.shape
+    ids = torch.randint(0, 64, (B, T), generator=g)
+    aux = torch.randn(B, T, 96, generator=g)
+    t2d = m.t2d.clone()
+    t2d[torch.randperm(64, generator=g)[:40]] = True
+    head = TargetHead(torch.randn(64, 32, generator=g), None, 1e-6).reorder(draft_first_order(t2d))
+    return m, ids, aux, teacher_labels(head, torch.randn(B, T, 32, generator=g), mask, 40, chunk=5)
+
+
+@pytest.mark.parametrize("layout", ["prompts_and_padding", "interleaved_turns", "nothing_scored"])
+def test_ttt_objective_skips_unscored_positions_with_the_same_loss_and_gradients(layout):
+    """Steps >= 1 and the head run only on the positions some step scores: long prompts, right padding of
+    different lengths, several turns per sequence; loss, gradients and statistics stay the reference's."""
+    B, T, K = 3, 23, 3
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    if layout == "prompts_and_padding":
+        mask[0, 9:20], mask[1, 12:19], mask[2, 10:15] = True, True, True
+    elif layout == "interleaved_turns":
+        mask[0, 8:11], mask[0, 15:18], mask[1, 11:13], mask[2, 9:20] = True, True, True, True
+    m, ids, aux, labels = _objective_case(mask, K)
+    first, end = labels.span
+    if layout == "prompts_and_padding":
+        assert (first, end) == (8, 19)
+        assert ttt_span(labels, T, K) == (5, 18)  # steps >= 1 run on 13 of 23 positions
+    elif layout == "nothing_scored":
+        assert ttt_span(labels, T, K) == (0, T)
+    params = [p for p in m.parameters() if p.requires_grad]
+    first_end = labels.span
+    labels.span = (0, T + 1)  # ttt_span -> every position: no skipping
+    full, c_full, n_full = TTTObjective(m)(ids, aux, labels, K, 0.8)
+    g_full = torch.autograd.grad(full, params) if layout != "nothing_scored" else []
+    if layout != "nothing_scored":  # the reference divides by zero there
+        torch.testing.assert_close(full, reference_loss(m, ids, aux, labels, K, 0.8))
+    for span in (first_end, None):  # the span from teacher_labels, or read off `scored` here
+        labels.span = span
+        loss, correct, scored = TTTObjective(m)(ids, aux, labels, K, 0.8)
+        torch.testing.assert_close(loss, full, atol=1e-7, rtol=1e-6)
+        for a, b in zip(torch.autograd.grad(loss, params) if g_full else [], g_full):
+            torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+        assert torch.equal(correct, c_full) and torch.equal(scored, n_full)
+        assert scored.tolist() == [int(labels.scored[:, 1 + k:].sum()) for k in range(K)]
+        assert torch.equal(scored.double(), scored_counts(list(mask), K))
 
 
 def test_epoch_plan_is_length_aware_and_the_same_for_any_split():
