@@ -91,6 +91,10 @@ class ServerConfig(StrictModel):
     workdir: Path  #: on the server host: holds the log and pid files
     dump_dir: Path  #: on the server host: where the hidden-state dump records land
     chunked_prefill_size: int = 8192  #: prefill chunk; the collector reassembles the chunks
+    #: requests decoded together by the extraction server (SGLang's --max-running-requests); None =
+    #: the backend's default (SGLang: sized from memory; eyas-local: one at a time). The serving
+    #: benchmark's launches leave it out: eyas-local's speculative path runs one request at a time.
+    max_running_requests: int | None = Field(None, ge=1)
     #: launch with hidden-state capture (extraction); the serving benchmark launches without it
     capture_aux: bool = True
     stop_timeout_s: float = Field(30.0, gt=0)

@@ -50,6 +50,8 @@ def launch_command(cfg: PipelineConfig) -> str:
     common = ["--model-path", str(t.checkpoint), "--host", s.bind, "--port", str(s.port),
               "--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids", *capture,
               "--disable-radix-cache", "--chunked-prefill-size", str(s.chunked_prefill_size)]
+    if s.max_running_requests is not None:
+        common += ["--max-running-requests", str(s.max_running_requests)]
     if not s.capture_aux:
         # A plain serving launch (the benchmark): no capture, no hook; launch_args add the rest.
         module = ["sglang.launch_server"] if s.backend == "sglang" else ["eyas", "serve-local"]

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from eyas.dump import DumpWriter
+from eyas.local_batch import DecodeBatch, Sequence
 
 # SGLang's exact loading bar (utils/common.py) and its default description (multithread loader).
 BAR_FORMAT = "{desc}: {percentage:3.0f}% Completed | {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
@@ -227,7 +228,7 @@ class Speculative:
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, *, chunk_size: int,
                  writer: DumpWriter | None, capture_ids: list[int], seed: int = 0,
-                 speculative: Speculative | None = None):
+                 speculative: Speculative | None = None, max_running: int = 1):
         self.model = model
         self.speculative = speculative
         # Totals since start, as SGLang's scheduler keeps them (for /server_info).
@@ -236,7 +237,9 @@ class Engine:
         self.chunk_size = chunk_size  # -1: the whole prompt in one forward
         self.writer = writer
         self.capture_ids = capture_ids
-        self.lock = threading.Lock()  # one request at a time through the model
+        self.lock = threading.Lock()  # one forward at a time through the model
+        # max_running > 1: plain decode steps of concurrent requests share one forward (eyas/local_batch.py)
+        self.batch = DecodeBatch(model, self.lock, max_running) if max_running > 1 else None
         self.generator = torch.Generator().manual_seed(seed)
         cfg = model.config
         self.vocab_size = cfg.vocab_size
@@ -277,14 +280,23 @@ class Engine:
         if params["sampling_seed"] is not None:
             generator = torch.Generator().manual_seed(params["sampling_seed"])
 
+        speculative = self.speculative is not None and temperature == 0 and max_new > 0
+        if self.batch is not None and not speculative and max_new > 0:
+            with self.lock:
+                logits, cache = self.prefill(ids, rid)
+            output, finish = self.batch.decode(Sequence(logits, cache, len(ids), max_new, temperature, stop_ids,
+                                                        generator))
+            verify_steps = max(len(output) - 1, 0)  # one target forward per token after the first
+        else:
+            with self.lock:
+                if speculative:
+                    output, verify_steps = self._speculative(ids, max_new, stop_ids)
+                    finish = ({"type": "stop", "matched": output[-1]} if output[-1] in stop_ids
+                              else {"type": "length", "length": max_new})
+                else:
+                    output, finish = self._decode(ids, rid, max_new, temperature, stop_ids, generator)
+                    verify_steps = max(len(output) - 1, 0)
         with self.lock:
-            if self.speculative is not None and temperature == 0 and max_new > 0:
-                output, verify_steps = self._speculative(ids, max_new, stop_ids)
-                finish = ({"type": "stop", "matched": output[-1]} if output[-1] in stop_ids
-                          else {"type": "length", "length": max_new})
-            else:
-                output, finish = self._decode(ids, rid, max_new, temperature, stop_ids, generator)
-                verify_steps = max(len(output) - 1, 0)  # one target forward per token after the first
             self.num_completion_tokens += len(output)
             self.num_verify_steps += verify_steps
 

@@ -81,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunked-prefill-size", type=int, default=8192,
                    help="tokens per prefill chunk; -1 = no chunking")
     p.add_argument("--skip-server-warmup", action="store_true")
+    p.add_argument("--max-running-requests", type=int, default=1,
+                   help="plain (non-speculative) requests decoded together, one forward per step for all")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, ignored")
     p.add_argument("--trust-remote-code", action="store_true", help="accepted, ignored")
     p.add_argument("--random-seed", type=int, default=0, help="seed of sampling without sampling_seed")
@@ -110,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.speculative_num_draft_tokens != args.speculative_num_steps + 1:
             p.error(f"--speculative-num-draft-tokens must be num-steps + 1 = {args.speculative_num_steps + 1} "
                     f"with topk 1, got {args.speculative_num_draft_tokens}")
+    if args.max_running_requests < 1:
+        p.error(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
     ids = args.return_aux_hidden_state_layer_ids
     if ids is not None and (len(set(ids)) != len(ids) or min(ids) < 0):
         p.error(f"--return-aux-hidden-state-layer-ids must be unique and non-negative, got {ids}")
@@ -355,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         speculative = Speculative.load(args.speculative_draft_model_path, args.model_path,
                                        num_steps=args.speculative_num_steps, num_target_layers=num_layers)
     engine = Engine(model, tokenizer, chunk_size=args.chunked_prefill_size, writer=writer,
-                    capture_ids=capture_ids, seed=args.random_seed, speculative=speculative)
+                    capture_ids=capture_ids, seed=args.random_seed, speculative=speculative,
+                    max_running=args.max_running_requests)
 
     # 3. Serve, then warm up over HTTP and announce readiness
     served = args.served_model_name or args.model_path

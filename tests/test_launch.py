@@ -58,3 +58,13 @@ def test_refuses_a_taken_port(tmp_path, random_target):
         s.listen()
         with pytest.raises(LaunchError, match=f"port {cfg.server.port} is already in use"):
             start_server(LocalHost(), cfg)
+
+
+def test_max_running_requests_goes_to_the_extraction_launch_only(tmp_path, random_target):
+    from eyas.serve_bench import server_config
+
+    cfg = stage_config(tmp_path, random_target, **{"server.max_running_requests": 6})
+    assert "--max-running-requests 6" in launch_command(cfg)
+    # the serving benchmark compares plain and speculative serving, which eyas-local runs one at a time
+    assert "--max-running-requests" not in launch_command(server_config(cfg, "plain", None))
+    assert "--max-running-requests" not in launch_command(stage_config(tmp_path, random_target, **{"server.max_running_requests": None}))
