@@ -254,17 +254,15 @@ def breakdown(model, head, opt, c, T, K, device, dtype, args) -> dict:
 
 # Switches of the optimisations, for side-by-side runs (--variants): gradient-accumulation fusion
 # (shared), attention kernel of TTT steps >= 1, clip inside fused AdamW, weight-gradient sums in fp32,
-# skipping positions the loss mask does not score, the Triton soft cross-entropy, how a step's weight
-# gradient joins the sum (drafter.GRAD_SINK), cuBLAS or cuBLASLt for PyTorch's GEMMs.
-# "default" is the default configuration; each variant names what differs from it.
-DEFAULT = dict(shared=True, backend="cudnn", clip=True, fp32acc=False, skip=True, tce=True, sink="badd",
-               blas="cublas")
+# skipping positions the loss mask does not score, the Triton soft cross-entropy, torch.compile's
+# `dynamic` for the fused regions. "default" is the default configuration; each variant names what
+# differs from it.
+DEFAULT = dict(shared=True, backend="cudnn", clip=True, fp32acc=False, skip=True, tce=True, dynamic=True)
 VARIANTS = {"default": {},
             "base": dict(shared=False, backend="flash", clip=False, skip=False, tce=False),  # 2026-12-03's base
             "all": dict(skip=False, tce=False),  # the default of 2026-12-03
-            "skip": dict(tce=False), "tce": dict(skip=False),
-            "sink_t": dict(sink="badd_t"), "sink_add": dict(sink="add"), "lt": dict(blas="cublaslt"),
-            "lt_sink_t": dict(blas="cublaslt", sink="badd_t"), "fp32acc": dict(fp32acc=True)}
+            "skip": dict(tce=False), "tce": dict(skip=False), "fp32acc": dict(fp32acc=True),
+            "flash": dict(backend="flash"), "auto_dynamic": dict(dynamic=None)}
 
 
 def set_variant(name: str) -> None:
@@ -273,11 +271,9 @@ def set_variant(name: str) -> None:
     attention.BACKEND["cuda"] = v["backend"]
     eyas_train.FUSED_CLIP = v["clip"]
     drafter_mod.GRAD_ACC_FP32 = v["fp32acc"]
-    drafter_mod.GRAD_SINK = v["sink"]
     losses_mod.SKIP_UNSCORED = v["skip"]
     fused.TRITON_CE = v["tce"]
-    if torch.cuda.is_available():
-        torch.backends.cuda.preferred_blas_library(v["blas"])
+    fused.DYNAMIC = v["dynamic"]
 
 
 def run_variants(names, model, head, opt, sched, c, B, T, K, device, dtype, rounds: int, per_round: int) -> list:
@@ -385,7 +381,8 @@ def check_fused_clip(device) -> float:
 
 def gemm_shapes(device, batches=(1, 4)) -> dict:
     """TFLOP/s of each GEMM of a step at Kimi size, by shape, under cuBLAS and cuBLASLt: forward, input
-    gradient, and the ways a weight gradient can join its sum (drafter.GRAD_SINK); the head's three GEMMs
+    gradient, and the ways a weight gradient can join its sum (accumulating GEMM into (out, in) or (in, out),
+    or a plain GEMM and an add: docs/performance.md); the head's three GEMMs
     per 8192-row chunk and the teacher's per 4096 positions."""
     if device.type != "cuda":
         return {}
@@ -502,6 +499,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             figures["checks_rel_err"].update(check_compiled(device, dtype))
+            torch._dynamo.reset()  # forget the small model's sizes (automatic dynamic shapes would mark them all)
             log(f"compiled the fused regions in {time.perf_counter() - t0:.1f}s (with a small check run)")
         except Exception as e:  # noqa: BLE001 - report, then measure eager rather than nothing
             log(f"torch.compile failed, measuring eager: {type(e).__name__}: {str(e)[:2000]}")

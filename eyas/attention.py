@@ -40,8 +40,10 @@ aten = torch.ops.aten
 # The kernel for the causal part of TTT steps >= 1 on CUDA: "cudnn" (cuDNN's fused attention, the
 # kernel PyTorch's sdpa picks for step 0 on Hopper) or "flash" (PyTorch's FlashAttention-2). Both
 # return the log-sum-exp and take it back in the backward, which the merge below needs; a cuDNN
-# failure falls back to flash for the rest of the process. Queries shorter than the keys always take
-# flash, whose causal mask is bottom-right aligned (cuDNN's alignment is not promised).
+# failure falls back to flash for the rest of the process. Queries shorter than the keys (the last
+# rows of the key range): flash aligns its causal mask bottom-right itself; cuDNN (whose alignment is
+# not promised) and the CPU kernel (top-left) get the missing leading queries as zero rows, which
+# cost a copy of q and a sliver of the causal work, and add nothing to the gradients.
 BACKEND = {"cuda": "cudnn"}
 
 
@@ -52,18 +54,28 @@ def _flash_ok(q: torch.Tensor) -> bool:
 
 
 def _pad_front(t, n: int):
-    """n zero rows before t's rows (dim 2)."""
-    return t if n == 0 else torch.cat([t.new_zeros(t.shape[:2] + (n,) + t.shape[3:]), t], dim=2)
+    """n zero rows before t's rows (dim 2), in t's memory layout (position-major (B, T, nh, hd) stays so)."""
+    if n == 0:
+        return t
+    shape = t.shape[:2] + (t.shape[2] + n,) + t.shape[3:]
+    if t.dim() == 4 and t.stride(1) < t.stride(2):
+        out = t.new_empty(shape[0], shape[2], shape[1], shape[3]).transpose(1, 2)
+    else:
+        out = t.new_empty(shape)
+    out[:, :, :n].zero_()
+    out[:, :, n:].copy_(t)
+    return out
 
 
 def _flash_fwd(q, k, v, scale):
     """Causal attention -> (y (B, nh, L, hd), lse (fp32, (B, nh, L) or (B, nh, L, 1)), state for the backward)."""
     off = k.shape[2] - q.shape[2]  # q's rows are the last L of the S key positions
     if q.device.type == "cuda":
-        if BACKEND["cuda"] == "cudnn" and off == 0:
+        if BACKEND["cuda"] == "cudnn":
             try:
-                out = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
-                return out[0], out[1], ("cudnn", *out[2:8])
+                out = aten._scaled_dot_product_cudnn_attention(_pad_front(q, off), k, v, None, True, 0.0, True, False,
+                                                               scale=scale)
+                return out[0][:, :, off:], out[1][:, :, off:], ("cudnn", *out[2:8])
             except RuntimeError:
                 BACKEND["cuda"] = "flash"
         out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
@@ -76,10 +88,13 @@ def _flash_fwd(q, k, v, scale):
 def _flash_bwd(dy, q, k, v, y, lse, state, scale):
     if q.device.type == "cuda":
         kind, *state = state
-        if kind == "cudnn":
+        if kind == "cudnn":  # zero rows in front, as in _flash_fwd: with dy = 0 there they add nothing to dk, dv
             cum_q, cum_k, max_q, max_k, seed, offset = state
-            return aten._scaled_dot_product_cudnn_attention_backward(
-                dy, q, k, v, y, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
+            off = k.shape[2] - q.shape[2]
+            dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+                _pad_front(dy, off), _pad_front(q, off), k, v, _pad_front(y, off), _pad_front(lse, off), seed, offset,
+                None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
+            return dq[:, :, off:], dk, dv
         cum_q, cum_k, max_q, max_k, rng, unused = state
         return aten._scaled_dot_product_flash_attention_backward(
             dy, q, k, v, y, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng, unused, scale=scale)

@@ -122,43 +122,26 @@ class KVCache:
 # GEMM and an add per step) or in fp32 (more exact; cuBLAS's fp32-output kernels ran ~10% slower on
 # the H200, which costs more than the adds it saves: docs/performance.md).
 GRAD_ACC_FP32 = False
-# How each step's weight gradient joins the sum (bench/train.py measures them side by side): "badd" the
-# GEMM accumulates into the (out, in) buffer (beta = 1); "badd_t" the same into an (in, out) buffer,
-# which gives cuBLAS the transposed problem; "add" a plain GEMM, then an add.
-GRAD_SINK = "badd"
 
 
 class _GradSink:
     """The gradient of one weight, summed over the TTT steps inside the weight-gradient GEMMs."""
 
     def __init__(self):
-        self.buf = None  # (out, in), made by the first weight-gradient GEMM; (in, out) with "badd_t"
-        self.transposed = False
+        self.buf = None  # (out, in), made by the first weight-gradient GEMM
 
     def add(self, dy_t, x):  # += dy_t @ x: the first GEMM writes the buffer, the next ones accumulate into it
         if self.buf is None:
-            self.transposed = GRAD_SINK == "badd_t" and not GRAD_ACC_FP32
-            if self.transposed:
-                self.buf = x.T @ dy_t.T
-            else:
-                self.buf = fused.mm_f32(dy_t, x) if GRAD_ACC_FP32 and dy_t.dtype.itemsize < 4 else dy_t @ x
-        elif self.transposed:
-            self.buf.addmm_(x.T, dy_t.T)
-        elif self.buf.dtype != dy_t.dtype:
-            fused.addmm_f32_(self.buf, dy_t, x)
-        elif GRAD_SINK == "add":
-            self.buf += dy_t @ x
-        else:
+            self.buf = fused.mm_f32(dy_t, x) if GRAD_ACC_FP32 and dy_t.dtype.itemsize < 4 else dy_t @ x
+        elif self.buf.dtype == dy_t.dtype:
             self.buf.addmm_(dy_t, x)
+        else:
+            fused.addmm_f32_(self.buf, dy_t, x)
 
     def take(self, dtype):
-        """The sum as an (out, in) tensor of `dtype` (None if nothing was added), emptying the sink."""
+        """The sum in `dtype` (None if nothing was added), emptying the sink."""
         buf, self.buf = self.buf, None
-        if buf is None:
-            return None
-        if self.transposed:
-            return torch.empty(buf.shape[::-1], dtype=dtype, device=buf.device).copy_(buf.T)
-        return buf.to(dtype)
+        return None if buf is None else buf.to(dtype)
 
 
 class _Collect(torch.autograd.Function):

@@ -17,6 +17,7 @@ batch size or sequence length compiles nothing new.
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 import torch.nn.functional as F
@@ -72,16 +73,29 @@ def compile_scope(enabled: bool):
         use_compile(before)
 
 
+# torch.compile's `dynamic`: True, every size symbolic from the first call; None, each size static until
+# it changes, then symbolic (PyTorch's automatic dynamic shapes): head sizes and widths stay constants
+# the kernels can index with, and a new batch or sequence length costs one recompile, not one each.
+DYNAMIC = True
+
+
 def _fused(fn):
     def call(*args, **kwargs):
         if not _COMPILE:
             return fn(*args, **kwargs)
-        if fn not in _compiled:
+        key = (fn, DYNAMIC)
+        if key not in _compiled:
             _raise_recompile_limit()
-            _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
-        return _compiled[fn](*args, **kwargs)
+            _compiled[key] = torch.compile(_fresh(fn), dynamic=DYNAMIC, fullgraph=True)
+        return _compiled[key](*args, **kwargs)
     call.__name__, call.__doc__, call.eager = fn.__name__, fn.__doc__, fn
     return call
+
+
+def _fresh(fn):
+    """fn with a code object of its own: dynamo caches compiled code per code object, so each setting of
+    DYNAMIC gets its own cache."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _raise_recompile_limit(n: int = 64) -> None:
