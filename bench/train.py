@@ -2,7 +2,7 @@
 
     PYTHONUNBUFFERED=1 python3 bench/train.py --out $OUT               # one H200: the figures
     python bench/train.py                                              # no GPU: a tiny smoke run
-    python3 bench/train.py --variants base all --variant-batches 1 4   # switches side by side, interleaved
+    python3 bench/train.py --variants default all flash --variant-batches 4 1   # switches side by side, interleaved
 
 The drafter is SGLang's LlamaForCausalLMEagle3 at Kimi-K2.5 size (H 7168, 64 heads of 128,
 intermediate 18432, vocab 163840, draft vocab 32000), trained on synthetic target states (random
@@ -254,15 +254,14 @@ def breakdown(model, head, opt, c, T, K, device, dtype, args) -> dict:
 
 # Switches of the optimisations, for side-by-side runs (--variants): gradient-accumulation fusion
 # (shared), attention kernel of TTT steps >= 1, clip inside fused AdamW, weight-gradient sums in fp32,
-# skipping positions the loss mask does not score, the Triton soft cross-entropy, torch.compile's
-# `dynamic` for the fused regions. "default" is the default configuration; each variant names what
-# differs from it.
-DEFAULT = dict(shared=True, backend="cudnn", clip=True, fp32acc=False, skip=True, tce=True, dynamic=True)
+# skipping positions the loss mask does not score, the Triton soft cross-entropy. "default" is the
+# default configuration; each variant names what differs from it.
+DEFAULT = dict(shared=True, backend="cudnn", clip=True, fp32acc=False, skip=True, tce=True)
 VARIANTS = {"default": {},
             "base": dict(shared=False, backend="flash", clip=False, skip=False, tce=False),  # 2026-12-03's base
-            "all": dict(skip=False, tce=False),  # the default of 2026-12-03
+            "all": dict(skip=False, tce=False),  # no skipping, compiled soft cross-entropy (2026-12-03, + layouts)
             "skip": dict(tce=False), "tce": dict(skip=False), "fp32acc": dict(fp32acc=True),
-            "flash": dict(backend="flash"), "auto_dynamic": dict(dynamic=None)}
+            "flash": dict(backend="flash")}
 
 
 def set_variant(name: str) -> None:
@@ -273,7 +272,6 @@ def set_variant(name: str) -> None:
     drafter_mod.GRAD_ACC_FP32 = v["fp32acc"]
     losses_mod.SKIP_UNSCORED = v["skip"]
     fused.TRITON_CE = v["tce"]
-    fused.DYNAMIC = v["dynamic"]
 
 
 def run_variants(names, model, head, opt, sched, c, B, T, K, device, dtype, rounds: int, per_round: int) -> list:
