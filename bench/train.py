@@ -82,6 +82,17 @@ def rel(a, b) -> float:
 
 # ----------------------------------------------------------------------------- checks
 
+def _attention_error(ts: list[torch.Tensor], K: int, hd: int) -> float:
+    """Worst relative error of ttt_attention's output and gradients against the float64 reference."""
+    y = ttt_attention(ts[0], ts[1], ts[2], ts[3:3 + K], ts[3 + K:], hd ** -0.5)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, ts, dy)
+    ref = [t.detach().double().requires_grad_() for t in ts]
+    yr = reference_ttt_attention(ref[0], ref[1], ref[2], ref[3:3 + K], ref[3 + K:], hd ** -0.5)
+    gr = torch.autograd.grad(yr, ref, dy.double())
+    return max([rel(y, yr)] + [rel(a, b) for a, b in zip(grads, gr)])
+
+
 def check_kernels(device, dtype) -> dict:
     """Fast paths against plain autograd math in float64, on fresh random inputs."""
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -89,23 +100,11 @@ def check_kernels(device, dtype) -> dict:
     B, nh, T, hd = 2, 4, 256, 128
     for K in (1, 3, 6):
         ts = [torch.randn(B, nh, T, hd, generator=g).to(device, dtype).requires_grad_() for _ in range(3 + 2 * K)]
-        y = ttt_attention(ts[0], ts[1], ts[2], ts[3:3 + K], ts[3 + K:], hd ** -0.5)
-        dy = torch.randn_like(y)
-        grads = torch.autograd.grad(y, ts, dy)
-        ref = [t.detach().double().requires_grad_() for t in ts]
-        yr = reference_ttt_attention(ref[0], ref[1], ref[2], ref[3:3 + K], ref[3 + K:], hd ** -0.5)
-        gr = torch.autograd.grad(yr, ref, dy.double())
-        out[f"ttt_attention_k{K}"] = max([rel(y, yr)] + [rel(a, b) for a, b in zip(grads, gr)])
+        out[f"ttt_attention_k{K}"] = _attention_error(ts, K, hd)
     for K, L in ((1, 200), (3, 97)):  # queries the last L of T positions (bottom-right causal), as with skipping
         ts = [torch.randn(B, nh, T if i in (1, 2) else L, hd, generator=g).to(device, dtype).requires_grad_()
               for i in range(3 + 2 * K)]
-        y = ttt_attention(ts[0], ts[1], ts[2], ts[3:3 + K], ts[3 + K:], hd ** -0.5)
-        dy = torch.randn_like(y)
-        grads = torch.autograd.grad(y, ts, dy)
-        ref = [t.detach().double().requires_grad_() for t in ts]
-        yr = reference_ttt_attention(ref[0], ref[1], ref[2], ref[3:3 + K], ref[3 + K:], hd ** -0.5)
-        gr = torch.autograd.grad(yr, ref, dy.double())
-        out[f"ttt_attention_k{K}_last{L}"] = max([rel(y, yr)] + [rel(a, b) for a, b in zip(grads, gr)])
+        out[f"ttt_attention_k{K}_last{L}"] = _attention_error(ts, K, hd)
     N, H, V, M = 3000, 256, 1000, 3000
     h = (torch.randn(N, H, generator=g) * 0.5).to(device, dtype).requires_grad_()
     w = (torch.randn(V, H, generator=g) * 0.05).to(device).requires_grad_()
