@@ -105,17 +105,18 @@ class DecodeBatch:
                 with self.lock:  # prefills of new requests run between steps
                     if joining:
                         rows, cache, mask = _join(rows, cache, mask, joining)
+                        joining = []
                     mask, finished = self._step(rows, cache, mask)
-            except BaseException as e:  # noqa: BLE001 - every running request gets the error
-                for seq in rows:
+                if finished:
+                    done = [rows[i] for i in finished]
+                    rows, cache, mask = _keep(rows, cache, mask, [i for i in range(len(rows)) if i not in finished])
+                    for seq in done:
+                        seq.done.set()
+            except BaseException as e:  # noqa: BLE001 - every request in hand gets the error, none hangs
+                for seq in rows + joining:
                     seq.error = e
                     seq.done.set()
                 rows, cache, mask = [], None, _EMPTY
-                continue
-            if finished:
-                for i in finished:
-                    rows[i].done.set()
-                rows, cache, mask = _keep(rows, cache, mask, [i for i in range(len(rows)) if i not in finished])
 
     @torch.no_grad()
     def _step(self, rows: list[Sequence], cache, mask):
@@ -126,7 +127,15 @@ class DecodeBatch:
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
                          use_cache=True)
         self.steps, self.tokens = self.steps + 1, self.tokens + len(rows)
-        return mask, {i for i, seq in enumerate(rows) if seq.take(out.logits[i, -1])}
+        finished = set()
+        for i, seq in enumerate(rows):
+            try:
+                if seq.take(out.logits[i, -1]):
+                    finished.add(i)
+            except Exception as e:  # noqa: BLE001 - one request's bad sampling fails that request only
+                seq.error = e
+                finished.add(i)
+        return mask, finished
 
 
 _EMPTY = torch.zeros(0, 0, dtype=torch.long)

@@ -84,3 +84,40 @@ def test_server_with_max_running_requests_matches_greedy_reference(start_server,
             "input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 10}}).json(), prompts))
     for p, r in zip(prompts, replies):
         assert r["output_ids"] == greedy_reference(ref_model, p, 10)
+
+
+def _prefilled(engine: Engine, ids: list[int], max_new: int, cls=None):
+    from eyas.local_batch import Sequence
+
+    logits, cache = engine.prefill(ids, "p")
+    return (cls or Sequence)(logits, cache, len(ids), max_new, 0.0, set(), torch.Generator())
+
+
+def test_a_request_that_cannot_join_fails_instead_of_hanging(model):
+    engine = Engine(model, None, chunk_size=16, writer=None, capture_ids=[2], max_running=2)
+    bad = _prefilled(engine, prompt(8, 2), 5)
+    bad.cache = object()  # no KV layers: laying out the batch cache fails
+    with ThreadPoolExecutor(1) as ex:
+        with pytest.raises(AttributeError):
+            ex.submit(engine.batch.decode, bad).result(timeout=60)
+        good = ex.submit(engine.batch.decode, _prefilled(engine, prompt(8, 2), 5)).result(timeout=60)
+    assert good[0] == Engine(model, None, chunk_size=16, writer=None, capture_ids=[2]).generate(
+        prompt(8, 2), "z", dict(PARAMS, max_new_tokens=5))["output_ids"]
+
+
+def test_one_requests_sampling_error_fails_that_request_only(model):
+    from eyas.local_batch import Sequence
+
+    class FailsOnThirdToken(Sequence):
+        def take(self, logits):
+            if len(self.output) == 2:
+                raise ValueError("bad sampling")
+            return super().take(logits)
+
+    engine = Engine(model, None, chunk_size=16, writer=None, capture_ids=[2], max_running=2)
+    bad, good = _prefilled(engine, prompt(9, 3), 6, FailsOnThirdToken), _prefilled(engine, prompt(12, 4), 6)
+    with ThreadPoolExecutor(2) as ex:
+        fb, fg = ex.submit(engine.batch.decode, bad), ex.submit(engine.batch.decode, good)
+        with pytest.raises(ValueError, match="bad sampling"):
+            fb.result(timeout=60)
+        assert len(fg.result(timeout=60)[0]) == 6
