@@ -280,22 +280,21 @@ class Engine:
         if params["sampling_seed"] is not None:
             generator = torch.Generator().manual_seed(params["sampling_seed"])
 
-        speculative = self.speculative is not None and temperature == 0 and max_new > 0
-        if self.batch is not None and not speculative and max_new > 0:
+        if self.speculative is not None and temperature == 0 and max_new > 0:
             with self.lock:
-                logits, cache = self.prefill(ids, rid)
-            output, finish = self.batch.decode(Sequence(logits, cache, len(ids), max_new, temperature, stop_ids,
-                                                        generator))
-            verify_steps = max(len(output) - 1, 0)  # one target forward per token after the first
+                output, verify_steps = self._speculative(ids, max_new, stop_ids)
+            finish = ({"type": "stop", "matched": output[-1]} if output[-1] in stop_ids
+                      else {"type": "length", "length": max_new})
         else:
-            with self.lock:
-                if speculative:
-                    output, verify_steps = self._speculative(ids, max_new, stop_ids)
-                    finish = ({"type": "stop", "matched": output[-1]} if output[-1] in stop_ids
-                              else {"type": "length", "length": max_new})
-                else:
+            if self.batch is not None and max_new > 0:
+                with self.lock:
+                    logits, cache = self.prefill(ids, rid)
+                output, finish = self.batch.decode(Sequence(logits, cache, len(ids), max_new, temperature,
+                                                            stop_ids, generator))
+            else:
+                with self.lock:
                     output, finish = self._decode(ids, rid, max_new, temperature, stop_ids, generator)
-                    verify_steps = max(len(output) - 1, 0)
+            verify_steps = max(len(output) - 1, 0)  # one target forward per token after the first
         with self.lock:
             self.num_completion_tokens += len(output)
             self.num_verify_steps += verify_steps
@@ -327,20 +326,10 @@ class Engine:
     def _decode(self, ids, rid, max_new, temperature, stop_ids, generator) -> tuple[list[int], dict]:
         """Plain decoding: chunked prefill (dumped), then one target forward per token."""
         logits, cache = self.prefill(ids, rid)
-        output: list[int] = []
-        finish: dict[str, Any] = {"type": "length", "length": max_new}
-        for step in range(max_new):
-            if temperature == 0:
-                token = int(logits.argmax())
-            else:
-                probs = torch.softmax(logits.float() / temperature, dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=generator))
-            output.append(token)
-            if token in stop_ids:
-                finish = {"type": "stop", "matched": token}
-                break
-            if step + 1 == max_new:
-                break  # no forward for a token we will not emit
-            out = self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        if max_new == 0:
+            return [], {"type": "length", "length": 0}
+        seq = Sequence(logits, cache, len(ids), max_new, temperature, stop_ids, generator)
+        while not seq.take(logits):  # no forward for a token we will not emit
+            out = self.model(input_ids=torch.tensor([seq.output[-1:]]), past_key_values=cache, use_cache=True)
             logits, cache = out.logits[0, -1], out.past_key_values
-        return output, finish
+        return seq.output, seq.finish

@@ -67,4 +67,5 @@ def test_max_running_requests_goes_to_the_extraction_launch_only(tmp_path, rando
     assert "--max-running-requests 6" in launch_command(cfg)
     # the serving benchmark compares plain and speculative serving, which eyas-local runs one at a time
     assert "--max-running-requests" not in launch_command(server_config(cfg, "plain", None))
-    assert "--max-running-requests" not in launch_command(stage_config(tmp_path, random_target, **{"server.max_running_requests": None}))
+    unset = stage_config(tmp_path, random_target, **{"server.max_running_requests": None})
+    assert "--max-running-requests" not in launch_command(unset)
