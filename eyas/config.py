@@ -238,6 +238,9 @@ class TrainingConfig(StrictModel):
     warmup_steps: int = Field(20, ge=0)  #: linear warmup, then cosine decay to 10% of the peak
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(0.5, gt=0)  #: max global gradient norm
+    #: training-only augmentation (as EAGLE did): Gaussian noise on the target's captured states, this
+    #: many times each token's RMS per layer; 0 = off. Evaluation and export never see it.
+    aux_noise: float = Field(0.0, ge=0)
     precision: Literal["bf16", "fp32"] = "bf16"  #: on GPU: bf16 autocast over fp32 master weights
     #: fuse the elementwise regions with torch.compile (eyas/fused.py); None = on a GPU only
     compile: bool | None = None

@@ -163,44 +163,54 @@ class _SharedLinear(torch.autograd.Function):
     """x @ w.T for a weight shared by the TTT steps: dx as usual, dW added to the weight's sink."""
 
     @staticmethod
-    def forward(ctx, x, token, w, sink):  # x (..., in); w (out, in) detached, already in the compute dtype
-        x = x.to(w.dtype)
-        ctx.save_for_backward(x)
-        ctx.w, ctx.sink = w, sink
-        return x @ w.T
+    def forward(ctx, x, token, w, sink, out_dtype, pad):
+        # x (..., in); w (out, in) detached, already in the GEMM dtype; the output in out_dtype.
+        # pad: the rows as fused.rows_padded lays them out (CPU bf16 GEMMs), else as they come
+        x2 = x.reshape(-1, x.shape[-1])  # (M, in)
+        xg = fused.rows_padded(x2, w.dtype) if pad else x2.to(w.dtype)
+        ctx.save_for_backward(xg)
+        ctx.w, ctx.sink, ctx.x_dtype, ctx.x_shape, ctx.pad = w, sink, x.dtype, x.shape, pad
+        return (xg @ w.T)[:x2.shape[0]].to(out_dtype).view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        x, = ctx.saved_tensors
+        xg, = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = (dy2 @ ctx.w).view(x.shape) if ctx.needs_input_grad[0] else None
-        ctx.sink.add(dy2.T, x.reshape(-1, x.shape[-1]))
-        return dx, dy.new_zeros((), dtype=torch.float32), None, None
+        dyg = fused.rows_padded(dy2, ctx.w.dtype) if ctx.pad else dy2.to(ctx.w.dtype)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = (dyg @ ctx.w)[:dy2.shape[0]].view(ctx.x_shape).to(ctx.x_dtype)
+        ctx.sink.add(dyg.T, xg)  # padded rows are zeros on both sides: they add nothing
+        return dx, dy.new_zeros((), dtype=torch.float32), None, None, None, None
 
 
 class TTTWeights:
     """The drafter's GEMM weights for one TTT unroll: cast to the compute dtype once, and each one's
     gradient summed over the steps inside its weight-gradient GEMMs instead of one gradient per step
     summed by autograd and then cast (gradient-accumulation fusion). The math is the nn.Linear
-    modules'; only the kernels differ."""
+    modules'; only the kernels differ.
 
-    def __init__(self, drafter: "Eagle3Drafter", dtype: torch.dtype):
+    gemm_dtype: run the GEMMs in this dtype while the activations stay in `dtype` (a CPU with bf16
+    matrix units: bf16 GEMMs ran ~8x faster than fp32 ones here, its bf16 elementwise ops slower)."""
+
+    def __init__(self, drafter: "Eagle3Drafter", dtype: torch.dtype, gemm_dtype: torch.dtype | None = None):
         a, m = drafter.midlayer.self_attn, drafter.midlayer.mlp
         mods = {"fc": drafter.fc, "q_proj": a.q_proj, "k_proj": a.k_proj, "v_proj": a.v_proj, "o_proj": a.o_proj,
                 "gate_proj": m.gate_proj, "up_proj": m.up_proj, "down_proj": m.down_proj}
         grad = torch.is_grad_enabled()
-        self.w, self.sink, self.token = {}, {}, {}
+        self.w, self.sink, self.token, self.dtype = {}, {}, {}, dtype
+        self.pad = gemm_dtype is not None and drafter.fc.weight.device.type == "cpu"
         for name, mod in mods.items():
             w = mod.weight
-            self.w[name] = w.detach().to(dtype)
+            self.w[name] = w.detach().to(gemm_dtype or dtype)
             self.sink[name] = _GradSink()
             self.token[name] = _Collect.apply(self.sink[name], w) if grad and w.requires_grad else None
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         w = self.w[name]
         if self.token[name] is None:
-            return x.to(w.dtype) @ w.T
-        return _SharedLinear.apply(x, self.token[name], w, self.sink[name])
+            return (x.to(w.dtype) @ w.T).to(self.dtype)
+        return _SharedLinear.apply(x, self.token[name], w, self.sink[name], self.dtype, self.pad)
 
 
 def compute_dtype(device: torch.device, default: torch.dtype) -> torch.dtype:

@@ -55,6 +55,32 @@ def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc.add_((a @ b).float())
 
 
+def cpu_bf16_gemm() -> bool:
+    """Whether this CPU has bf16 matrix units (AMX), where bf16 GEMMs beat fp32 ones ~8x (2 cores here:
+    2.6 against 0.3 TFLOP/s); without them bf16 GEMMs are emulated and slower."""
+    init = getattr(torch._C._cpu, "_init_amx", None)  # True where AMX is there and the kernel lets us use it
+    try:
+        return bool(init()) if init is not None else False
+    except RuntimeError:
+        return False
+
+
+#: CPU bf16 GEMMs take their row count rounded up to this: oneDNN builds (JIT) a kernel for each new
+#: shape, ~2.5 ms for one of the drafter's GEMMs, more than the GEMM itself; training's sequence
+#: lengths vary every step, so unpadded every step paid it again.
+ROW_MULTIPLE = 128
+
+
+def rows_padded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (M, K) cast to dtype, with zero rows below up to a multiple of ROW_MULTIPLE (one pass)."""
+    M = x.shape[0]
+    Mp = -(-M // ROW_MULTIPLE) * ROW_MULTIPLE
+    out = torch.empty((Mp, *x.shape[1:]), dtype=dtype, device=x.device)
+    out[:M] = x
+    out[M:] = 0
+    return out
+
+
 def use_compile(enabled: bool) -> None:
     """Route the functions below through torch.compile (True) or run them eagerly (False)."""
     global _COMPILE
@@ -197,10 +223,18 @@ def soft_ce_rows_nograd(z, probs, rows, w):
 
 @_fused
 def _soft_ce_torch(z, probs, rows, w, dz_dtype: torch.dtype):
-    p = probs[rows].float()
-    logq = z - torch.logsumexp(z, dim=-1, keepdim=True)
-    loss = -((p * logq).sum(-1) * w).sum()
-    return loss, z.argmax(-1), ((torch.exp(logq) - p) * w[:, None]).to(dz_dtype)
+    # CE_i = lse_i * sum(p_i) - p_i . z_i (z shifted by its row max), and dz = (softmax(z) - p) * w,
+    # worked in place on z (the caller's own buffer): few passes over (n, V), which on a CPU decide the
+    # step time (docs/performance.md, "CPU training").
+    pw = probs.index_select(0, rows).float().mul_(w[:, None])  # (n, V) teacher rows times their weights
+    top, pred = z.max(-1, keepdim=True)
+    z = z.sub_(top)
+    pz = torch.dot(pw.view(-1), z.view(-1))  # sum_i w_i p_i . z_i
+    e = z.exp_()
+    s = e.sum(-1)
+    loss = (s.log() * pw.sum(-1)).sum() - pz
+    dz = e.mul_((w / s)[:, None]).sub_(pw)  # softmax * w - p * w
+    return loss, pred.view(-1), dz.to(dz_dtype)
 
 
 @_fused

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from eyas import fused
 from eyas.attention import reference_ttt_attention, ttt_attention
 from eyas.drafter import causal_mask
 from eyas.losses import TTTObjective, draft_first_order, head_soft_ce, scored_counts, teacher_labels, ttt_span
@@ -45,6 +46,36 @@ def test_fused_head_loss_matches_log_softmax_cross_entropy():
         again, pred2 = head_soft_ce(h, w, probs, rows, row_w, chunk=7)
     torch.testing.assert_close(again, want.detach())
     assert torch.equal(pred2, pred)
+
+
+def test_cpu_bf16_gemms_pad_rows_and_stay_close_to_fp32():
+    """The CPU's bf16 GEMM mode: rows padded to a few cached kernel shapes (zeros that change nothing),
+    loss and gradients within bf16 rounding of the fp32 ones, the argmax nearly always the same."""
+    x = torch.randn(130, 7)
+    p = fused.rows_padded(x, torch.bfloat16)
+    assert p.shape == (256, 7) and p.dtype == torch.bfloat16 and not p[130:].any()
+    torch.testing.assert_close(p[:130].float(), x, atol=0.02, rtol=0.01)
+    assert fused.rows_padded(torch.randn(256, 3), torch.float32).shape == (256, 3)
+    g = torch.Generator().manual_seed(5)
+    N, H, V, M = 300, 32, 96, 40
+    h = torch.randn(N, H, generator=g, requires_grad=True)
+    w = torch.randn(V, H, generator=g, requires_grad=True)
+    probs = torch.softmax(torch.randn(M, V, generator=g), -1)
+    rows, row_w = torch.randint(0, M, (N,), generator=g), torch.rand(N, generator=g)
+    want, want_pred = head_soft_ce(h, w, probs, rows, row_w, chunk=128)
+    loss, pred = head_soft_ce(h, w, probs, rows, row_w, chunk=128, gemm_dtype=torch.bfloat16)  # 300 -> 384 rows
+    assert pred.shape == (N,) and (pred == want_pred).float().mean() > 0.9
+    torch.testing.assert_close(loss, want, rtol=1e-2, atol=0)
+    for a, b in zip(torch.autograd.grad(loss, [h, w]), torch.autograd.grad(want, [h, w])):
+        assert a.dtype == b.dtype and float((a - b).norm() / b.norm()) < 2e-2
+    m, ids, aux, labels = _objective_case(torch.ones(3, 23, dtype=torch.bool))
+    params = [p for p in m.parameters() if p.requires_grad]
+    ref, _, n_ref = TTTObjective(m)(ids, aux, labels, 3, 0.8)
+    got, _, n_got = TTTObjective(m, gemm_dtype=torch.bfloat16)(ids, aux, labels, 3, 0.8)
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=0)
+    assert torch.equal(n_got, n_ref)
+    for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(ref, params)):
+        assert a.dtype == b.dtype == torch.float32 and float((a - b).norm() / b.norm()) < 3e-2
 
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
