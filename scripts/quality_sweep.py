@@ -113,7 +113,7 @@ def main():
         build_shards(data, f"{a.out}/shards-{Path(data).stem}", a.device)
     print(f"shards built in {time.time() - t0:.0f}s", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    pending, running, results = list(variants), [], []
+    pending, running = list(variants), []
     resfile = Path(os.environ.get("OUT", a.out)) / "results.jsonl"
     while pending or running:
         while pending and len(running) < a.par:
