@@ -225,7 +225,7 @@ def soft_ce_rows_nograd(z, probs, rows, w):
 def _soft_ce_torch(z, probs, rows, w, dz_dtype: torch.dtype):
     # CE_i = lse_i * sum(p_i) - p_i . z_i (z shifted by its row max), and dz = (softmax(z) - p) * w,
     # worked in place on z (the caller's own buffer): few passes over (n, V), which on a CPU decide the
-    # step time (docs/performance.md, "CPU training").
+    # step time (docs/performance.md, "Training on a CPU").
     pw = probs.index_select(0, rows).float().mul_(w[:, None])  # (n, V) teacher rows times their weights
     top, pred = z.max(-1, keepdim=True)
     z = z.sub_(top)

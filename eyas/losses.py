@@ -113,7 +113,7 @@ class _HeadSoftCE(torch.autograd.Function):
                 continue
             part, pred[s:s + chunk], dz = fused.soft_ce_rows(z, probs, rc, wc, h.dtype)  # dz = (q - p) * w
             loss += part
-            gh[s:s + chunk] = dz @ W  # (gh in h_dtype: cast below, once)
+            gh[s:s + chunk] = dz @ W  # in the GEMM dtype; cast to h's once, below
             fused.addmm_f32_(gw, dz.T, hc)
         ctx.save_for_backward(gh if gh is None else gh[:N].to(h_dtype), gw)
         ctx.weight_dtype = weight.dtype
@@ -185,7 +185,8 @@ class TTTObjective(nn.Module):
 
     shared_weights = True
 
-    def __init__(self, drafter: Eagle3Drafter, head_chunk: int = HEAD_CHUNK_ROWS, gemm_dtype: torch.dtype | None = None):
+    def __init__(self, drafter: Eagle3Drafter, head_chunk: int = HEAD_CHUNK_ROWS,
+                 gemm_dtype: torch.dtype | None = None):
         super().__init__()
         self.drafter, self.head_chunk, self.gemm_dtype = drafter, head_chunk, gemm_dtype
 

@@ -339,8 +339,8 @@ def _train(cfg, target, shard_paths, target_config_json, log, log_every, stop_at
     model.to(device)
     # A CPU with bf16 matrix units runs the GEMMs in bf16 (the rest fp32): ~2x faster steps here
     cpu_bf16 = device.type == "cpu" and cfg.precision == "bf16" and fused.cpu_bf16_gemm()
-    objective = wrapped = TTTObjective(model, head_chunk=HEAD_CHUNK_ROWS_CPU if device.type == "cpu" else HEAD_CHUNK_ROWS,
-                                       gemm_dtype=torch.bfloat16 if cpu_bf16 else None)
+    head_chunk = HEAD_CHUNK_ROWS_CPU if device.type == "cpu" else HEAD_CHUNK_ROWS
+    objective = wrapped = TTTObjective(model, head_chunk, gemm_dtype=torch.bfloat16 if cpu_bf16 else None)
     if world > 1:
         wrapped = _parallelize(objective, cfg.distributed.strategy, device)
     head = TargetHead.from_checkpoint(target.checkpoint, last_hidden_norm=meta["last_hidden_norm"],

@@ -10,6 +10,7 @@ drafter, and measures what the pipeline measures: the real chain acceptance leng
 32 held-out prompts (on the CPU), plus the drafter's teacher-forced first-step accuracy on the
 target's own continuations, overall and where a trigram seen earlier in the text predicts the token
 (in-context copies: the tiny target loops). One JSON line per variant in $OUT/results.jsonl.
+The GPU machine lacks pydantic: carry its wheels (the device tool's README says how).
 """
 import argparse, json, os, subprocess, sys, time, collections
 from pathlib import Path
@@ -21,7 +22,8 @@ def build_shards(data_pt, out_dir, device):
     from eyas.shards import Sample, write_shard
     from transformers import AutoModelForCausalLM
     d = torch.load(data_pt)
-    out_dir = Path(out_dir); out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     if (out_dir / "done").exists():
         return
     t = AutoModelForCausalLM.from_pretrained(str(ROOT / "fixtures/tiny-target"), dtype=torch.float32).eval().to(device)
@@ -30,10 +32,10 @@ def build_shards(data_pt, out_dir, device):
         for ids, mask in sh["samples"]:
             with torch.no_grad():
                 o = t(ids.long()[None].to(device), output_hidden_states=True)
-            aux = torch.cat([o.hidden_states[i] for i in (2, 4, 5)], -1)[0].bfloat16().cpu()
+            aux = torch.cat([o.hidden_states[i] for i in (2, 4, 5)], -1)[0].bfloat16().cpu()  # the default's layers
             samples.append(Sample(input_ids=ids.int(), loss_mask=mask.bool(), aux_hidden_states=aux,
                                   last_hidden_state=o.hidden_states[-1][0].bfloat16().cpu()))
-        meta = dict(sh["meta"]); meta["target_checkpoint"] = str(ROOT / "fixtures/tiny-target")
+        meta = {**sh["meta"], "target_checkpoint": str(ROOT / "fixtures/tiny-target")}
         write_shard(out_dir / f"shard-{si:05d}.safetensors", samples, meta)
     (out_dir / "done").write_text("ok")
 
@@ -53,15 +55,20 @@ def diag(drafter, target, prompts, cap, eos):
         for p in prompts:
             seq = p + target_greedy(target, p, 48, eos)
             o = target(torch.tensor([seq]), output_hidden_states=True)
-            aux = _aux(o, cap)[:, :-1]; ids = seq[1:]; T = len(ids)
+            aux = _aux(o, cap)[:, :-1]
+            ids = seq[1:]
+            T = len(ids)
             lg, _ = drafter(torch.tensor([ids]), aux, torch.arange(T), causal_mask(T))
             pred = drafter.to_target_ids(lg[0].argmax(-1)).tolist()
             for t in range(len(p) - 1, len(seq) - 2):
-                gold = seq[t + 2]; ok = pred[t] == gold
-                c["n"] += 1; c["ok"] += ok
+                gold = seq[t + 2]
+                ok = pred[t] == gold
+                c["n"] += 1
+                c["ok"] += ok
                 tri = copy_prediction(seq, t, 3)
                 if tri is not None and tri == gold:
-                    c["tri_n"] += 1; c["tri_ok"] += ok
+                    c["tri_n"] += 1
+                    c["tri_ok"] += ok
     return {"step1_acc": c["ok"] / c["n"], "copy3_acc": c["tri_ok"] / max(1, c["tri_n"]), "copy3_n": c["tri_n"]}
 
 def worker(name, overrides, shard_dir, out_dir, data_pt):
@@ -70,7 +77,8 @@ def worker(name, overrides, shard_dir, out_dir, data_pt):
     from eyas.export import export_drafter, load_exported
     from eyas.evaluate import evaluate_acceptance, _eos_ids
     from transformers import AutoModelForCausalLM
-    out = Path(out_dir) / name; out.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir) / name
+    out.mkdir(parents=True, exist_ok=True)
     ov = {"training.output_dir": str(out / "train"), "training.checkpoint_every": 100000,
           "evaluation.draft_steps": [3], "evaluation.device": "cpu"}
     ov.update(overrides)
@@ -89,7 +97,8 @@ def worker(name, overrides, shard_dir, out_dir, data_pt):
     drafter, _, m = load_exported(ddir, target_checkpoint=cfg.target.checkpoint)
     target = AutoModelForCausalLM.from_pretrained(str(cfg.target.checkpoint), dtype=torch.float32).eval()
     dg = diag(drafter, target, prompts, cfg.target.capture_ids(), _eos_ids(target))
-    r = {"name": name, "overrides": overrides, "al": round(ev.acceptance_length, 4), "identical": ev.identical_to_target,
+    r = {"name": name, "overrides": overrides, "al": round(ev.acceptance_length, 4),
+         "identical": ev.identical_to_target,
          "sim_al": res.simulated_acceptance_length, "final_loss": res.final_loss, "train_s": round(t_train, 1),
          "steps": res.steps, **{k: round(v, 4) if isinstance(v, float) else v for k, v in dg.items()}}
     (out / "result.json").write_text(json.dumps(r))
