@@ -15,6 +15,7 @@ Goal: bf16 GEMMs at most 0.75x the fp32 step time. Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -27,9 +28,9 @@ import torch  # noqa: E402
 
 from eyas import fused  # noqa: E402
 from eyas.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
-from eyas.losses import HEAD_CHUNK_ROWS_CPU, TTTObjective, teacher_labels  # noqa: E402
+from eyas.losses import HEAD_CHUNK_ROWS_CPU, TTTObjective, scored_counts, teacher_labels  # noqa: E402
 from eyas.target_head import TargetHead  # noqa: E402
-from eyas.train import clip_and_step, make_optimizer  # noqa: E402
+from eyas.train import lr_factor, make_optimizer, optimizer_step  # noqa: E402
 
 H, V, VD, K, B = 256, 4096, 2048, 3, 6
 
@@ -40,27 +41,25 @@ def make_mode(gemm_dtype):
                                         num_key_value_heads=4, head_dim=64, intermediate_size=512,
                                         vocab_size=V, draft_vocab_size=VD))
     objective = TTTObjective(model, head_chunk=HEAD_CHUNK_ROWS_CPU, gemm_dtype=gemm_dtype)
-    params = [p for p in objective.parameters() if p.requires_grad]
-    return objective, params, make_optimizer(params, 3e-3, 0.0)
+    opt = make_optimizer([p for p in objective.parameters() if p.requires_grad], 3e-3, 0.0)
+    return objective, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 3, 1000))
 
 
 def batches(n: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    head = TargetHead(torch.randn(V, H, generator=g) / H ** 0.5, None, 1e-6)
     for _ in range(n):
         T = int(torch.randint(150, 385, (1,), generator=g))
-        ids = torch.randint(0, V, (B, T), generator=g)
-        aux, last = torch.randn(B, T, 3 * H, generator=g), torch.randn(B, T, H, generator=g)
-        yield ids, aux, teacher_labels(head, last, torch.ones(B, T, dtype=torch.bool), VD), B * T
+        yield {"ids": torch.randint(0, V, (B, T), generator=g), "aux": torch.randn(B, T, 3 * H, generator=g),
+               "last": torch.randn(B, T, H, generator=g), "loss_mask": torch.ones(B, T, dtype=torch.bool)}
 
 
-def step(mode, ids, aux, labels) -> float:
-    objective, params, opt = mode
+def step(mode, batch, head) -> float:
+    """One optimizer step as eyas.train runs it (teacher included) -> seconds."""
+    objective, opt, sched = mode
     t = time.perf_counter()
-    loss, _, _ = objective(ids, aux, labels, K, 0.8)
-    loss.backward()
-    clip_and_step(params, opt, 0.5)
-    opt.zero_grad(set_to_none=True)
+    optimizer_step(objective, objective, opt, sched, [batch],
+                   lambda b: teacher_labels(head, b["last"], b["loss_mask"], VD), ttt_steps=K, decay=0.8,
+                   counts=scored_counts(list(batch["loss_mask"]), K), grad_clip=0.5, autocast=contextlib.nullcontext())
     return time.perf_counter() - t
 
 
@@ -72,14 +71,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     amx = fused.cpu_bf16_gemm()
     modes = {"fp32": make_mode(None), **({"bf16_gemms": make_mode(torch.bfloat16)} if amx else {})}
+    head = TargetHead(torch.randn(V, H, generator=torch.Generator().manual_seed(1)) / H ** 0.5, None, 1e-6)
     times, tokens = {m: [] for m in modes}, []
-    for i, (ids, aux, labels, n) in enumerate(batches(args.steps + 3)):
+    for i, batch in enumerate(batches(args.steps + 3)):
         for name, mode in modes.items():
-            dt = step(mode, ids, aux, labels)
+            dt = step(mode, batch, head)
             if i >= 3:
                 times[name].append(dt)
         if i >= 3:
-            tokens.append(n)
+            tokens.append(batch["ids"].numel())
     med = {m: statistics.median(t) for m, t in times.items()}
     figures = {"threads": args.threads, "amx": amx, "tokens_per_step": round(statistics.mean(tokens)),
                **{f"{m}_step_ms": round(1000 * s, 1) for m, s in med.items()},

@@ -163,25 +163,24 @@ class _SharedLinear(torch.autograd.Function):
     """x @ w.T for a weight shared by the TTT steps: dx as usual, dW added to the weight's sink."""
 
     @staticmethod
-    def forward(ctx, x, token, w, sink, out_dtype, pad):
-        # x (..., in); w (out, in) detached, already in the GEMM dtype; the output in out_dtype.
-        # pad: the rows as fused.rows_padded lays them out (CPU bf16 GEMMs), else as they come
+    def forward(ctx, x, token, w, sink, out_dtype):
+        # x (..., in); w (out, in) detached, already in the GEMM dtype; the output in out_dtype
         x2 = x.reshape(-1, x.shape[-1])  # (M, in)
-        xg = fused.rows_padded(x2, w.dtype) if pad else x2.to(w.dtype)
+        xg = fused.gemm_operand(x2, w.dtype)  # (M or more, in): CPU bf16 GEMMs get padded rows
         ctx.save_for_backward(xg)
-        ctx.w, ctx.sink, ctx.x_dtype, ctx.x_shape, ctx.pad = w, sink, x.dtype, x.shape, pad
+        ctx.w, ctx.sink, ctx.x_dtype, ctx.x_shape = w, sink, x.dtype, x.shape
         return (xg @ w.T)[:x2.shape[0]].to(out_dtype).view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         xg, = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dyg = fused.rows_padded(dy2, ctx.w.dtype) if ctx.pad else dy2.to(ctx.w.dtype)
+        dyg = fused.gemm_operand(dy2, ctx.w.dtype)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = (dyg @ ctx.w)[:dy2.shape[0]].view(ctx.x_shape).to(ctx.x_dtype)
         ctx.sink.add(dyg.T, xg)  # padded rows are zeros on both sides: they add nothing
-        return dx, dy.new_zeros((), dtype=torch.float32), None, None, None, None
+        return dx, dy.new_zeros((), dtype=torch.float32), None, None, None
 
 
 class TTTWeights:
@@ -199,7 +198,6 @@ class TTTWeights:
                 "gate_proj": m.gate_proj, "up_proj": m.up_proj, "down_proj": m.down_proj}
         grad = torch.is_grad_enabled()
         self.w, self.sink, self.token, self.dtype = {}, {}, {}, dtype
-        self.pad = gemm_dtype is not None and drafter.fc.weight.device.type == "cpu"
         for name, mod in mods.items():
             w = mod.weight
             self.w[name] = w.detach().to(gemm_dtype or dtype)
@@ -210,7 +208,7 @@ class TTTWeights:
         w = self.w[name]
         if self.token[name] is None:
             return (x.to(w.dtype) @ w.T).to(self.dtype)
-        return _SharedLinear.apply(x, self.token[name], w, self.sink[name], self.dtype, self.pad)
+        return _SharedLinear.apply(x, self.token[name], w, self.sink[name], self.dtype)
 
 
 def compute_dtype(device: torch.device, default: torch.dtype) -> torch.dtype:

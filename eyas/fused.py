@@ -81,6 +81,14 @@ def rows_padded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def gemm_operand(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (M, K) in a GEMM's dtype: on a CPU in reduced precision with its rows padded (rows_padded),
+    elsewhere as it is. Callers take the first M rows of the product."""
+    if x.device.type == "cpu" and dtype != torch.float32:
+        return rows_padded(x, dtype)
+    return x.to(dtype)
+
+
 def use_compile(enabled: bool) -> None:
     """Route the functions below through torch.compile (True) or run them eagerly (False)."""
     global _COMPILE

@@ -94,11 +94,9 @@ class _HeadSoftCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, probs, rows, row_w, chunk, grad, gemm_dtype):
         N, h_dtype = h.shape[0], h.dtype
-        if gemm_dtype is not None and h.device.type == "cpu":  # GEMM row counts from a few cached kernel shapes
-            h = fused.rows_padded(h, gemm_dtype)  # (N', H): the rows past N are zeros of weight 0
+        h = fused.gemm_operand(h, gemm_dtype or h_dtype)  # (N', H): any rows past N are zeros, of weight 0
+        if h.shape[0] > N:
             rows, row_w = F.pad(rows, (0, h.shape[0] - N)), F.pad(row_w, (0, h.shape[0] - N))
-        else:
-            h = h.to(gemm_dtype or h_dtype)
         W = weight.to(h.dtype)  # (V_d, H)
         gh = torch.empty_like(h) if grad else None  # (N', H) d loss / d h, filled chunk by chunk
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if grad else None  # (V_d, H)
