@@ -4,7 +4,7 @@
 
 The drafter and the batches have the embedded default's shapes (hidden 256, 4 heads, intermediate
 512, vocabulary 4096, draft vocabulary 2048, TTT 3, batch 6 of 150 to 384 tokens), with random
-target states. Each step is what eyas.train runs: the chunked teacher, the TTT forward/backward
+target states. Each step is what eyas.training.train runs: the chunked teacher, the TTT forward/backward
 with the fused head loss, clipping, AdamW. The two modes run the same batches, alternating step by
 step (the machine's noise hits both alike); a step's time is the median after 3 warm-up steps.
 bf16 GEMMs need a CPU with bf16 matrix units (AMX); without them the script says so and measures fp32 only.
@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from eyas import fused  # noqa: E402
-from eyas.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
-from eyas.losses import HEAD_CHUNK_ROWS_CPU, TTTObjective, scored_counts, teacher_labels  # noqa: E402
-from eyas.target_head import TargetHead  # noqa: E402
-from eyas.train import lr_factor, make_optimizer, optimizer_step  # noqa: E402
+from eyas.training import kernels as fused  # noqa: E402
+from eyas.training.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eyas.training.losses import HEAD_CHUNK_ROWS_CPU, TTTObjective, scored_counts, teacher_labels  # noqa: E402
+from eyas.training.target_head import TargetHead  # noqa: E402
+from eyas.training.train import lr_factor, make_optimizer, optimizer_step  # noqa: E402
 
 H, V, VD, K, B = 256, 4096, 2048, 3, 6
 
@@ -54,7 +54,7 @@ def batches(n: int, seed: int = 0):
 
 
 def step(mode, batch, head) -> float:
-    """One optimizer step as eyas.train runs it (teacher included) -> seconds."""
+    """One optimizer step as eyas.training.train runs it (teacher included) -> seconds."""
     objective, opt, sched = mode
     t = time.perf_counter()
     optimizer_step(objective, objective, opt, sched, [batch],

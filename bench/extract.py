@@ -6,7 +6,7 @@
     single-threaded) gets the same sequences (held-out-free fixture conversations, tokenized with
     the chat template) two ways, alternating order over `--rounds` rounds: plain prefill (rids
     starting with WARMUP_, which the dump writer skips: no hidden states kept, nothing written,
-    nothing collected) and full extraction (eyas.extract: capture, dump records, collect, validate,
+    nothing collected) and full extraction (eyas.extraction.extract: capture, dump records, collect, validate,
     write the shard, sha256, fsync). Both go through the same ServerPool with the same requests in
     flight. Figure: median over rounds of extraction tokens/s / plain tokens/s. Goal >= 0.90.
 (b) Bytes per token of the shards of (a), divided by the bf16 minimum 4 x H x 2 + 4 + 1 (three aux
@@ -42,12 +42,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eyas import readiness  # noqa: E402
-from eyas.client import Endpoint, ServerPool  # noqa: E402
-from eyas.data import TokenizedSample, load_conversations, prepare, write_shard_plans  # noqa: E402
-from eyas.extract import SAMPLING, extract_shard, shard_path  # noqa: E402
-from eyas.hosts import LocalHost  # noqa: E402
-from eyas.shards import ShardReader, bytes_per_token  # noqa: E402
+from eyas.server import readiness  # noqa: E402
+from eyas.extraction.client import Endpoint, ServerPool  # noqa: E402
+from eyas.extraction.data import TokenizedSample, load_conversations, prepare, write_shard_plans  # noqa: E402
+from eyas.extraction.extract import SAMPLING, extract_shard, shard_path  # noqa: E402
+from eyas.server.hosts import LocalHost  # noqa: E402
+from eyas.extraction.shards import ShardReader, bytes_per_token  # noqa: E402
 
 TARGET = ROOT / "fixtures" / "tiny-target"
 CAPTURE = [2, 4, 5]
@@ -70,7 +70,7 @@ def dump_dir(workdir: Path) -> Path:
 
 def start_server(host: LocalHost, model: Path, workdir: Path, *flags: str) -> tuple[int, str, Path]:
     port, log, dump = free_port(), workdir / "server.log", dump_dir(workdir)
-    cmd = shlex.join([sys.executable, "-m", "eyas.local_server", "--model-path", str(model), "--port", str(port),
+    cmd = shlex.join([sys.executable, "-m", "eyas.local.server", "--model-path", str(model), "--port", str(port),
                       "--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids",
                       *map(str, CAPTURE), "--disable-radix-cache", *flags])
     pid = host.start(cmd, log_path=log, env={"OMP_NUM_THREADS": "1", "EYAS_DUMP_DIR": str(dump)}, cwd=ROOT)

@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eyas import readiness  # noqa: E402
-from eyas.hosts import LocalHost  # noqa: E402
+from eyas.server import readiness  # noqa: E402
+from eyas.server.hosts import LocalHost  # noqa: E402
 
 TARGET = ROOT / "fixtures" / "tiny-target"
 
@@ -42,7 +42,7 @@ def free_port() -> int:
 
 def start(host, workdir: Path, *flags: str) -> tuple[int, Path, str]:
     port, log = free_port(), workdir / "server.log"
-    cmd = shlex.join([sys.executable, "-m", "eyas.local_server", "--model-path", str(TARGET),
+    cmd = shlex.join([sys.executable, "-m", "eyas.local.server", "--model-path", str(TARGET),
                       "--port", str(port), "--skip-server-warmup", *flags])
     pid = host.start(cmd, log_path=log, env={"OMP_NUM_THREADS": "1"})
     return pid, log, f"http://127.0.0.1:{port}"
@@ -103,7 +103,7 @@ def ssh_poll_ms(n: int = 50) -> float | None:
     if not os.path.exists("/usr/sbin/sshd") or os.geteuid() != 0:
         return None
     from eyas.config import HostConfig
-    from eyas.hosts import SSHHost
+    from eyas.server.hosts import SSHHost
     from tests.sshd import start_sshd
 
     with tempfile.TemporaryDirectory() as tmp:

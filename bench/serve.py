@@ -3,7 +3,7 @@
     python bench/serve.py [--config configs/local-tiny.yaml] [--drafter DIR]
 
 Both servers in one run, side by side, at the config's 3/1/4 chain, through the same code as the
-pipeline's benchmark stage (eyas.serve_bench). The drafter is --drafter, else <run_dir>/drafter
+pipeline's benchmark stage (eyas.evaluation.serve_bench). The drafter is --drafter, else <run_dir>/drafter
 from an earlier `eyas run`, else the newest training checkpoint under training.output_dir
 exported into a temporary folder (the shard manifest supplies the layer ids). Goal (issue 8):
 single-stream speed-up above 1.0. The last line printed is one JSON object.
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def find_drafter(cfg, given: str | None, tmp: Path) -> Path:
-    from eyas.export import export_drafter
+    from eyas.evaluation.export import export_drafter
 
     if given:
         return Path(given)
@@ -51,7 +51,7 @@ def main() -> None:
     p.add_argument("--drafter", default=None)
     args = p.parse_args()
     from eyas.config import load_config
-    from eyas.serve_bench import heldout_prompts, run_serve_bench
+    from eyas.evaluation.serve_bench import heldout_prompts, run_serve_bench
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -7,7 +7,7 @@
 The drafter is SGLang's LlamaForCausalLMEagle3 at Kimi-K2.5 size (H 7168, 64 heads of 128,
 intermediate 18432, vocab 163840, draft vocab 32000), trained on synthetic target states (random
 aux and last hidden states, a random draft-vocabulary map) at sequence 4096 with 7 TTT steps.
-A step is exactly what `eyas.train` runs per optimizer step: the chunked teacher over the full
+A step is exactly what `eyas.training.train` runs per optimizer step: the chunked teacher over the full
 vocabulary, the TTT forward/backward with the fused head loss, gradient clipping, fused AdamW,
 the schedule. Step time is the median of --steps synchronized steps after --warmup.
 
@@ -38,16 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from eyas import attention, fused  # noqa: E402
-from eyas import drafter as drafter_mod  # noqa: E402
-from eyas import losses as losses_mod  # noqa: E402
-from eyas import train as eyas_train  # noqa: E402
-from eyas.attention import reference_ttt_attention, ttt_attention  # noqa: E402
-from eyas.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
-from eyas.losses import (Labels, TTTObjective, draft_first_order, head_soft_ce, scored_counts,  # noqa: E402
+from eyas.training import attention, kernels as fused  # noqa: E402
+from eyas.training import drafter as drafter_mod  # noqa: E402
+from eyas.training import losses as losses_mod  # noqa: E402
+from eyas.training import train as eyas_train  # noqa: E402
+from eyas.training.attention import reference_ttt_attention, ttt_attention  # noqa: E402
+from eyas.training.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eyas.training.losses import (Labels, TTTObjective, draft_first_order, head_soft_ce, scored_counts,  # noqa: E402
                          teacher_labels)
-from eyas.target_head import TargetHead  # noqa: E402
-from eyas.train import clip_and_step, lr_factor, make_optimizer, optimizer_step  # noqa: E402
+from eyas.training.target_head import TargetHead  # noqa: E402
+from eyas.training.train import clip_and_step, lr_factor, make_optimizer, optimizer_step  # noqa: E402
 
 KIMI = dict(hidden_size=7168, target_hidden_size=7168, num_attention_heads=64, num_key_value_heads=64,
             head_dim=128, intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000)

@@ -55,8 +55,8 @@ def cmd_check_config(args) -> int:
 
 
 def cmd_stop(args) -> int:
-    from eyas.hosts import make_host
-    from eyas.launch import stop_server
+    from eyas.server.hosts import make_host
+    from eyas.server.launch import stop_server
 
     cfg = _load(args)
     print(json.dumps(stop_server(make_host(cfg.server.host), cfg)))
@@ -64,7 +64,7 @@ def cmd_stop(args) -> int:
 
 
 def cmd_make_tiny_target(args) -> int:
-    from eyas.tiny_target import build_tiny_target
+    from eyas.local.tiny_target import build_tiny_target
 
     metrics = build_tiny_target(Path(args.out), steps=args.steps, device=args.device, seed=args.seed)
     print(json.dumps(metrics, indent=2))
@@ -74,7 +74,7 @@ def cmd_make_tiny_target(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve-local":
-        from eyas.local_server import main as serve_local
+        from eyas.local.server import main as serve_local
 
         return serve_local(argv[1:])
     p = argparse.ArgumentParser(prog="eyas", description="Raise EAGLE-3 drafters for SGLang targets.")

@@ -123,7 +123,7 @@ class SensorConfig(StrictModel):
 
 
 class RegenerateConfig(StrictModel):
-    """Answer the training conversations' assistant turns again with the target (eyas/regenerate.py)."""
+    """Answer the training conversations' assistant turns again with the target (eyas/extraction/regenerate.py)."""
 
     enabled: bool = False
     max_new_tokens: int = Field(512, ge=1)  #: per assistant turn
@@ -196,7 +196,7 @@ class DrafterShape(StrictModel):
 
 
 class DistributedConfig(StrictModel):
-    """Training on several processes through torchrun, launched through the Host seam (eyas/distributed.py).
+    """Training on several processes through torchrun, launched through the Host seam (eyas/training/distributed.py).
 
     The default (one process, one host) trains inside the flow's own process. Shards and
     training.output_dir must be on a filesystem every training host sees at the same paths.
@@ -243,7 +243,7 @@ class TrainingConfig(StrictModel):
     aux_noise: float = Field(0.0, ge=0)
     #: on GPU: bf16 autocast over fp32 master weights; on a CPU with AMX: bf16 GEMMs, the rest fp32
     precision: Literal["bf16", "fp32"] = "bf16"
-    #: fuse the elementwise regions with torch.compile (eyas/fused.py); None = on a GPU only
+    #: fuse the elementwise regions with torch.compile (eyas/training/kernels.py); None = on a GPU only
     compile: bool | None = None
     seed: int = 0
     device: str = "auto"  #: "auto" = cuda if available else cpu

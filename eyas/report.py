@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas import __version__
-from eyas.shards import write_json_atomic
+from eyas.extraction.shards import write_json_atomic
 
 
 def artifact_key(prefix: str, name: str) -> str:

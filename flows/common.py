@@ -17,9 +17,9 @@ from prefect.concurrency.sync import concurrency
 from prefect.logging import get_logger, get_run_logger
 
 from eyas.config import PipelineConfig, config_from_dict, load_config
-from eyas.hosts import make_host
-from eyas.launch import stop_server
-from eyas.resume import hold_lock, release_lock
+from eyas.server.hosts import make_host
+from eyas.server.launch import stop_server
+from eyas.extraction.locks import hold_lock, release_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = "configs/local-tiny.yaml"

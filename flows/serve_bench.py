@@ -19,11 +19,11 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from eyas import serve_bench
-from eyas.hosts import make_host
-from eyas.launch import stop_server
+from eyas.evaluation import serve_bench
+from eyas.server.hosts import make_host
+from eyas.server.launch import stop_server
 from eyas.report import artifact_key
-from eyas.shards import write_json_atomic
+from eyas.extraction.shards import write_json_atomic
 from flows.common import DEFAULT_CONFIG, ConfigParam, gpu_host, resolve_config
 from flows.serve import run_name
 from tasks.serve_bench import benchmark_serving_for

@@ -15,7 +15,7 @@ from prefect import flow
 from prefect.events import emit_event
 
 from eyas.report import Stopwatch
-from eyas.shards import verify_shard
+from eyas.extraction.shards import verify_shard
 from flows.common import DEFAULT_CONFIG, ConfigParam, resolve_config
 from flows.serve import run_name
 from tasks.extract import prepare_data
@@ -36,7 +36,7 @@ def train_drafter(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any
         trained = train(cfg, manifests)
     with stage("export"):
         drafter_dir = export(cfg, trained, manifests[0])
-    emit_event(event="eyas.drafter.exported", resource={"prefect.resource.id": f"eyas.run.{cfg.name}"},
+    emit_event(event="eyas.training.drafter.exported", resource={"prefect.resource.id": f"eyas.run.{cfg.name}"},
                payload={"drafter_dir": drafter_dir})
     with stage("evaluate"):
         evaluation = evaluate_for(cfg)(cfg, drafter_dir, prompts)

@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eyas import tiny_target as tt  # noqa: E402
+from eyas.local import tiny_target as tt  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "fixtures" / "data" / "conversations.jsonl"

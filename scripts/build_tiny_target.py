@@ -24,7 +24,7 @@ from pathlib import Path
 # The GPU machine runs this from a bare copy of the tree, where eyas is not installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eyas import tiny_target  # noqa: E402
+from eyas.local import tiny_target  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,9 +22,9 @@ import torch  # noqa: E402
 
 def main() -> None:
     name, port, extra = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3] if len(sys.argv) > 3 else "{}")
-    from eyas import serve_bench
+    from eyas.evaluation import serve_bench
     from eyas.config import load_config
-    from eyas.shards import ShardReader
+    from eyas.extraction.shards import ShardReader
     from flows.extract import extract
 
     rd = ROOT / "runs" / name

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 def build_shards(data_pt, out_dir, device):
-    from eyas.shards import Sample, write_shard
+    from eyas.extraction.shards import Sample, write_shard
     from transformers import AutoModelForCausalLM
     d = torch.load(data_pt)
     out_dir = Path(out_dir)
@@ -48,8 +48,8 @@ def copy_prediction(seq, t, n):
     return None
 
 def diag(drafter, target, prompts, cap, eos):
-    from eyas.evaluate import target_greedy, _aux
-    from eyas.drafter import causal_mask
+    from eyas.evaluation.evaluate import target_greedy, _aux
+    from eyas.training.drafter import causal_mask
     c = collections.Counter()
     with torch.no_grad():
         for p in prompts:
@@ -73,9 +73,9 @@ def diag(drafter, target, prompts, cap, eos):
 
 def worker(name, overrides, shard_dir, out_dir, data_pt):
     from eyas.config import load_config
-    from eyas.train import train_drafter
-    from eyas.export import export_drafter, load_exported
-    from eyas.evaluate import evaluate_acceptance, _eos_ids
+    from eyas.training.train import train_drafter
+    from eyas.evaluation.export import export_drafter, load_exported
+    from eyas.evaluation.evaluate import evaluate_acceptance, _eos_ids
     from transformers import AutoModelForCausalLM
     out = Path(out_dir) / name
     out.mkdir(parents=True, exist_ok=True)
@@ -88,7 +88,7 @@ def worker(name, overrides, shard_dir, out_dir, data_pt):
     logf = open(out / "train.log", "w")
     res = train_drafter(cfg.training, cfg.target, shards, log=lambda s: (logf.write(s + "\n"), logf.flush()))
     t_train = time.time() - t0
-    from eyas.shards import ShardReader
+    from eyas.extraction.shards import ShardReader
     meta = ShardReader(shards[0]).meta
     ddir = export_drafter(res.checkpoint_dir, out / "drafter", target=cfg.target, export=cfg.export, shard_meta=meta)
     torch.set_num_threads(2)

@@ -15,12 +15,14 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_logger, get_run_logger
 
-from eyas import __version__, data, dataset, extract, resume
-from eyas.client import Endpoint, ServerPool
+from eyas import __version__
+
+from eyas.extraction import data, dataset, extract, locks as resume
+from eyas.extraction.client import Endpoint, ServerPool
 from eyas.config import PipelineConfig
-from eyas.data import ShardPlan
-from eyas.hosts import make_host
-from eyas.launch import server_alive
+from eyas.extraction.data import ShardPlan
+from eyas.server.hosts import make_host
+from eyas.server.launch import server_alive
 from eyas.target import load_tokenizer
 
 
@@ -28,7 +30,7 @@ def _logger():
     try:
         return get_run_logger()
     except Exception:  # noqa: BLE001 - outside a run context (cache-key function, callbacks)
-        return get_logger("eyas.extract")
+        return get_logger("eyas.extraction.extract")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +205,7 @@ def _regeneration_inputs(cfg: PipelineConfig):
 
 def regeneration_pending(cfg: PipelineConfig) -> list[int]:
     """Parts of the regeneration still to ask the target for; [] = regenerated.jsonl needs no server."""
-    from eyas.regenerate import pending_parts
+    from eyas.extraction.regenerate import pending_parts
 
     train, _, tokenizer, out_dir, target, _ = _regeneration_inputs(cfg)
     return pending_parts(train, tokenizer, out_dir, cfg.data.regenerate, target=target,
@@ -213,7 +215,7 @@ def regeneration_pending(cfg: PipelineConfig) -> list[int]:
 @task(task_run_name="regenerate-data@{cfg.server.host.name}", cache_policy=NO_CACHE)
 def regenerate_data(cfg: PipelineConfig) -> str:
     """Answer the training conversations again with the target (resumable by part); returns the new file."""
-    from eyas.regenerate import regenerate
+    from eyas.extraction.regenerate import regenerate
 
     logger = _logger()
     train, heldout, tokenizer, out_dir, target, skipped = _regeneration_inputs(cfg)

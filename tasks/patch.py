@@ -3,9 +3,9 @@
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from eyas import sglang_patch
+from eyas.server import sglang_patch
 from eyas.config import PipelineConfig
-from eyas.hosts import make_host
+from eyas.server.hosts import make_host
 
 
 def _transient(task, task_run, state) -> bool:

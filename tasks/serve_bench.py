@@ -4,8 +4,8 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from eyas.config import PipelineConfig
-from eyas.export import drafter_digest
-from eyas.serve_bench import run_serve_bench
+from eyas.evaluation.export import drafter_digest
+from eyas.evaluation.serve_bench import run_serve_bench
 from tasks.train import result_key
 
 

@@ -8,9 +8,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 from prefect.logging import get_run_logger
 
-from eyas import launch, readiness
+from eyas.server import launch, readiness
 from eyas.config import PipelineConfig
-from eyas.hosts import HostAuthError, make_host
+from eyas.server.hosts import HostAuthError, make_host
 from eyas.report import artifact_key
 
 

@@ -10,10 +10,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from eyas.config import PipelineConfig
-from eyas.distributed import launch_training
-from eyas.evaluate import evaluate_acceptance
-from eyas.export import drafter_digest, export_drafter
-from eyas.train import train_drafter
+from eyas.training.distributed import launch_training
+from eyas.evaluation.evaluate import evaluate_acceptance
+from eyas.evaluation.export import drafter_digest, export_drafter
+from eyas.training.train import train_drafter
 
 
 def _plain(obj) -> dict:

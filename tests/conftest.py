@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eyas.hosts import LocalHost
+from eyas.server.hosts import LocalHost
 
 # A random-init DeepSeek-V3 (MLA attention, MoE from layer 1) small enough to load in a second.
 TINY_DSV3 = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -112,7 +112,7 @@ def start_server(random_target, tmp_path_factory):
         if dump_dir is not None:
             env["EYAS_DUMP_DIR"] = str(dump_dir)
             env["EYAS_DUMP_DTYPE"] = "float32"  # exact comparison with an in-process forward
-        cmd = shlex.join([sys.executable, "-m", "eyas.local_server", "--model-path",
+        cmd = shlex.join([sys.executable, "-m", "eyas.local.server", "--model-path",
                           str(model or random_target), "--port", str(port), *flags])
         pid = host.start(cmd, log_path=workdir / "server.log", env=env,
                          cwd=Path(__file__).resolve().parents[1])
@@ -158,8 +158,8 @@ def exported_drafter(random_target, tmp_path_factory) -> tuple[Path, Path]:
     import torch
 
     from eyas.config import ExportConfig
-    from eyas.export import export_drafter
-    from eyas.train import train_drafter
+    from eyas.evaluation.export import export_drafter
+    from eyas.training.train import train_drafter
     from tests.helpers_training import (shard_meta, sharpen_target, target_config, training_config,
                                         write_shards)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from eyas.config import TargetConfig, TrainingConfig
-from eyas.shards import Sample, write_shard
+from eyas.extraction.shards import Sample, write_shard
 
 CAPTURE = [2, 4, 5]  # capture-before ids for the 8-layer random target
 

@@ -7,7 +7,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from eyas.client import Endpoint, RequestFailed, ServerPool
+from eyas.extraction.client import Endpoint, RequestFailed, ServerPool
 
 
 class Counting(ThreadingHTTPServer):

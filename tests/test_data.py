@@ -3,7 +3,7 @@ import json
 import pytest
 
 from eyas.config import DataConfig
-from eyas.data import (DataError, load_conversations, load_records, prepare, read_shard_plan, tokenize_conversation,
+from eyas.extraction.data import (DataError, load_conversations, load_records, prepare, read_shard_plan, tokenize_conversation,
                        write_shard_plans)
 from eyas.target import load_tokenizer
 from tests.stage_config import ROOT

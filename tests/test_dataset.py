@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from eyas.data import TokenizedSample, write_shard_plans
-from eyas.dataset import ExtractionRun, build_dataset_manifest, dataset_path
-from eyas.extract import ShardProgress
-from eyas.shards import Sample, write_shard
+from eyas.extraction.data import TokenizedSample, write_shard_plans
+from eyas.extraction.dataset import ExtractionRun, build_dataset_manifest, dataset_path
+from eyas.extraction.extract import ShardProgress
+from eyas.extraction.shards import Sample, write_shard
 
 PROVENANCE = {"layer_ids": [2, 4, 5], "layer_convention": "capture-before", "capture_ids": [2, 4, 5],
               "layer_ids_capture_before": [2, 4, 5], "layer_ids_output_of": [1, 3, 4], "last_hidden_norm": "post",

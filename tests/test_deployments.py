@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from eyas.hosts import LocalHost
+from eyas.server.hosts import LocalHost
 from tests.prefect_server import ROOT, start_prefect_server
 from tests.stage_config import free_port
 
@@ -144,7 +144,7 @@ def test_rerun_serves_extraction_from_cache_and_automation_starts_training(serve
 
 def test_server_failure_fails_the_run_with_the_reason_and_stops_the_server(server, small):
     from eyas.config import load_config
-    from eyas.launch import stop_server
+    from eyas.server.launch import stop_server
 
     overrides = small("dep-oom", **{"server.launch_args": ["--fault", "oom-at-shard", "--fault-shard", "2"]})
     run = wait_flow_run(server, deployment_run(server, "eagle3-pipeline/pipeline", overrides))

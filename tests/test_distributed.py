@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eyas.distributed import TrainingLaunchError, launch_training
-from eyas.train import train_drafter
+from eyas.training.distributed import TrainingLaunchError, launch_training
+from eyas.training.train import train_drafter
 from tests.helpers_training import sharpen_target, target_config, training_config, write_shards
 
 torch.set_num_threads(1)

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from eyas.draft_vocab import build_draft_vocab, count_tokens
-from eyas.shards import Sample, ShardReader, write_shard
+from eyas.training.draft_vocab import build_draft_vocab, count_tokens
+from eyas.extraction.shards import Sample, ShardReader, write_shard
 
 
 def test_most_frequent_tokens_with_offsets_and_mask():

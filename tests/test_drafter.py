@@ -2,9 +2,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eyas.drafter import DrafterConfig, Eagle3Drafter, KVCache, apply_rope, causal_mask, rope_cos_sin
-from eyas.export import expected_weights
-from eyas.train import shift_left
+from eyas.training.drafter import DrafterConfig, Eagle3Drafter, KVCache, apply_rope, causal_mask, rope_cos_sin
+from eyas.evaluation.export import expected_weights
+from eyas.training.train import shift_left
 
 torch.set_num_threads(1)
 

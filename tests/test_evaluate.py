@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from eyas.config import EvaluationConfig, ExportConfig
-from eyas.evaluate import evaluate_acceptance, simulated_acceptance_length
-from eyas.export import export_drafter
-from eyas.train import train_drafter
+from eyas.evaluation.evaluate import evaluate_acceptance, simulated_acceptance_length
+from eyas.evaluation.export import export_drafter
+from eyas.training.train import train_drafter
 from tests.helpers_training import (CAPTURE, shard_meta, sharpen_target, target_config, target_samples,
                                     training_config, write_shards)
 

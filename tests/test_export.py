@@ -13,10 +13,10 @@ import transformers
 from safetensors import safe_open
 
 from eyas.config import ExportConfig
-from eyas.drafter import DrafterConfig, Eagle3Drafter, causal_mask
-from eyas.export import DTYPES, check_layer_ids, export_drafter, load_exported
-from eyas.target_head import load_target_tensors
-from eyas.train import train_drafter
+from eyas.training.drafter import DrafterConfig, Eagle3Drafter, causal_mask
+from eyas.evaluation.export import DTYPES, check_layer_ids, export_drafter, load_exported
+from eyas.training.target_head import load_target_tensors
+from eyas.training.train import train_drafter
 from tests.helpers_training import shard_meta, target_config, training_config, write_shards
 
 torch.set_num_threads(1)

@@ -6,13 +6,13 @@ import time
 import pytest
 import torch
 
-from eyas import readiness
-from eyas.client import Endpoint, ServerPool
-from eyas.data import TokenizedSample, write_shard_plans
-from eyas.extract import ExtractionError, ensure_shard, existing_shard, extract_shard, shard_path
-from eyas.hosts import LocalHost, wait_dead
-from eyas.launch import start_server, stop_server
-from eyas.shards import ShardReader, bytes_per_token, partial_path, verify_shard
+from eyas.server import readiness
+from eyas.extraction.client import Endpoint, ServerPool
+from eyas.extraction.data import TokenizedSample, write_shard_plans
+from eyas.extraction.extract import ExtractionError, ensure_shard, existing_shard, extract_shard, shard_path
+from eyas.server.hosts import LocalHost, wait_dead
+from eyas.server.launch import start_server, stop_server
+from eyas.extraction.shards import ShardReader, bytes_per_token, partial_path, verify_shard
 from tests.stage_config import stage_config
 
 CAPTURE = [2, 4, 5]
@@ -218,7 +218,7 @@ def test_a_dead_server_fails_the_shard_at_once_instead_of_backing_off(tmp_path, 
     recognised at the first failed request: seconds, where 30 retries of 30 s backoff would take hours."""
     from functools import partial
 
-    from eyas.launch import server_alive
+    from eyas.server.launch import server_alive
 
     _, plans = _plans(tmp_path, n=10, seed=6, num_shards=1)
     host, cfg_b, handle_b = _launch(tmp_path_factory.mktemp("server-dead"), random_target)
@@ -270,8 +270,8 @@ def test_regenerated_turns_are_the_targets_answers_and_parts_resume(server, tmp_
     from transformers import AutoTokenizer
 
     from eyas.config import DataConfig, RegenerateConfig
-    from eyas.data import _render, load_records, prepare
-    from eyas.regenerate import regenerate, turn_end_ids
+    from eyas.extraction.data import _render, load_records, prepare
+    from eyas.extraction.regenerate import regenerate, turn_end_ids
 
     cfg, _ = server
     tok = AutoTokenizer.from_pretrained(str(random_target))

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from eyas.dataset import dataset_path
-from eyas.shards import ShardReader
+from eyas.extraction.dataset import dataset_path
+from eyas.extraction.shards import ShardReader
 from flows.extract import extract
 from tests.stage_config import ROOT, stage_config
 
@@ -28,7 +28,7 @@ def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(p
     assert summary["conversations"] == 8 and summary["regenerated_turns"] >= 8 and summary["passed_through"] == 2
     assert json.loads(dataset_path(cfg.extraction.output_dir).read_text())["data"]["data_path"] == str(regenerated)
     # The shards hold the regenerated conversations, token for token.
-    from eyas.data import load_records, prepare
+    from eyas.extraction.data import load_records, prepare
     from eyas.target import load_tokenizer
 
     records, _ = load_records(regenerated)

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from eyas.config import HostConfig
-from eyas.hosts import HostAuthError, HostError, HostUnreachable, LocalHost, SSHHost, wait_dead
+from eyas.server.hosts import HostAuthError, HostError, HostUnreachable, LocalHost, SSHHost, wait_dead
 
 
 def ssh_config(sshd, **kw) -> HostConfig:

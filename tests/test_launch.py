@@ -2,9 +2,9 @@ import socket
 
 import pytest
 
-from eyas import readiness
-from eyas.hosts import LocalHost
-from eyas.launch import LaunchError, launch_command, start_server, stop_server
+from eyas.server import readiness
+from eyas.server.hosts import LocalHost
+from eyas.server.launch import LaunchError, launch_command, start_server, stop_server
 from eyas.config import load_config
 from tests.stage_config import ROOT, stage_config
 
@@ -61,7 +61,7 @@ def test_refuses_a_taken_port(tmp_path, random_target):
 
 
 def test_max_running_requests_goes_to_the_extraction_launch_only(tmp_path, random_target):
-    from eyas.serve_bench import server_config
+    from eyas.evaluation.serve_bench import server_config
 
     cfg = stage_config(tmp_path, random_target, **{"server.max_running_requests": 6})
     assert "--max-running-requests 6" in launch_command(cfg)

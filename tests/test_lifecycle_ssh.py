@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from eyas import readiness, sglang_patch
-from eyas.hosts import SSHHost
-from eyas.launch import start_server, stop_server
+from eyas.server import readiness, sglang_patch
+from eyas.server.hosts import SSHHost
+from eyas.server.launch import start_server, stop_server
 from tests.stage_config import stage_config
 
 pytestmark = pytest.mark.ssh

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from eyas.local_engine import READY_LINE, Engine, load_model
+from eyas.local.engine import READY_LINE, Engine, load_model
 from tests.test_local_server import greedy_reference, prompt
 
 PARAMS = dict(temperature=0.0, ignore_eos=False, stop_token_ids=[], sampling_seed=None, skip_special_tokens=True)
@@ -87,7 +87,7 @@ def test_server_with_max_running_requests_matches_greedy_reference(start_server,
 
 
 def _prefilled(engine: Engine, ids: list[int], max_new: int, cls=None):
-    from eyas.local_batch import Sequence
+    from eyas.local.batch import Sequence
 
     logits, cache = engine.prefill(ids, "p")
     return (cls or Sequence)(logits, cache, len(ids), max_new, 0.0, set(), torch.Generator())
@@ -106,7 +106,7 @@ def test_a_request_that_cannot_join_fails_instead_of_hanging(model):
 
 
 def test_one_requests_sampling_error_fails_that_request_only(model):
-    from eyas.local_batch import Sequence
+    from eyas.local.batch import Sequence
 
     class FailsOnThirdToken(Sequence):
         def take(self, logits):

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from eyas.dump import assemble, read_records
-from eyas.local_engine import (BAR_FORMAT, READY_LINE, Engine, fuse_experts, load_model,
+from eyas.local.engine import (BAR_FORMAT, READY_LINE, Engine, fuse_experts, load_model,
                                resolve_capture_ids, shard_files)
-from eyas.local_server import parse_args
-from eyas.readiness import READY_LINE as SENSOR_READY_LINE
+from eyas.local.server import parse_args
+from eyas.server.readiness import READY_LINE as SENSOR_READY_LINE
 
 CAPTURE = [2, 4, 6]
 CHUNK = 16
@@ -275,7 +275,7 @@ def test_speculative_flags_are_checked(flags, message, capsys):
 def test_speculative_server_matches_plain_greedy_and_reports_verify_steps(start_server, exported_drafter):
     from transformers import AutoModelForCausalLM
 
-    from eyas.evaluate import target_greedy
+    from eyas.evaluation.evaluate import target_greedy
 
     target, drafter = exported_drafter
     proc = start_server(*SPEC_FLAGS, "--speculative-draft-model-path", str(drafter), "--disable-radix-cache",

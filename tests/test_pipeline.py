@@ -71,8 +71,8 @@ def test_ready_was_detected_from_the_log(run):
 
 
 def test_every_shard_validates(run):
-    from eyas.data import read_shard_plan
-    from eyas.shards import ShardReader, verify_shard
+    from eyas.extraction.data import read_shard_plan
+    from eyas.extraction.shards import ShardReader, verify_shard
 
     cfg, state = run
     report = state.result()
@@ -105,7 +105,7 @@ def test_training_loss_fell(run):
 
 def test_exported_drafter_reloads_and_accepts_more_than_one_token(run):
     from eyas.config import EvaluationConfig
-    from eyas.evaluate import evaluate_acceptance
+    from eyas.evaluation.evaluate import evaluate_acceptance
 
     cfg, state = run
     report = state.result()
@@ -116,7 +116,7 @@ def test_exported_drafter_reloads_and_accepts_more_than_one_token(run):
     report_file = cfg.run_dir / "report.json"
     assert report_file.exists()
     # Reload from disk alone and measure again on two of the held-out prompts.
-    from eyas.data import load_conversations, prepare
+    from eyas.extraction.data import load_conversations, prepare
     from eyas.target import load_tokenizer
 
     tok = load_tokenizer(cfg.target.checkpoint)

@@ -12,9 +12,9 @@ import pytest
 from tqdm import tqdm
 
 from eyas.config import HostConfig
-from eyas.hosts import LocalHost, SSHHost
-from eyas.local_engine import BAR_DESC, BAR_FORMAT
-from eyas.readiness import (READY_LINE, LogCursor, Progress, ServerFailed, classify_fatal,
+from eyas.server.hosts import LocalHost, SSHHost
+from eyas.local.engine import BAR_DESC, BAR_FORMAT
+from eyas.server.readiness import (READY_LINE, LogCursor, Progress, ServerFailed, classify_fatal,
                             parse_progress, wait_until_ready)
 
 POLL = 0.25

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from eyas.dataset import DiskSpaceError, check_disk_space
-from eyas.hosts import LocalHost, wait_dead
-from eyas.shards import ShardReader, verify_shard
+from eyas.extraction.dataset import DiskSpaceError, check_disk_space
+from eyas.server.hosts import LocalHost, wait_dead
+from eyas.extraction.shards import ShardReader, verify_shard
 from tests.stage_config import ROOT, free_port
 
 pytestmark = pytest.mark.slow
@@ -139,9 +139,9 @@ def _artifacts(key: str):
 def test_disk_space_estimate_counts_missing_shards_and_refuses_with_a_clear_error(tmp_path):
     import torch
 
-    from eyas.data import TokenizedSample, write_shard_plans
-    from eyas.dataset import HEADER_BYTES, estimate_bytes
-    from eyas.shards import Sample, write_shard
+    from eyas.extraction.data import TokenizedSample, write_shard_plans
+    from eyas.extraction.dataset import HEADER_BYTES, estimate_bytes
+    from eyas.extraction.shards import Sample, write_shard
 
     plans = write_shard_plans([TokenizedSample([3] * n, [1] * n) for n in (10, 20, 30, 40)], 2, tmp_path / "plan")
     per_token = 4 * 256 * 2 + 5  # 3 aux layers + last, H=256, bf16, + id and mask
@@ -163,9 +163,9 @@ def test_disk_space_estimate_counts_missing_shards_and_refuses_with_a_clear_erro
 
 
 def test_output_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
-    from eyas.resume import OutputBusy, discard_partials, lock_output_dir, unlock_output_dir
+    from eyas.extraction.locks import OutputBusy, discard_partials, lock_output_dir, unlock_output_dir
 
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eyas.resume import lock_output_dir; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eyas.extraction.locks import lock_output_dir; "
                                f"lock_output_dir({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)"],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from eyas.config import ConfigError, load_config
-from eyas.launch import launch_command
-from eyas.serve_bench import markdown, server_config
+from eyas.server.launch import launch_command
+from eyas.evaluation.serve_bench import markdown, server_config
 from tests.stage_config import ROOT, stage_config
 
 
@@ -109,8 +109,8 @@ def test_a_rerun_reports_the_cached_measurement_unless_refreshed(prefect_harness
 
 
 def test_the_drafter_is_uploaded_once_to_an_ssh_server_host(sshd, exported_drafter, tmp_path):
-    from eyas.hosts import SSHHost
-    from eyas.serve_bench import DRAFTER_FILES, stage_drafter
+    from eyas.server.hosts import SSHHost
+    from eyas.evaluation.serve_bench import DRAFTER_FILES, stage_drafter
     from tests.test_hosts import ssh_config
 
     _, drafter = exported_drafter

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from eyas.dump import assemble, read_records
-from eyas.hosts import LocalHost
-from eyas.launch import SGLANG_HOOK, launch_command
-from eyas.sglang_patch import ensure_patched
+from eyas.server.hosts import LocalHost
+from eyas.server.launch import SGLANG_HOOK, launch_command
+from eyas.server.sglang_patch import ensure_patched
 from tests.test_sglang_patch import DSV2, make_site, sglang_config, sglang_wheel, wheel_text  # noqa: F401
 
 H, LAYERS = 8, [2, 4, 5]  # hidden size and capture-before layer ids of the fake target
@@ -189,7 +189,7 @@ def forward(model, mode, rows, pad: int = 0, capture: bool = True):
 
 
 def hook_specs(tmp: Path, dump_dir: Path) -> list[dict]:
-    """The --forward-hooks JSON that eyas/launch.py emits, plus the keys it should pass."""
+    """The --forward-hooks JSON that eyas/server/launch.py emits, plus the keys it should pass."""
     from tests.stage_config import stage_config
 
     cfg = stage_config(tmp, tmp / "ckpt", **{"server.backend": "sglang", "server.dump_dir": str(dump_dir)})

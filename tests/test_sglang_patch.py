@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from eyas import sglang_patch
-from eyas.hosts import LocalHost, SSHHost
-from eyas.sglang_patch import PatchError, apply_diff, ensure_patched, reverse_patch
+from eyas.server import sglang_patch
+from eyas.server.hosts import LocalHost, SSHHost
+from eyas.server.sglang_patch import PatchError, apply_diff, ensure_patched, reverse_patch
 from tests.stage_config import stage_config
 
 VERSION = "0.5.23"

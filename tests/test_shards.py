@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from eyas.shards import Sample, ShardError, ShardReader, ShardWriter, manifest_path, verify_shard, write_shard
+from eyas.extraction.shards import Sample, ShardError, ShardReader, ShardWriter, manifest_path, verify_shard, write_shard
 
 
 def make_samples(lengths, H=8, K=3, dtype=torch.bfloat16, seed=0):
@@ -78,7 +78,7 @@ def test_manifest_records_size_and_hash(tmp_path):
 
 
 def test_fp8_round_trip_returns_bf16_within_the_measured_error(tmp_path):
-    from eyas import fp8
+    from eyas.extraction import fp8
 
     samples = make_samples([7, 33], H=64)
     for s in samples:  # residual streams: token norms spread over orders of magnitude

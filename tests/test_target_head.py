@@ -5,8 +5,8 @@ import safetensors
 import torch
 import transformers
 
-import eyas.target_head as th
-from eyas.target_head import TargetHead, load_target_tensors
+import eyas.training.target_head as th
+from eyas.training.target_head import TargetHead, load_target_tensors
 
 torch.set_num_threads(1)
 

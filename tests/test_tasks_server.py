@@ -6,8 +6,8 @@ import time
 import pytest
 from prefect import flow
 
-from eyas.hosts import LocalHost
-from eyas.launch import stop_server
+from eyas.server.hosts import LocalHost
+from eyas.server.launch import stop_server
 from tasks.server import launch_server, stop_server as stop_task, wait_until_ready
 from tests.stage_config import stage_config
 

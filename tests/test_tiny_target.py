@@ -1,4 +1,4 @@
-"""Tests for eyas.tiny_target: the architecture, the Hugging Face folder, the tokenizer and chat
+"""Tests for eyas.local.tiny_target: the architecture, the Hugging Face folder, the tokenizer and chat
 template, and the committed fixtures (fixtures/tiny-target, fixtures/data/conversations.jsonl)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3ForCausalLM
 
-from eyas import hf_folder
-from eyas import tiny_target as tt
+from eyas.local import hf_folder
+from eyas.local import tiny_target as tt
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "fixtures" / "tiny-target"

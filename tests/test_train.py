@@ -4,9 +4,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eyas.evaluate import simulated_acceptance_length
-from eyas import fused
-from eyas.train import add_aux_noise, collate, shift_left, train_drafter
+from eyas.evaluation.evaluate import simulated_acceptance_length
+from eyas.training import kernels as fused
+from eyas.training.train import add_aux_noise, collate, shift_left, train_drafter
 from tests.helpers_training import shard_meta, sharpen_target, target_config, training_config, write_shards
 
 torch.set_num_threads(1)
@@ -108,7 +108,7 @@ def test_output_of_convention_is_the_same_layers(sharp_target, tmp_path):
 
 
 def test_collate_and_shift(shards):
-    from eyas.shards import ShardReader
+    from eyas.extraction.shards import ShardReader
 
     r = ShardReader(shards[0])
     b = collate([r.sample(0), r.sample(1)], torch.device("cpu"))

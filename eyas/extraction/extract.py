@@ -5,7 +5,7 @@
                                         dtype="bfloat16", meta={...}, on_progress=print)
 
 Each sequence is one /generate request with its own rid and max_new_tokens=1 (the prefill is what
-we want), sent through a ServerPool (eyas.client: async, bounded in flight per server, retried with
+we want), sent through a ServerPool (eyas.extraction.client: async, bounded in flight per server, retried with
 backoff on transient errors). The server's hook writes one dump record per prefill chunk before it
 answers; the collector then checks the chunks against the ids we sent (eyas.dump.validate: coverage
 without gap or overlap, token ids, shapes, finite values, the captured layers) and writes them
@@ -27,10 +27,10 @@ from typing import Any, Callable
 
 import torch
 
-from eyas.client import Endpoint, RequestFailed, ServerPool, attempt_rids
-from eyas.data import ShardPlan, plan_file_hash, read_shard_plan
+from eyas.extraction.client import Endpoint, RequestFailed, ServerPool, attempt_rids
+from eyas.extraction.data import ShardPlan, plan_file_hash, read_shard_plan
 from eyas.dump import DumpError, read_records, remove_records, validate
-from eyas.shards import DTYPES, ShardError, ShardWriter, bytes_per_token, partial_path, verify_shard
+from eyas.extraction.shards import DTYPES, ShardError, ShardWriter, bytes_per_token, partial_path, verify_shard
 
 SAMPLING = {"max_new_tokens": 1, "temperature": 0}
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from eyas.drafter import KVCache, causal_mask
+from eyas.training.drafter import KVCache, causal_mask
 
 if TYPE_CHECKING:
     from eyas.config import EvaluationConfig
@@ -129,7 +129,7 @@ def evaluate_acceptance(drafter_dir: str | Path, target_checkpoint: str | Path, 
     """Acceptance length of the exported drafter over prompts (token ids), checked against the target."""
     from transformers import AutoModelForCausalLM
 
-    from eyas.export import load_exported
+    from eyas.evaluation.export import load_exported
 
     if not prompts or any(len(p) < 2 for p in prompts):
         raise ValueError("evaluate_acceptance: needs at least one prompt, each of 2 or more tokens")

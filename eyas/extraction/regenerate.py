@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from eyas.client import ServerPool
+from eyas.extraction.client import ServerPool
 from eyas.config import RegenerateConfig
-from eyas.data import Record, _render
-from eyas.shards import write_json_atomic
+from eyas.extraction.data import Record, _render
+from eyas.extraction.shards import write_json_atomic
 
 FORMAT = "eyas-regen/1"
 RID_PREFIX = "WARMUP_regen-"  # the dump writer skips WARMUP* rids: nothing is dumped for these

@@ -33,7 +33,7 @@ from typing import Any, Iterable
 import torch
 from safetensors import safe_open
 
-from eyas import fp8
+from eyas.extraction import fp8
 
 FORMAT = "eyas-shard/1"
 ENCODINGS = ("plain", "fp8_e4m3")

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 from eyas.config import PipelineConfig
 from eyas.dump import DUMP_DIR_ENV
-from eyas.hosts import Host, HostError, make_host, wait_dead
+from eyas.server.hosts import Host, HostError, make_host, wait_dead
 
 # The forward hook that the patch stage installs on SGLang hosts (patches/sglang/<version>/).
 SGLANG_HOOK = "eyas_sglang_hook:make_hook"

@@ -1,14 +1,14 @@
 """Multi-process drafter training: torchrun on every node, launched through the Host seam.
 
     result = launch_training(cfg.training, cfg.target, shard_paths, log=print)   # blocks
-    python -m torch.distributed.run --nproc-per-node 8 -m eyas.distributed JOB.json   # what runs
+    python -m torch.distributed.run --nproc-per-node 8 -m eyas.training.distributed JOB.json   # what runs
 
 `launch_training` writes a job file (the training and target config, the shard paths) into
 `training.output_dir/launch/`, then starts one torchrun per node, detached, through `Host.start`:
 node i on `training.distributed.hosts[i]` (this machine when the list is empty), node 0's hostname
 as the rendezvous address. Every process runs this module's `main`, which sets its GPU, initialises
 the process group (NCCL on GPUs, gloo on CPUs) and calls `train_drafter`; the ranks share each
-global batch (eyas/train.py), under DDP or FSDP (`training.distributed.strategy`). Rank 0 writes the
+global batch (eyas/training/train.py), under DDP or FSDP (`training.distributed.strategy`). Rank 0 writes the
 TrainResult to `launch/result.json` atomically. The launcher follows node 0's log, and once every
 node has exited returns the result, or raises naming the node, its exit code and its log.
 
@@ -41,7 +41,7 @@ def _node_command(python: str, nnodes: int, node: int, nproc: int, master: str, 
                   rc_path: Path) -> str:
     run = (f"{shlex.quote(python)} -m torch.distributed.run --nnodes {nnodes} --node-rank {node} "
            f"--nproc-per-node {nproc} --master-addr {shlex.quote(master)} --master-port {port} "
-           f"-m eyas.distributed {shlex.quote(str(job))}")
+           f"-m eyas.training.distributed {shlex.quote(str(job))}")
     return f"sh -c {shlex.quote(f'{run}; echo $? > {shlex.quote(str(rc_path))}')}"
 
 
@@ -49,9 +49,9 @@ def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json:
                     log: Callable[[str], None] = print, poll_s: float = 1.0, hosts=None,
                     stop_at_step: int | None = None):
     """Run train_drafter under torchrun on the configured hosts -> TrainResult (rank 0's)."""
-    from eyas.hosts import HostError, LocalHost, make_host
-    from eyas.shards import write_json_atomic
-    from eyas.train import TrainResult
+    from eyas.server.hosts import HostError, LocalHost, make_host
+    from eyas.extraction.shards import write_json_atomic
+    from eyas.training.train import TrainResult
 
     d = cfg.distributed
     hosts = hosts or ([make_host(h) for h in d.hosts] if d.hosts else [LocalHost()])
@@ -118,12 +118,12 @@ def _wait(nodes, timeout_s: float, poll_s: float, log) -> None:
 def main(argv: list[str] | None = None) -> None:
     """One torchrun process: set the device, join the group, train, rank 0 writes the result."""
     from eyas.config import TargetConfig, TrainingConfig
-    from eyas.shards import write_json_atomic
-    from eyas.train import train_drafter
+    from eyas.extraction.shards import write_json_atomic
+    from eyas.training.train import train_drafter
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        raise SystemExit("usage: python -m torch.distributed.run ... -m eyas.distributed JOB.json")
+        raise SystemExit("usage: python -m torch.distributed.run ... -m eyas.training.distributed JOB.json")
     job = json.loads(Path(args[0]).read_text())
     cfg, target = TrainingConfig.model_validate(job["training"]), TargetConfig.model_validate(job["target"])
     gpu = cfg.device != "cpu" and torch.cuda.is_available()

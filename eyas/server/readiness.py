@@ -21,7 +21,7 @@ from typing import Callable
 
 import httpx
 
-from eyas.hosts import Host, HostUnreachable
+from eyas.server.hosts import Host, HostUnreachable
 
 READY_LINE = "The server is fired up and ready to roll!"
 TAIL_LINES = 20  # log lines quoted in a ServerFailed

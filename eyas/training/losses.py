@@ -30,9 +30,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from eyas import fused
-from eyas.drafter import Eagle3Drafter, TTTWeights, compute_dtype
-from eyas.target_head import TargetHead
+from eyas.training import kernels as fused
+from eyas.training.drafter import Eagle3Drafter, TTTWeights, compute_dtype
+from eyas.training.target_head import TargetHead
 
 HEAD_CHUNK_ROWS = 8192  # rows of the drafter's fused head per chunk: (rows, draft_vocab) fp32 transient
 HEAD_CHUNK_ROWS_CPU = 1024  # on a CPU: (1024, 2048) fp32 chunks stay in cache, 15% faster steps than 8192

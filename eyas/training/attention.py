@@ -12,7 +12,7 @@ plus k diagonal scores s_j = q . kd_j * scale per position, merged by log-sum-ex
 The backward does the same: the flash backward kernel run with the *merged* output and lse computes
 exactly the step-0 part of the merged softmax's gradient (it forms P = exp(S - lse) and
 D = rowsum(dy * y) itself; ring attention uses the same identity), and the diagonal part is a few
-elementwise products (eyas/fused.py: one or two kernels each under torch.compile), reading the
+elementwise products (eyas/training/kernels.py: one or two kernels each under torch.compile), reading the
 diagonal keys/values where they lie (a list, never a stacked copy). Memory is O(T) per head, never
 O(T^2), and the work is one causal attention plus O(k T hd).
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eyas import fused
+from eyas.training import kernels as fused
 
 aten = torch.ops.aten
 

@@ -3,7 +3,7 @@
     with atomic_dir(out) as tmp: ...                 # a folder that appears whole or not at all
     index = write_shards(tensors, tmp, num_shards=8)   # model-0000k-of-0000N.safetensors + index
 
-Used by the tiny-target build (eyas/tiny_target.py, whose save_hf_folder adds the tokenizer and
+Used by the tiny-target build (eyas/local/tiny_target.py, whose save_hf_folder adds the tokenizer and
 chat template); kept apart because it is about files, not the model.
 """
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eyas import __version__
-from eyas.data import ShardPlan
-from eyas.shards import ShardError, bytes_per_token, read_manifest, write_json_atomic
+from eyas.extraction.data import ShardPlan
+from eyas.extraction.shards import ShardError, bytes_per_token, read_manifest, write_json_atomic
 
 DATASET_FORMAT = "eyas-dataset/1"
 HEADER_BYTES = 64 * 1024  # a generous bound on a shard's safetensors header

@@ -6,10 +6,10 @@
 
 Prefill runs in chunks through the KV cache, as SGLang's chunked prefill does, and every chunk's
 hidden states go through eyas.dump before the request returns. The HTTP side is
-eyas/local_server.py.
+eyas/local/server.py.
 
 With a drafter (`Engine(..., speculative=Speculative.load(dir, target_path, num_steps=3))`),
-greedy requests are decoded by greedy chain speculative decoding (eyas.evaluate.speculative_greedy)
+greedy requests are decoded by greedy chain speculative decoding (eyas.evaluation.evaluate.speculative_greedy)
 and report SGLang's counter `spec_verify_ct`; acceptance length = completion tokens / verify steps.
 """
 
@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from eyas.dump import DumpWriter
-from eyas.local_batch import DecodeBatch, Sequence
+from eyas.local.batch import DecodeBatch, Sequence
 
 # SGLang's exact loading bar (utils/common.py) and its default description (multithread loader).
 BAR_FORMAT = "{desc}: {percentage:3.0f}% Completed | {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
@@ -212,7 +212,7 @@ class Speculative:
     @classmethod
     def load(cls, drafter_dir: str | Path, target_path: str | Path, *, num_steps: int,
              num_target_layers: int) -> "Speculative":
-        from eyas.export import load_exported
+        from eyas.evaluation.export import load_exported
 
         drafter, _, meta = load_exported(drafter_dir, target_checkpoint=target_path)
         ids = list(meta["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
@@ -238,7 +238,7 @@ class Engine:
         self.writer = writer
         self.capture_ids = capture_ids
         self.lock = threading.Lock()  # one forward at a time through the model
-        # max_running > 1: plain decode steps of concurrent requests share one forward (eyas/local_batch.py)
+        # max_running > 1: plain decode steps of concurrent requests share one forward (eyas/local/batch.py)
         self.batch = DecodeBatch(model, self.lock, max_running) if max_running > 1 else None
         self.generator = torch.Generator().manual_seed(seed)
         cfg = model.config
@@ -310,7 +310,7 @@ class Engine:
         return {"text": text, "output_ids": output, "meta_info": meta}
 
     def _speculative(self, ids: list[int], max_new: int, stop_ids: set[int]) -> tuple[list[int], int]:
-        from eyas.evaluate import speculative_greedy
+        from eyas.evaluation.evaluate import speculative_greedy
 
         spec = self.speculative
         return speculative_greedy(self.model, spec.drafter, ids, spec.capture_ids, spec.num_steps,

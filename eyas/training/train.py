@@ -3,14 +3,14 @@
     from eyas.config import load_config
     cfg = load_config("configs/local-tiny.yaml")
     result = train_drafter(cfg.training, cfg.target, shard_paths)        # one process
-    torchrun --nproc-per-node 8 -m eyas.distributed JOB.json              # many (eyas/distributed.py)
+    torchrun --nproc-per-node 8 -m eyas.training.distributed JOB.json              # many (eyas/training/distributed.py)
 
 The recipe (eagle3.md section 2). For a sequence tok[0..n), at TTT step k the input at position t is
 (embed(tok[t+1+k]), h) where h is fc(aux[t]) at step 0 and the drafter's own output at t from step
 k-1 afterwards; the label is the target's distribution at t+1+k (the stored last hidden state
 through the target's lm_head, restricted to the draft vocab), which predicts tok[t+2+k]. A label
 counts only where that token is an assistant token and the target's argmax is in the draft vocab.
-Loss = sum_k loss_decay**k * soft-CE_k (eyas/losses.py).
+Loss = sum_k loss_decay**k * soft-CE_k (eyas/training/losses.py).
 
 One optimizer step takes a global batch of batch_size * grad_accum * world_size sequences, drawn
 length-aware (sorted within windows of `length_grouping` global batches, so a micro-batch pads
@@ -18,7 +18,7 @@ little) and cut into micro-batches; micro-batch j of a step goes to rank j % wor
 normalised by the global batch's count of scored positions, so any split of one global batch
 (accumulation, ranks) gives the same loss and gradient.
 
-Checkpoints (eyas/checkpoints.py: cfg.output_dir/checkpoints/step-NNNNNN/, each written whole then
+Checkpoints (eyas/training/checkpoints.py: cfg.output_dir/checkpoints/step-NNNNNN/, each written whole then
 renamed into place) hold the trainable weights with d2t/t2d, drafter.json, and trainer_state.pt
 (optimizer, scheduler, step, data position, RNG, loss history). A later call with the same config
 resumes from the latest one and reproduces the uninterrupted run's losses exactly.
@@ -39,15 +39,15 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from eyas import fused
-from eyas.checkpoints import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
-from eyas.draft_vocab import build_draft_vocab, count_tokens
-from eyas.drafter import DrafterConfig, Eagle3Drafter
-from eyas.evaluate import simulated_acceptance_length
-from eyas.losses import (HEAD_CHUNK_ROWS, HEAD_CHUNK_ROWS_CPU, TTTObjective, draft_first_order, scored_counts,
+from eyas.training import kernels as fused
+from eyas.training.checkpoints import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from eyas.training.draft_vocab import build_draft_vocab, count_tokens
+from eyas.training.drafter import DrafterConfig, Eagle3Drafter
+from eyas.evaluation.evaluate import simulated_acceptance_length
+from eyas.training.losses import (HEAD_CHUNK_ROWS, HEAD_CHUNK_ROWS_CPU, TTTObjective, draft_first_order, scored_counts,
                          teacher_labels)
-from eyas.shards import ShardReader
-from eyas.target_head import TargetHead, load_target_tensors, read_target_config
+from eyas.extraction.shards import ShardReader
+from eyas.training.target_head import TargetHead, load_target_tensors, read_target_config
 
 if TYPE_CHECKING:  # eyas.config needs pydantic; the GPU benchmark imports this module without it
     from eyas.config import TargetConfig, TrainingConfig
@@ -301,7 +301,7 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     """Train (or resume) an EAGLE-3 drafter on shards; checkpoints land in cfg.output_dir.
 
     Runs on one process, or on every rank of an initialised process group (torchrun; see
-    eyas/distributed.py), which then share each global batch. stop_at_step: checkpoint and return
+    eyas/training/distributed.py), which then share each global batch. stop_at_step: checkpoint and return
     once this step is reached, as if preempted; a later call with the same arguments resumes.
     log_every defaults to about 20 lines per run. torch.compile (training.compile) is on only inside.
     """

@@ -3,7 +3,7 @@
     result = ensure_patched(host, cfg)            # {"status": "patched" | "already patched", ...}
     ensure_patched(host, cfg, dry_run=True)       # what it would do; refuses the same way
     reverse_patch(host, cfg)                      # original bytes back, hook modules removed
-    python -m eyas.sglang_patch status|apply|reverse configs/kimi-k2.5-sglang.yaml
+    python -m eyas.server.sglang_patch status|apply|reverse configs/kimi-k2.5-sglang.yaml
 
 Everything goes through the Host seam (the server's python runs one probe script; files move with
 get/put, which write a temp file and rename it), so a GPU host over SSH is patched exactly like
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.config import PipelineConfig
-from eyas.hosts import Host
+from eyas.server.hosts import Host
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCHES_DIR = ROOT / "patches" / "sglang"  #: one folder per SGLang version, each with manifest.json
@@ -231,7 +231,7 @@ class Probe:
 
 
 def server_python(cfg: PipelineConfig) -> str:
-    """The interpreter the server runs with (the same default as eyas/launch.py)."""
+    """The interpreter the server runs with (the same default as eyas/server/launch.py)."""
     s = cfg.server
     return s.python or (sys.executable if s.host.kind == "local" else "python3")
 
@@ -458,9 +458,9 @@ def reverse_patch(host: Host, cfg: PipelineConfig, *, patches_dir: Path = PATCHE
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m eyas.sglang_patch status|apply|reverse CONFIG.yaml"""
+    """python -m eyas.server.sglang_patch status|apply|reverse CONFIG.yaml"""
     from eyas.config import load_config
-    from eyas.hosts import make_host
+    from eyas.server.hosts import make_host
 
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2 or argv[0] not in ("status", "apply", "reverse"):

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
 
-from eyas.hf_folder import atomic_dir, checkpoint_tensors, read_shards, write_shards
+from eyas.local.hf_folder import atomic_dir, checkpoint_tensors, read_shards, write_shards
 
 # ---------------------------------------------------------------------------------------------------
 # Tokens and chat template

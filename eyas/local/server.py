@@ -1,6 +1,6 @@
 """eyas's local target server: a CPU stand-in for SGLang that speaks its HTTP API and its log lines.
 
-    EYAS_DUMP_DIR=/tmp/dump python -m eyas.local_server --model-path fixtures/tiny-target \\
+    EYAS_DUMP_DIR=/tmp/dump python -m eyas.local.server --model-path fixtures/tiny-target \\
         --port 30000 --enable-return-aux-hidden-states --speculative-algorithm EAGLE3 \\
         --return-aux-hidden-state-layer-ids 2 4 5 --chunked-prefill-size 64 --disable-radix-cache
 
@@ -36,7 +36,7 @@ from typing import Any
 
 from eyas import __version__
 from eyas.dump import DUMP_DIR_ENV, DumpWriter, check_rid, dtype_from_env
-from eyas.local_engine import (FAULTS, READY_LINE, BadRequest, Engine, Speculative, load_model,
+from eyas.local.engine import (FAULTS, READY_LINE, BadRequest, Engine, Speculative, load_model,
                                load_tokenizer, log, resolve_capture_ids)
 
 

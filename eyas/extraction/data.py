@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.config import DataConfig
-from eyas.shards import write_json_atomic
+from eyas.extraction.shards import write_json_atomic
 
 ROLES = {"system", "user", "assistant"}
 PLAN_FORMAT = "eyas-plan/1"

@@ -10,7 +10,7 @@ concat(input_layernorm(embed(token)), hidden_norm(h)) -> final norm -> lm_head o
 The residual stream of the layer starts from h (not from the embedding), as in SGLang; the pre-norm
 output h is what the next draft step reads instead of fc(aux).
 
-The elementwise pieces (norms, RoPE, residual adds, SwiGLU) go through eyas/fused.py, which
+The elementwise pieces (norms, RoPE, residual adds, SwiGLU) go through eyas/training/kernels.py, which
 torch.compile fuses on a GPU. State-dict names are SGLang's checkpoint names (`fc.weight`,
 `midlayer.self_attn.q_proj.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`), so export is a
 rename-free dtype cast.
@@ -19,7 +19,7 @@ Attention has two modes:
 - training-time test (TTT): `ttt` is a list the caller keeps across the unrolled steps. At step k
   the query at position t attends to step 0's keys at positions <= t and to its own position t in
   steps 1..k (the "cache_hidden" scheme of EAGLE-3 / SpecForge). With `mask=None` this runs as one
-  causal flash attention plus diagonal terms (eyas/attention.py), never forming the T x T scores;
+  causal flash attention plus diagonal terms (eyas/training/attention.py), never forming the T x T scores;
   with an explicit `mask` it runs the plain masked-softmax reference.
 - drafting: `cache` is a KVCache; the new keys are appended and `mask` spans cache + new keys.
 """
@@ -33,8 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from eyas import fused
-from eyas.attention import ttt_attention
+from eyas.training import kernels as fused
+from eyas.training.attention import ttt_attention
 
 
 @dataclass

@@ -4,7 +4,7 @@
     result["speedup"]["single_stream_tokens_per_s"]        # > 1.0: the drafter pays off
 
 The target server is launched twice through the pipeline's own launch, readiness and stop code
-(eyas.launch, eyas.readiness), from config copies that differ only in their launch arguments:
+(eyas.server.launch, eyas.server.readiness), from config copies that differ only in their launch arguments:
 once plain, once with `--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR` and the
 configured steps / top-k / draft tokens. Both get the same held-out prompts and sampling settings.
 Per server: `num_warmup` requests first (left out), then `num_repeats` passes of
@@ -31,15 +31,15 @@ from typing import Any
 
 import httpx
 
-from eyas import launch, readiness
+from eyas.server import launch, readiness
 from eyas.config import BenchmarkConfig, PipelineConfig
-from eyas.export import drafter_digest
-from eyas.hosts import Host, make_host
+from eyas.evaluation.export import drafter_digest
+from eyas.server.hosts import Host, make_host
 
 
 def heldout_prompts(cfg: PipelineConfig) -> list[list[int]]:
     """The evaluation prompts, prepared exactly as the pipeline's prepare stage does (no files written)."""
-    from eyas import data, dataset
+    from eyas.extraction import data, dataset
     from eyas.target import load_tokenizer
 
     folder = cfg.data.tokenizer or cfg.target.checkpoint

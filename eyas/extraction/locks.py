@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from eyas.config import PipelineConfig
-from eyas.hosts import Host
+from eyas.server.hosts import Host
 
 
 class OutputBusy(RuntimeError):
@@ -120,7 +120,7 @@ def reclaim_stale_server(host: Host, cfg: PipelineConfig) -> dict | None:
     Call only with the output lock held (then no live run of this config uses that server). Returns
     what was done, or None when there was nothing to reclaim.
     """
-    from eyas.launch import _recorded_pid, launch_command, stop_server
+    from eyas.server.launch import _recorded_pid, launch_command, stop_server
 
     pid = _recorded_pid(host, cfg)
     if pid is None or not host.is_alive(pid):
