@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
+from eyas.server.hosts import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,10 +39,6 @@ def find_drafter(cfg, given: str | None, tmp: Path) -> Path:
                           shard_meta=json.loads(manifests[0].read_text()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -56,7 +52,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         # A free port and a fresh workdir: another run of the pipeline may be serving on the configured one.
-        cfg = load_config(args.config, {"server.workdir": str(tmp / "server"), "server.port": _free_port(),
+        cfg = load_config(args.config, {"server.workdir": str(tmp / "server"), "server.port": free_port(),
                                         "server.dump_dir": str(tmp / "server" / "dump")})
         drafter = find_drafter(cfg, args.drafter, tmp)
         os.environ.setdefault("OMP_NUM_THREADS", cfg.server.env.get("OMP_NUM_THREADS", "1"))

@@ -7,7 +7,7 @@ Without FLOW_RUN_ID it takes the newest `eagle3-pipeline` run. Two pictures: the
 deployment and work pool, its subflow runs on the timeline with the report artifact, the logs),
 and beside it (`-artifacts.png`) the Artifacts page: the report, the loading and extraction progress,
 the shard table, the serving benchmark.
-`EYAS_UI_SCREENSHOT=docs/images/prefect-pipeline-run.png pytest tests/test_deployments.py` retakes
+`EYAS_UI_SCREENSHOT=docs/images/prefect-pipeline-run.png pytest tests/integration/test_deployments.py` retakes
 it from the deployment tests' own server and pipeline run. Needs Debian's chromium
 (`apt-get install -y chromium`); runs it headless with the flags this sandboxed, offline machine needs.
 """

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas import __version__
+from eyas.results import Extracted, Trained
 from eyas.extraction.shards import write_json_atomic
 
 
@@ -33,22 +34,23 @@ class Stopwatch:
             self.seconds[stage] = round(self.seconds.get(stage, 0.0) + time.monotonic() - t0, 3)
 
 
-def build_report(*, name: str, config_source: str | None, ready: dict, data_stats: dict,
-                 manifests: list[dict], trained: dict, evaluation: dict, drafter_dir: str,
-                 stages: dict[str, float], patch: dict, serving: dict | None = None) -> dict[str, Any]:
-    tokens = sum(m["num_tokens"] for m in manifests)
+def build_report(*, name: str, config_source: str | None, extracted: Extracted, trained: Trained,
+                 serving: dict | None, stages: dict[str, float]) -> dict[str, Any]:
+    """report.json from the stages' results; `stages` are the seconds of every stage of this run."""
+    manifests, ready = extracted.manifests, extracted.ready or {}
+    tokens = extracted.num_tokens
     extract_s = stages.get("extract") or 0.0
     return {
         "name": name,
         "eyas_version": __version__,
         "config": config_source,
-        "acceptance_length": evaluation["acceptance_length"],
+        "acceptance_length": trained.evaluation["acceptance_length"],
         # Single-stream decoding speed with the drafter over without (None: benchmark disabled).
         "speedup": serving["speedup"]["single_stream_tokens_per_s"] if serving else None,
         "serving": serving,
-        "patch": patch,
+        "patch": extracted.patch,
         "server": {"ready_seconds": ready.get("seconds"), "shards_total": ready.get("shards_total")},
-        "data": data_stats,
+        "data": extracted.data_stats,
         "extraction": {
             "shards": len(manifests),
             "sequences": sum(m["num_samples"] for m in manifests),
@@ -57,11 +59,11 @@ def build_report(*, name: str, config_source: str | None, ready: dict, data_stat
             "tokens_per_s": round(tokens / extract_s, 1) if extract_s else None,
             "dtype": manifests[0]["dtype"] if manifests else None,
         },
-        "training": {k: trained.get(k) for k in
+        "training": {k: trained.result.get(k) for k in
                      ("final_loss", "first_loss", "steps", "tokens", "seconds", "draft_vocab_size",
                       "simulated_acceptance_length")},
-        "evaluation": evaluation,
-        "drafter_dir": drafter_dir,
+        "evaluation": trained.evaluation,
+        "drafter_dir": trained.drafter_dir,
         "stages_seconds": stages,
         "total_seconds": round(sum(stages.values()), 3),
     }

@@ -17,11 +17,12 @@ from prefect.concurrency.sync import concurrency
 from prefect.logging import get_logger, get_run_logger
 
 from eyas.config import PipelineConfig, config_from_dict, load_config
+from eyas.resources import shipped_root
 from eyas.server.hosts import make_host
 from eyas.server.launch import stop_server
 from eyas.extraction.locks import hold_lock, release_lock
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = shipped_root()  # relative config paths: the checkout, or the wheel's shipped copy
 DEFAULT_CONFIG = "configs/local-tiny.yaml"
 
 ConfigParam = Union[str, dict[str, Any], PipelineConfig]

@@ -15,19 +15,20 @@ from prefect.events import emit_event
 from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from eyas.extraction.stage import regeneration_pending, shards_intact
 from eyas.report import Stopwatch
+from eyas.results import Extracted
 from flows.common import DEFAULT_CONFIG, ConfigParam, gpu_host, resolve_config, stop_server_hook
 from flows.serve import run_name, serve
-from tasks.extract import (extract_shard_for, prepare_data, regenerate_data, regeneration_pending,
-                           shards_intact)
+from tasks.extract import extract_shard_for, prepare_data, regenerate_data, shard_cached
 from tasks.patch import patch_host
-from tasks.server import stop_server
+from tasks.server import stop
 
 
 @flow(name="eyas-extract", flow_run_name=run_name("extract"), log_prints=True,
       task_runner=ThreadPoolTaskRunner(max_workers=2),
       on_failure=[stop_server_hook], on_crashed=[stop_server_hook])
-def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None) -> dict:
+def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None) -> Extracted:
     """Plan the shards, bring the server up, (regenerate the replies,) extract every shard, stop it.
 
     When every shard is already intact on disk (a re-run), no server is launched at all.
@@ -36,22 +37,24 @@ def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | No
     resource = {"prefect.resource.id": f"eyas.run.{cfg.name}", "eyas.host": cfg.server.host.name}
     regen = cfg.data.regenerate.enabled
 
-    # Data first: a bad input file should fail before a ten-minute server load.
+    # 1. Data first: a bad input file should fail before a ten-minute server load.
     with stage("prepare"):
-        plans, prompts, data_stats = prepare_data(cfg)
+        prepared = prepare_data(cfg)
         if regen and not regeneration_pending(cfg):  # regenerated before: no server needed for it
-            plans, prompts, data_stats = prepare_data(cfg, regenerate_data(cfg), take_output_dir=False)
+            prepared = prepare_data(cfg, regenerate_data(cfg), take_output_dir=False)
             regen = False
+    # 2. The server host's SGLang, patched (the local backend needs nothing).
     with stage("patch"):
         patched = patch_host(cfg)
     patch_version = patched.get("patch_version", "local")
-    # (Pending regeneration replans the shards: checking the present ones would be wasted reading.)
-    if not regen and all(shards_intact(cfg, plans, patch_version).values()):
-        # Nothing to extract: every shard is a cache hit, so no server, no GPU lock.
-        up = {"ready": {}, "patch": patched, "stages": {}}
+    # 3. Every shard intact on disk (a re-run): all cache hits, so no server and no GPU lock.
+    #    (Pending regeneration replans the shards: checking the present ones would be wasted reading.)
+    up = None
+    if not regen and all(shards_intact(cfg, prepared.plans, patch_version).values()):
         with stage("extract"):
-            manifests = _extract_all(cfg, plans, patch_version, resource)
+            manifests = _extract_all(cfg, prepared.plans, patch_version, resource)
     else:
+        # 4. Launch, wait until ready, (regenerate,) extract, stop: the host is ours meanwhile.
         with gpu_host(cfg):
             up = serve(cfg)
             try:
@@ -59,16 +62,16 @@ def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | No
                     with stage("regenerate"):
                         regenerated = regenerate_data(cfg)
                     with stage("prepare"):
-                        plans, prompts, data_stats = prepare_data(cfg, regenerated, take_output_dir=False)
+                        prepared = prepare_data(cfg, regenerated, take_output_dir=False)
                 with stage("extract"):
-                    manifests = _extract_all(cfg, plans, patch_version, resource)
+                    manifests = _extract_all(cfg, prepared.plans, patch_version, resource)
             finally:
                 with stage("stop"):
-                    stop_server(cfg, up["handle"])
+                    stop(cfg, up.handle)
     emit_event(event="eyas.extraction.completed", resource=resource, payload={
         "shards": len(manifests), "tokens": sum(m["num_tokens"] for m in manifests)})
-    return {"manifests": manifests, "prompts": prompts, "data_stats": data_stats,
-            "ready": up["ready"], "patch": up["patch"], "stages": {**up["stages"], **stage.seconds}}
+    return Extracted(manifests, prepared.prompts, prepared.stats, patch=patched,
+                     ready=up.ready if up else None, stages={**(up.stages if up else {}), **stage.seconds})
 
 
 def _extract_all(cfg, plans, patch_version: str, resource: dict) -> list[dict]:
@@ -77,8 +80,11 @@ def _extract_all(cfg, plans, patch_version: str, resource: dict) -> list[dict]:
     The tasks publish the progress artifact `extract-NAME` and the shard table `extract-shards-NAME`.
     """
     futures = [extract_shard_for(cfg, plan, patch_version).submit(cfg, plan, patch_version) for plan in plans]
+    plan_of = {id(f): plan for f, plan in zip(futures, plans)}
     for done, future in enumerate(as_completed(futures), 1):
         m = future.result()
+        if future.state.name == "Cached":  # answered from Prefect's cache: no task body counted it
+            shard_cached(cfg, plan_of[id(future)], m)
         emit_event(event="eyas.shard.done", resource=resource,
                    payload={"file": m.get("file"), "tokens": m["num_tokens"], "done": done,
                             "total": len(plans)})

@@ -24,7 +24,7 @@ from flows.common import DEFAULT_CONFIG, ConfigParam, resolve_config, stop_serve
 from flows.extract import extract
 from flows.serve import run_name
 from flows.serve_bench import serve_bench_flow
-from flows.train import train_drafter
+from flows.train import train_flow
 
 
 @flow(name="eagle3-pipeline", flow_run_name=run_name("eagle3"), log_prints=True,
@@ -33,18 +33,17 @@ def eagle3_pipeline(config: ConfigParam = DEFAULT_CONFIG,
                     overrides: dict[str, Any] | None = None) -> dict:
     """Raise an EAGLE-3 drafter for the configured target, end to end."""
     cfg, stage = resolve_config(config, overrides), Stopwatch()
+    # 1. Patch, launch, sense readiness, extract the shards, stop the server.
     extracted = extract(cfg)
-    trained = train_drafter(cfg, manifests=extracted["manifests"], prompts=extracted["prompts"])
+    # 2. Train, export for SGLang, measure the acceptance length.
+    trained = train_flow(cfg, manifests=extracted.manifests, prompts=extracted.prompts)
+    # 3. Serve with and without the drafter: the speed-up.
     with stage("serve_bench"):  # the wall time of this run (a cached benchmark takes a moment)
-        serving = serve_bench_flow(cfg, drafter_dir=trained["drafter_dir"], prompts=extracted["prompts"])
-
+        serving = serve_bench_flow(cfg, drafter_dir=trained.drafter_dir, prompts=extracted.prompts)
+    # 4. Report: report.json and the run's markdown artifact.
     report = build_report(name=cfg.name, config_source=config if isinstance(config, str) else None,
-                          ready=extracted["ready"], data_stats=extracted["data_stats"],
-                          manifests=extracted["manifests"], trained=trained["trained"],
-                          evaluation=trained["evaluation"], drafter_dir=trained["drafter_dir"],
-                          stages={**extracted["stages"], **trained["stages"],
-                                  **(stage.seconds if serving else {})},
-                          patch=extracted["patch"], serving=serving)
+                          extracted=extracted, trained=trained, serving=serving,
+                          stages={**extracted.stages, **trained.stages, **(stage.seconds if serving else {})})
     path = write_report(cfg.run_dir, report)
     create_markdown_artifact(key=artifact_key("report", cfg.name), markdown=_markdown(report, path),
                              description="eyas run report")

@@ -15,9 +15,10 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from eyas.report import Stopwatch
+from eyas.results import ServerUp
 from flows.common import DEFAULT_CONFIG, ConfigParam, resolve_config, stop_server_hook
 from tasks.patch import patch_host, unpatch_host
-from tasks.server import launch_server, stop_server, wait_until_ready
+from tasks.server import launch_server, stop, wait_ready
 
 
 def run_name(prefix: str):
@@ -31,7 +32,7 @@ def run_name(prefix: str):
 
 @flow(name="eyas-serve", flow_run_name=run_name("serve"), log_prints=True,
       on_failure=[stop_server_hook], on_crashed=[stop_server_hook])
-def serve(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None) -> dict:
+def serve(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None) -> ServerUp:
     """Patch the server host, launch the target server, wait until it is ready."""
     cfg, stage = resolve_config(config, overrides), Stopwatch()
     with stage("patch"):
@@ -39,8 +40,8 @@ def serve(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None
     with stage("launch"):
         handle = launch_server(cfg)
     with stage("wait_ready"):
-        ready = wait_until_ready(cfg, handle)
-    return {"handle": handle, "ready": ready, "patch": patched, "stages": stage.seconds}
+        ready = wait_ready(cfg, handle)
+    return ServerUp(handle, ready, patched, stage.seconds)
 
 
 @flow(name="eyas-teardown", flow_run_name=run_name("teardown"), log_prints=True)
@@ -48,7 +49,7 @@ def teardown(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | N
              unpatch: bool = False) -> dict:
     """Stop the server a config launched (idempotent); optionally restore the host's SGLang."""
     cfg = resolve_config(config, overrides)
-    out = {"stop": stop_server(cfg)}
+    out = {"stop": stop(cfg)}
     if unpatch:
         out["unpatch"] = unpatch_host(cfg)
     return out

@@ -15,6 +15,7 @@ from prefect import flow
 from prefect.events import emit_event
 
 from eyas.report import Stopwatch
+from eyas.results import Trained
 from eyas.extraction.shards import verify_shard
 from flows.common import DEFAULT_CONFIG, ConfigParam, resolve_config
 from flows.serve import run_name
@@ -23,15 +24,15 @@ from tasks.train import evaluate_for, export, train
 
 
 @flow(name="eyas-train", flow_run_name=run_name("train"), log_prints=True)
-def train_drafter(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None,
+def train_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None,
                   manifests: list[dict] | None = None,
-                  prompts: list[list[int]] | None = None) -> dict:
+                  prompts: list[list[int]] | None = None) -> Trained:
     """Train (resuming from the newest checkpoint), export, evaluate."""
     cfg, stage = resolve_config(config, overrides), Stopwatch()
     if manifests is None:
         manifests = _manifests_on_disk(Path(cfg.extraction.output_dir))
     if prompts is None:
-        _, prompts, _ = prepare_data(cfg)
+        prompts = prepare_data(cfg).prompts
     with stage("train"):
         trained = train(cfg, manifests)
     with stage("export"):
@@ -40,8 +41,7 @@ def train_drafter(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any
                payload={"drafter_dir": drafter_dir})
     with stage("evaluate"):
         evaluation = evaluate_for(cfg)(cfg, drafter_dir, prompts)
-    return {"trained": trained, "drafter_dir": drafter_dir, "evaluation": evaluation,
-            "stages": stage.seconds}
+    return Trained(trained, drafter_dir, evaluation, stage.seconds)
 
 
 def _manifests_on_disk(folder: Path) -> list[dict]:

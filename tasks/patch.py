@@ -20,7 +20,7 @@ def _transient(task, task_run, state) -> bool:
 
 
 @task(task_run_name="patch@{cfg.server.host.name}", cache_policy=NO_CACHE, retries=1,
-      retry_delay_seconds=5, retry_condition_fn=_transient)
+      retry_delay_seconds=5, retry_condition_fn=_transient, timeout_seconds=900)
 def patch_host(cfg: PipelineConfig) -> dict:
     """Patch (or confirm) the server host; the local backend needs nothing."""
     host = make_host(cfg.server.host)
@@ -31,7 +31,7 @@ def patch_host(cfg: PipelineConfig) -> dict:
 
 
 @task(task_run_name="unpatch@{cfg.server.host.name}", cache_policy=NO_CACHE, retries=1,
-      retry_delay_seconds=5, retry_condition_fn=_transient)
+      retry_delay_seconds=5, retry_condition_fn=_transient, timeout_seconds=900)
 def unpatch_host(cfg: PipelineConfig) -> dict:
     """Restore the host's original SGLang files and remove eyas's hook modules."""
     host = make_host(cfg.server.host)

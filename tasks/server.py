@@ -28,7 +28,7 @@ def _transient(task, task_run, state) -> bool:
 
 
 @task(task_run_name="launch-{cfg.server.backend}@{cfg.server.host.name}", cache_policy=NO_CACHE,
-      retries=2, retry_delay_seconds=[5, 20], retry_condition_fn=_transient)
+      retries=2, retry_delay_seconds=[5, 20], retry_condition_fn=_transient, timeout_seconds=600)
 def launch_server(cfg: PipelineConfig) -> dict:
     """Start the server detached; returns its handle (pid, url, log path and offset)."""
     host = make_host(cfg.server.host)
@@ -41,7 +41,7 @@ def launch_server(cfg: PipelineConfig) -> dict:
 
 
 @task(task_run_name="wait-ready@{cfg.server.host.name}", cache_policy=NO_CACHE)
-def wait_until_ready(cfg: PipelineConfig, handle: dict) -> dict:
+def wait_ready(cfg: PipelineConfig, handle: dict) -> dict:
     """Poll the server log until ready (progress in the UI); fail fast on crash, stall, deadline."""
     logger = get_run_logger()
     artifact = create_progress_artifact(progress=0.0, key=artifact_key("load", cfg.name),
@@ -79,8 +79,8 @@ def wait_until_ready(cfg: PipelineConfig, handle: dict) -> dict:
 
 
 @task(task_run_name="stop@{cfg.server.host.name}", cache_policy=NO_CACHE, retries=2,
-      retry_delay_seconds=5)
-def stop_server(cfg: PipelineConfig, handle: dict | None = None) -> dict:
+      retry_delay_seconds=5, timeout_seconds=300)
+def stop(cfg: PipelineConfig, handle: dict | None = None) -> dict:
     """Stop the server's process group and clean its dump directory."""
     host = make_host(cfg.server.host)
     try:

@@ -34,7 +34,7 @@ def train(cfg: PipelineConfig, manifests: list[dict]) -> dict:
     return _plain(result)
 
 
-@task(task_run_name="export-drafter", cache_policy=NO_CACHE)
+@task(task_run_name="export-drafter", cache_policy=NO_CACHE, timeout_seconds=3600)
 def export(cfg: PipelineConfig, trained: dict, shard_meta: dict) -> str:
     """Write the drafter folder SGLang loads (config.json, model.safetensors with d2t/t2d)."""
     out = export_drafter(Path(trained["checkpoint_dir"]), Path(cfg.run_dir) / "drafter",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from eyas.server.hosts import LocalHost
+from eyas.server import hosts
 
 # A random-init DeepSeek-V3 (MLA attention, MoE from layer 1) small enough to load in a second.
 TINY_DSV3 = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -51,16 +51,10 @@ def random_target(tmp_path_factory) -> Path:
     return folder
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def free_port() -> int:
     """A loopback port nothing listens on (right now)."""
-    return _free_port()
+    return hosts.free_port()
 
 
 @dataclass
@@ -105,7 +99,7 @@ def start_server(random_target, tmp_path_factory):
 
     def start(*flags: str, dump: bool = False, name: str = "server", model: Path | None = None) -> ServerProc:
         workdir = tmp_path_factory.mktemp(name)
-        port = _free_port()
+        port = hosts.free_port()
         dump_dir = workdir / "dump" if dump else None
         # One thread per server: other engineers' tests share these two cores.
         env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -13,6 +13,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from eyas.server.hosts import free_port
 
 SSHD = "/usr/sbin/sshd"
 
@@ -27,10 +28,6 @@ class Sshd:
     process: subprocess.Popen
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _keygen(path: Path) -> None:
@@ -42,7 +39,7 @@ def start_sshd(root: Path) -> Sshd:
     for name in ("host_key", "client_key", "other_key"):
         _keygen(root / name)
     shutil.copy(root / "client_key.pub", root / "authorized_keys")
-    port = _free_port()
+    port = free_port()
     config = root / "sshd_config"
     config.write_text(
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {root / 'host_key'}\n"

@@ -1,17 +1,13 @@
 """A PipelineConfig for stage tests: the embedded default pointed at a given target and temp dirs."""
 
-import socket
 from pathlib import Path
 
 from eyas.config import PipelineConfig, load_config
+from eyas.server.hosts import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stage_config(tmp: Path, target: Path, **overrides) -> PipelineConfig:

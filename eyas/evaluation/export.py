@@ -29,11 +29,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.config import ExportConfig, TargetConfig
-from eyas.extraction.data import sha256_file
+from eyas.dump import DTYPES
+from eyas.extraction.shards import sha256_file
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter
 from eyas.training.target_head import load_target_tensors, read_target_config
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def expected_weights(dcfg: DrafterConfig) -> dict[str, tuple[list[int], torch.dtype | None]]:

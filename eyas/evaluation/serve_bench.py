@@ -39,11 +39,11 @@ from eyas.server.hosts import Host, make_host
 
 def heldout_prompts(cfg: PipelineConfig) -> list[list[int]]:
     """The evaluation prompts, prepared exactly as the pipeline's prepare stage does (no files written)."""
-    from eyas.extraction import data, dataset
-    from eyas.target import load_tokenizer
+    from eyas.extraction import data
+    from eyas.target import load_tokenizer, target_dims
 
     folder = cfg.data.tokenizer or cfg.target.checkpoint
-    _, vocab = dataset.target_dims(folder, cfg.target.checkpoint)
+    _, vocab = target_dims(folder, cfg.target.checkpoint)
     records, skipped = data.load_records(cfg.data.path, vocab_size=vocab, bad_lines=cfg.data.bad_lines)
     return data.prepare(records, load_tokenizer(folder), cfg.data, vocab_size=vocab,
                         skipped=skipped).heldout_prompts

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.config import DataConfig
-from eyas.extraction.shards import write_json_atomic
+from eyas.extraction.shards import sha256_file, write_json_atomic
 
 ROLES = {"system", "user", "assistant"}
 PLAN_FORMAT = "eyas-plan/1"
@@ -236,14 +236,6 @@ def tokenizer_hashes(tokenizer, folder: str | Path | None = None) -> dict[str, s
         template = json.dumps(template, sort_keys=True)
     return {"tokenizer_sha256": tok_hash,
             "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None}
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ import torch
 from eyas.extraction.client import Endpoint, RequestFailed, ServerPool, attempt_rids
 from eyas.extraction.data import ShardPlan, plan_file_hash, read_shard_plan
 from eyas.dump import DumpError, read_records, remove_records, validate
-from eyas.extraction.shards import DTYPES, ShardError, ShardWriter, bytes_per_token, partial_path, verify_shard
+from eyas.dump import DTYPES
+from eyas.extraction.shards import ShardError, ShardWriter, bytes_per_token, partial_path, verify_shard
 
 SAMPLING = {"max_new_tokens": 1, "temperature": 0}
 

@@ -33,6 +33,7 @@ from typing import Any, Iterable
 import torch
 from safetensors import safe_open
 
+from eyas.dump import DTYPES
 from eyas.extraction import fp8
 
 FORMAT = "eyas-shard/1"
@@ -40,7 +41,6 @@ ENCODINGS = ("plain", "fp8_e4m3")
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
               torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8", fp8.E4M3: "F8_E4M3"}
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class ShardError(ValueError):
@@ -205,7 +205,7 @@ class ShardWriter:
         manifest = {
             "format": FORMAT, "file": self.path.name, "num_samples": len(self.lengths),
             "num_tokens": int(self.offsets[-1]), "bytes": self.total_bytes,
-            "sha256": _sha256(self._tmp), "dtype": _dtype_name(self.dtype), "encoding": self.encoding,
+            "sha256": sha256_file(self._tmp), "dtype": _dtype_name(self.dtype), "encoding": self.encoding,
             "hidden_size": self.hidden_size, "num_aux_layers": self.num_aux, **self.meta,
         }
         if self.fp8_error is not None:
@@ -305,7 +305,7 @@ def verify_shard(path: str | Path, *, full: bool = True) -> dict[str, Any]:
     size = path.stat().st_size
     if size != manifest["bytes"]:
         raise ShardError(f"{path}: {size} bytes on disk, manifest says {manifest['bytes']} (truncated?)")
-    if full and _sha256(path) != manifest["sha256"]:
+    if full and sha256_file(path) != manifest["sha256"]:
         raise ShardError(f"{path}: sha256 differs from the manifest (corrupted)")
     return manifest
 
@@ -329,7 +329,7 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):

@@ -34,7 +34,6 @@ from eyas.local.batch import DecodeBatch, Sequence
 # SGLang's exact loading bar (utils/common.py) and its default description (multithread loader).
 BAR_FORMAT = "{desc}: {percentage:3.0f}% Completed | {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
 BAR_DESC = "Multi-thread loading shards"
-READY_LINE = "The server is fired up and ready to roll!"
 FAULTS = ("none", "die-at-shard", "hang-at-shard", "oom-at-shard")
 
 
@@ -166,7 +165,7 @@ def load_model(model_path: str | Path, *, load_delay: float = 0.0, fault: str = 
     return model
 
 
-def load_tokenizer(model_path: str | Path):
+def optional_tokenizer(model_path: str | Path):
     """The tokenizer in the model folder, or None if it has no tokenizer.json (text is then "")."""
     if not (Path(model_path) / "tokenizer.json").exists():
         log(f"No tokenizer.json in {model_path}: responses will have empty text")

@@ -36,7 +36,8 @@ from typing import Any
 
 from eyas import __version__
 from eyas.dump import DUMP_DIR_ENV, DumpWriter, check_rid, dtype_from_env
-from eyas.local.engine import (FAULTS, READY_LINE, BadRequest, Engine, Speculative, load_model,
+from eyas.server.readiness import READY_LINE
+from eyas.local.engine import (FAULTS, BadRequest, Engine, Speculative, load_model,
                                load_tokenizer, log, resolve_capture_ids)
 
 

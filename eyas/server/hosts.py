@@ -24,6 +24,13 @@ from typing import Protocol
 from eyas.config import HostConfig
 
 
+def free_port(bind: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at `bind` right now (tests and benchmarks start servers there)."""
+    with socket.socket() as s:
+        s.bind((bind, 0))
+        return s.getsockname()[1]
+
+
 class HostError(RuntimeError):
     """A command on a host failed; carries the host, the command and what it printed."""
 

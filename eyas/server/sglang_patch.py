@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shlex
 import sys
 import tempfile
@@ -31,11 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.config import PipelineConfig
+from eyas.resources import shipped
+from eyas.server.diffs import DiffError, apply_diff as _apply, parse_diff  # noqa: F401 - parse_diff for tests
 from eyas.server.hosts import Host
 
-ROOT = Path(__file__).resolve().parents[1]
-PATCHES_DIR = ROOT / "patches" / "sglang"  #: one folder per SGLang version, each with manifest.json
-DUMP_SOURCE = Path(__file__).resolve().parent / "dump.py"
+PATCHES_DIR = shipped("patches", "sglang")  #: one folder per SGLang version, each with manifest.json
+DUMP_SOURCE = Path(__file__).resolve().parents[1] / "dump.py"  # eyas/dump.py, copied as eyas_dump.py
 DUMP_MODULE = "eyas_dump.py"  #: how eyas/dump.py is installed beside the hook
 STATE_NAME = ".eyas-patch.json"  #: in the sglang package folder; pip uninstall leaves it behind
 STATE_FORMAT = 1
@@ -45,89 +45,16 @@ class PatchError(RuntimeError):
     """The server host is in a state eyas will not patch; names the host, file or version."""
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------
-# Unified diffs, applied strictly by content (no fuzz, no offsets): the sha256 checks around
-# every application make the result exact, and no `patch` binary is needed on the host.
-# ---------------------------------------------------------------------------------------------
-
-_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
-
-
-@dataclass
-class Hunk:
-    old_start: int  # 1-based, as in the header
-    old_count: int
-    new_start: int
-    new_count: int
-    old_lines: list[str]  # with their line endings
-    new_lines: list[str]
-
-
-def parse_diff(diff: str) -> tuple[str, list[Hunk]]:
-    """The target path (from `+++ b/<path>`) and hunks of a one-file unified diff."""
-    path, hunks = None, []
-    hunk, left_old, left_new, last_kind = None, 0, 0, None
-    for line in diff.splitlines(keepends=True):
-        if line.startswith("\\") and hunk is not None:  # "\ No newline at end of file"
-            if last_kind in (" ", "-"):
-                hunk.old_lines[-1] = hunk.old_lines[-1].rstrip("\n")
-            if last_kind in (" ", "+"):
-                hunk.new_lines[-1] = hunk.new_lines[-1].rstrip("\n")
-            continue
-        if hunk is not None and (left_old > 0 or left_new > 0):
-            kind, body = (" ", line) if line in ("\n", "\r\n") else (line[:1], line[1:])
-            if kind not in (" ", "-", "+"):
-                raise ValueError(f"hunk at line {hunk.old_start} ends early: {line.rstrip()!r}")
-            if kind in (" ", "-"):
-                hunk.old_lines.append(body)
-                left_old -= 1
-            if kind in (" ", "+"):
-                hunk.new_lines.append(body)
-                left_new -= 1
-            last_kind = kind
-            continue
-        hunk = None
-        if line.startswith("+++ "):
-            if path is not None:
-                raise ValueError("the diff patches more than one file")
-            path = line[4:].rstrip("\r\n").split("\t")[0]
-            path = path[2:] if path.startswith("b/") else path
-        elif line.startswith("@@"):
-            m = _HUNK_RE.match(line)
-            if not m:
-                raise ValueError(f"bad hunk header {line.strip()!r}")
-            a, b, c, d = (int(g) if g is not None else 1 for g in m.groups())
-            hunk, left_old, left_new = Hunk(a, b, c, d, [], []), b, d
-            hunks.append(hunk)
-    if path is None or not hunks:
-        raise ValueError("not a unified diff (no +++ header or no hunks)")
-    if left_old > 0 or left_new > 0:
-        raise ValueError(f"the last hunk is cut short ({left_old} old / {left_new} new lines missing)")
-    return path, hunks
-
-
 def apply_diff(text: str, diff: str, *, reverse: bool = False, name: str = "<file>") -> str:
     """text with diff applied (or un-applied); PatchError if any hunk does not match exactly."""
     try:
-        _, hunks = parse_diff(diff)
-    except ValueError as e:
-        raise PatchError(f"{name}: cannot read the patch: {e}") from e
-    lines = text.splitlines(keepends=True)
-    out, pos = [], 0
-    for h in hunks:
-        start, count, old, new = ((h.new_start, h.new_count, h.new_lines, h.old_lines) if reverse
-                                  else (h.old_start, h.old_count, h.old_lines, h.new_lines))
-        index = start if count == 0 else start - 1  # an empty side names the line before it
-        if index < pos or lines[index:index + len(old)] != old:
-            raise PatchError(f"{name}: hunk at line {start} does not match "
-                             f"({'reverse' if reverse else 'forward'} application)")
-        out += lines[pos:index] + new
-        pos = index + len(old)
-    return "".join(out + lines[pos:])
+        return _apply(text, diff, reverse=reverse, name=name)
+    except DiffError as e:
+        raise PatchError(str(e)) from e
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------

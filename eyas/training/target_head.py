@@ -19,16 +19,10 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
+from eyas.target import read_config as read_target_config
+
 _NAMES = {"embed": "model.embed_tokens.weight", "lm_head": "lm_head.weight", "norm": "model.norm.weight"}
 _PREFIXES = ["", "language_model.", "model.language_model."]
-
-
-def read_target_config(checkpoint: str | Path) -> dict:
-    path = Path(checkpoint) / "config.json"
-    if not path.exists():
-        raise ValueError(f"{path}: target config.json not found")
-    cfg = json.loads(path.read_text())
-    return cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
 
 
 def _weight_map(checkpoint: Path) -> dict[str, str]:

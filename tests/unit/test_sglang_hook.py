@@ -29,7 +29,7 @@ from eyas.dump import assemble, read_records
 from eyas.server.hosts import LocalHost
 from eyas.server.launch import SGLANG_HOOK, launch_command
 from eyas.server.sglang_patch import ensure_patched
-from tests.test_sglang_patch import DSV2, make_site, sglang_config, sglang_wheel, wheel_text  # noqa: F401
+from tests.integration.test_sglang_patch import DSV2, make_site, sglang_config, sglang_wheel, wheel_text  # noqa: F401
 
 H, LAYERS = 8, [2, 4, 5]  # hidden size and capture-before layer ids of the fake target
 K = len(LAYERS)

@@ -4,7 +4,7 @@ import pytest
 
 from eyas.config import ConfigError, HostConfig, TargetConfig, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_embedded_default_loads_with_paths_resolved_against_the_file():

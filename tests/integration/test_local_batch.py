@@ -9,8 +9,9 @@ import httpx
 import pytest
 import torch
 
-from eyas.local.engine import READY_LINE, Engine, load_model
-from tests.test_local_server import greedy_reference, prompt
+from eyas.server.readiness import READY_LINE
+from eyas.local.engine import Engine, load_model
+from tests.integration.test_local_server import greedy_reference, prompt
 
 PARAMS = dict(temperature=0.0, ignore_eos=False, stop_token_ids=[], sampling_seed=None, skip_special_tokens=True)
 

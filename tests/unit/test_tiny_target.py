@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3ForCausa
 from eyas.local import hf_folder
 from eyas.local import tiny_target as tt
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "fixtures" / "tiny-target"
 CONVERSATIONS = REPO / "fixtures" / "data" / "conversations.jsonl"
 CAPTURE_IDS = [2, 4, 5]  # configs/local-tiny.yaml, capture-before convention

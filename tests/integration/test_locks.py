@@ -40,7 +40,7 @@ def _command(tmp: Path, data: Path, port: int) -> list[str]:
             "training.batch_size": 2, "training.warmup_steps": 0, "evaluation.num_prompts": 1,
             "evaluation.max_new_tokens": 4, "sensor.poll_interval_s": 0.1,
             "benchmark.enabled": False,  # the serving benchmark (two more servers) is not under test
-            "data.regenerate.enabled": False}  # nor regeneration (tests/test_flow_extract.py)
+            "data.regenerate.enabled": False}  # nor regeneration (tests/integration/test_flow_extract.py)
     cmd = [sys.executable, "-m", "eyas", "run", str(ROOT / "configs" / "local-tiny.yaml")]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]

@@ -8,7 +8,7 @@ from prefect import flow
 
 from eyas.server.hosts import LocalHost
 from eyas.server.launch import stop_server
-from tasks.server import launch_server, stop_server as stop_task, wait_until_ready
+from tasks.server import launch_server, stop as stop_task, wait_ready
 from tests.stage_config import stage_config
 
 
@@ -42,7 +42,7 @@ def _wait_for_events(prefix: str, resource_id: str, names: set[str], timeout: fl
 def serve_and_stop(cfg):
     handle = launch_server(cfg)
     try:
-        return wait_until_ready(cfg, handle)
+        return wait_ready(cfg, handle)
     finally:
         stop_task(cfg, handle)
 

@@ -1,21 +1,21 @@
-"""End to end: the whole flow on the embedded tiny target, through a real Prefect run."""
+"""End to end: the whole flow on the embedded tiny target, through a real Prefect run.
+
+A reduced run of configs/local-tiny.yaml (60 conversations, short replies, 100 training steps, a few
+prompts): every stage and task of the default, in about a minute. The README's first command runs
+the full default (bench/pipeline.py times it and checks its acceptance length).
+"""
 
 import asyncio
 import math
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from eyas.server.hosts import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,14 @@ def run(prefect_harness, tmp_path_factory):
     from flows.pipeline import eagle3_pipeline
 
     tmp = tmp_path_factory.mktemp("e2e")
+    conversations = (ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()
+    (tmp / "data.jsonl").write_text("\n".join(conversations[:60]) + "\n")
     cfg = load_config(ROOT / "configs" / "local-tiny.yaml", {
-        "name": "e2e-pipeline", "run_dir": str(tmp / "run"), "server.port": _free_port(),
+        "data.path": str(tmp / "data.jsonl"), "data.num_heldout": 6,
+        "data.regenerate.max_new_tokens": 16, "data.regenerate.num_parts": 2,
+        "training.max_steps": 100, "training.checkpoint_every": 50, "training.warmup_steps": 10,
+        "evaluation.num_prompts": 4, "evaluation.max_new_tokens": 24,
+        "name": "e2e-pipeline", "run_dir": str(tmp / "run"), "server.port": free_port(),
         "server.workdir": str(tmp / "server"), "server.dump_dir": str(tmp / "server" / "dump"),
         "extraction.output_dir": str(tmp / "shards"), "training.output_dir": str(tmp / "train"),
         "benchmark.num_prompts": 2, "benchmark.max_new_tokens": 16, "benchmark.num_repeats": 1,

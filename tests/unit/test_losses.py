@@ -10,7 +10,7 @@ from eyas.training.drafter import causal_mask
 from eyas.training.losses import TTTObjective, draft_first_order, head_soft_ce, scored_counts, teacher_labels, ttt_span
 from eyas.training.target_head import TargetHead
 from eyas.training.train import epoch_plan, shift_left
-from tests.test_drafter import make
+from tests.unit.test_drafter import make
 
 torch.set_num_threads(1)
 
@@ -205,7 +205,7 @@ def test_compiled_regions_and_flash_kernels_match_on_a_gpu():
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("bench_train", Path(__file__).parents[1] / "bench" / "train.py")
+    spec = importlib.util.spec_from_file_location("bench_train", Path(__file__).parents[2] / "bench" / "train.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     device = torch.device("cuda")

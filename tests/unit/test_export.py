@@ -14,7 +14,8 @@ from safetensors import safe_open
 
 from eyas.config import ExportConfig
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter, causal_mask
-from eyas.evaluation.export import DTYPES, check_layer_ids, export_drafter, load_exported
+from eyas.dump import DTYPES
+from eyas.evaluation.export import check_layer_ids, export_drafter, load_exported
 from eyas.training.target_head import load_target_tensors
 from eyas.training.train import train_drafter
 from tests.helpers_training import shard_meta, target_config, training_config, write_shards

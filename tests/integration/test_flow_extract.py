@@ -22,7 +22,7 @@ def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(p
         "extraction.num_shards": 2, "server.chunked_prefill_size": 128})
 
     first = extract(cfg)
-    assert set(first["stages"]) >= {"prepare", "regenerate", "extract", "stop"}
+    assert set(first.stages) >= {"prepare", "regenerate", "extract", "stop"}
     regenerated = tmp_path / "shards" / "regenerated" / "regenerated.jsonl"
     summary = json.loads((regenerated.parent / "regenerate.json").read_text())
     assert summary["conversations"] == 8 and summary["regenerated_turns"] >= 8 and summary["passed_through"] == 2
@@ -34,13 +34,13 @@ def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(p
     records, _ = load_records(regenerated)
     ours = prepare(records, load_tokenizer(cfg.target.checkpoint), cfg.data.model_copy(update={"path": regenerated}),
                    vocab_size=10**9).train
-    stored = sorted(s.input_ids.tolist() for m in first["manifests"] for s in ShardReader(tmp_path / "shards" / m["file"]))
+    stored = sorted(s.input_ids.tolist() for m in first.manifests for s in ShardReader(tmp_path / "shards" / m["file"]))
     assert stored == sorted(t.input_ids for t in ours) and len(stored) == 8
     original, _ = load_records(data)
     assert [r.messages for r in records[-2:]] == [r.messages for r in original[-2:]]  # held out: as they were
     assert records[0].messages != original[0].messages
 
     second = extract(cfg)
-    assert "regenerate" not in second["stages"] and "stop" not in second["stages"]  # no server launched
-    assert second["ready"] == {}
-    assert [m["sha256"] for m in second["manifests"]] == [m["sha256"] for m in first["manifests"]]
+    assert "regenerate" not in second.stages and "stop" not in second.stages  # no server launched
+    assert second.ready is None
+    assert [m["sha256"] for m in second.manifests] == [m["sha256"] for m in first.manifests]

@@ -1,0 +1,285 @@
+"""The extraction stage as the tasks run it: one config in, plans, regenerated data and shards out.
+
+    prepared = prepare(cfg, log=print)                     # lock, clean, tokenize, plan, disk check
+    path = regenerate_data(cfg, log=print)                 # optional: the target answers again
+    manifest = run_shard(cfg, plan, patch_version, log=print)
+
+Prefect-free. What lives for the whole process is kept here, per output dir and endpoint set:
+the ExtractionRun whose figures the task layer publishes (`runs`), and the server pools, so the
+bound on requests in flight holds across shard tasks running in threads (`pool_for`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+from eyas import __version__
+from eyas.config import PipelineConfig
+from eyas.extraction import data, dataset, extract, locks
+from eyas.extraction.client import Endpoint, ServerPool
+from eyas.extraction.data import ShardPlan
+from eyas.extraction.progress import ExtractionRun
+from eyas.extraction.shards import sha256_file
+from eyas.server.hosts import make_host
+from eyas.server.launch import server_alive
+from eyas.target import load_tokenizer, target_dims
+
+Log = Callable[..., None]  # log(fmt, *args), as logging.Logger.info takes them
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What prepare-data hands the later stages."""
+
+    plans: list[ShardPlan]              # one per shard, in order
+    prompts: list[list[int]]            # held-out prompts (token ids) for evaluation and serving
+    stats: dict                         # counts: conversations, tokens, skipped lines, truncations
+
+
+# ---------------------------------------------------------------------------------------------
+# Process-wide state: one ExtractionRun per output dir, one server pool per endpoint set
+# ---------------------------------------------------------------------------------------------
+
+class Runs:
+    """The ExtractionRun of each output dir in this process; `on_change` is set by the task layer."""
+
+    def __init__(self):
+        self._runs: dict[str, ExtractionRun] = {}
+        self._lock = threading.Lock()
+        self.make_on_change: Callable[[str], Callable] | None = None  # run name -> on_change callback
+
+    def register(self, cfg: PipelineConfig, plans: list[ShardPlan], plan_info: dict) -> ExtractionRun:
+        on_change = self.make_on_change(cfg.name) if self.make_on_change else None
+        run = ExtractionRun(cfg.extraction.output_dir, plans, plan_info=plan_info, on_change=on_change)
+        with self._lock:
+            self._runs[_key(cfg)] = run
+        return run
+
+    def for_plan(self, cfg: PipelineConfig, plan: ShardPlan) -> ExtractionRun:
+        """This process's run for the output dir; rebuilt from the plan index when prepare ran elsewhere."""
+        with self._lock:
+            run = self._runs.get(_key(cfg))
+        if run is not None and plan.name in run.plans and run.plans[plan.name].content_hash == plan.content_hash:
+            return run
+        index = data.read_plan_index(Path(plan.path).parent)
+        plans = [ShardPlan(s["index"], len(index["shards"]), Path(s["path"]), s["content_hash"],
+                           s["num_sequences"], s["num_tokens"], index.get("provenance", {}))
+                 for s in index["shards"]]
+        return self.register(cfg, plans, index)
+
+
+def _key(cfg: PipelineConfig) -> str:
+    return str(Path(cfg.extraction.output_dir).resolve())
+
+
+runs = Runs()
+_pools: dict[tuple, ServerPool] = {}
+_pools_lock = threading.Lock()
+
+
+@atexit.register
+def close_pools() -> None:
+    with _pools_lock:
+        for pool in _pools.values():
+            pool.close()
+        _pools.clear()
+
+
+def endpoints(cfg: PipelineConfig) -> list[Endpoint]:
+    """The launched server (dropped at once if its process dies) plus extraction.endpoints."""
+    x = cfg.extraction
+    return [Endpoint(cfg.server.url, cfg.server.dump_dir, x.concurrency, alive=partial(server_alive, cfg))] + [
+        Endpoint(e.url, e.dump_dir, e.concurrency or x.concurrency) for e in x.endpoints]
+
+
+def pool_for(cfg: PipelineConfig) -> ServerPool:
+    x = cfg.extraction
+    key = (tuple(endpoints(cfg)), x.request_timeout_s, x.request_retries, x.retry_backoff_s)
+    with _pools_lock:
+        if key not in _pools:
+            logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+            _pools[key] = ServerPool(endpoints(cfg), request_timeout_s=x.request_timeout_s,
+                                     retries=x.request_retries, backoff_s=x.retry_backoff_s)
+        return _pools[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepare: the output dir, the data, the shard plans
+# ---------------------------------------------------------------------------------------------
+
+def take_output_dir(cfg: PipelineConfig, log: Log) -> None:
+    """One run per output dir. Holding its lock proves a killed run's partial files and server are
+    stale: discard the files, stop that server (only if it runs this config's command)."""
+    out = Path(cfg.extraction.output_dir)
+    locks.lock_output_dir(out)
+    removed = locks.discard_partials(out)
+    if removed:
+        log("discarded %d partial file(s) of a killed run: %s", len(removed), removed[:10])
+    host = make_host(cfg.server.host)
+    try:
+        reclaimed = locks.reclaim_stale_server(host, cfg)
+    finally:
+        host.close()
+    if reclaimed:
+        log("server recorded in %s: %s", cfg.server.pid_path, reclaimed)
+
+
+def prepare(cfg: PipelineConfig, data_path: str | None = None, *, take_dir: bool = True,
+            log: Log) -> Prepared:
+    """Take the output dir, clean a killed run's leftovers, tokenize, plan the shards, check disk space.
+
+    `data_path` replaces data.path (the regenerated conversations, say). `take_dir=False` when this
+    run took it already: its own server, launched since, must not be taken for stale.
+    """
+    x, out = cfg.extraction, Path(cfg.extraction.output_dir)
+    source = Path(data_path or cfg.data.path)
+    if take_dir:
+        take_output_dir(cfg, log)
+    # Tokenize and check every line (ids against the target's vocabulary).
+    folder = cfg.data.tokenizer or cfg.target.checkpoint
+    hidden, vocab = target_dims(folder, cfg.target.checkpoint)
+    tokenizer = load_tokenizer(folder)
+    records, skipped = data.load_records(source, vocab_size=vocab, bad_lines=cfg.data.bad_lines)
+    prepared = data.prepare(records, tokenizer, cfg.data.model_copy(update={"path": source}), vocab_size=vocab,
+                            skipped=skipped)
+    provenance = {**data.tokenizer_hashes(tokenizer, folder), "eyas_version": __version__}
+    info = {"provenance": provenance, "data_path": str(source), "data_sha256": sha256_file(source),
+            "stats": prepared.stats}
+    plans = data.write_shard_plans(prepared.train, x.num_shards, out / "plan", info=info)
+    # Refuse now, before a long server load, if the shards cannot fit.
+    needed = dataset.estimate_bytes(plans, hidden, len(cfg.target.layer_ids), x.dtype, x.encoding, out)
+    space = dataset.check_disk_space(out, needed, keep_free_gb=x.keep_free_gb)
+    runs.register(cfg, plans, info)
+    log("prepared %s; shards need %.3f GB more, %.1f GB free", {k: v for k, v in prepared.stats.items()
+        if k != "skipped_lines"}, needed / 1e9, space["free_bytes"] / 1e9)
+    for line in prepared.stats["skipped_lines"][:10]:
+        log("skipped %s", line)
+    return Prepared(plans, prepared.heldout_prompts, prepared.stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# Regenerate: the target answers the training conversations again (data.regenerate)
+# ---------------------------------------------------------------------------------------------
+
+def _regeneration_inputs(cfg: PipelineConfig):
+    """(training records, held-out records, tokenizer, output dir, target, skipped lines)."""
+    folder = cfg.data.tokenizer or cfg.target.checkpoint
+    _, vocab = target_dims(folder, cfg.target.checkpoint)
+    tokenizer = load_tokenizer(folder)
+    records, skipped = data.load_records(cfg.data.path, vocab_size=vocab, bad_lines=cfg.data.bad_lines)
+    num_heldout = min(cfg.data.num_heldout, len(records) - 1)  # evaluation prompts: kept as they are
+    train, heldout = records[: len(records) - num_heldout], records[len(records) - num_heldout:]
+    out_dir = cfg.data.regenerate.output_dir or Path(cfg.extraction.output_dir) / "regenerated"
+    return train, heldout, tokenizer, Path(out_dir), f"{cfg.target.checkpoint}@{cfg.target.revision}", skipped
+
+
+def regeneration_pending(cfg: PipelineConfig) -> list[int]:
+    """Parts of the regeneration still to ask the target for; [] = regenerated.jsonl needs no server."""
+    from eyas.extraction.regenerate import pending_parts
+
+    train, _, tokenizer, out_dir, target, _ = _regeneration_inputs(cfg)
+    return pending_parts(train, tokenizer, out_dir, cfg.data.regenerate, target=target,
+                         max_length=cfg.data.max_length)
+
+
+def regenerate_data(cfg: PipelineConfig, *, log: Log) -> str:
+    """Answer the training conversations again with the target (resumable by part); the new file."""
+    from eyas.extraction.regenerate import regenerate
+
+    train, heldout, tokenizer, out_dir, target, skipped = _regeneration_inputs(cfg)
+    for line in skipped[:10]:
+        log("skipped %s", line)
+
+    def on_part(k: int, n: int, m: dict) -> None:
+        state = "reused" if m.get("reused") else f"{m['seconds']:.1f}s"
+        log("regenerate part %d/%d: %d conversations, %d turns answered by the target (%s)",
+            k + 1, n, m["conversations"], m["regenerated_turns"], state)
+
+    path, summary = regenerate(train, tokenizer, pool_for(cfg), out_dir, cfg.data.regenerate,
+                               max_length=cfg.data.max_length, target=target, passthrough=heldout,
+                               on_part=on_part)
+    log("regenerated %s", {k: v for k, v in summary.items() if k != "params"})
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Extract: one shard, checked against its inputs on disk
+# ---------------------------------------------------------------------------------------------
+
+def shard_key(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> str:
+    """What the shard depends on: its content hash, the target, layers, dtype, encoding, patch."""
+    return extract.shard_cache_key(plan, target_checkpoint=str(cfg.target.checkpoint),
+                                   target_revision=cfg.target.revision,
+                                   capture_ids=cfg.target.capture_ids(),
+                                   dtype=cfg.extraction.dtype, patch_version=patch_version,
+                                   encoding=cfg.extraction.encoding)
+
+
+def intact_shard(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> dict | None:
+    """The shard's manifest if its file is on disk, matches it, and came from these exact inputs."""
+    return extract.existing_shard(cfg.extraction.output_dir, plan, shard_key(cfg, plan, patch_version))
+
+
+def shards_intact(cfg: PipelineConfig, plans: list[ShardPlan], patch_version: str) -> dict[str, bool]:
+    """intact_shard for every plan, hashed side by side (a re-run at scale reads every shard once;
+    the sha256 is remembered, so checking the same file again later is free)."""
+    with ThreadPoolExecutor(max(1, min(8, len(plans))), thread_name_prefix="eyas-verify") as ex:
+        found = ex.map(lambda p: intact_shard(cfg, p, patch_version) is not None, plans)
+        return dict(zip([p.name for p in plans], found))
+
+
+def shard_meta(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> dict:
+    """Provenance written into the shard's header and manifest."""
+    t = cfg.target
+    capture = t.capture_ids()
+    return {"layer_ids": t.layer_ids, "layer_convention": t.layer_convention, "capture_ids": capture,
+            "layer_ids_capture_before": capture, "layer_ids_output_of": [i - 1 for i in capture],
+            "target_checkpoint": str(t.checkpoint), "target_revision": t.revision,
+            "patch_version": patch_version, "backend": cfg.server.backend, "eyas_version": __version__,
+            "tokenizer_sha256": plan.provenance.get("tokenizer_sha256"),
+            "chat_template_sha256": plan.provenance.get("chat_template_sha256")}
+
+
+def run_shard(cfg: PipelineConfig, plan: ShardPlan, patch_version: str, *, log: Log) -> dict:
+    """Extract one shard (or reuse an intact one), feeding the run's figures; returns its manifest."""
+    x, run = cfg.extraction, runs.for_plan(cfg, plan)
+
+    def on_progress(p: extract.ShardProgress) -> None:
+        run.shard_progress(p.shard, p.tokens_done, p.bytes_done, p.samples_done)
+
+    if intact_shard(cfg, plan, patch_version) is None:
+        run.shard_started(plan.name)
+    try:
+        manifest, reused = extract.ensure_shard(
+            plan, x.output_dir, shard_key(cfg, plan, patch_version), pool=pool_for(cfg),
+            capture_ids=cfg.target.capture_ids(), dtype=x.dtype, encoding=x.encoding,
+            meta=shard_meta(cfg, plan, patch_version), record_timeout_s=x.record_timeout_s,
+            collect_workers=x.collect_workers, on_progress=on_progress)
+    except Exception as e:
+        run.shard_failed(plan.name, f"{type(e).__name__}: {e}")
+        raise
+    if reused:
+        log("%s: intact on disk, reused (%d sequences, %d tokens)", plan.name,
+            manifest["num_samples"], manifest["num_tokens"])
+    else:
+        log("%s: %d sequences, %d tokens, %.1f MB in %.1fs (%.0f tok/s)", plan.name,
+            manifest["num_samples"], manifest["num_tokens"], manifest["bytes"] / 1e6,
+            manifest["seconds"], manifest["num_tokens"] / max(manifest["seconds"], 1e-9))
+    shard_finished(cfg, plan, manifest, reused=reused, log=log)
+    return manifest
+
+
+def shard_finished(cfg: PipelineConfig, plan: ShardPlan, manifest: dict, *, reused: bool, log: Log) -> None:
+    """Count a shard as done (also one Prefect answered from its cache, which runs no task body)."""
+    complete = runs.for_plan(cfg, plan).shard_done(plan, manifest, reused=reused)
+    if complete is not None:
+        log("dataset complete: %s (%d shards, %d tokens, %.3f GB)",
+            dataset.dataset_path(cfg.extraction.output_dir), complete["num_shards"],
+            complete["num_tokens"], complete["bytes"] / 1e9)
