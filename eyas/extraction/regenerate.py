@@ -5,7 +5,7 @@
                                    target="/models/Kimi-K2.5@main", max_length=4096)
     records, _ = load_records(path)         # then prepare and extract as usual
 
-Training on the target's own responses is the largest lever on acceptance (eagle3.md): the drafter
+Training on the target's own responses is the largest lever on acceptance (docs/training.md, Quality): the drafter
 learns the distribution it will be asked to predict. Each assistant turn is replaced, in order, by
 the target's answer to the conversation so far (earlier turns already regenerated), through
 /generate with the configured sampling (greedy by default; a seed per conversation and turn when

@@ -62,7 +62,7 @@ def launch_command(cfg: PipelineConfig) -> str:
                  "hook_factory": SGLANG_HOOK,
                  "config": {"dump_dir": str(s.dump_dir), "layer_ids": t.capture_ids(),
                             "dtype": cfg.extraction.dtype}}]
-        # EAGLE3 only names the layer-id convention here; SGLang loads no draft (sglang.md §1).
+        # EAGLE3 only names the layer-id convention here; SGLang loads no draft (docs/sglang-hook.md).
         args = [python, "-m", "sglang.launch_server", *common, "--speculative-algorithm", "EAGLE3",
                 "--disable-prefill-cuda-graph", "--forward-hooks", json.dumps(hook)]
     else:

@@ -83,7 +83,7 @@ class Progress:
         return (self.desc, self.done, self.total)
 
 
-# SGLang's BAR_FORMAT (sglang.md section 3):
+# SGLang 0.5.23's BAR_FORMAT, as its weight loader prints it (docs/operations.md):
 #   "{desc}: {percentage:3.0f}% Completed | {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
 _BAR_RE = re.compile(r"(Multi-thread loading shards|Loading safetensors checkpoint shards):\s+(\d+)% "
                      r"Completed \| (\d+)/(\d+) \[([^<\]]*)<([^,\]]*), ([^\]]*)\]")
@@ -125,7 +125,7 @@ def parse_progress(line: str) -> Progress | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Fatal lines (sglang.md section 3), most specific first: the first class found names the failure
+# Fatal lines SGLang 0.5.23 prints (docs/operations.md, failure table), most specific first: the first class found names the failure
 # ---------------------------------------------------------------------------------------------
 
 _TRACEBACK = "Traceback (most recent call last)"

@@ -5,7 +5,7 @@
     result = train_drafter(cfg.training, cfg.target, shard_paths)        # one process
     torchrun --nproc-per-node 8 -m eyas.training.distributed JOB.json              # many (eyas/training/distributed.py)
 
-The recipe (eagle3.md section 2). For a sequence tok[0..n), at TTT step k the input at position t is
+The recipe (docs/training.md). For a sequence tok[0..n), at TTT step k the input at position t is
 (embed(tok[t+1+k]), h) where h is fc(aux[t]) at step 0 and the drafter's own output at t from step
 k-1 afterwards; the label is the target's distribution at t+1+k (the stored last hidden state
 through the target's lm_head, restricted to the draft vocab), which predicts tok[t+2+k]. A label

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from eyas.extraction.data import TokenizedSample, write_shard_plans
-from eyas.extraction.dataset import ExtractionRun, build_dataset_manifest, dataset_path
+from eyas.extraction.dataset import build_dataset_manifest, dataset_path
+from eyas.extraction.progress import ExtractionRun
 from eyas.extraction.extract import ShardProgress
 from eyas.extraction.shards import Sample, write_shard
 
