@@ -38,7 +38,7 @@ from eyas import __version__
 from eyas.dump import DUMP_DIR_ENV, DumpWriter, check_rid, dtype_from_env
 from eyas.server.readiness import READY_LINE
 from eyas.local.engine import (FAULTS, BadRequest, Engine, Speculative, load_model,
-                               load_tokenizer, log, resolve_capture_ids)
+                               optional_tokenizer, log, resolve_capture_ids)
 
 
 # Sampling params SGLang accepts that eyas-local does not implement: allowed only at the value
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     # 1. Load the model (and fail here, as SGLang would, if a fault is injected)
     model = load_model(args.model_path, load_delay=args.load_delay, fault=args.fault,
                        fault_shard=args.fault_shard)
-    tokenizer = load_tokenizer(args.model_path)
+    tokenizer = optional_tokenizer(args.model_path)
 
     # 2. Hidden-state capture: dump only when asked for on the command line and given a folder
     num_layers = model.config.num_hidden_layers
