@@ -1,8 +1,9 @@
 """The patch stage against the real sglang 0.5.23 wheel, on this machine and over a real sshd.
 
-The wheel is fetched once from PyPI into ~/.cache/eyas-test/wheels; each test unpacks the files it
-needs into a fake site-packages (`<tmp>/site-packages/sglang/...` plus the wheel's dist-info, its
-version rewritable), which the server python sees through PYTHONPATH in `server.env`, so
+The wheel is fetched once with `pip download` into ~/.cache/eyas-test/wheels (tests that need it
+skip, saying why, when that fails); each test unpacks the files it needs into a fake
+site-packages (`<tmp>/site-packages/sglang/...` plus the wheel's dist-info, its version
+rewritable), which the server python sees through PYTHONPATH in `server.env`, so
 `importlib.metadata.version("sglang")` answers without importing SGLang's GPU dependencies.
 """
 
@@ -13,7 +14,6 @@ import hashlib
 import json
 import py_compile
 import re
-import socket
 import subprocess
 import sys
 import zipfile
@@ -33,25 +33,23 @@ SET_DIR = sglang_patch.PATCHES_DIR / VERSION
 HOOK = "eyas_sglang_hook.py"
 
 
-def _pypi_reachable() -> bool:
-    try:
-        socket.create_connection(("pypi.org", 443), timeout=5).close()
-        return True
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="session")
 def sglang_wheel() -> Path:
-    """The sglang 0.5.23 wheel from PyPI, downloaded once per machine."""
+    """The sglang 0.5.23 wheel, downloaded once per machine with pip (skips if that fails)."""
     found = sorted(WHEEL_CACHE.glob(f"sglang-{VERSION}-*.whl"))
     if not found:
-        if not _pypi_reachable():
-            pytest.skip("PyPI is unreachable and the sglang wheel is not cached in " + str(WHEEL_CACHE))
         WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", f"sglang=={VERSION}", "--no-deps",
-                        "-d", str(WHEEL_CACHE)], check=True, capture_output=True, timeout=900)
+        cmd = [sys.executable, "-m", "pip", "download", f"sglang=={VERSION}", "--no-deps",
+               "-d", str(WHEEL_CACHE)]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+            why = f"exit {r.returncode}: {(r.stderr or r.stdout).strip()[-300:]}"
+        except (OSError, subprocess.TimeoutExpired) as e:
+            why = f"{type(e).__name__}: {e}"
         found = sorted(WHEEL_CACHE.glob(f"sglang-{VERSION}-*.whl"))
+        if not found:
+            pytest.skip(f"`pip download sglang=={VERSION} --no-deps` failed ({why}); put the wheel "
+                        f"in {WHEEL_CACHE} to run this test")
     return found[0]
 
 
