@@ -167,3 +167,11 @@ def exported_drafter(random_target, tmp_path_factory) -> tuple[Path, Path]:
                              target=target_config(target), export=ExportConfig(dtype="bfloat16"),
                              shard_meta=shard_meta())
     return target, drafter
+
+
+@pytest.fixture(scope="session")
+def sglang_wheel():
+    """The sglang 0.5.23 wheel, downloaded once per machine with pip (skips if that fails)."""
+    from tests.sglang_wheel import download_wheel
+
+    return download_wheel()

@@ -16,7 +16,8 @@ forward-hook module, the source patch) plus eyas/dump.py, copied as `eyas_dump.p
     <site-packages>/sglang/.eyas-patch.json       what was applied: version, sha256s, the diff
 
 A target file is patched only when its sha256 is the manifest's original; the patched sha256 means
-done; anything else is refused with both hashes. The local backend needs nothing.
+done; anything else is refused with both hashes. A target whose config.json names an architecture
+the manifest does not list (`check_architecture`) is refused too. The local backend needs nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import json
 import shlex
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyas.config import PipelineConfig
@@ -75,6 +76,10 @@ class PatchSet:
     patch_version: str
     files: list[PatchedFile]
     modules: dict[str, bytes]  # file name in site-packages -> bytes (hook + dump writer)
+    #: model classes (config.json `architectures`) whose capture path the patch set supports
+    architectures: list[str] = field(default_factory=list)
+    #: known classes of the same family it does not support -> why
+    unsupported_architectures: dict[str, str] = field(default_factory=dict)
 
 
 def available_versions(patches_dir: Path = PATCHES_DIR) -> list[str]:
@@ -104,7 +109,42 @@ def load_patch_set(version: str, patches_dir: Path = PATCHES_DIR) -> PatchSet:
         if target != f.path:
             raise PatchError(f"{folder / entry['patch']} patches {target}, its manifest says {f.path}")
     modules = {hook["module"]: hook_bytes, DUMP_MODULE: DUMP_SOURCE.read_bytes()}
-    return PatchSet(version, manifest["patch_version"], files, modules)
+    if not manifest.get("architectures"):
+        raise PatchError(f"{folder}/manifest.json lists no supported architectures")
+    return PatchSet(version, manifest["patch_version"], files, modules, list(manifest["architectures"]),
+                    dict(manifest.get("unsupported_architectures", {})))
+
+
+def check_architecture(manifest_or_version: PatchSet | dict | str, architectures: list[str] | None,
+                       source: str, patches_dir: Path = PATCHES_DIR) -> str:
+    """The architecture SGLang will serve, if the patch set supports it; PatchError otherwise.
+
+    `manifest_or_version`: a PatchSet, a parsed manifest.json, or an SGLang version (its patch set
+    is read from patches_dir). `architectures`: the target config.json's list; SGLang's registry
+    (models/registry.py:resolve_model_cls) builds the class named first. `source` names where the
+    list came from (the config file) for the message.
+    """
+    if isinstance(manifest_or_version, str):
+        manifest_or_version = load_patch_set(manifest_or_version, patches_dir)
+    if isinstance(manifest_or_version, PatchSet):
+        pset = manifest_or_version
+        version, patch_version = pset.sglang_version, pset.patch_version
+        supported, unsupported = pset.architectures, pset.unsupported_architectures
+    else:
+        version, patch_version = manifest_or_version["sglang_version"], manifest_or_version["patch_version"]
+        supported = manifest_or_version.get("architectures") or []
+        unsupported = manifest_or_version.get("unsupported_architectures", {})
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    if not architectures:
+        raise PatchError(f"{source} names no architectures; eyas patch set {patch_version} (sglang "
+                         f"{version}) supports: {', '.join(supported)}")
+    arch = architectures[0]
+    if arch not in supported:
+        why = f" ({unsupported[arch]})" if arch in unsupported else ""
+        raise PatchError(f"{source}: architecture {arch} is not supported by eyas patch set "
+                         f"{patch_version} (sglang {version}){why}; supported: {', '.join(supported)}")
+    return arch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,8 +154,19 @@ def load_patch_set(version: str, patches_dir: Path = PATCHES_DIR) -> PatchSet:
 _PROBE = r"""
 import hashlib, importlib.metadata as md, importlib.util as iu, json, os, sys
 sys.path[:] = [p for p in sys.path if p]  # not the login directory: what the server imports
+args = sys.argv[1:]
 out = {"python": sys.executable, "version": None, "package_dir": None, "site_dir": None,
-       "state": None, "sha256": {}, "writable": False}
+       "state": None, "sha256": {}, "writable": False, "target_config": None}
+if args[:1] == ["--target-config"]:
+    path, args = args[1], args[2:]
+    out["target_config"] = {"path": path}
+    try:
+        with open(path) as f:
+            out["target_config"]["architectures"] = json.load(f).get("architectures")
+    except FileNotFoundError:
+        out["target_config"]["missing"] = True
+    except (OSError, ValueError, AttributeError) as e:
+        out["target_config"]["error"] = f"{type(e).__name__}: {e}"
 try:
     out["version"] = md.version("sglang")
 except md.PackageNotFoundError:
@@ -133,7 +184,7 @@ if spec is not None and spec.submodule_search_locations:
         pass
     except ValueError as e:
         out["state"] = {"unreadable": str(e)}
-    paths = sys.argv[1:] + [f["path"] for f in (out["state"] or {}).get("files", [])]
+    paths = args + [f["path"] for f in (out["state"] or {}).get("files", [])]
     for rel in paths:
         try:
             with open(os.path.join(site, rel), "rb") as f:
@@ -155,6 +206,8 @@ class Probe:
     sha256: dict[str, str | None]
     writable: bool
     missing_modules: list[str]
+    #: {"path", and "architectures" | "missing" | "error"} when asked for; None otherwise
+    target_config: dict | None = None
 
 
 def server_python(cfg: PipelineConfig) -> str:
@@ -164,9 +217,11 @@ def server_python(cfg: PipelineConfig) -> str:
 
 
 def probe(host: Host, python: str, env: dict[str, str] | None = None,
-          paths: list[str] | tuple[str, ...] = ()) -> Probe:
-    """Where sglang is installed for `python` on the host, its version, and the sha256 of paths."""
-    cmd = " ".join(shlex.quote(a) for a in [python, "-c", _PROBE, *paths])
+          paths: list[str] | tuple[str, ...] = (), target_config: str | None = None) -> Probe:
+    """Where sglang is installed for `python` on the host, its version, the sha256 of paths, and
+    (with target_config) the `architectures` of that config.json on the host."""
+    extra = ["--target-config", target_config] if target_config else []
+    cmd = " ".join(shlex.quote(a) for a in [python, "-c", _PROBE, *extra, *paths])
     r = host.run(cmd, check=False, timeout=120, env=env)
     if not r.ok:
         raise PatchError(f"[{host.name}] cannot run {python} to look for sglang "
@@ -191,9 +246,14 @@ def _probe_paths(patches_dir: Path) -> list[str]:
     return sorted(paths)
 
 
+def target_config_path(cfg: PipelineConfig) -> str:
+    """The target's config.json on the server host."""
+    return f"{str(cfg.target.checkpoint).rstrip('/')}/config.json"
+
+
 def _find_install(host: Host, cfg: PipelineConfig, patches_dir: Path) -> Probe:
     python = server_python(cfg)
-    found = probe(host, python, cfg.server.env, _probe_paths(patches_dir))
+    found = probe(host, python, cfg.server.env, _probe_paths(patches_dir), target_config_path(cfg))
     if found.version is None or found.site_dir is None:
         raise PatchError(f"[{host.name}] sglang is not installed for {python} "
                          f"(importlib finds {'no package' if found.site_dir is None else 'no metadata'})")
@@ -257,6 +317,7 @@ def ensure_patched(host: Host, cfg: PipelineConfig, *, dry_run: bool = False,
         pset = load_patch_set(found.version, patches_dir)
     except PatchError as e:
         raise PatchError(f"[{host.name}] {e} (python {found.python}, {found.package_dir})") from None
+    architecture = _check_target(host, found, pset)
     if found.missing_modules:
         raise PatchError(f"[{host.name}] {found.python} cannot import {found.missing_modules}, "
                          f"which the hook needs")
@@ -313,7 +374,23 @@ def ensure_patched(host: Host, cfg: PipelineConfig, *, dry_run: bool = False,
     return {"backend": "sglang", "host": host.name, "status": status, "python": found.python,
             "sglang_version": found.version, "patch_version": pset.patch_version,
             "site_packages": found.site_dir, "state_path": f"{found.package_dir}/{STATE_NAME}",
-            "actions": actions, "dump_sha256": _sha256(pset.modules[DUMP_MODULE])}
+            "actions": actions, "dump_sha256": _sha256(pset.modules[DUMP_MODULE]),
+            "architecture": architecture}
+
+
+def _check_target(host: Host, found: Probe, pset: PatchSet) -> str:
+    """The target's architecture, checked against the patch set (refused if unsupported).
+
+    A config.json the probe could not find is reported, not refused: the server cannot start
+    without one and says so itself.
+    """
+    tc = found.target_config or {}
+    where = f"[{host.name}] {tc.get('path', 'the target config.json')}"
+    if "error" in tc:
+        raise PatchError(f"{where} cannot be read: {tc['error']}")
+    if "architectures" not in tc:
+        return f"unchecked: no config.json at {tc.get('path')}"
+    return check_architecture(pset, tc["architectures"], where)
 
 
 def _patched_bytes(host: Host, found: Probe, f: PatchedFile, old: dict | None) -> bytes:

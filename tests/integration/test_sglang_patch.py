@@ -1,20 +1,20 @@
 """The patch stage against the real sglang 0.5.23 wheel, on this machine and over a real sshd.
 
-The wheel is fetched once from PyPI into ~/.cache/eyas-test/wheels; each test unpacks the files it
-needs into a fake site-packages (`<tmp>/site-packages/sglang/...` plus the wheel's dist-info, its
-version rewritable), which the server python sees through PYTHONPATH in `server.env`, so
+The wheel is fetched once with `pip download` into ~/.cache/eyas-test/wheels (tests that need it
+skip, saying why, when that fails); each test unpacks the files it needs into a fake
+site-packages (`<tmp>/site-packages/sglang/...` plus the wheel's dist-info, its version
+rewritable), which the server python sees through PYTHONPATH in `server.env`, so
 `importlib.metadata.version("sglang")` answers without importing SGLang's GPU dependencies.
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
 import hashlib
 import json
 import py_compile
 import re
-import socket
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -24,61 +24,11 @@ import pytest
 from eyas.server import sglang_patch
 from eyas.server.hosts import LocalHost, SSHHost
 from eyas.server.sglang_patch import PatchError, apply_diff, ensure_patched, reverse_patch
+from tests.sglang_wheel import DSV2, TARGET_ARCH, VERSION, make_site, sglang_config, wheel_text  # noqa: F401
 from tests.stage_config import stage_config
 
-VERSION = "0.5.23"
-WHEEL_CACHE = Path.home() / ".cache" / "eyas-test" / "wheels"
-DSV2 = "sglang/srt/models/deepseek_v2.py"
 SET_DIR = sglang_patch.PATCHES_DIR / VERSION
 HOOK = "eyas_sglang_hook.py"
-
-
-def _pypi_reachable() -> bool:
-    try:
-        socket.create_connection(("pypi.org", 443), timeout=5).close()
-        return True
-    except OSError:
-        return False
-
-
-@pytest.fixture(scope="session")
-def sglang_wheel() -> Path:
-    """The sglang 0.5.23 wheel from PyPI, downloaded once per machine."""
-    found = sorted(WHEEL_CACHE.glob(f"sglang-{VERSION}-*.whl"))
-    if not found:
-        if not _pypi_reachable():
-            pytest.skip("PyPI is unreachable and the sglang wheel is not cached in " + str(WHEEL_CACHE))
-        WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", f"sglang=={VERSION}", "--no-deps",
-                        "-d", str(WHEEL_CACHE)], check=True, capture_output=True, timeout=900)
-        found = sorted(WHEEL_CACHE.glob(f"sglang-{VERSION}-*.whl"))
-    return found[0]
-
-
-def wheel_text(wheel: Path, member: str) -> str:
-    with zipfile.ZipFile(wheel) as z:
-        return z.read(member).decode()
-
-
-def make_site(root: Path, wheel: Path, version: str = VERSION) -> Path:
-    """A site-packages holding sglang's deepseek_v2.py and dist-info (METADATA says `version`)."""
-    site = root / "site-packages"
-    with zipfile.ZipFile(wheel) as z:
-        (site / DSV2).parent.mkdir(parents=True, exist_ok=True)
-        (site / DSV2).write_bytes(z.read(DSV2))
-        metadata = z.read(f"sglang-{VERSION}.dist-info/METADATA").decode()
-    info = site / f"sglang-{version}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(re.sub(r"(?m)^Version: .*$", f"Version: {version}", metadata))
-    return site
-
-
-def sglang_config(tmp: Path, site: Path, host: dict | None = None):
-    overrides = {"server.backend": "sglang", "server.python": sys.executable,
-                 "server.env": {"PYTHONPATH": str(site)}}
-    if host is not None:
-        overrides["server.host"] = host
-    return stage_config(tmp, tmp / "checkpoint", **overrides)
 
 
 def sha(path: Path) -> str:
@@ -138,7 +88,7 @@ def test_apply_is_idempotent_and_reverse_restores_the_original_bytes(tmp_path, s
 
     done = ensure_patched(host, cfg)
     assert done["status"] == "patched" and done["sglang_version"] == VERSION
-    assert done["patch_version"] == manifest["patch_version"]
+    assert done["patch_version"] == manifest["patch_version"] and done["architecture"] == TARGET_ARCH
     assert done["actions"] == {DSV2: "patched", HOOK: "installed", "eyas_dump.py": "installed"}
     assert sha(site / DSV2) == manifest["files"][0]["patched_sha256"]
     assert (site / HOOK).read_bytes() == (SET_DIR / HOOK).read_bytes()
@@ -224,6 +174,141 @@ def test_an_older_eyas_patch_is_replaced(tmp_path, site):
     assert sha(site / DSV2) == json.loads((SET_DIR / "manifest.json").read_text())["files"][0]["patched_sha256"]
     reverse_patch(host, cfg)
     assert (site / DSV2).read_text() == original
+
+
+# ---------------------------------------------------------------------------------------------
+# Architectures: which model classes the patch set supports
+# ---------------------------------------------------------------------------------------------
+
+def test_an_unsupported_architecture_is_refused_naming_it_the_file_and_the_list(tmp_path, site):
+    manifest = json.loads((SET_DIR / "manifest.json").read_text())
+    supported = manifest["architectures"]
+    original = (site / DSV2).read_bytes()
+    for arch, reason in (("KimiVLForConditionalGeneration", "set_eagle3_layers_to_capture"),
+                         ("LlamaForCausalLM", None)):
+        cfg = sglang_config(tmp_path, site, architectures=[arch])
+        for dry_run in (True, False):
+            with pytest.raises(PatchError) as e:
+                ensure_patched(LocalHost(), cfg, dry_run=dry_run)
+            msg = str(e.value)
+            assert f"architecture {arch} is not supported" in msg
+            assert str(tmp_path / "checkpoint" / "config.json") in msg
+            assert f"supported: {', '.join(supported)}" in msg and manifest["patch_version"] in msg
+            assert (reason in msg) if reason else "set_eagle3" not in msg and "draft" not in msg
+        assert (site / DSV2).read_bytes() == original and not (site / HOOK).exists()
+
+    # the first name is what SGLang's registry builds; an empty list is refused too
+    cfg = sglang_config(tmp_path, site, architectures=["DeepseekV3ForCausalLM", "LlamaForCausalLM"])
+    assert ensure_patched(LocalHost(), cfg, dry_run=True)["architecture"] == "DeepseekV3ForCausalLM"
+    with pytest.raises(PatchError, match="names no architectures"):
+        ensure_patched(LocalHost(), sglang_config(tmp_path, site, architectures=[]), dry_run=True)
+    # no config.json on the host: reported, not refused (the server refuses to start without one)
+    (tmp_path / "checkpoint" / "config.json").unlink()
+    cfg = sglang_config(tmp_path, site, architectures=None)
+    assert ensure_patched(LocalHost(), cfg, dry_run=True)["architecture"].startswith("unchecked: no config.json")
+
+
+def test_check_architecture_takes_a_version_a_manifest_or_a_patch_set():
+    manifest = json.loads((SET_DIR / "manifest.json").read_text())
+    for given in (VERSION, manifest, sglang_patch.load_patch_set(VERSION)):
+        assert sglang_patch.check_architecture(given, [TARGET_ARCH], "x/config.json") == TARGET_ARCH
+        with pytest.raises(PatchError, match=r"^x/config.json: architecture DeepseekVL2ForCausalLM is "
+                                             r"not supported .*attention_backend_setup"):
+            sglang_patch.check_architecture(given, ["DeepseekVL2ForCausalLM"], "x/config.json")
+    with pytest.raises(PatchError, match="sglang 0.5.22 has no eyas patch set"):
+        sglang_patch.check_architecture("0.5.22", [TARGET_ARCH], "x/config.json")
+
+
+# Wrappers whose call into the language model tests/test_sglang_hook.py drives from the wheel's code.
+DRIVEN_WRAPPERS = {"KimiK25ForConditionalGeneration"}
+NO_EAGLE3 = "defines no set_eagle3_layers_to_capture"
+
+
+def _wheel_models(wheel: Path) -> tuple[dict[str, tuple[str, ast.ClassDef]], set[str]]:
+    """Every class under sglang/srt/models (name -> (file, node)) and the EntryClass names."""
+    classes, entries = {}, set()
+    with zipfile.ZipFile(wheel) as z:
+        for member in z.namelist():
+            if not (member.startswith("sglang/srt/models/") and member.endswith(".py")):
+                continue
+            tree = ast.parse(z.read(member))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    classes.setdefault(node.name, (member, node))
+            for node in tree.body:
+                if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "EntryClass"
+                                                        for t in node.targets):
+                    items = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
+                    entries.update(i.id for i in items if isinstance(i, ast.Name))
+    return classes, entries
+
+
+def _name(node) -> str | None:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
+def _deepseek_family(classes) -> dict[str, str]:
+    """Classes that subclass DeepseekV2ForCausalLM or build one (or a subclass) inside: name -> how."""
+    family = {"DeepseekV2ForCausalLM": "itself"}
+    grew = True
+    while grew:
+        grew = False
+        for name, (_, node) in classes.items():
+            if name in family:
+                continue
+            bases = [b for b in map(_name, node.bases) if b in family]
+            built = sorted({_name(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)} & set(family))
+            if bases or built:
+                family[name] = f"subclass of {bases[0]}" if bases else f"builds {built[0]}"
+                grew = True
+    return family
+
+
+def _chain(classes, name: str) -> list[ast.ClassDef]:
+    """name's class and its ancestors that are defined under sglang/srt/models, nearest first."""
+    out = []
+    while name in classes:
+        node = classes[name][1]
+        out.append(node)
+        name = next((b for b in map(_name, node.bases) if b in classes), None)
+    return out
+
+
+def _defines(node: ast.ClassDef, method: str) -> bool:
+    return any(isinstance(n, ast.FunctionDef) and n.name == method for n in node.body)
+
+
+def test_every_deepseek_v2_model_class_of_the_wheel_is_classified(sglang_wheel):
+    """A class that subclasses or wraps DeepseekV2ForCausalLM is either supported (and its path is the
+    one eyas tests) or listed as unsupported with a reason; a new one in a later SGLang fails here."""
+    manifest = json.loads((SET_DIR / "manifest.json").read_text())
+    supported, unsupported = set(manifest["architectures"]), manifest["unsupported_architectures"]
+    assert not supported & set(unsupported) and all(unsupported.values())
+    classes, entries = _wheel_models(sglang_wheel)
+    family = _deepseek_family(classes)
+    served = {name for name in family if name in entries}  # what the model registry can build
+    unclassified = {name: family[name] for name in served - supported - set(unsupported)}
+    assert not unclassified, f"classify these in {SET_DIR / 'manifest.json'}: {unclassified}"
+    assert supported | set(unsupported) <= served, "the manifest names classes the wheel does not serve"
+
+    base = classes["DeepseekV2ForCausalLM"][1]
+    assert _defines(base, "forward") and _defines(base, "set_eagle3_layers_to_capture")
+    for name in sorted(supported):
+        chain = _chain(classes, name)
+        if family[name].startswith("builds"):  # a wrapper: its call path is driven in the hook tests
+            assert name in DRIVEN_WRAPPERS, f"{name} is a wrapper no test drives"
+            assert _defines(chain[0], "set_eagle3_layers_to_capture")
+            continue
+        # a subclass runs DeepseekV2ForCausalLM's own __init__, forward and capture switch (patched)
+        below = chain[:[n.name for n in chain].index("DeepseekV2ForCausalLM")]
+        for node in below:
+            for method in ("__init__", "forward", "set_eagle3_layers_to_capture"):
+                assert not _defines(node, method), f"{node.name} overrides {method}: check its path"
+    for name, reason in unsupported.items():
+        if NO_EAGLE3 in reason:  # SGLang's model runner refuses aux capture for it at startup
+            assert not any(_defines(n, "set_eagle3_layers_to_capture") for n in _chain(classes, name)), name
+        else:
+            assert reason.startswith("draft model") and name.endswith(("NextN", "Eagle")), name
 
 
 # ---------------------------------------------------------------------------------------------

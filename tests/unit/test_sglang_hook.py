@@ -6,17 +6,27 @@ and registers the hook), the `ForwardMode` enum and `pack_aux_hidden_states`. Th
 the copy the patch stage installed into a fake site-packages. ForwardBatch, LogitsProcessorOutput
 and the parallel context are SimpleNamespaces whose attribute names are checked against the
 wheel's source, so they cannot drift from SGLang.
+
+The model call paths run the wheel's own code too, compiled from its source: the (patched)
+`DeepseekV2ForCausalLM.forward` and `set_eagle3_layers_to_capture`, Kimi-K2.5's wrapper
+(`KimiK25ForConditionalGeneration.forward`, its capture switch and `model` alias),
+`mm_utils.general_mm_embed_routine` / `prepare_mm_inputs` (which call the language model with
+input_ids=None) and the model runner's `configure_aux_hidden_state_capture`. Only the decoder
+stack (DeepseekV2Model) and the logits processor are stand-ins.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
+import fnmatch
 import importlib
 import importlib.util
 import inspect
 import json
 import shlex
 import sys
+from contextlib import nullcontext
 from enum import IntEnum, auto
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +39,7 @@ from eyas.dump import assemble, read_records
 from eyas.server.hosts import LocalHost
 from eyas.server.launch import SGLANG_HOOK, launch_command
 from eyas.server.sglang_patch import ensure_patched
-from tests.integration.test_sglang_patch import DSV2, make_site, sglang_config, sglang_wheel, wheel_text  # noqa: F401
+from tests.sglang_wheel import DSV2, make_site, sglang_config, wheel_text
 
 H, LAYERS = 8, [2, 4, 5]  # hidden size and capture-before layer ids of the fake target
 K = len(LAYERS)
@@ -38,7 +48,9 @@ K = len(LAYERS)
 FORWARD_BATCH_FIELDS = ("forward_mode", "batch_size", "input_ids", "positions", "rids", "seq_lens",
                         "seq_lens_cpu", "orig_seq_lens", "extend_num_tokens", "extend_seq_lens",
                         "extend_seq_lens_cpu", "extend_prefix_lens", "extend_prefix_lens_cpu",
-                        "extend_start_loc")
+                        "extend_start_loc",
+                        # read by mm_utils.prepare_mm_inputs on the multimodal wrapper's path
+                        "input_embeds", "mm_inputs", "mm_input_embeds", "spec_algorithm")
 OUTPUT_FIELDS = ("next_token_logits", "hidden_states", "last_hidden_states")
 PARALLEL_FIELDS = ("attn_tp_rank", "attn_cp_rank")
 
@@ -171,6 +183,8 @@ def make_batch(mode, rows, pad: int = 0):
     lens = [m[2] for m in meta]
     starts = torch.tensor([0] + lens[:-1]).cumsum(0)
     fb = SimpleNamespace(
+        input_embeds=None, mm_inputs=None, mm_input_embeds=None, spec_algorithm=None,
+        contains_mm_inputs=lambda: False,
         forward_mode=mode, batch_size=len(rows), input_ids=torch.cat(ids), rids=rids,
         positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefixes, lens)]),
         seq_lens=torch.tensor([p + n for p, n in zip(prefixes, lens)]),
@@ -208,6 +222,8 @@ def test_fakes_use_only_names_the_wheel_defines(sglang_wheel):
     src = lambda member: wheel_text(sglang_wheel, f"sglang/srt/{member}")  # noqa: E731
     fbi = src("model_executor/forward_batch_info.py")
     assert set(FORWARD_BATCH_FIELDS) <= _class_fields(fbi, "ForwardBatch")
+    assert any(isinstance(n, ast.FunctionDef) and n.name == "contains_mm_inputs"
+               for n in _class_node(fbi, "ForwardBatch").body)
     assert "rids=[req.rid for req in batch.reqs]" in fbi
     assert set(OUTPUT_FIELDS) <= _class_fields(src("layers/logits_processor.py"), "LogitsProcessorOutput")
     assert set(PARALLEL_FIELDS) <= _class_fields(src("arg_groups/fields/parallel.py"), "Parallel")
@@ -380,3 +396,225 @@ def test_patched_deepseek_v2_writes_through_the_same_hook(tmp_path, sgl, install
     ns["_eyas_dump_hook"].flush()
     assert read_records(tmp_path / "dump", again.rid) == []
     installed.mod._forward_hook_active = False
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang's own call paths: the DeepseekV3 text model, and Kimi-K2.5's multimodal wrapper
+# ---------------------------------------------------------------------------------------------
+
+VOCAB = 1000
+KIMI = "KimiK25ForConditionalGeneration"
+DSV2_METHODS = ("forward", "set_eagle3_layers_to_capture", "get_input_embeddings")
+KIMI_METHODS = ("forward", "set_eagle3_layers_to_capture", "get_input_embeddings", "get_image_feature",
+                "model", "lm_head", "__setattr__")
+# what each wheel __init__ sets that the wheel methods above use; the stand-in __init__s set the same
+DSV2_INIT_ATTRS = {"pp_group", "config", "model", "lm_head", "logits_processor", "capture_aux_hidden_states"}
+KIMI_INIT_ATTRS = {"vision_tower", "mm_projector", "language_model"}
+
+
+def _exec_wheel_nodes(nodes: list[ast.stmt], namespace: dict, filename: str) -> dict:
+    module = ast.Module([ast.ImportFrom("__future__", [ast.alias("annotations")], 0), *nodes], [])
+    exec(compile(ast.fix_missing_locations(module), filename, "exec"), namespace)  # noqa: S102 - the wheel's own code
+    return namespace
+
+
+def _wheel_function(source: str, name: str) -> ast.FunctionDef:
+    return next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _wheel_class(source: str, name: str, methods, namespace: dict, filename: str) -> type:
+    """The wheel's class with only `methods` (its code and decorators), as an nn.Module."""
+    node = copy.deepcopy(_class_node(source, name))
+    node.body = [n for n in node.body if isinstance(n, ast.FunctionDef) and n.name in methods]
+    assert {n.name for n in node.body} == set(methods), f"{name} no longer defines all of {methods}"
+    node.bases = [ast.Attribute(ast.Name("nn", ast.Load()), "Module", ast.Load())]
+    node.keywords, node.decorator_list = [], []
+    return _exec_wheel_nodes([node], namespace, filename)[name]
+
+
+def _init_attrs(source: str, name: str) -> set[str]:
+    init = next(n for n in _class_node(source, name).body
+                if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return {t.attr for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+
+class DecoderStack(nn.Module):
+    """Stands in for DeepseekV2Model: returns the hidden states the test planned for the forward, and
+    the aux capture once layers_to_capture is set (DeepseekV2Model returns a tuple only then)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, H)
+        self.layers_to_capture: list[int] = []
+        self.planned = None
+        self.calls = []  # (input_ids, input_embeds) of each forward
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
+        self.calls.append((input_ids, input_embeds))
+        last, aux = self.planned
+        return (last, aux) if self.layers_to_capture else last
+
+
+@pytest.fixture(scope="module")
+def wheel_code(sglang_wheel, installed):
+    """Sources of the wheel's call path (deepseek_v2.py as the patch stage left it) and its checks."""
+    def src(member: str) -> str:
+        return wheel_text(sglang_wheel, f"sglang/srt/{member}")
+
+    code = SimpleNamespace(
+        dsv2=(installed.site / DSV2).read_text(), kimi=src("models/kimi_k25.py"),
+        mm=src("managers/mm_utils.py"),
+        aux_setup=src("model_executor/model_runner_components/attention_backend_setup.py"),
+        eager=src("model_executor/runner/eager_runner.py"))
+    assert DSV2_INIT_ATTRS <= _init_attrs(code.dsv2, "DeepseekV2ForCausalLM")
+    assert KIMI_INIT_ATTRS <= _init_attrs(code.kimi, KIMI)
+    assert "self.language_model = DeepseekV3ForCausalLM(" in code.kimi
+    stack = next(n for n in _class_node(code.dsv2, "DeepseekV2Model").body
+                 if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    assert [a.arg for a in stack.args.args] == ["self", "input_ids", "positions", "forward_batch",
+                                                "input_embeds", "pp_proxy_tensors"]
+    # EagerRunner._execute_extend calls the top-level model like this (as `call` below does)
+    assert ("model_runner.model.forward( forward_batch.input_ids, forward_batch.positions, "
+            "forward_batch, **kwargs, )") in " ".join(code.eager.split())
+    return code
+
+
+def build_target(code, installed, logits_processor, *, wrapped: bool, dump_env: Path | None,
+                 embed_mm_inputs=None):
+    """(top-level model, language model, namespace of the patched deepseek_v2 code)."""
+    dsv2_file = str(installed.site / DSV2)
+    ns = {"torch": torch, "nn": nn, "_EYAS_DUMP_DIR": str(dump_env) if dump_env else None,
+          "_eyas_dump_hook": None,
+          "get_attn_tp_context": lambda: SimpleNamespace(maybe_input_scattered=lambda fb: nullcontext())}
+    _exec_wheel_nodes([_wheel_function(code.dsv2, "_eyas_dump")], ns, dsv2_file)
+
+    class LanguageModel(_wheel_class(code.dsv2, "DeepseekV2ForCausalLM", DSV2_METHODS, ns, dsv2_file)):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.pp_group = SimpleNamespace(is_first_rank=True, is_last_rank=True, world_size=1)
+            self.config = SimpleNamespace(num_hidden_layers=8)
+            self.model = DecoderStack()
+            self.lm_head = nn.Linear(H, 16, bias=False)
+            self.logits_processor = logits_processor
+            self.capture_aux_hidden_states = False
+
+    lm = LanguageModel()
+    if not wrapped:
+        return lm, lm, ns
+    mm_ns = {"torch": torch, "nn": nn, "get_server_args": lambda: None,
+             "embed_mm_inputs": embed_mm_inputs or (lambda **kw: pytest.fail("multimodal path taken"))}
+    _exec_wheel_nodes([_wheel_function(code.mm, f) for f in ("prepare_mm_inputs", "general_mm_embed_routine")],
+                      mm_ns, "mm_utils.py")
+    kimi_ns = {"torch": torch, "nn": nn, "general_mm_embed_routine": mm_ns["general_mm_embed_routine"],
+               "Modality": SimpleNamespace(IMAGE="image")}
+
+    class Kimi(_wheel_class(code.kimi, KIMI, KIMI_METHODS, kimi_ns, "kimi_k25.py")):
+        def __init__(self, language_model):
+            nn.Module.__init__(self)
+            self.vision_tower = nn.Linear(2, 2)
+            self.mm_projector = nn.Linear(2, 2)
+            self.language_model = language_model
+
+    return Kimi(lm), lm, ns
+
+
+def call(top, lm, mode, rows, pad: int = 0, fb_changes: dict | None = None):
+    """One forward, as EagerRunner._execute_extend makes it: model.forward(ids, positions, batch)."""
+    fb, last, aux = make_batch(mode, rows, pad)
+    for key, value in (fb_changes or {}).items():
+        setattr(fb, key, value)
+    lm.model.planned = (last, aux)
+    top.forward(fb.input_ids, fb.positions, fb)
+    return fb
+
+
+def configure_capture(code, top):
+    """The model runner's init_attention_backends: the wheel's configure_aux_hidden_state_capture."""
+    ns = _exec_wheel_nodes([_wheel_function(code.aux_setup, "configure_aux_hidden_state_capture")], {},
+                           "attention_backend_setup.py")
+    ns["configure_aux_hidden_state_capture"](
+        model=top, eagle_use_aux_hidden_state=True, eagle_aux_hidden_state_layer_ids=LAYERS,
+        dflash_use_aux_hidden_state=False, dflash_target_layer_ids=None, is_dspark=False)
+
+
+@pytest.mark.parametrize("via", ["forward_hooks", "source_patch"])
+@pytest.mark.parametrize("wrapped", [False, True], ids=["deepseek-v3-text", "kimi-k2.5-wrapper"])
+def test_sglang_call_paths_dump_the_right_ids_in_every_chunk(tmp_path, sgl, installed, wheel_code,
+                                                              wrapped, via):
+    dump_dir = tmp_path / "dump"
+    logits_processor = make_model(sgl.aux.pack_aux_hidden_states).logits_processor
+    # eyas/server/launch.py always sets EYAS_DUMP_DIR; with --forward-hooks the patched file stands back
+    top, lm, ns = build_target(wheel_code, installed, logits_processor, wrapped=wrapped, dump_env=dump_dir)
+    installed.mod._forward_hook_active = False
+
+    configure_capture(wheel_code, top)  # through the wrapper's set_eagle3_layers_to_capture
+    assert lm.capture_aux_hidden_states and lm.model.layers_to_capture == LAYERS
+    names = [n for n, _ in top.named_modules() if fnmatch.fnmatch(n, "*logits_processor")]
+    assert names == (["language_model.logits_processor"] if wrapped else ["logits_processor"])
+    if via == "forward_hooks":
+        sgl.hook_manager.register_forward_hooks(top, hook_specs(tmp_path, dump_dir))
+        [hook] = lm.logits_processor._forward_hooks.values()
+    Mode = sgl.ForwardMode
+    a, b = Sequence("eyas-a-0", 9, seed=11), Sequence("eyas-b-0", 4, seed=12)
+    warmup = Sequence("1f0e6c2b9a7d4e0f8c3b2a1d0e9f8c7b", 5, seed=13)
+    try:
+        # chunked prefill of a (3 chunks of 3), b whole, a decode of b in MIXED and in EXTEND
+        batches = [call(top, lm, Mode.EXTEND, [(a, 0, 3), (b, 0, 4), (warmup, 0, 5)], pad=3),
+                   call(top, lm, Mode.MIXED, [(a, 3, 3), ("eyas-b-0", 4)]),
+                   call(top, lm, Mode.DECODE, [("eyas-b-0", 5)]),
+                   call(top, lm, Mode.EXTEND, [("eyas-b-0", 6), (a, 6, 3)])]
+        for fb, (ids, embeds) in zip(batches, lm.model.calls, strict=True):
+            if wrapped:  # general_mm_embed_routine: ids None, the embeddings of the batch's ids
+                assert ids is None and torch.equal(embeds, lm.model.embed_tokens(fb.input_ids))
+            else:
+                assert ids is fb.input_ids and embeds is None
+        if via == "forward_hooks":
+            hook.flush()
+            assert ns["_eyas_dump_hook"] is None  # the patched file never wrote a second copy
+        else:
+            ns["_eyas_dump_hook"].flush()
+    finally:
+        installed.mod._forward_hook_active = False
+
+    assert sorted(p.name for p in dump_dir.iterdir()) == ["eyas-a-0", "eyas-b-0"]
+    for seq, offsets in ((a, [0, 3, 6]), (b, [0])):
+        records = read_records(dump_dir, seq.rid)
+        assert [r.prefix_offset for r in records] == offsets
+        sample = assemble(records, seq.tokens.tolist())
+        dtype = sample.aux_hidden_states.dtype
+        assert torch.equal(sample.token_ids, seq.tokens.to(torch.int32))
+        assert torch.equal(sample.aux_hidden_states, torch.cat(seq.aux, dim=-1).to(dtype))
+        assert torch.equal(sample.last_hidden_state, seq.last.to(dtype))
+        assert sample.meta["layer_ids"] == LAYERS
+
+
+def test_a_forward_with_multimodal_inputs_is_not_dumped(tmp_path, sgl, installed, wheel_code, caplog):
+    """On the wrapper's image path mm_utils overwrites the batch's ids (pad values, clamped in place):
+    such a forward is logged and skipped, never dumped with wrong ids."""
+    assert "input_ids.clamp_(min=0, max=vocab_size - 1)" in wheel_code.mm
+    assert "forward_batch.mm_input_embeds = (" in wheel_code.mm
+
+    def embed_mm_inputs(*, input_ids, input_embedding, **_):  # what the wheel's does to the ids
+        input_ids.clamp_(min=0, max=input_embedding.num_embeddings - 1)
+        return input_embedding(input_ids), {}
+
+    dump_dir = tmp_path / "dump"
+    logits_processor = make_model(sgl.aux.pack_aux_hidden_states).logits_processor
+    top, lm, _ = build_target(wheel_code, installed, logits_processor, wrapped=True, dump_env=None,
+                              embed_mm_inputs=embed_mm_inputs)
+    configure_capture(wheel_code, top)
+    sgl.hook_manager.register_forward_hooks(top, hook_specs(tmp_path, dump_dir))
+    [hook] = lm.logits_processor._forward_hooks.values()
+    image, text = Sequence("eyas-img", 4, seed=14), Sequence("eyas-txt", 3, seed=15)
+    image.tokens[1] = 10**9  # an image pad value (a hash), as pad_input_ids leaves it
+    try:
+        fb = call(top, lm, sgl.ForwardMode.EXTEND, [(image, 0, 4), (text, 0, 3)],
+                  fb_changes={"contains_mm_inputs": lambda: True,
+                              "mm_inputs": [SimpleNamespace(mm_items=[]), None]})
+        hook.flush()
+    finally:
+        installed.mod._forward_hook_active = False
+    assert fb.mm_input_embeds is not None and int(fb.input_ids[1]) == VOCAB - 1
+    assert not dump_dir.exists() or not any(dump_dir.iterdir())
+    assert "carried multimodal inputs" in caplog.text and "eyas-img" in caplog.text

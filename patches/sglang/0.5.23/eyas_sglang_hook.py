@@ -1,6 +1,6 @@
 """eyas's SGLang forward hook: write every prefill chunk's hidden states as eyas dump records.
 
-Installed by the patch stage (eyas/sglang_patch.py) as a top-level module in the server's
+Installed by the patch stage (eyas/server/sglang_patch.py) as a top-level module in the server's
 site-packages, beside `eyas_dump.py` (a byte copy of eyas/dump.py, the one dump writer). SGLang
 registers it on the logits processor, after CUDA graph capture:
 
@@ -17,6 +17,14 @@ registers it on the logits processor, after CUDA graph capture:
 `LogitsProcessorOutput` whose `hidden_states` is the packed aux capture `[T, K*H]` and
 `last_hidden_states` the final post-norm hidden state `[T, H]` (full capture mode, which
 `--enable-return-aux-hidden-states` makes the server default).
+
+`args[0]` is None on the multimodal path: KimiK25ForConditionalGeneration.forward reaches its
+DeepseekV3ForCausalLM through managers/mm_utils.py:general_mm_embed_routine, which calls it with
+`input_ids=None` and the embeddings (also for text-only requests), and DeepseekV2ForCausalLM.forward
+hands that None on to the logits processor (module `language_model.logits_processor`). The token
+ids are then read from `forward_batch.input_ids`, the tensor the model runner passed to the
+wrapper. A forward that carried image/video/audio inputs is not dumped: mm_utils.embed_mm_inputs
+has replaced those rows' ids by clamped pad values in that same tensor.
 
 Config keys: `dump_dir` (default $EYAS_DUMP_DIR), `layer_ids` (capture-before ids the model
 captures; default: derived from --return-aux-hidden-state-layer-ids), `rid_prefix` (default
@@ -44,7 +52,7 @@ import eyas_dump as dump
 
 logger = logging.getLogger("eyas_sglang_hook")
 
-PATCH_VERSION = "eyas-sglang-0.5.23-r1"
+PATCH_VERSION = "eyas-sglang-0.5.23-r2"
 CONFIG_KEYS = ("dump_dir", "layer_ids", "rid_prefix", "dtype", "max_pending")
 _MAX_TRACKED_RIDS = 65536  # rids whose prefill finished, to tell later decode rows apart
 
@@ -163,7 +171,11 @@ class DumpHook:
             _forward_hook_active = True
         if self._error is not None:
             raise HookError(f"eyas hook: the dump writer failed: {self._error!r}") from self._error
-        input_ids, forward_batch = args[0], args[3]
+        if len(args) < 4:
+            raise HookError(f"eyas hook: the logits processor got {len(args)} positional arguments; "
+                            f"the hook needs (input_ids, hidden_states, lm_head, forward_batch, ...) "
+                            f"positionally (a forward hook does not see keyword arguments)")
+        forward_batch = args[3]
         mode = forward_batch.forward_mode
         if not mode.is_extend() or mode.is_target_verify():
             return None  # decode / idle / verify forwards hold no prefill rows
@@ -176,9 +188,29 @@ class DumpHook:
         if not self._writes:
             return None
         rows = self._select_rows(forward_batch)
-        if rows:
-            self._dump(rows, input_ids, aux, last)
+        if not rows:
+            return None
+        if getattr(forward_batch, "mm_input_embeds", None) is not None:
+            # prepare_mm_inputs sets mm_input_embeds only for a batch with multimodal items; their
+            # rows hold pad values (clamped in place), not token ids. eyas extracts text only.
+            logger.error("eyas hook: not dumping %s: the forward carried multimodal inputs, whose "
+                         "rows hold no token ids", sorted({rid for rid, *_ in rows}))
+            return None
+        self._dump(rows, self._input_ids(args[0], forward_batch), aux, last)
         return None
+
+    @staticmethod
+    def _input_ids(positional: torch.Tensor | None, forward_batch) -> torch.Tensor:
+        """The forward's token ids: the logits processor's input_ids, or the batch's when None.
+
+        A multimodal wrapper (KimiK25ForConditionalGeneration via general_mm_embed_routine) runs
+        its language model with input_ids=None; forward_batch.input_ids is what the runner passed.
+        """
+        ids = positional if positional is not None else forward_batch.input_ids
+        if ids is None:
+            raise HookError("eyas hook: neither the logits processor's input_ids nor "
+                            "forward_batch.input_ids is set; cannot tell the token ids")
+        return ids
 
     def _check_capture(self, aux: torch.Tensor | None, last: torch.Tensor | None) -> None:
         if aux is None or last is None:
