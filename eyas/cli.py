@@ -2,6 +2,7 @@
 
     eyas run CONFIG [--set training.max_steps=50 ...]   run the whole pipeline (a Prefect flow)
     eyas check-config CONFIG                             validate a config and print it resolved
+    eyas preflight CONFIG [--set k=v ...] [--no-hosts]   check all a GPU is not needed for; print the plan
     eyas serve-local --model-path P --port N [...]       the SGLang-compatible local target server
     eyas make-tiny-target OUT [--steps N --device D]     rebuild the embedded tiny target
     eyas stop CONFIG                                     stop a server the config launched
@@ -54,6 +55,15 @@ def cmd_check_config(args) -> int:
     return 0
 
 
+def cmd_preflight(args) -> int:
+    from eyas.preflight import format_preflight, preflight
+
+    cfg = _load(args)
+    result = preflight(cfg, check_hosts=not args.no_hosts, check_tokenizer=not args.no_tokenizer)
+    print(format_preflight(result, cfg))
+    return 0 if result.ok else 1
+
+
 def cmd_stop(args) -> int:
     from eyas.server.hosts import make_host
     from eyas.server.launch import stop_server
@@ -81,11 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, help_ in [("run", cmd_run, "run the whole pipeline"),
                             ("check-config", cmd_check_config, "validate and print a config"),
+                            ("preflight", cmd_preflight, "check a config before any GPU is used; print the plan"),
                             ("stop", cmd_stop, "stop the server a config launched")]:
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("config")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field, e.g. training.max_steps=50")
+        if name == "preflight":
+            sp.add_argument("--no-hosts", action="store_true", help="skip the SSH and SGLang version checks")
+            sp.add_argument("--no-tokenizer", action="store_true",
+                            help="do not load the tokenizer (its files and chat template are still checked)")
         sp.set_defaults(fn=fn)
     sp = sub.add_parser("make-tiny-target", help="rebuild the embedded tiny target")
     sp.add_argument("out")

@@ -313,6 +313,20 @@ class BenchmarkConfig(StrictModel):
         return self
 
 
+class PlanConfig(StrictModel):
+    """Figures `eyas preflight` plans with (eyas/plan.py). Defaults: the 2-core development machine
+    on the embedded tiny target (docs/performance.md); put measured figures here for real hardware."""
+
+    #: prompt tokens/s one target server prefills with capture on; each extraction.endpoints server
+    #: counts the same again (report.json's extraction tokens/s is the measured figure)
+    prefill_tokens_per_s: float = Field(4000.0, gt=0)
+    #: tokens/s one server generates over its concurrent requests (data.regenerate)
+    decode_tokens_per_s: float = Field(350.0, gt=0)
+    #: training tokens/s per training process (every position of every sequence, TTT included)
+    train_tokens_per_s: float = Field(6000.0, gt=0)
+    gpu_memory_gb: float | None = Field(None, gt=0)  #: one training GPU; None = estimate printed only
+
+
 class PipelineConfig(StrictModel):
     """One eyas run, end to end."""
 
@@ -327,6 +341,7 @@ class PipelineConfig(StrictModel):
     evaluation: EvaluationConfig = EvaluationConfig()
     export: ExportConfig = ExportConfig()
     benchmark: BenchmarkConfig = BenchmarkConfig()
+    plan: PlanConfig = PlanConfig()  #: throughputs for `eyas preflight`'s plan
     #: cached stages to recompute although their inputs did not change (to re-measure, say); the
     #: cache record is overwritten. Shards: delete the file (a missing or damaged one is redone).
     refresh: list[Literal["evaluate", "serve_bench"]] = []

@@ -1,0 +1,347 @@
+"""Everything that can be checked before a GPU is touched, all at once, and the plan of the run.
+
+    result = preflight(cfg)                  # Preflight(problems, plan, notes); `eyas preflight CONFIG`
+    print(format_preflight(result, cfg))     # exit status 1 when result.problems
+
+Every check runs whatever the others found, so one run lists everything to fix, and every problem
+starts with the config field it is about and its value ("target.layer_ids=[2, 4, 50]: ..."):
+
+- the target's config.json (its `text_config` when nested, as Kimi-K2.5's is) against
+  target.layer_ids: three capture ids, strictly increasing, each the input of a decoder layer
+  (capture-before id i = the input of layer i, 1 .. num_layers - 1: the last layer's output is the
+  final norm's input, which SGLang cannot capture), not starting with 1 (SGLang would shift them);
+- the drafter against the target: training.draft_vocab_size within the vocabulary, the sizes
+  training.drafter leaves to the target present, data.max_length within its positions;
+- the architecture against what server.backend serves: the patch set's "architectures" for SGLang
+  (else SGLANG_ARCHITECTURES), DeepSeek-V3 for eyas's local server;
+- the chat template (tokenizer_config.json's chat_template or chat_template.jinja) when the data
+  has conversations, and that the tokenizer loads the way prepare-data loads it (check_tokenizer);
+- the data file (every line when it is small, with prepare's own reader);
+- on an SSH server host (check_hosts): reachability, credentials and host key, and the sglang
+  version importable by server.python (it needs a patch set), through the Host seam; reachability
+  of SSH training hosts. A local host is not checked (a note says so);
+- free disk at extraction.output_dir against the estimated shard bytes (eyas/plan.py);
+- the drafter's training memory per process against plan.gpu_memory_gb when set, and the global
+  batch against the training sequences.
+
+Prefect-free: a task can call preflight() and publish the result.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shlex
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eyas.config import HostConfig, PipelineConfig, TargetConfig
+from eyas.plan import SMALL_DATA_BYTES, DataCount, Plan, count_tokens, make_plan, on_gpu, plan_lines, processes
+
+# Until every patch set lists its "architectures" (patches/sglang/<version>/manifest.json), the ones
+# the hook was written for: DeepSeek-V2/V3, and Kimi-K2.5, whose language model is SGLang's
+# DeepseekV3ForCausalLM (docs: sglang.md section 1).
+SGLANG_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration")
+# eyas/local/engine.py builds the model with transformers' AutoModelForCausalLM and captures the
+# states of DeepSeek-V3's decoder layers (its expert weights fused the DeepSeek-V3 way).
+LOCAL_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+SGLANG_VERSION_CODE = 'import importlib.metadata as m; print(m.version("sglang"))'
+
+
+@dataclass(frozen=True)
+class Preflight:
+    problems: list[str]  #: each names its config field and value; empty = go
+    plan: Plan
+    notes: list[str] = field(default_factory=list)  #: what was skipped or assumed
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def preflight(cfg: PipelineConfig, *, check_hosts: bool = True, check_tokenizer: bool = True,
+              free_bytes: int | None = None, patches_dir: Path | None = None,
+              small_data_bytes: int = SMALL_DATA_BYTES) -> Preflight:
+    """Run every check (see the module docstring). check_hosts=False skips SSH; check_tokenizer=False
+    skips loading the tokenizer (its files and chat template are still checked); free_bytes replaces
+    the free space measured at extraction.output_dir."""
+    from eyas.server.sglang_patch import PATCHES_DIR
+
+    patches_dir = Path(patches_dir or PATCHES_DIR)
+    problems: list[str] = []
+    notes: list[str] = []
+    raw, tcfg = _read_target(cfg, problems)
+    if tcfg is not None:
+        problems += layer_id_problems(cfg.target, int(tcfg["num_hidden_layers"]))
+    version = _check_hosts(cfg, problems, notes, check_hosts, patches_dir)
+    if raw is not None:
+        problems += architecture_problems(cfg, raw, version, patches_dir)
+    dcfg = _drafter(cfg, tcfg, problems) if tcfg is not None else None
+    tokenizer, pending = _tokenizer(cfg, notes, check_tokenizer)
+    count = _count(cfg, tokenizer, tcfg, problems, pending, small_data_bytes)
+    if count is not None and not count.conversations:
+        notes.append("data.path holds pre-tokenized records only: the chat template is not used")
+    if count is not None and cfg.data.regenerate.enabled:
+        notes.append("data.regenerate.enabled: extraction sends the target's own answers; the tokens are "
+                     "counted on the data's answers")
+    if free_bytes is None:
+        free_bytes = shutil.disk_usage(_existing_parent(Path(cfg.extraction.output_dir))).free
+    plan = make_plan(cfg, tcfg, count, free_bytes=free_bytes, dcfg=dcfg)
+    problems += _budget_problems(cfg, plan)
+    return Preflight(problems, plan, notes)
+
+
+def format_preflight(result: Preflight, cfg: PipelineConfig) -> str:
+    lines = [f"plan for {cfg.name}:", *plan_lines(result.plan, cfg)]
+    lines += [f"note: {n}" for n in result.notes]
+    lines += [f"problem: {p}" for p in result.problems]
+    lines.append("preflight: OK" if result.ok else f"preflight: {len(result.problems)} problem(s)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the target
+
+def _read_target(cfg: PipelineConfig, problems: list[str]) -> tuple[dict | None, dict | None]:
+    """(config.json as written, the text config eyas reads) or Nones, with the problem recorded."""
+    from eyas.target import read_config
+
+    ckpt = cfg.target.checkpoint
+    try:
+        tcfg = read_config(ckpt)
+        raw = json.loads((Path(ckpt) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        problems.append(f"target.checkpoint={ckpt}: {e} (prepare-data reads the target's config.json and "
+                        f"tokenizer on this machine)")
+        return None, None
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not isinstance(tcfg.get(k), int)]
+    if missing:
+        where = "text_config" if "text_config" in raw else "config.json"
+        problems.append(f"target.checkpoint={ckpt}: its {where} has no integer {', '.join(missing)}")
+        return raw, None
+    return raw, tcfg
+
+
+def layer_id_problems(target: TargetConfig, num_layers: int) -> list[str]:
+    """target.layer_ids against a target of num_layers decoder layers (capture-before, sglang.md section 1)."""
+    ids, capture = list(target.layer_ids), target.capture_ids()
+    where = f"target.layer_ids={ids}"
+    if target.layer_convention == "output-of":
+        where += f" (target.layer_convention=output-of: capture ids {capture})"
+    out = []
+    if len(ids) != 3:
+        out.append(f"{where}: SGLang's EAGLE-3 drafter fuses exactly 3 layers, got {len(ids)}")
+    if any(b <= a for a, b in itertools.pairwise(ids)):
+        out.append(f"{where}: the ids must be strictly increasing")
+    bad = [i for i in capture if not 1 <= i <= num_layers - 1]
+    if bad:
+        out.append(f"{where}: capture id(s) {bad} out of range for the target's {num_layers} layers: capture id i "
+                   f"is the input of decoder layer i, so ids go from 1 to {num_layers - 1} (the last layer's "
+                   f"output is the final norm's input, which SGLang cannot capture)")
+    elif capture and capture[0] == 1:
+        out.append(f"{where}: capture ids starting with 1 are read by SGLang as output-of ids and shifted to "
+                   f"{[i + 1 for i in capture]}; choose a first capture id of 2 or more")
+    return out
+
+
+def supported_architectures(backend: str, version: str | None, patches_dir: Path) -> tuple[list[str], str]:
+    """(architectures the backend serves, where the list comes from)."""
+    if backend == "local":
+        return list(LOCAL_ARCHITECTURES), "eyas's local server"
+    from eyas.server.sglang_patch import available_versions
+
+    found: set[str] = set()
+    sources = []
+    for v in [version] if version else available_versions(patches_dir):
+        path = patches_dir / v / "manifest.json"
+        try:
+            listed = json.loads(path.read_text()).get("architectures")
+        except (OSError, ValueError):
+            continue  # no patch set for that version: the host check reports it
+        found |= set(listed or SGLANG_ARCHITECTURES)
+        sources.append(f"{path}" if listed else f"{path} lists none: eyas's built-in list")
+    if not sources:
+        return list(SGLANG_ARCHITECTURES), "eyas's built-in list"
+    return sorted(found), "; ".join(sources)
+
+
+def architecture_problems(cfg: PipelineConfig, raw: dict, version: str | None, patches_dir: Path) -> list[str]:
+    archs = raw.get("architectures") or (raw.get("text_config") or {}).get("architectures") or []
+    supported, source = supported_architectures(cfg.server.backend, version, patches_dir)
+    if archs and any(a in supported for a in archs):
+        return []
+    return [(f"target.checkpoint={cfg.target.checkpoint}: architectures {archs or 'missing'} in its config.json "
+             f"cannot be served by server.backend={cfg.server.backend} (supported: {supported}; from {source})")]
+
+
+def _drafter(cfg: PipelineConfig, tcfg: dict, problems: list[str]):
+    """The DrafterConfig training will build (eyas/training/train.py drafter_config), or None."""
+    from eyas.training.train import drafter_config
+
+    t, vocab = cfg.training, int(tcfg["vocab_size"])
+    positions = tcfg.get("max_position_embeddings")
+    if isinstance(positions, int) and cfg.data.max_length > positions:
+        problems.append(f"data.max_length={cfg.data.max_length}: longer than the target's "
+                        f"max_position_embeddings ({positions})")
+    if t.draft_vocab_size > vocab:
+        problems.append(f"training.draft_vocab_size={t.draft_vocab_size}: larger than the target's vocabulary "
+                        f"({vocab}, vocab_size in target.checkpoint's config)")
+        return None
+    try:
+        return drafter_config(t, tcfg, int(tcfg["hidden_size"]), len(cfg.target.layer_ids))
+    except KeyError as e:
+        problems.append(f"training.drafter: {e.args[0]} is not set and target.checkpoint's config has none")
+    except ValueError as e:
+        problems.append(f"training.drafter={t.drafter.model_dump(exclude_none=True)}: {e}")
+    return None
+
+
+# ----------------------------------------------------------------------------- data
+
+def _tokenizer_field(cfg: PipelineConfig) -> str:
+    return (f"data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer
+            else f"data.tokenizer=None (target.checkpoint={cfg.target.checkpoint})")
+
+
+def has_chat_template(folder: Path) -> bool:
+    """tokenizer_config.json's chat_template, or a chat_template.jinja beside it."""
+    if (folder / "chat_template.jinja").is_file():
+        return True
+    try:
+        return bool(json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def _tokenizer(cfg: PipelineConfig, notes: list[str], check: bool) -> tuple[object | None, list[str]]:
+    """(the tokenizer loaded as prepare loads it or None, its problems): the problems count only when
+    the data has conversations (a pre-tokenized file needs neither tokenizer nor template)."""
+    folder = Path(cfg.data.tokenizer or cfg.target.checkpoint)
+    where = _tokenizer_field(cfg)
+    pending = []
+    if not (folder / "tokenizer_config.json").is_file() and not (folder / "tokenizer.json").is_file():
+        pending.append(f"{where}: no tokenizer_config.json or tokenizer.json in {folder}")
+    elif not has_chat_template(folder):
+        pending.append(f"{where}: no chat template in {folder} (tokenizer_config.json chat_template or "
+                       f"chat_template.jinja); conversations cannot be rendered or masked without one")
+    tok = None
+    if not pending and check:
+        from eyas.target import load_tokenizer
+
+        try:
+            tok = load_tokenizer(folder)
+        except Exception as e:  # noqa: BLE001 - whatever transformers raises, prepare-data would too
+            pending.append(f"{where}: the tokenizer does not load as prepare-data loads it "
+                           f"(eyas/target.py load_tokenizer): {type(e).__name__}: {' '.join(str(e).split())[:400]}")
+    elif not pending:
+        notes.append(f"tokenizer not loaded (check_tokenizer=False): {folder} has its files and a chat "
+                     f"template; tokens are estimated")
+    return tok, pending
+
+
+def _count(cfg: PipelineConfig, tokenizer, tcfg: dict | None, problems: list[str], pending: list[str],
+           small_bytes: int) -> DataCount | None:
+    vocab = int(tcfg["vocab_size"]) if tcfg is not None else None
+    try:
+        count = count_tokens(cfg.data, tokenizer, vocab_size=vocab, small_bytes=small_bytes)
+    except Exception as e:  # noqa: BLE001 - DataError, or a template that fails on a record
+        problems += pending  # unknown content: assume conversations
+        problems.append(f"data.path={cfg.data.path}: {e}")
+        return None
+    if count.conversations:
+        problems += pending
+    return count
+
+
+# ----------------------------------------------------------------------------- hosts
+
+def _run_on(hcfg: HostConfig, where: str, command: str, problems: list[str], env: dict | None = None):
+    """The RunResult of command on the host, or None with a problem naming the host's fields."""
+    from eyas.server.hosts import HostAuthError, HostError, HostUnreachable, make_host
+
+    try:
+        host = make_host(hcfg)
+    except OSError as e:  # e.g. the known_hosts file is missing
+        problems.append(f"{where}.known_hosts={hcfg.known_hosts}: cannot be read ({e})")
+        return None
+    try:
+        return host.run(command, check=False, timeout=120, env=env)
+    except HostAuthError as e:
+        problems.append(f"{where}.hostname={hcfg.hostname}: {hcfg.user or ''}@{hcfg.hostname}:{hcfg.port} refused "
+                        f"{where}.key_filename={hcfg.key_filename}, or its host key is not in "
+                        f"{where}.known_hosts={hcfg.known_hosts} ({e})")
+    except HostUnreachable as e:
+        problems.append(f"{where}.hostname={hcfg.hostname}: unreachable on {where}.port={hcfg.port} ({e})")
+    except HostError as e:
+        problems.append(f"{where}.hostname={hcfg.hostname}: {e}")
+    finally:
+        host.close()
+    return None
+
+
+def _check_hosts(cfg: PipelineConfig, problems: list[str], notes: list[str], check: bool,
+                 patches_dir: Path) -> str | None:
+    """The sglang version on an SSH server host (None when not asked or not found)."""
+    s = cfg.server
+    if s.host.kind != "ssh":
+        notes.append("server.host.kind=local: no SSH or SGLang version check (the server runs on this machine)")
+        return None
+    if not check:
+        notes.append("host checks skipped (check_hosts=False): SSH reachability, host keys and the SGLang "
+                     "version were not checked")
+        return None
+    from eyas.server.sglang_patch import available_versions, server_python
+
+    python = server_python(cfg)
+    code = SGLANG_VERSION_CODE if s.backend == "sglang" else "import eyas"
+    r = _run_on(s.host, "server.host", f"{shlex.quote(python)} -c {shlex.quote(code)}", problems, env=s.env)
+    version = None
+    if r is not None and not r.ok:
+        what = "report sglang's version" if s.backend == "sglang" else "import eyas"
+        problems.append(f"server.python={python}: cannot {what} on {s.host.hostname} (exit {r.exit_code}): "
+                        f"{r.stderr.strip()[-300:]}")
+    elif r is not None and s.backend == "sglang":
+        version = (r.stdout.strip().splitlines() or [""])[-1]
+        if version not in available_versions(patches_dir):
+            problems.append(f"server.python={python}: sglang {version} on {s.host.hostname} has no eyas patch set "
+                            f"(patches/sglang/ has {available_versions(patches_dir)})")
+            version = None
+    for i, h in enumerate(cfg.training.distributed.hosts):
+        if h.kind == "ssh":
+            _run_on(h, f"training.distributed.hosts.{i}", "true", problems)
+    return version
+
+
+# ----------------------------------------------------------------------------- disk and memory
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _budget_problems(cfg: PipelineConfig, plan: Plan) -> list[str]:
+    out, x, t = [], cfg.extraction, cfg.training
+    if plan.total_bytes is not None and plan.free_bytes is not None:
+        reserve = x.keep_free_gb * 1e9
+        if plan.free_bytes < plan.total_bytes + reserve:
+            out.append(f"extraction.output_dir={x.output_dir}: the shards need {plan.total_bytes / 1e9:,.2f} GB and "
+                       f"extraction.keep_free_gb={x.keep_free_gb} must stay free, but "
+                       f"{_existing_parent(Path(x.output_dir))} has {plan.free_bytes / 1e9:,.2f} GB free; free space, "
+                       f"point it elsewhere, or set extraction.encoding=fp8_e4m3 (about half the bytes)")
+    used, limit = plan.train_memory_gb, plan.gpu_memory_gb
+    if used is not None and limit is not None and on_gpu(cfg) and used > limit:
+        per_seq = dict(plan.memory_gb)["activations"] / t.batch_size
+        fits = int((limit - (used - per_seq * t.batch_size)) // per_seq) if per_seq else 0
+        out.append(f"training.batch_size={t.batch_size}: the drafter's training needs about {used:,.1f} GB per GPU "
+                   f"at data.max_length={cfg.data.max_length} (estimate), more than plan.gpu_memory_gb={limit:g}; "
+                   f"about {max(fits, 0)} sequence(s) per micro-batch fit (raise training.grad_accum instead)")
+    if plan.data is not None:
+        n = plan.data.sequences
+        held = min(64, n // 20) if t.num_heldout is None else min(t.num_heldout, max(n - 1, 0))
+        G = t.batch_size * t.grad_accum * processes(cfg)
+        if G > n - held:
+            out.append(f"training.batch_size={t.batch_size}: a global batch of {G} sequences (x training.grad_accum="
+                       f"{t.grad_accum} x {processes(cfg)} process(es)) exceeds the {n - held} training sequences "
+                       f"({plan.data.source})")
+    return out
