@@ -13,7 +13,7 @@ starts with the config field it is about and its value ("target.layer_ids=[2, 4,
 - the drafter against the target: training.draft_vocab_size within the vocabulary, the sizes
   training.drafter leaves to the target present, data.max_length within its positions;
 - the architecture against what server.backend serves: the patch set's "architectures" for SGLang
-  (else SGLANG_ARCHITECTURES), DeepSeek-V3 for eyas's local server;
+  (the patch stage's own check), DeepSeek-V3 for eyas's local server;
 - the chat template (tokenizer_config.json's chat_template or chat_template.jinja) when the data
   has conversations, and that the tokenizer loads the way prepare-data loads it (check_tokenizer);
 - the data file (every line when it is small, with prepare's own reader);
@@ -39,10 +39,6 @@ from pathlib import Path
 from eyas.config import HostConfig, PipelineConfig, TargetConfig
 from eyas.plan import SMALL_DATA_BYTES, DataCount, Plan, count_tokens, make_plan, on_gpu, plan_lines, processes
 
-# Until every patch set lists its "architectures" (patches/sglang/<version>/manifest.json), the ones
-# the hook was written for: DeepSeek-V2/V3, and Kimi-K2.5, whose language model is SGLang's
-# DeepseekV3ForCausalLM (docs: sglang.md section 1).
-SGLANG_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration")
 # eyas/local/engine.py builds the model with transformers' AutoModelForCausalLM and captures the
 # states of DeepSeek-V3's decoder layers (its expert weights fused the DeepSeek-V3 way).
 LOCAL_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
@@ -144,34 +140,28 @@ def layer_id_problems(target: TargetConfig, num_layers: int) -> list[str]:
     return out
 
 
-def supported_architectures(backend: str, version: str | None, patches_dir: Path) -> tuple[list[str], str]:
-    """(architectures the backend serves, where the list comes from)."""
-    if backend == "local":
-        return list(LOCAL_ARCHITECTURES), "eyas's local server"
-    from eyas.server.sglang_patch import available_versions
+def architecture_problems(cfg: PipelineConfig, raw: dict, version: str | None, patches_dir: Path) -> list[str]:
+    """The target's architecture against what the backend serves: the patch set's manifest for
+    SGLang (the patch stage's own check, eyas/server/sglang_patch.py), DeepSeek-V3 for eyas-local."""
+    from eyas.server.sglang_patch import PatchError, available_versions, check_architecture
 
-    found: set[str] = set()
-    sources = []
-    for v in [version] if version else available_versions(patches_dir):
-        path = patches_dir / v / "manifest.json"
+    archs = raw.get("architectures") or (raw.get("text_config") or {}).get("architectures") or []
+    source = f"target.checkpoint={cfg.target.checkpoint} (config.json)"
+    if cfg.server.backend == "local":
+        if archs and archs[0] in LOCAL_ARCHITECTURES:
+            return []
+        return [f"{source}: architectures {archs or 'missing'} cannot be served by server.backend=local "
+                f"(eyas's local server loads {list(LOCAL_ARCHITECTURES)})"]
+    versions = [version] if version else available_versions(patches_dir)
+    problems = []
+    for v in versions:  # without the host's version: every patch set eyas ships must take it
         try:
-            listed = json.loads(path.read_text()).get("architectures")
+            check_architecture(v, archs, source, patches_dir)
+        except PatchError as e:
+            problems.append(f"{e} (server.backend=sglang)")
         except (OSError, ValueError):
             continue  # no patch set for that version: the host check reports it
-        found |= set(listed or SGLANG_ARCHITECTURES)
-        sources.append(f"{path}" if listed else f"{path} lists none: eyas's built-in list")
-    if not sources:
-        return list(SGLANG_ARCHITECTURES), "eyas's built-in list"
-    return sorted(found), "; ".join(sources)
-
-
-def architecture_problems(cfg: PipelineConfig, raw: dict, version: str | None, patches_dir: Path) -> list[str]:
-    archs = raw.get("architectures") or (raw.get("text_config") or {}).get("architectures") or []
-    supported, source = supported_architectures(cfg.server.backend, version, patches_dir)
-    if archs and any(a in supported for a in archs):
-        return []
-    return [(f"target.checkpoint={cfg.target.checkpoint}: architectures {archs or 'missing'} in its config.json "
-             f"cannot be served by server.backend={cfg.server.backend} (supported: {supported}; from {source})")]
+    return problems
 
 
 def _drafter(cfg: PipelineConfig, tcfg: dict, problems: list[str]):

@@ -150,7 +150,8 @@ def test_an_unknown_architecture_is_refused_naming_it(tmp_path):
     raw = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**raw, "architectures": ["KimiVLForConditionalGeneration"]}))
     r = rehearse(kimi(tmp_path, **{"target.checkpoint": str(other)}))
-    assert fields(r) == ["target.checkpoint"] and "['KimiVLForConditionalGeneration']" in r.problems[0]
+    assert fields(r) == ["target.checkpoint"] and "architecture KimiVLForConditionalGeneration" in r.problems[0]
+    assert "set_eagle3_layers_to_capture" in r.problems[0]  # the manifest's reason for refusing it
     local = rehearse(kimi(tmp_path, **{"server.backend": "local"}))  # eyas's local server: DeepSeek-V3 only
     assert fields(local) == ["target.checkpoint"] and "server.backend=local" in local.problems[0]
 

@@ -106,8 +106,8 @@ def test_the_patch_sets_architectures_key_is_read(tmp_path):
     manifest = patches / "0.5.23" / "manifest.json"
     manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "architectures": ["LlamaForCausalLM"]}))
     r = preflight(tiny(tmp_path, **{"server.backend": "sglang"}), patches_dir=patches)
-    assert fields(r) == ["target.checkpoint"] and "['LlamaForCausalLM']" in r.problems[0]
-    assert str(manifest) in r.problems[0]
+    assert fields(r) == ["target.checkpoint"] and "supported: LlamaForCausalLM" in r.problems[0]
+    assert "architecture DeepseekV3ForCausalLM is not supported" in r.problems[0]
 
 
 def test_a_missing_chat_template_is_refused_unless_the_data_is_pre_tokenized(tmp_path):
