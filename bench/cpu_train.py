@@ -28,11 +28,14 @@ import torch  # noqa: E402
 
 from eyas.training import kernels as fused  # noqa: E402
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eyas.training.kernels import KernelOptions  # noqa: E402
 from eyas.training.losses import HEAD_CHUNK_ROWS_CPU, TTTObjective, scored_counts, teacher_labels  # noqa: E402
+from eyas.training.optim import lr_factor, make_optimizer  # noqa: E402
 from eyas.training.target_head import TargetHead  # noqa: E402
-from eyas.training.train import lr_factor, make_optimizer, optimizer_step  # noqa: E402
+from eyas.training.train import optimizer_step  # noqa: E402
 
 H, V, VD, K, B = 256, 4096, 2048, 3, 6
+KERNELS = KernelOptions()  # what kernel_options gives a CPU run by default (no torch.compile); both modes use it
 
 
 def make_mode(gemm_dtype):
@@ -40,7 +43,7 @@ def make_mode(gemm_dtype):
     model = Eagle3Drafter(DrafterConfig(hidden_size=H, target_hidden_size=H, num_attention_heads=4,
                                         num_key_value_heads=4, head_dim=64, intermediate_size=512,
                                         vocab_size=V, draft_vocab_size=VD))
-    objective = TTTObjective(model, head_chunk=HEAD_CHUNK_ROWS_CPU, gemm_dtype=gemm_dtype)
+    objective = TTTObjective(model, head_chunk=HEAD_CHUNK_ROWS_CPU, gemm_dtype=gemm_dtype, kernels=KERNELS)
     opt = make_optimizer([p for p in objective.parameters() if p.requires_grad], 3e-3, 0.0)
     return objective, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 3, 1000))
 
@@ -58,8 +61,9 @@ def step(mode, batch, head) -> float:
     objective, opt, sched = mode
     t = time.perf_counter()
     optimizer_step(objective, objective, opt, sched, [batch],
-                   lambda b: teacher_labels(head, b["last"], b["loss_mask"], VD), ttt_steps=K, decay=0.8,
-                   counts=scored_counts(list(batch["loss_mask"]), K), grad_clip=0.5, autocast=contextlib.nullcontext())
+                   lambda b: teacher_labels(head, b["last"], b["loss_mask"], VD, kernels=KERNELS), ttt_steps=K,
+                   decay=0.8, counts=scored_counts(list(batch["loss_mask"]), K), grad_clip=0.5,
+                   autocast=contextlib.nullcontext())
     return time.perf_counter() - t
 
 

@@ -2,7 +2,7 @@
 
     PYTHONUNBUFFERED=1 python3 bench/train.py --out $OUT               # one H200: the figures
     python bench/train.py                                              # no GPU: a tiny smoke run
-    python3 bench/train.py --variants default all flash --variant-batches 4 1   # switches side by side, interleaved
+    python3 bench/train.py --variants default all flash --variant-batches 4 1   # KernelOptions side by side
 
 The drafter is SGLang's LlamaForCausalLMEagle3 at Kimi-K2.5 size (H 7168, 64 heads of 128,
 intermediate 18432, vocab 163840, draft vocab 32000), trained on synthetic target states (random
@@ -26,6 +26,7 @@ Ends with one JSON line: {"bench": "train", "figures": {...}, "goals": {...}}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -39,15 +40,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from eyas.training import attention, kernels as fused  # noqa: E402
-from eyas.training import drafter as drafter_mod  # noqa: E402
-from eyas.training import losses as losses_mod  # noqa: E402
-from eyas.training import train as eyas_train  # noqa: E402
 from eyas.training.attention import reference_ttt_attention, ttt_attention  # noqa: E402
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eyas.training.kernels import KernelOptions  # noqa: E402
 from eyas.training.losses import (Labels, TTTObjective, draft_first_order, head_soft_ce, scored_counts,  # noqa: E402
-                         teacher_labels)
+                                  teacher_labels)
+from eyas.training.optim import clip_and_step, lr_factor, make_optimizer  # noqa: E402
 from eyas.training.target_head import TargetHead  # noqa: E402
-from eyas.training.train import clip_and_step, lr_factor, make_optimizer, optimizer_step  # noqa: E402
+from eyas.training.train import optimizer_step  # noqa: E402
 
 KIMI = dict(hidden_size=7168, target_hidden_size=7168, num_attention_heads=64, num_key_value_heads=64,
             head_dim=128, intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000)
@@ -82,9 +82,9 @@ def rel(a, b) -> float:
 
 # ----------------------------------------------------------------------------- checks
 
-def _attention_error(ts: list[torch.Tensor], K: int, hd: int) -> float:
+def _attention_error(ts: list[torch.Tensor], K: int, hd: int, kernels: KernelOptions) -> float:
     """Worst relative error of ttt_attention's output and gradients against the float64 reference."""
-    y = ttt_attention(ts[0], ts[1], ts[2], ts[3:3 + K], ts[3 + K:], hd ** -0.5)
+    y = ttt_attention(ts[0], ts[1], ts[2], ts[3:3 + K], ts[3 + K:], hd ** -0.5, kernels)
     dy = torch.randn_like(y)
     grads = torch.autograd.grad(y, ts, dy)
     ref = [t.detach().double().requires_grad_() for t in ts]
@@ -93,25 +93,25 @@ def _attention_error(ts: list[torch.Tensor], K: int, hd: int) -> float:
     return max([rel(y, yr)] + [rel(a, b) for a, b in zip(grads, gr)])
 
 
-def check_kernels(device, dtype) -> dict:
-    """Fast paths against plain autograd math in float64, on fresh random inputs."""
+def check_kernels(device, dtype, kernels: KernelOptions = KernelOptions()) -> dict:
+    """Fast paths (as `kernels` picks them) against plain autograd math in float64, on fresh random inputs."""
     g = torch.Generator(device="cpu").manual_seed(1)
     out = {}
     B, nh, T, hd = 2, 4, 256, 128
     for K in (1, 3, 6):
         ts = [torch.randn(B, nh, T, hd, generator=g).to(device, dtype).requires_grad_() for _ in range(3 + 2 * K)]
-        out[f"ttt_attention_k{K}"] = _attention_error(ts, K, hd)
+        out[f"ttt_attention_k{K}"] = _attention_error(ts, K, hd, kernels)
     for K, L in ((1, 200), (3, 97)):  # queries the last L of T positions (bottom-right causal), as with skipping
         ts = [torch.randn(B, nh, T if i in (1, 2) else L, hd, generator=g).to(device, dtype).requires_grad_()
               for i in range(3 + 2 * K)]
-        out[f"ttt_attention_k{K}_last{L}"] = _attention_error(ts, K, hd)
+        out[f"ttt_attention_k{K}_last{L}"] = _attention_error(ts, K, hd, kernels)
     N, H, V, M = 3000, 256, 1000, 3000
     h = (torch.randn(N, H, generator=g) * 0.5).to(device, dtype).requires_grad_()
     w = (torch.randn(V, H, generator=g) * 0.05).to(device).requires_grad_()
     probs = torch.softmax(torch.randn(M, V, generator=g) * 3, -1).to(device)
     rows = torch.randint(0, M, (N,), generator=g).to(device)
     rw = (torch.rand(N, generator=g) * (torch.rand(N, generator=g) > 0.2)).to(device)
-    loss, _ = head_soft_ce(h, w, probs, rows, rw, chunk=1024)
+    loss, _ = head_soft_ce(h, w, probs, rows, rw, chunk=1024, kernels=kernels)
     dh, dw = torch.autograd.grad(loss, [h, w])
     hr, wr = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     lr = -(rw.double()[:, None] * probs.double()[rows] * torch.log_softmax(hr @ wr.T, -1)).sum()
@@ -124,18 +124,16 @@ def check_compiled(device, dtype) -> dict:
     """A small drafter's loss and gradients with the fused (compiled) regions against eager."""
     c = DrafterConfig(**TINY)
     model, head = build(c, device, dtype, seed=3)
-    objective, K = TTTObjective(model), 4
+    K = 4
     d = batch(c, 2, 96, device, dtype, seed=3)
     labels = teacher_labels(head, d["last"], d["loss_mask"], c.draft_vocab_size, dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    out, before = [], fused.compiling()
+    out = []
     for on in (False, True):
-        fused.use_compile(on)
         with autocast:
-            loss, _, _ = objective(d["ids"], d["aux"], labels, K, 0.8)
+            loss, _, _ = TTTObjective(model, kernels=KernelOptions(compile=on))(d["ids"], d["aux"], labels, K, 0.8)
         out.append([loss] + list(torch.autograd.grad(loss, params)))
-    fused.use_compile(before)
     return {"compiled_vs_eager": max(rel(a, b) for a, b in zip(out[1], out[0]))}
 
 
@@ -195,12 +193,17 @@ def timed(fn, device, warmup: int, steps: int) -> list[float]:
     return times
 
 
-def run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args) -> dict:
-    objective = TTTObjective(model)
+def labeller(head, c: DrafterConfig, dtype, kernels: KernelOptions):
+    """make_labels for optimizer_step: the teacher on a collated batch, as eyas.training.train runs it."""
+    return lambda b: teacher_labels(head, b["last"], b["loss_mask"], c.draft_vocab_size, dtype, kernels=kernels)
+
+
+def run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args, kernels: KernelOptions) -> dict:
+    objective = TTTObjective(model, kernels=kernels)
     data = [batch(c, B, T, device, dtype, seed=s) for s in range(2)]
     counts = [scored_counts(list(d["loss_mask"].cpu()), K) for d in data]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    make_labels = lambda b: teacher_labels(head, b["last"], b["loss_mask"], c.draft_vocab_size, dtype)  # noqa: E731
+    make_labels = labeller(head, c, dtype, kernels)
     losses, i = [], [0]
 
     def step():
@@ -221,15 +224,15 @@ def run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args) -> dict:
             "peak_gb": peak, "peak_reserved_gb": reserved, "losses": [round(x, 4) for x in losses]}
 
 
-def breakdown(model, head, opt, c, T, K, device, dtype, args) -> dict:
+def breakdown(model, head, opt, c, T, K, device, dtype, args, kernels: KernelOptions) -> dict:
     """Batch 1, the parts of a step timed alone: teacher, forward+backward, clip+AdamW."""
-    objective = TTTObjective(model)
+    objective = TTTObjective(model, kernels=kernels)
     d = batch(c, 1, T, device, dtype, seed=7)
     counts = scored_counts(list(d["loss_mask"].cpu()), K)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     labels: list[Labels] = []
     params = [p for p in model.parameters() if p.requires_grad]
-    teacher = lambda: labels.append(teacher_labels(head, d["last"], d["loss_mask"], c.draft_vocab_size, dtype))  # noqa: E731
+    teacher = lambda: labels.append(labeller(head, c, dtype, kernels)(d))  # noqa: E731
 
     def fwd_bwd():
         with autocast:
@@ -241,7 +244,7 @@ def breakdown(model, head, opt, c, T, K, device, dtype, args) -> dict:
             objective(d["ids"], d["aux"], labels[-1], K, 0.8, counts)
 
     def opt_step():
-        clip_and_step(params, opt, 0.5)
+        clip_and_step(params, opt, 0.5, kernels.fused_clip)
 
     out = {"teacher_s": statistics.median(timed(teacher, device, 1, args.steps))}
     out["forward_nograd_s"] = statistics.median(timed(fwd, device, 1, 3))
@@ -251,46 +254,43 @@ def breakdown(model, head, opt, c, T, K, device, dtype, args) -> dict:
     return out
 
 
-# Switches of the optimisations, for side-by-side runs (--variants): gradient-accumulation fusion
-# (shared), attention kernel of TTT steps >= 1, clip inside fused AdamW, weight-gradient sums in fp32,
-# skipping positions the loss mask does not score, the Triton soft cross-entropy. "default" is the
-# default configuration; each variant names what differs from it.
-DEFAULT = dict(shared=True, backend="cudnn", clip=True, fp32acc=False, skip=True, tce=True)
+# The optimisations' KernelOptions, for side-by-side runs (--variants): gradient-accumulation fusion
+# (shared_weights), attention kernel of TTT steps >= 1, clip inside fused AdamW, weight-gradient sums
+# in fp32, skipping positions the loss mask does not score, the Triton soft cross-entropy. "default"
+# is KernelOptions' defaults; each variant names the fields that differ from them (compile is the run's).
 VARIANTS = {"default": {},
-            "base": dict(shared=False, backend="flash", clip=False, skip=False, tce=False),  # 2026-12-03's base
-            "all": dict(skip=False, tce=False),  # no skipping, compiled soft cross-entropy (2026-12-03, + layouts)
-            "skip": dict(tce=False), "tce": dict(skip=False), "fp32acc": dict(fp32acc=True),
-            "flash": dict(backend="flash")}
+            "base": dict(shared_weights=False, attention="flash", fused_clip=False, skip_unscored=False,
+                         triton_ce=False),  # 2026-12-03's base
+            "all": dict(skip_unscored=False, triton_ce=False),  # no skipping, compiled soft CE (2026-12-03, + layouts)
+            "skip": dict(triton_ce=False), "tce": dict(skip_unscored=False), "fp32acc": dict(grad_acc_fp32=True),
+            "flash": dict(attention="flash")}
 
 
-def set_variant(name: str) -> None:
-    v = {**DEFAULT, **VARIANTS[name]}
-    TTTObjective.shared_weights = v["shared"]
-    attention.BACKEND["cuda"] = v["backend"]
-    eyas_train.FUSED_CLIP = v["clip"]
-    drafter_mod.GRAD_ACC_FP32 = v["fp32acc"]
-    losses_mod.SKIP_UNSCORED = v["skip"]
-    fused.TRITON_CE = v["tce"]
+def variant(name: str, compile_on: bool) -> KernelOptions:
+    return KernelOptions(compile=compile_on, **VARIANTS[name])
 
 
-def run_variants(names, model, head, opt, sched, c, B, T, K, device, dtype, rounds: int, per_round: int) -> list:
+def run_variants(names, model, head, opt, sched, c, B, T, K, device, dtype, rounds: int, per_round: int,
+                 compile_on: bool) -> list:
     """The variants side by side at one batch size, interleaved (a warm-up step each, then `rounds` rounds
-    of `per_round` timed steps of every variant in turn), so clock and thermal drift hit all alike."""
-    objective = TTTObjective(model)
+    of `per_round` timed steps of every variant in turn), so clock and thermal drift hit all alike.
+    Each variant is its own TTTObjective over the one model, built with its KernelOptions."""
     data = batch(c, B, T, device, dtype, seed=0)
     counts = scored_counts(list(data["loss_mask"].cpu()), K)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    make_labels = lambda b: teacher_labels(head, b["last"], b["loss_mask"], c.draft_vocab_size, dtype)  # noqa: E731
-    step = lambda: optimizer_step(objective, objective, opt, sched, [data], make_labels, ttt_steps=K,  # noqa: E731
-                                  decay=0.8, counts=counts, grad_clip=0.5, autocast=autocast)
+    objectives = {n: TTTObjective(model, kernels=variant(n, compile_on)) for n in names}
+
+    def step(n):
+        o = objectives[n]
+        return optimizer_step(o, o, opt, sched, [data], labeller(head, c, dtype, o.kernels), ttt_steps=K, decay=0.8,
+                              counts=counts, grad_clip=0.5, autocast=autocast)
     times: dict = {n: [] for n in names}
     peaks: dict = {}
     for n in list(names):
-        set_variant(n)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         try:
-            step()
+            step(n)
             sync(device)
         except Exception as e:  # noqa: BLE001 - drop this variant, measure the others
             log(f"variant {n} batch {B}: {type(e).__name__}: {str(e)[:1000]}")
@@ -300,9 +300,7 @@ def run_variants(names, model, head, opt, sched, c, B, T, K, device, dtype, roun
         peaks[n] = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
     for _ in range(rounds):
         for n in names:
-            set_variant(n)
-            times[n] += timed(step, device, 0, per_round)
-    set_variant("default")
+            times[n] += timed(lambda: step(n), device, 0, per_round)
     out = []
     for n in names:
         med = statistics.median(times[n])
@@ -340,13 +338,13 @@ def kernel_summary(prof, top: int = 40) -> dict:
             "top": [[round(t, 2), n, name[:120]] for t, n, name in rows[:top]]}
 
 
-def profile_batch(model, head, opt, sched, c, B, T, K, device, dtype) -> dict:
+def profile_batch(model, head, opt, sched, c, B, T, K, device, dtype, kernels: KernelOptions) -> dict:
     from torch.profiler import ProfilerActivity, profile
-    objective = TTTObjective(model)
+    objective = TTTObjective(model, kernels=kernels)
     d = batch(c, B, T, device, dtype, seed=9)
     counts = scored_counts(list(d["loss_mask"].cpu()), K)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
-    make_labels = lambda b: teacher_labels(head, b["last"], b["loss_mask"], c.draft_vocab_size, dtype)  # noqa: E731
+    make_labels = labeller(head, c, dtype, kernels)
     step = lambda: optimizer_step(objective, objective, opt, sched, [d], make_labels, ttt_steps=K, decay=0.8,  # noqa: E731
                                   counts=counts, grad_clip=0.5, autocast=autocast)
     step()
@@ -368,9 +366,7 @@ def check_fused_clip(device) -> float:
         for p in ps:
             p.grad = torch.randn(p.shape, generator=g).to(device) * 3
         opt = make_optimizer(ps, 1e-2, 0.01)
-        before, eyas_train.FUSED_CLIP = eyas_train.FUSED_CLIP, on
-        clip_and_step(ps, opt, 0.5)
-        eyas_train.FUSED_CLIP = before
+        clip_and_step(ps, opt, 0.5, fused_clip=on)
         out.append(torch.cat([p.detach().flatten() for p in ps]))
         g = torch.Generator(device="cpu").manual_seed(5)
     return rel(out[1], out[0])
@@ -420,9 +416,10 @@ def gemm_shapes(device, batches=(1, 4)) -> dict:
     return res
 
 
-def soft_ce_timing(device) -> dict:
-    """The soft cross-entropy of one head chunk (8192 x 32000): the Triton kernel against torch.compile's,
-    ms and relative error of loss and gradient against float64."""
+def soft_ce_timing(device, kernels: KernelOptions) -> dict:
+    """The soft cross-entropy of one head chunk (8192 x 32000): the Triton kernel (at a few block sizes)
+    against the PyTorch math (compiled as `kernels` says), ms and relative error of loss and gradient
+    against float64."""
     if device.type != "cuda":
         return {}
     g = torch.Generator(device="cpu").manual_seed(11)
@@ -434,20 +431,19 @@ def soft_ce_timing(device) -> dict:
     p = probs[rows].double()
     logq = torch.log_softmax(z.double(), -1)
     ref_loss, ref_dz = -((p * logq).sum(-1) * w.double()).sum(), (logq.exp() - p) * w.double()[:, None]
-    out = {}
-    for block, warps in ((2048, 4), (4096, 8), (8192, 16)):
-        fused.CE_BLOCK, fused.CE_WARPS = block, warps
-        out[f"triton_{block}_{warps}_ms"] = 1e3 * statistics.median(
-            timed(lambda: fused.soft_ce_rows(z, probs, rows, w, torch.bfloat16), device, 2, 10))
-    fused.CE_BLOCK, fused.CE_WARPS = 4096, 8
+    out = {"triton_available": fused._triton_ce_ready(z)}
+    if out["triton_available"]:  # the kernel's tuning: elements per loop step and warps per row
+        dz = torch.empty(z.shape, dtype=torch.bfloat16, device=device)
+        for block, warps in ((2048, 4), (4096, 8), (8192, 16)):
+            out[f"triton_{block}_{warps}_ms"] = 1e3 * statistics.median(
+                timed(lambda: fused._soft_ce_triton(z, probs, rows, w, dz, block, warps), device, 2, 10))
     for name, on in (("triton", True), ("compiled", False)):
-        fused.TRITON_CE = on
-        loss, pred, dz = fused.soft_ce_rows(z, probs, rows, w, torch.bfloat16)
+        k = dataclasses.replace(kernels, triton_ce=on)
+        loss, pred, dz = fused.soft_ce_rows(z, probs, rows, w, torch.bfloat16, k)
         out[f"{name}_rel_err"] = max(rel(loss, ref_loss), rel(dz, ref_dz))
         out[f"{name}_argmax_ok"] = bool(torch.equal(pred, z.argmax(-1)))
-        out[f"{name}_ms"] = 1e3 * statistics.median(timed(lambda: fused.soft_ce_rows(z, probs, rows, w, torch.bfloat16),
-                                                          device, 2, 10))
-    fused.TRITON_CE = DEFAULT["tce"]
+        out[f"{name}_ms"] = 1e3 * statistics.median(
+            timed(lambda: fused.soft_ce_rows(z, probs, rows, w, torch.bfloat16, k), device, 2, 10))
     return out
 
 
@@ -487,10 +483,8 @@ def main() -> None:
     figures["compile"] = compile_on
     figures["checks_rel_err"] = check_kernels(device, dtype)
     if device.type == "cuda":
-        attention.BACKEND["cuda"] = "flash"
-        figures["checks_rel_err"].update({f"{k}_flash": v for k, v in check_kernels(device, dtype).items()
-                                          if k.startswith("ttt")})
-        set_variant("default")
+        flash = check_kernels(device, dtype, KernelOptions(attention="flash"))
+        figures["checks_rel_err"].update({f"{k}_flash": v for k, v in flash.items() if k.startswith("ttt")})
         figures["checks_rel_err"]["fused_clip_adamw"] = check_fused_clip(device)
     if compile_on:
         t0 = time.perf_counter()
@@ -502,14 +496,16 @@ def main() -> None:
             log(f"torch.compile failed, measuring eager: {type(e).__name__}: {str(e)[:2000]}")
             figures["compile_error"], compile_on = f"{type(e).__name__}: {str(e)[:2000]}", False
             figures["compile"] = False
-    fused.use_compile(compile_on)
+    kernels = KernelOptions(compile=compile_on)  # the default's; --variants measure others beside it
     log(f"kernel checks (relative error vs float64): {figures['checks_rel_err']}")
     figures["gemm_bf16_tflops"] = gemm_rate(device) / 1e12
     log(f"bf16 GEMM 8192^3: {figures['gemm_bf16_tflops']:.0f} TFLOP/s")
     if args.gemm_shapes:
         figures["gemm_shapes_tflops"] = gemm_shapes(device)
-    figures["soft_ce"] = soft_ce_timing(device)
-    log(f"soft cross-entropy of one head chunk: {figures['soft_ce']}; attention kernel {attention.BACKEND}")
+    figures["soft_ce"] = soft_ce_timing(device, kernels)
+    figures["cudnn_refused"] = "cudnn" in attention._refused  # then every "cudnn" run below ran flash
+    log(f"soft cross-entropy of one head chunk: {figures['soft_ce']}; attention kernel {kernels.attention}"
+        f"{' (cuDNN refused: flash)' * figures['cudnn_refused']}")
 
     t0 = time.perf_counter()
     model, head = build(c, device, dtype)
@@ -525,18 +521,17 @@ def main() -> None:
         for B in args.variant_batches:
             try:
                 figures["variants"] += run_variants(args.variants, model, head, opt, sched, c, B, T, K, device, dtype,
-                                                    rounds=3, per_round=2)
+                                                    rounds=3, per_round=2, compile_on=compile_on)
             except Exception as e:  # noqa: BLE001
                 log(f"variants at batch {B}: {type(e).__name__}: {str(e)[:1500]}")
                 opt.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    set_variant("default")
 
     results = []
     for B in args.batches:
         try:
-            r = run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args)
+            r = run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args, kernels)
         except torch.cuda.OutOfMemoryError as e:
             r = {"batch": B, "oom": str(e).splitlines()[0]}
             opt.zero_grad(set_to_none=True)
@@ -558,20 +553,19 @@ def main() -> None:
     figures["batches"] = results
     eager = args.eager_batches if args.eager_batches is not None else ([1, 4] if compile_on else [])
     figures["eager_batches"] = []
-    fused.use_compile(False)
+    eager_kernels = dataclasses.replace(kernels, compile=False)
     for B in eager:
-        r = run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args)
+        r = run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args, eager_kernels)
         log(f"eager batch {B}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tok/s, peak {r['peak_gb']:.1f} GB")
         figures["eager_batches"].append(r)
-    fused.use_compile(compile_on)
     figures["fp32_out_gemms"] = dict(fused.FP32_OUT)
-    figures["breakdown_b1"] = breakdown(model, head, opt, c, T, K, device, dtype, args)
+    figures["breakdown_b1"] = breakdown(model, head, opt, c, T, K, device, dtype, args, kernels)
     log(f"breakdown at batch 1: {figures['breakdown_b1']}")
     if device.type == "cuda":
         figures["profiles"] = {}
         for B in args.profile_batches:
             try:
-                prof = profile_batch(model, head, opt, sched, c, B, T, K, device, dtype)
+                prof = profile_batch(model, head, opt, sched, c, B, T, K, device, dtype, kernels)
                 figures["profiles"][B] = prof
                 log(f"profile batch {B}: {prof['total_ms']:.1f} ms GPU, {prof['by_kind_ms']}")
                 for row in prof["top"][:25]:

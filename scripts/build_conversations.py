@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eyas.local import tiny_target as tt  # noqa: E402
+from eyas.local import tiny_corpus as tc  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "fixtures" / "data" / "conversations.jsonl"
@@ -53,9 +53,9 @@ def candidates(files: list[Path], rng: random.Random) -> list[list[dict]]:
     """About one conversation per 120 lines of each file, a third of them two-turn."""
     found = []
     for file in files:
-        lines = tt.read_text(file).splitlines(keepends=True)
+        lines = tc.read_text(file).splitlines(keepends=True)
         for _ in range(max(1, len(lines) // 120)):
-            messages = tt.code_conversation(lines, rng, multi_turn=rng.random() < 0.33)
+            messages = tc.code_conversation(lines, rng, multi_turn=rng.random() < 0.33)
             if messages and all(len(line) <= MAX_LINE for m in messages for line in m["content"].splitlines()):
                 found.append(messages)
     return found
@@ -66,7 +66,7 @@ def main() -> None:
         raise SystemExit(f"this fixture is built from pip {PIP_VERSION}, but pip {pip.__version__} is installed")
     rng = random.Random(SEED)
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    stdlib_text = "\n".join(tt.read_text(f) for f in tt.stdlib_files())
+    stdlib_text = "\n".join(tc.read_text(f) for f in tc.stdlib_files())
     pool = candidates(source_files(Path(pip.__file__).parent), rng)
     rng.shuffle(pool)
 
@@ -76,7 +76,7 @@ def main() -> None:
         answers = [m["content"] for m in messages if m["role"] == "assistant"]
         if key in seen or any(a.strip() in stdlib_text for a in answers):
             continue
-        if MIN_TOKENS <= len(tt.chat_token_ids(tokenizer, messages)) <= MAX_TOKENS:
+        if MIN_TOKENS <= len(tc.chat_token_ids(tokenizer, messages)) <= MAX_TOKENS:
             kept.append(key)
             seen.add(key)
         if len(kept) == COUNT:

@@ -24,7 +24,7 @@ from pathlib import Path
 # The GPU machine runs this from a bare copy of the tree, where eyas is not installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eyas.local import tiny_target  # noqa: E402
+from eyas.local import tiny_corpus, tiny_target  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
             args.out, steps=args.steps, device=args.device, seed=args.seed, max_seconds=args.max_seconds
         )
     elif args.stage == "prepare":
-        result = tiny_target.prepare_inputs(args.workdir, seed=args.seed)
+        result = tiny_corpus.prepare_inputs(args.workdir, seed=args.seed)
     elif args.stage == "train":
         result = tiny_target.train_from_inputs(
             args.workdir, args.state, steps=args.steps, device=args.device, seed=args.seed, max_seconds=args.max_seconds

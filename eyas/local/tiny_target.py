@@ -1,4 +1,4 @@
-"""The tiny DeepSeek-V3 target: eyas's embedded default model, its tokenizer and its chat template.
+"""The tiny DeepSeek-V3 target: eyas's embedded default model, and how it is built, trained and assembled.
 
 SGLang cannot run on a 2-core laptop, so the pipeline's default target is a DeepSeek-V3-architecture
 model small enough to serve there (8 layers, MLA attention, MoE with a shared expert, about 9.6M
@@ -11,6 +11,7 @@ The build has three stages, which may run on different machines (the committed f
 the tokenizer here, the training on a lent GPU, the assembly here again):
 
     prepare_inputs(workdir)               stdlib *.py -> tokenizer.json, tokens.npz, inputs.json
+                                          (eyas/local/tiny_corpus.py: corpus, tokenizer, chat template)
     train_from_inputs(workdir, state)     tokens -> trained weights (sharded safetensors), metrics
     assemble(workdir, state, out)         -> Hugging Face folder, accuracy re-measured on its weights
 
@@ -20,12 +21,8 @@ build_tiny_target() runs all three in one place.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
-import math
 import platform
-import random
-import sysconfig
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -35,96 +32,13 @@ from typing import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
+from tokenizers import Tokenizer
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from eyas.local.hf_folder import atomic_dir, checkpoint_tensors, read_shards, write_shards
-
-# ---------------------------------------------------------------------------------------------------
-# Tokens and chat template
-# ---------------------------------------------------------------------------------------------------
-
-#: The BPE trainer gives special tokens the first ids, in this order; BOS_ID..PAD_ID rely on it.
-SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>")
-BOS, EOS, PAD, END = "<|bos|>", "<|eos|>", "<|pad|>", "<|end|>"
-BOS_ID, EOS_ID, PAD_ID, END_ID = 0, 1, 2, 6
-#: Generation stops at the end of a turn (<|end|>) or of a document (<|eos|>).
-STOP_TOKEN_IDS = (END_ID, EOS_ID)
-MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special tokens
-
-#: Each turn is <|role|>content<|end|>, with no text between turns. Every turn boundary is a special
-#: token, and special tokens split the text before BPE runs, so rendering a prefix of the messages (with
-#: or without the generation prompt) gives a token prefix of the full rendering, and an assistant's
-#: content is the contiguous span between its <|assistant|> and <|end|>. (Content that spells a special
-#: token, e.g. "<|end|>", would be read as that token; code and prose here never do.)
-CHAT_TEMPLATE = (
-    "{{- bos_token -}}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] not in ('system', 'user', 'assistant') -%}"
-    "{{- raise_exception('unknown chat role: ' ~ message['role']) -}}"
-    "{%- endif -%}"
-    "{{- '<|' ~ message['role'] ~ '|>' ~ message['content'] ~ '<|end|>' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
-)
-#: The task the chat data teaches; scripts/build_conversations.py makes the fixture data the same way.
-CONTINUE_PROMPT = "Continue this code:\n"
-NEXT_PROMPT = "Continue."
-
-
-def train_tokenizer(files: list[Path], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE tokenizer trained on `files`, with SPECIAL_TOKENS as ids 0..6."""
-    if vocab_size < MIN_VOCAB or vocab_size > 65535:  # token arrays are stored as uint16
-        raise ValueError(f"vocab_size must be in [{MIN_VOCAB}, 65535], got {vocab_size}")
-    if not files:
-        raise ValueError("train_tokenizer needs at least one file")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte, so nothing is unknown
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator((read_text(f) for f in files), trainer=trainer)
-    return tokenizer
-
-
-def hf_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
-    """The transformers view of `tokenizer`, with the chat template and special tokens set."""
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, chat_template=CHAT_TEMPLATE
-    )
-
-
-def chat_token_ids(hf: PreTrainedTokenizerFast, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
-    """Token ids of `messages` rendered with CHAT_TEMPLATE (the rendering starts with <|bos|>)."""
-    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return hf.backend_tokenizer.encode(text, add_special_tokens=False).ids
-
-
-def code_conversation(lines: list[str], rng: random.Random, *, multi_turn: bool) -> list[dict] | None:
-    """A "continue this code" conversation cut from a random window of `lines` (kept with their
-    newlines); None when the file is too short or a part of the window is blank."""
-    num_prompt, num_answer = rng.randint(6, 18), rng.randint(4, 12)
-    num_second = rng.randint(4, 10) if multi_turn else 0
-    need = num_prompt + num_answer + num_second
-    if len(lines) < need:
-        return None
-    start = rng.randrange(len(lines) - need + 1)
-    cuts = [start, start + num_prompt, start + num_prompt + num_answer, start + need]
-    parts = ["".join(lines[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
-    if any(not part.strip() for part in parts):
-        return None
-    messages = [
-        {"role": "user", "content": CONTINUE_PROMPT + parts[0]},
-        {"role": "assistant", "content": parts[1]},
-    ]
-    if multi_turn:
-        messages += [{"role": "user", "content": NEXT_PROMPT}, {"role": "assistant", "content": parts[2]}]
-    return messages
-
+from eyas.local.tiny_corpus import (BOS, BOS_ID, CHAT_TEMPLATE, EOS, EOS_ID, MIN_VOCAB, PAD, PAD_ID, STOP_TOKEN_IDS,
+                                    prepare_inputs)
+from eyas.training.optim import lr_factor, resolve_device
 
 # ---------------------------------------------------------------------------------------------------
 # Architecture
@@ -170,88 +84,6 @@ def tiny_config(vocab_size: int) -> DeepseekV3Config:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Corpus: the standard library's own source, split by file
-# ---------------------------------------------------------------------------------------------------
-
-EXCLUDED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages"})
-
-
-def read_text(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
-
-
-def stdlib_files(root: Path | None = None) -> list[Path]:
-    """The *.py files of the standard library under `root`, sorted by relative path, tests excluded."""
-    root = Path(sysconfig.get_paths()["stdlib"]) if root is None else Path(root)
-    files = [p for p in root.rglob("*.py") if not EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])]
-    if not files:
-        raise ValueError(f"no *.py files under {root} (is it the standard library?)")
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def split_of(relative_path: str) -> str:
-    """"test" (2%), "val" (2%) or "train", from a hash of the path: stable when files come and go."""
-    bucket = int(hashlib.sha256(relative_path.encode()).hexdigest(), 16) % 100
-    return "test" if bucket < 2 else "val" if bucket < 4 else "train"
-
-
-def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
-    """One token stream, each text framed as <|bos|> text <|eos|> (chat renderings bring their own bos)."""
-    framed = [t + EOS if t.startswith(BOS) else BOS + t + EOS for t in texts]
-    ids = [np.asarray(e.ids, dtype=np.uint16) for e in tokenizer.encode_batch(framed, add_special_tokens=False)]
-    return np.concatenate(ids) if ids else np.zeros(0, dtype=np.uint16)
-
-
-def chat_documents(hf: PreTrainedTokenizerFast, texts: list[str], rng: random.Random) -> list[str]:
-    """Rendered "continue this code" conversations, about one per 150 lines, a quarter of them two-turn.
-    They teach the model the chat template, so that it answers the pipeline's prompts in kind."""
-    rendered = []
-    for text in texts:
-        lines = text.splitlines(keepends=True)
-        for _ in range(max(1, len(lines) // 150)):
-            messages = code_conversation(lines, rng, multi_turn=rng.random() < 0.25)
-            if messages is not None:
-                rendered.append(hf.apply_chat_template(messages, tokenize=False))
-    return rendered
-
-
-def prepare_inputs(workdir: Path, *, vocab_size: int = 4096, seed: int = 0, root: Path | None = None) -> dict:
-    """Gather and split the corpus, train the tokenizer and write the token streams into `workdir`."""
-    root = Path(sysconfig.get_paths()["stdlib"]) if root is None else Path(root)
-    files = stdlib_files(root)
-    names = [f.relative_to(root).as_posix() for f in files]
-    texts = {name: read_text(f) for name, f in zip(names, files)}
-    split = {name: split_of(name) for name in names}
-    train_names = [n for n in names if split[n] == "train"]
-
-    tokenizer = train_tokenizer([root / n for n in train_names], vocab_size)
-    rng = random.Random(seed)
-    chats = chat_documents(hf_tokenizer(tokenizer), [texts[n] for n in train_names], rng)
-    train_docs = [texts[n] for n in train_names] + chats
-    rng.shuffle(train_docs)  # interleave chat and raw documents
-    streams = {"train": encode_documents(tokenizer, train_docs)}
-    for part in ("val", "test"):
-        streams[part] = encode_documents(tokenizer, [texts[n] for n in names if split[n] == part])
-
-    with atomic_dir(Path(workdir)) as tmp:
-        tokenizer.save(str(tmp / "tokenizer.json"))
-        np.savez(tmp / "tokens.npz", **streams)
-        info = {
-            "python": platform.python_version(),
-            "stdlib": str(root),
-            "corpus_sha256": hashlib.sha256("".join(texts[n] for n in names).encode()).hexdigest(),
-            "vocab_size": tokenizer.get_vocab_size(),
-            "num_files": {p: sum(s == p for s in split.values()) for p in ("train", "val", "test")},
-            "num_chat_conversations": len(chats),
-            "num_tokens": {p: int(a.size) for p, a in streams.items()},
-            "test_files": [n for n in names if split[n] == "test"],
-            "val_files": [n for n in names if split[n] == "val"],
-        }
-        (tmp / "inputs.json").write_text(json.dumps(info, indent=2) + "\n")
-    return info
-
-
-# ---------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------
 
@@ -280,25 +112,9 @@ class TrainSettings:
             raise ValueError(f"bad schedule: lr={self.lr} min_lr_ratio={self.min_lr_ratio} warmup={self.warmup_steps}")
 
 
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
-    return device
-
-
-def lr_factor(step: int, s: TrainSettings) -> float:
-    """Linear warmup, then cosine decay to min_lr_ratio."""
-    if step < s.warmup_steps:
-        return (step + 1) / s.warmup_steps
-    progress = (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps)
-    return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def _autocast(device: str):
+def _autocast(device: str | torch.device):
     # bf16 on the GPU as SGLang would serve it; plain fp32 on CPU, where bf16 matmuls are slow.
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda")
 
 
 def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -330,7 +146,8 @@ def _rebalance(loads: dict[torch.nn.Module, torch.Tensor], rate: float) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: DeepseekV3ForCausalLM, ids: np.ndarray, seq_len: int, device: str, batch_size: int = 16) -> dict:
+def evaluate(model: DeepseekV3ForCausalLM, ids: np.ndarray, seq_len: int, device: str | torch.device,
+             batch_size: int = 16) -> dict:
     """Mean loss and greedy next-token accuracy over `ids`, cut into windows of seq_len + 1 tokens."""
     if ids.size < 2:
         raise ValueError("evaluate needs at least 2 tokens")
@@ -372,7 +189,8 @@ def baselines(train_ids: np.ndarray, test_ids: np.ndarray, vocab_size: int) -> d
     }
 
 
-def _pick_experts_implementation(model: DeepseekV3ForCausalLM, x: torch.Tensor, device: str, log: Callable) -> None:
+def _pick_experts_implementation(model: DeepseekV3ForCausalLM, x: torch.Tensor, device: torch.device,
+                                 log: Callable) -> None:
     """Keep transformers' default grouped_mm experts unless it fails here: the lent GPU runs an older
     transformers (5.17) than this project pins, and grouped_mm depends on the torch build."""
     try:
@@ -390,7 +208,7 @@ def train_model(
     val_ids: np.ndarray,
     settings: TrainSettings,
     *,
-    device: str = "auto",
+    device: str | torch.device = "auto",
     seed: int = 0,
     log: Callable[[str], None] = print,
 ) -> tuple[DeepseekV3ForCausalLM, dict]:
@@ -414,9 +232,10 @@ def train_model(
     keep = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": s.weight_decay}, {"params": keep, "weight_decay": 0.0}],
-        lr=s.lr, betas=(0.9, 0.95), fused=device == "cuda",
+        lr=s.lr, betas=(0.9, 0.95), fused=device.type == "cuda",
     )
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, s))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, s.warmup_steps, s.steps, s.min_lr_ratio))
     loads = _count_routes(model)
     history, best, started = [], None, time.monotonic()
     for step in range(1, s.steps + 1):
@@ -462,7 +281,7 @@ def train_from_inputs(
     model, run = train_model(config, tokens["train"], tokens["val"], s, device=device, seed=seed)
     test = evaluate(model, tokens["test"], s.seq_len, device)
     metrics = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "settings": asdict(s),
         "seed": seed,

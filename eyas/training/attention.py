@@ -1,6 +1,6 @@
 """Training-time-test attention without the (T, T*k) score matrix.
 
-    y = ttt_attention(q, k0, v0, kd, vd, scale)   # q (B, nh, T, hd); kd/vd: lists of (B, nh, T, hd)
+    y = ttt_attention(q, k0, v0, kd, vd, scale, kernels)  # q (B, nh, T, hd); kd/vd: lists of (B, nh, T, hd)
 
 At TTT step k the query at position t attends to step 0's keys at positions <= t (causal) and to
 its own position t in each of steps 1..k (one key per step: the diagonal). Written as one softmax
@@ -20,11 +20,11 @@ The queries may be the last rows of a shorter range than step 0's keys (q (B, nh
 (B, nh, S, hd), L <= S: query i sits at key position S - L + i, the bottom-right-aligned causal mask
 of FlashAttention-2): TTTObjective runs the steps >= 1 only at the positions some step scores.
 
-The flash kernels are PyTorch's own: on
-CUDA in bf16/fp16 cuDNN's `aten._scaled_dot_product_cudnn_attention` or
-`aten._scaled_dot_product_flash_attention` (BACKEND below), on the CPU the flash `_for_cpu` twin;
-elsewhere `reference_ttt_attention` (plain autograd math, O(T^2) memory) is used, and the tests hold
-the two equal, gradients included.
+The flash kernels are PyTorch's own: on CUDA in bf16/fp16 cuDNN's
+`aten._scaled_dot_product_cudnn_attention` or `aten._scaled_dot_product_flash_attention`
+(KernelOptions.attention picks), on the CPU the flash `_for_cpu` twin; elsewhere
+`reference_ttt_attention` (plain autograd math, O(T^2) memory) is used, and the tests hold the two
+equal, gradients included.
 """
 
 from __future__ import annotations
@@ -33,18 +33,23 @@ import torch
 import torch.nn.functional as F
 
 from eyas.training import kernels as fused
+from eyas.training.kernels import DEFAULT, KernelOptions
 
 aten = torch.ops.aten
 
 
-# The kernel for the causal part of TTT steps >= 1 on CUDA: "cudnn" (cuDNN's fused attention, the
-# kernel PyTorch's sdpa picks for step 0 on Hopper) or "flash" (PyTorch's FlashAttention-2). Both
-# return the log-sum-exp and take it back in the backward, which the merge below needs; a cuDNN
-# failure falls back to flash for the rest of the process. Queries shorter than the keys (the last
-# rows of the key range): flash aligns its causal mask bottom-right itself; cuDNN (whose alignment is
-# not promised) and the CPU kernel (top-left) get the missing leading queries as zero rows, which
-# cost a copy of q and a sliver of the causal work, and add nothing to the gradients.
-BACKEND = {"cuda": "cudnn"}
+# The kernel for the causal part of TTT steps >= 1 on CUDA (KernelOptions.attention): "cudnn" (cuDNN's
+# fused attention, the kernel PyTorch's sdpa picks for step 0 on Hopper) or "flash" (PyTorch's
+# FlashAttention-2). Both return the log-sum-exp and take it back in the backward, which the merge
+# below needs. Queries shorter than the keys (the last rows of the key range): flash aligns its causal
+# mask bottom-right itself; cuDNN (whose alignment is not promised) and the CPU kernel (top-left) get
+# the missing leading queries as zero rows, which cost a copy of q and a sliver of the causal work,
+# and add nothing to the gradients.
+#
+# Not a setting but a memo of what this process's cuDNN accepted: once it refuses a call (a shape or
+# dtype its build does not support), every later call goes to flash instead of failing (and paying a
+# refused cuDNN call) again. The choice stays KernelOptions.attention.
+_refused: set[str] = set()
 
 
 def _flash_ok(q: torch.Tensor) -> bool:
@@ -67,17 +72,19 @@ def _pad_front(t, n: int):
     return out
 
 
-def _flash_fwd(q, k, v, scale):
-    """Causal attention -> (y (B, nh, L, hd), lse (fp32, (B, nh, L) or (B, nh, L, 1)), state for the backward)."""
+def _flash_fwd(q, k, v, scale, backend: str):
+    """Causal attention -> (y (B, nh, L, hd), lse (fp32, (B, nh, L) or (B, nh, L, 1)), state for the backward).
+
+    backend: "cudnn" or "flash" on CUDA (KernelOptions.attention); the CPU has one kernel."""
     off = k.shape[2] - q.shape[2]  # q's rows are the last L of the S key positions
     if q.device.type == "cuda":
-        if BACKEND["cuda"] == "cudnn":
+        if backend == "cudnn" and "cudnn" not in _refused:
             try:
                 out = aten._scaled_dot_product_cudnn_attention(_pad_front(q, off), k, v, None, True, 0.0, True, False,
                                                                scale=scale)
                 return out[0][:, :, off:], out[1][:, :, off:], ("cudnn", *out[2:8])
             except RuntimeError:
-                BACKEND["cuda"] = "flash"
+                _refused.add("cudnn")
         out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
         return out[0], out[1], ("flash", *out[2:8])
     # the CPU kernel aligns the mask top-left: the skipped leading queries run as zeros, then are dropped
@@ -108,10 +115,12 @@ def _flash_bwd(dy, q, k, v, y, lse, state, scale):
 
 class _TTTAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k0, v0, scale, n, *kv):  # kv: the n diagonal keys, then the n values, (B, nh, T, hd) each
-        y0, lse0, state = _flash_fwd(q, k0, v0, scale)  # (B, nh, T, hd), (B, nh, T[, 1])
-        y, lse, a = fused.diag_forward(q, y0, lse0.view(q.shape[:3]), list(kv[:n]), list(kv[n:]), scale)
+    def forward(ctx, q, k0, v0, scale, n, kernels, *kv):  # kv: n diagonal keys, then n values, (B, nh, T, hd) each
+        y0, lse0, state = _flash_fwd(q, k0, v0, scale, kernels.attention)  # (B, nh, T, hd), (B, nh, T[, 1])
+        y, lse, a = fused.diag_forward(q, y0, lse0.view(q.shape[:3]), list(kv[:n]), list(kv[n:]), scale,
+                                       compile=kernels.compile)
         ctx.scale, ctx.state, ctx.n, ctx.lse_meta = scale, state, n, (lse0.shape, lse0.dtype)
+        ctx.compile = kernels.compile
         ctx.save_for_backward(q, k0, v0, y, lse, a, *kv)
         return y
 
@@ -122,8 +131,9 @@ class _TTTAttention(torch.autograd.Function):
         if dy.stride() != y.stride():  # the kernels want dy laid out like y
             dy = torch.empty_like(y).copy_(dy)
         dq0, dk0, dv0 = _flash_bwd(dy, q, k0, v0, y, lse.view(ctx.lse_meta[0]).to(ctx.lse_meta[1]), ctx.state, ctx.scale)
-        dq, dkd, dvd = fused.diag_backward(dy, y, q, a, list(kv[:n]), list(kv[n:]), dq0, ctx.scale)
-        return dq, dk0, dv0, None, None, *dkd, *dvd
+        dq, dkd, dvd = fused.diag_backward(dy, y, q, a, list(kv[:n]), list(kv[n:]), dq0, ctx.scale,
+                                           compile=ctx.compile)
+        return dq, dk0, dv0, None, None, None, *dkd, *dvd
 
 
 def reference_ttt_attention(q, k0, v0, kd: list, vd: list, scale: float) -> torch.Tensor:
@@ -139,11 +149,11 @@ def reference_ttt_attention(q, k0, v0, kd: list, vd: list, scale: float) -> torc
     return y
 
 
-def ttt_attention(q, k0, v0, kd: list, vd: list, scale: float) -> torch.Tensor:
+def ttt_attention(q, k0, v0, kd: list, vd: list, scale: float, kernels: KernelOptions = DEFAULT) -> torch.Tensor:
     """Step-k TTT attention (see the module docstring); q, kd, vd (B, nh, L, hd), k0, v0 (B, nh, S >= L, hd),
-    heads expanded."""
+    heads expanded. kernels: the CUDA attention kernel and whether the diagonal terms are compiled."""
     if not kd and q.shape[2] == k0.shape[2]:
         return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale)
     if not _flash_ok(q):
         return reference_ttt_attention(q, k0, v0, kd, vd, scale)
-    return _TTTAttention.apply(q, k0, v0, scale, len(kd), *kd, *vd)
+    return _TTTAttention.apply(q, k0, v0, scale, len(kd), kernels, *kd, *vd)

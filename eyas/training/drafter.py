@@ -2,16 +2,17 @@
 
     cfg = DrafterConfig(hidden_size=256, target_hidden_size=256, num_attention_heads=4, ...)
     drafter = Eagle3Drafter(cfg)
-    logits, h = drafter(input_ids, aux, positions, causal_mask(T))            # one step
-    h, hn = drafter.step(next_ids, h, positions + 1, None, ttt=kv)            # a TTT step (training)
+    logits, h = drafter(input_ids, aux, positions, causal_mask(T))              # one step
+    h, hn = drafter.step(next_ids, h, positions + 1, None, ttt=kv, kernels=k)   # a TTT step (training)
 
 One step: fc(concat of the target's 3 aux hidden states) -> one Llama decoder layer whose q/k/v read
 concat(input_layernorm(embed(token)), hidden_norm(h)) -> final norm -> lm_head over the draft vocab.
 The residual stream of the layer starts from h (not from the embedding), as in SGLang; the pre-norm
 output h is what the next draft step reads instead of fc(aux).
 
-The elementwise pieces (norms, RoPE, residual adds, SwiGLU) go through eyas/training/kernels.py, which
-torch.compile fuses on a GPU. State-dict names are SGLang's checkpoint names (`fc.weight`,
+The elementwise pieces (norms, RoPE, residual adds, SwiGLU) go through eyas/training/kernels.py,
+which torch.compile fuses where the step's KernelOptions say so (on a GPU by default); `step` takes
+those options from its caller (TTTObjective), and the plain forward (drafting, export) runs eager. State-dict names are SGLang's checkpoint names (`fc.weight`,
 `midlayer.self_attn.q_proj.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`), so export is a
 rename-free dtype cast.
 
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 
 from eyas.training import kernels as fused
 from eyas.training.attention import ttt_attention
+from eyas.training.kernels import DEFAULT, KernelOptions
 
 
 @dataclass
@@ -117,22 +119,20 @@ class KVCache:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
 
-# Gradient-accumulation fusion (TTTWeights): the per-step weight gradients are summed inside the weight-
-# gradient GEMMs (beta = 1). In bf16 (the default: the sum autograd forms, one fused GEMM instead of a
-# GEMM and an add per step) or in fp32 (more exact; cuBLAS's fp32-output kernels ran ~10% slower on
-# the H200, which costs more than the adds it saves: docs/performance.md).
-GRAD_ACC_FP32 = False
-
-
 class _GradSink:
-    """The gradient of one weight, summed over the TTT steps inside the weight-gradient GEMMs."""
+    """The gradient of one weight, summed over the TTT steps inside the weight-gradient GEMMs (beta = 1).
 
-    def __init__(self):
-        self.buf = None  # (out, in), made by the first weight-gradient GEMM
+    In the GEMM dtype (the default: bf16 on a GPU, the sum autograd forms, one fused GEMM instead of a
+    GEMM and an add per step) or, with fp32 (KernelOptions.grad_acc_fp32), in fp32: more exact, but
+    cuBLAS's fp32-output kernels ran ~10% slower on the H200, which costs more than the adds it saves
+    (docs/performance.md)."""
+
+    def __init__(self, fp32: bool = False):
+        self.buf, self.fp32 = None, fp32  # buf (out, in), made by the first weight-gradient GEMM
 
     def add(self, dy_t, x):  # += dy_t @ x: the first GEMM writes the buffer, the next ones accumulate into it
         if self.buf is None:
-            self.buf = fused.mm_f32(dy_t, x) if GRAD_ACC_FP32 and dy_t.dtype.itemsize < 4 else dy_t @ x
+            self.buf = fused.mm_f32(dy_t, x) if self.fp32 and dy_t.dtype.itemsize < 4 else dy_t @ x
         elif self.buf.dtype == dy_t.dtype:
             self.buf.addmm_(dy_t, x)
         else:
@@ -190,9 +190,11 @@ class TTTWeights:
     modules'; only the kernels differ.
 
     gemm_dtype: run the GEMMs in this dtype while the activations stay in `dtype` (a CPU with bf16
-    matrix units: bf16 GEMMs ran ~8x faster than fp32 ones here, its bf16 elementwise ops slower)."""
+    matrix units: bf16 GEMMs ran ~8x faster than fp32 ones here, its bf16 elementwise ops slower).
+    grad_acc_fp32: the sums in fp32 (_GradSink)."""
 
-    def __init__(self, drafter: "Eagle3Drafter", dtype: torch.dtype, gemm_dtype: torch.dtype | None = None):
+    def __init__(self, drafter: "Eagle3Drafter", dtype: torch.dtype, gemm_dtype: torch.dtype | None = None,
+                 grad_acc_fp32: bool = False):
         a, m = drafter.midlayer.self_attn, drafter.midlayer.mlp
         mods = {"fc": drafter.fc, "q_proj": a.q_proj, "k_proj": a.k_proj, "v_proj": a.v_proj, "o_proj": a.o_proj,
                 "gate_proj": m.gate_proj, "up_proj": m.up_proj, "down_proj": m.down_proj}
@@ -201,7 +203,7 @@ class TTTWeights:
         for name, mod in mods.items():
             w = mod.weight
             self.w[name] = w.detach().to(gemm_dtype or dtype)
-            self.sink[name] = _GradSink()
+            self.sink[name] = _GradSink(grad_acc_fp32)
             self.token[name] = _Collect.apply(self.sink[name], w) if grad and w.requires_grad else None
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -230,13 +232,14 @@ class Attention(nn.Module):
     def _heads(self, t):  # (B, nkv, S, hd) -> (B, nh, S, hd)
         return t if self.nh == self.nkv else t.repeat_interleave(self.nh // self.nkv, dim=1)
 
-    def forward(self, x, cos, sin, mask, ttt=None, cache=None, shared: TTTWeights | None = None):
+    def forward(self, x, cos, sin, mask, ttt=None, cache=None, shared: TTTWeights | None = None,
+                kernels: KernelOptions = DEFAULT):
         B, T, _ = x.shape  # x (B, T, 2H)
         lin = (lambda name, t: getattr(self, name)(t)) if shared is None else shared.linear
         q = lin("q_proj", x).view(B, T, self.nh, self.hd)
         k = lin("k_proj", x).view(B, T, self.nkv, self.hd)
         v = lin("v_proj", x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        q, k = (t.transpose(1, 2) for t in fused.rope_qk(q, k, cos, sin))  # (B, nh|nkv, T, hd), position-major
+        q, k = (t.transpose(1, 2) for t in fused.rope_qk(q, k, cos, sin, compile=kernels.compile))  # (B, nh|nkv, T, hd)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, nkv, L+T, hd)
         scale = 1.0 / math.sqrt(self.hd)
@@ -245,7 +248,7 @@ class Attention(nn.Module):
             (k, v), diag = ttt[0], ttt[1:]  # step 0's keys; one same-position key per later step
             if mask is None:  # causal over step 0 + diagonal over steps 1..k, O(T) memory
                 y = ttt_attention(q, self._heads(k), self._heads(v), [self._heads(kd) for kd, _ in diag],
-                                  [self._heads(vd) for _, vd in diag], scale)  # (B, nh, T, hd)
+                                  [self._heads(vd) for _, vd in diag], scale, kernels)  # (B, nh, T, hd)
                 return lin("o_proj", y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
         else:
             diag = []
@@ -281,10 +284,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, shared: TTTWeights | None = None):
+    def forward(self, x, shared: TTTWeights | None = None, kernels: KernelOptions = DEFAULT):
         lin = (lambda name, t: getattr(self, name)(t)) if shared is None else shared.linear
         g, u = lin("gate_proj", x), lin("up_proj", x)  # (B, T, I)
-        return lin("down_proj", fused.swiglu(g, u) if fused.compiling() else _SwiGLU.apply(g, u))
+        return lin("down_proj", fused.swiglu(g, u, compile=True) if kernels.compile else _SwiGLU.apply(g, u))
 
 
 class DecoderLayer(nn.Module):
@@ -297,16 +300,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, emb, h, cos, sin, mask, ttt=None, cache=None, final_norm: RMSNorm | None = None,
-                shared: TTTWeights | None = None):
+                shared: TTTWeights | None = None, kernels: KernelOptions = DEFAULT):
         """-> (h_out (B, T, H), final_norm(h_out) or None): the final norm fused with the last add."""
-        eps = self.input_layernorm.eps
-        x = fused.norm_cat(emb, h, self.input_layernorm.weight, self.hidden_norm.weight, eps)  # (B, T, 2H)
-        h, x = fused.add_norm(h, self.self_attn(x, cos, sin, mask, ttt, cache, shared),  # residual stream starts at h
-                              self.post_attention_layernorm.weight, eps)
-        out = self.mlp(x, shared)
+        eps, c = self.input_layernorm.eps, kernels.compile
+        x = fused.norm_cat(emb, h, self.input_layernorm.weight, self.hidden_norm.weight, eps, compile=c)  # (B, T, 2H)
+        h, x = fused.add_norm(h, self.self_attn(x, cos, sin, mask, ttt, cache, shared, kernels),  # residual starts at h
+                              self.post_attention_layernorm.weight, eps, compile=c)
+        out = self.mlp(x, shared, kernels)
         if final_norm is None:
             return h + out, None
-        return fused.add_norm(h, out, final_norm.weight, final_norm.eps)
+        return fused.add_norm(h, out, final_norm.weight, final_norm.eps, compile=c)
 
 
 class Eagle3Drafter(nn.Module):
@@ -348,10 +351,12 @@ class Eagle3Drafter(nn.Module):
         h, hn = self.step(input_ids, hidden, positions, mask, ttt, cache)
         return (self.lm_head(hn) if with_logits else None), h
 
-    def step(self, input_ids, hidden, positions, mask, ttt=None, cache=None, shared: TTTWeights | None = None):
+    def step(self, input_ids, hidden, positions, mask, ttt=None, cache=None, shared: TTTWeights | None = None,
+             kernels: KernelOptions = DEFAULT):
         """forward() without the head -> (pre-norm output h (B, T, H), norm(h)).
 
-        shared: the TTT unroll's TTTWeights (training), used instead of the Linear modules."""
+        shared: the TTT unroll's TTTWeights (training), used instead of the Linear modules.
+        kernels: how the elementwise regions and the TTT attention run (training's KernelOptions)."""
         emb = self.embed_tokens(input_ids)  # (B, T, H)
         if hidden.shape[-1] != self.cfg.hidden_size:  # SGLang's rule: fc only on the target's states
             hidden = self.fc(hidden) if shared is None else shared.linear("fc", hidden)  # (B, T, H)
@@ -360,4 +365,4 @@ class Eagle3Drafter(nn.Module):
             raise ValueError("Eagle3Drafter: mask=None (causal fast path) needs ttt")
         return self.midlayer(emb.to(hidden.dtype), hidden, cos.to(hidden.dtype), sin.to(hidden.dtype),
                              None if mask is None else mask.to(hidden.dtype), ttt, cache, final_norm=self.norm,
-                             shared=shared)
+                             shared=shared, kernels=kernels)

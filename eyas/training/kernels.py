@@ -1,14 +1,14 @@
-"""The elementwise pieces of a training step, written once and optionally fused by torch.compile.
+"""How a training step runs (KernelOptions), and its elementwise pieces, optionally fused by torch.compile.
 
-    fused.use_compile(True)                 # training.compile, on by default on a GPU
-    x = fused.norm_cat(emb, h, w_in, w_hid, eps)
+    kernels = kernel_options(cfg.training, device)   # once per run; TTTObjective(..., kernels=kernels)
+    x = fused.norm_cat(emb, h, w_in, w_hid, eps, compile=kernels.compile)
 
 A drafter step is a handful of large GEMMs (cuBLAS, eager) and, between them, norms, the rotary
 embedding, residual adds, SwiGLU, the TTT attention's diagonal terms and the soft cross-entropy over
 the draft vocabulary. In eager PyTorch each of those is several kernels, each a full pass over an
 activation; at Kimi-K2.5 size they cost about a third of the step (docs/performance.md). Each
 function here is one such region with plain tensor arguments: called directly it is eager PyTorch
-(the CPU and the tests use that), and after `use_compile(True)` it runs through torch.compile,
+(the CPU and the tests use that), and with `compile=True` it runs through torch.compile,
 which fuses it into one or two kernels (computing in fp32 inside and rounding once) and, for the ones
 autograd sees, fuses the backward too. Sizes are PyTorch's automatic dynamic shapes: each is a
 constant until it changes, then symbolic, so the head size, widths and vocabularies stay constants
@@ -20,13 +20,61 @@ The soft cross-entropy over the draft vocabulary is a hand-written Triton kernel
 
 from __future__ import annotations
 
-import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 
-_COMPILE = False
-_compiled: dict = {}
+if TYPE_CHECKING:  # eyas.config needs pydantic; the GPU benchmark imports this module without it
+    from eyas.config import TrainingConfig
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Which kernels and fusions a training step uses. Every setting computes the same loss and
+    gradients (up to rounding; tests/unit/test_kernels.py); the defaults are the fastest measured on the
+    H200 (docs/performance.md), except `compile`, which kernel_options turns on for a GPU. Only
+    `compile` has a config setting; the others exist so that bench/train.py can measure each
+    optimisation against its absence.
+
+    Built once per run and passed down, never read from a global: TTTObjective(..., kernels=k) hands it
+    to the drafter (norms, RoPE, SwiGLU, TTTWeights), the TTT attention and the fused head loss, and
+    optimizer_step reads `fused_clip` off the objective. Frozen, so one run cannot change another's.
+    """
+
+    #: the elementwise regions below through torch.compile (fused kernels); False: eager PyTorch
+    compile: bool = False
+    #: the soft cross-entropy as one Triton kernel (CUDA with Triton only; elsewhere the PyTorch math)
+    triton_ce: bool = True
+    #: teacher, TTT steps >= 1 and head only on the positions the loss mask scores; False: everywhere
+    skip_unscored: bool = True
+    #: the causal kernel of the TTT steps >= 1 on CUDA: cuDNN's fused attention or FlashAttention-2
+    #: (attention.py; a CPU has one kernel and ignores this)
+    attention: Literal["cudnn", "flash"] = "cudnn"
+    #: the clip factor inside the fused AdamW kernel (its grad_scale); False: clip_grad_norm_, then the step
+    fused_clip: bool = True
+    #: the drafter's weight gradients summed over the TTT steps in fp32 (else in the GEMM dtype)
+    grad_acc_fp32: bool = False
+    #: the drafter's GEMM weights cast once per unroll, their gradients summed inside the GEMMs
+    #: (drafter.TTTWeights); False: the nn.Linear modules, summed by autograd
+    shared_weights: bool = True
+
+    def __post_init__(self):
+        if self.attention not in ("cudnn", "flash"):
+            raise ValueError(f"KernelOptions.attention must be 'cudnn' or 'flash', got {self.attention!r}")
+
+
+DEFAULT = KernelOptions()  # eager, everything else at its default: what a caller that names nothing gets
+
+
+def kernel_options(cfg: TrainingConfig, device: torch.device) -> KernelOptions:
+    """The options a run of `cfg` on `device` uses: torch.compile per training.compile (None: on a GPU
+    only), the rest at their defaults."""
+    return KernelOptions(compile=device.type == "cuda" if cfg.compile is None else bool(cfg.compile))
+
+
+_compiled: dict = {}  # fn -> its torch.compile'd twin, made on first use (a cache, not a setting)
 
 FP32_OUT = {"mm": True, "addmm": True}  # CUDA bf16 GEMMs with fp32 output (torch >= 2.8); probed once
 
@@ -89,30 +137,10 @@ def gemm_operand(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def use_compile(enabled: bool) -> None:
-    """Route the functions below through torch.compile (True) or run them eagerly (False)."""
-    global _COMPILE
-    _COMPILE = bool(enabled)
-
-
-def compiling() -> bool:
-    return _COMPILE
-
-
-@contextlib.contextmanager
-def compile_scope(enabled: bool):
-    """use_compile(enabled) inside the block, the previous setting after it."""
-    before = _COMPILE
-    use_compile(enabled)
-    try:
-        yield
-    finally:
-        use_compile(before)
-
-
 def _fused(fn):
-    def call(*args, **kwargs):
-        if not _COMPILE:
+    """fn(*args) eagerly, or through torch.compile with compile=True (KernelOptions.compile)."""
+    def call(*args, compile: bool = False, **kwargs):
+        if not compile:
             return fn(*args, **kwargs)
         if fn not in _compiled:
             _raise_recompile_limit()
@@ -211,22 +239,23 @@ def diag_backward(dy, y, q, a, kd: list, vd: list, dq0, scale: float):
     return _tr(dq.to(q.dtype)), dkd, dvd
 
 
-def soft_ce_rows(z, probs, rows, w, dz_dtype: torch.dtype):
+def soft_ce_rows(z, probs, rows, w, dz_dtype: torch.dtype, kernels: KernelOptions = DEFAULT):
     """Soft cross-entropy of logits z (n, V) fp32 against probs[rows] (n, V), weighted by w (n,).
 
     -> (sum_i w_i CE_i, argmax per row, d/dz (n, V) in dz_dtype); probs may be bf16, read in place.
-    On CUDA one Triton kernel (below), elsewhere the PyTorch math (compiled or eager).
+    On CUDA one Triton kernel (below) unless kernels.triton_ce is off, elsewhere the PyTorch math
+    (compiled or eager, per kernels.compile).
     """
-    if _triton_ce(z):
+    if kernels.triton_ce and _triton_ce_ready(z):
         return _soft_ce_triton(z, probs, rows, w, torch.empty(z.shape, dtype=dz_dtype, device=z.device))
-    return _soft_ce_torch(z, probs, rows, w, dz_dtype)
+    return _soft_ce_torch(z, probs, rows, w, dz_dtype, compile=kernels.compile)
 
 
-def soft_ce_rows_nograd(z, probs, rows, w):
+def soft_ce_rows_nograd(z, probs, rows, w, kernels: KernelOptions = DEFAULT):
     """soft_ce_rows without the gradient (evaluation)."""
-    if _triton_ce(z):
+    if kernels.triton_ce and _triton_ce_ready(z):
         return _soft_ce_triton(z, probs, rows, w, None)[:2]
-    return _soft_ce_torch_nograd(z, probs, rows, w)
+    return _soft_ce_torch_nograd(z, probs, rows, w, compile=kernels.compile)
 
 
 @_fused
@@ -255,14 +284,14 @@ def _soft_ce_torch_nograd(z, probs, rows, w):
 # The soft cross-entropy as one Triton kernel on CUDA: torch.compile's version (dynamic shapes) read
 # the (n, 32000) fp32 logits four times and ran at about a quarter of the bandwidth (docs/performance.md);
 # this one reads them twice (an online max / sum-exp / argmax pass, then the loss and gradient pass)
-# and the teacher's row once. TRITON_CE = False: the PyTorch version everywhere.
-TRITON_CE = True
-_ce_kernel = None
+# and the teacher's row once. KernelOptions.triton_ce = False: the PyTorch version everywhere.
+_ce_kernel = None  # the compiled Triton kernel, built on first use; False once Triton is found missing
 
 
-def _triton_ce(z: torch.Tensor) -> bool:
+def _triton_ce_ready(z: torch.Tensor) -> bool:
+    """Whether the Triton kernel can take z: on CUDA, with Triton installed."""
     global _ce_kernel
-    if not (TRITON_CE and z.is_cuda):
+    if not z.is_cuda:
         return False
     if _ce_kernel is None:
         try:
@@ -272,7 +301,8 @@ def _triton_ce(z: torch.Tensor) -> bool:
     return bool(_ce_kernel)
 
 
-def _soft_ce_triton(z, probs, rows, w, dz):
+def _soft_ce_triton(z, probs, rows, w, dz, block: int | None = None, warps: int | None = None):
+    """The Triton kernel's loss, argmax and (into dz, unless None) gradient; block/warps: a tuning sweep's."""
     n, V = z.shape
     loss = torch.empty(n, dtype=torch.float32, device=z.device)
     pred = torch.empty(n, dtype=torch.long, device=z.device)
@@ -280,11 +310,11 @@ def _soft_ce_triton(z, probs, rows, w, dz):
         z, probs = z.contiguous(), probs.contiguous()
         _ce_kernel[(n,)](z, probs, rows, w.float(), loss, pred, z if dz is None else dz, V, z.stride(0),
                          probs.stride(0), 0 if dz is None else dz.stride(0), GRAD=dz is not None,
-                         BLOCK=CE_BLOCK, num_warps=CE_WARPS)
+                         BLOCK=block or CE_BLOCK, num_warps=warps or CE_WARPS)
     return loss.sum(), pred, dz
 
 
-CE_BLOCK, CE_WARPS = 4096, 8
+CE_BLOCK, CE_WARPS = 4096, 8  # elements per step of a row's loop, warps per row: the H200's best (bench/train.py)
 
 
 def _build_ce_kernel():

@@ -1,7 +1,7 @@
 """The EAGLE-3 objective: teacher labels from the target's head, the TTT unroll, and a fused loss.
 
-    labels = teacher_labels(head, batch["last"], batch["loss_mask"], num_draft)   # once per batch
-    loss, correct, scored = TTTObjective(drafter)(batch["ids"], batch["aux"], labels, 7, 0.8, counts)
+    labels = teacher_labels(head, batch["last"], batch["loss_mask"], num_draft, kernels=k)   # once per batch
+    loss, correct, scored = TTTObjective(drafter, kernels=k)(batch["ids"], batch["aux"], labels, 7, 0.8, counts)
 
 Never materialised: the target's logits over its whole vocabulary for all positions (the teacher runs
 in chunks of positions over a head whose rows are reordered draft-vocabulary-first, so the exact
@@ -18,8 +18,9 @@ vocabulary; positions whose argmax does not still count in counts[k] and as miss
 
 Work only where the loss mask can use it: the teacher runs on the positions between the batch's first
 and last scored position, and the TTT steps >= 1 (and every step's head) only on the positions some
-step scores (`ttt_span`: a prompt prefix and right padding drop out). The loss and its gradients
-are the same function; a position is never dropped for its label's content.
+step scores (`ttt_span`: a prompt prefix and right padding drop out; KernelOptions.skip_unscored off:
+everywhere). The loss and its gradients are the same function; a position is never dropped for its
+label's content.
 """
 
 from __future__ import annotations
@@ -32,13 +33,12 @@ import torch.nn.functional as F
 
 from eyas.training import kernels as fused
 from eyas.training.drafter import Eagle3Drafter, TTTWeights, compute_dtype
+from eyas.training.kernels import DEFAULT, KernelOptions
 from eyas.training.target_head import TargetHead
 
 HEAD_CHUNK_ROWS = 8192  # rows of the drafter's fused head per chunk: (rows, draft_vocab) fp32 transient
 HEAD_CHUNK_ROWS_CPU = 1024  # on a CPU: (1024, 2048) fp32 chunks stay in cache, 15% faster steps than 8192
 TEACHER_CHUNK_ROWS = 4096  # positions per chunk of the teacher: (rows, vocab) logits transient
-SKIP_UNSCORED = True  # teacher, TTT steps >= 1 and head only where the loss mask scores (False: everywhere)
-
 
 
 # ----------------------------------------------------------------------------- teacher
@@ -61,15 +61,16 @@ def draft_first_order(t2d: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor, num_draft: int,
-                   probs_dtype=torch.float32, chunk: int = TEACHER_CHUNK_ROWS) -> Labels:
+                   probs_dtype=torch.float32, chunk: int = TEACHER_CHUNK_ROWS,
+                   kernels: KernelOptions = DEFAULT) -> Labels:
     """Labels from the stored last hidden states (B, T, H); head.weight must be draft-first ordered.
 
     The head runs only on the positions inside the batch's scored span (no prompt prefix, no padding):
-    nothing reads the labels of a position that is not scored."""
+    nothing reads the labels of a position that is not scored. kernels.skip_unscored off: everywhere."""
     B, T, H = last.shape
     scored = torch.zeros_like(loss_mask, dtype=torch.bool)
     scored[:, :-1] = loss_mask[:, 1:].bool()  # the target at t predicts token t+1
-    first, end = scored_span(scored) if SKIP_UNSCORED else (0, T)
+    first, end = scored_span(scored) if kernels.skip_unscored else (0, T)
     probs = torch.zeros(B, T, num_draft, dtype=probs_dtype, device=last.device)
     top = torch.full((B, T), num_draft, dtype=torch.long, device=last.device)  # outside the draft vocab
     for b in range(B):
@@ -92,7 +93,7 @@ def scored_span(scored: torch.Tensor) -> tuple[int, int]:
 
 class _HeadSoftCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, probs, rows, row_w, chunk, grad, gemm_dtype):
+    def forward(ctx, h, weight, probs, rows, row_w, chunk, grad, gemm_dtype, kernels):
         N, h_dtype = h.shape[0], h.dtype
         h = fused.gemm_operand(h, gemm_dtype or h_dtype)  # (N', H): any rows past N are zeros, of weight 0
         if h.shape[0] > N:
@@ -106,10 +107,10 @@ class _HeadSoftCE(torch.autograd.Function):
             hc, rc, wc = h[s:s + chunk], rows[s:s + chunk], row_w[s:s + chunk]  # (n, H), (n,), (n,)
             z = fused.mm_f32(hc, W.T)  # (n, V_d) logits, fp32
             if not grad:
-                part, pred[s:s + chunk] = fused.soft_ce_rows_nograd(z, probs, rc, wc)
+                part, pred[s:s + chunk] = fused.soft_ce_rows_nograd(z, probs, rc, wc, kernels)
                 loss += part
                 continue
-            part, pred[s:s + chunk], dz = fused.soft_ce_rows(z, probs, rc, wc, h.dtype)  # dz = (q - p) * w
+            part, pred[s:s + chunk], dz = fused.soft_ce_rows(z, probs, rc, wc, h.dtype, kernels)  # dz = (q - p) * w
             loss += part
             gh[s:s + chunk] = dz @ W  # in the GEMM dtype; cast to h's once, below
             fused.addmm_f32_(gw, dz.T, hc)
@@ -122,19 +123,21 @@ class _HeadSoftCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gloss, _gpred):
         gh, gw = ctx.saved_tensors
-        return gh * gloss.to(gh.dtype), (gw * gloss).to(ctx.weight_dtype), None, None, None, None, None, None
+        return gh * gloss.to(gh.dtype), (gw * gloss).to(ctx.weight_dtype), None, None, None, None, None, None, None
 
 
-def head_soft_ce(h, weight, probs, rows, row_w, chunk: int = HEAD_CHUNK_ROWS, gemm_dtype=None):
+def head_soft_ce(h, weight, probs, rows, row_w, chunk: int = HEAD_CHUNK_ROWS, gemm_dtype=None,
+                 kernels: KernelOptions = DEFAULT):
     """sum_i row_w[i] * CE(probs[rows[i]], softmax(h[i] @ weight.T)) -> (loss, argmax per row).
 
     h (N, H) normed drafter states, weight (V_d, H) the drafter's lm_head, probs (M, V_d) teacher
     rows, rows (N,) which teacher row labels each h row, row_w (N,) fp32 weights (0 = unlabelled).
     gemm_dtype: the three GEMMs in this dtype (CPU bf16 matrix units); the loss math stays fp32.
+    kernels: the soft cross-entropy's kernel (Triton on CUDA, or the PyTorch math, compiled or not).
     """
     grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     with torch.autocast(h.device.type, enabled=False):  # the dtypes above are the ones meant
-        return _HeadSoftCE.apply(h, weight, probs, rows, row_w, chunk, grad, gemm_dtype)
+        return _HeadSoftCE.apply(h, weight, probs, rows, row_w, chunk, grad, gemm_dtype, kernels)
 
 
 # ----------------------------------------------------------------------------- the TTT unroll
@@ -149,14 +152,15 @@ def label_rows(B: int, T: int, K: int, device, span: tuple[int, int] | None = No
     return rows, inside
 
 
-def ttt_span(labels: Labels, T: int, K: int) -> tuple[int, int]:
+def ttt_span(labels: Labels, T: int, K: int, skip: bool = True) -> tuple[int, int]:
     """[s, e): the positions t where some TTT step k < K scores row (k, b, t) in some sequence.
 
     Row (k, b, t) is scored where labels.scored[b, t+1+k] (t+1+k < T), so with scored positions in
     [first, end) the rows lie in t in [first - K, end - 1). Everything the steps >= 1 compute at a
     position depends only on that position's own chain and on step 0's keys at or before it, so the
-    steps may run on this range alone. The whole sequence where nothing is scored."""
-    if not SKIP_UNSCORED:
+    steps may run on this range alone. The whole sequence where nothing is scored, or without skip
+    (KernelOptions.skip_unscored)."""
+    if not skip:
         return 0, T
     first, end = labels.span if labels.span is not None else scored_span(labels.scored)
     s, e = max(0, first - K), min(end - 1, T)
@@ -176,35 +180,34 @@ def scored_counts(loss_masks, K: int) -> torch.Tensor:
 class TTTObjective(nn.Module):
     """The whole training forward as one module, so DDP/FSDP see every use of every weight.
 
-    With shared_weights (the default) the drafter's GEMM weights are cast once per unroll and their
-    gradients summed inside the weight-gradient GEMMs (drafter.TTTWeights; in bf16 unless
-    drafter.GRAD_ACC_FP32); off, the nn.Linear modules run.
+    kernels: how the step runs (KernelOptions), handed to the drafter, the attention and the head loss;
+    optimizer_step reads its fused_clip. With kernels.shared_weights (the default) the drafter's GEMM
+    weights are cast once per unroll and their gradients summed inside the weight-gradient GEMMs
+    (drafter.TTTWeights; in the GEMM dtype unless kernels.grad_acc_fp32); off, the nn.Linear modules run.
     """
 
-    shared_weights = True
-
     def __init__(self, drafter: Eagle3Drafter, head_chunk: int = HEAD_CHUNK_ROWS,
-                 gemm_dtype: torch.dtype | None = None):
+                 gemm_dtype: torch.dtype | None = None, kernels: KernelOptions = DEFAULT):
         super().__init__()
-        self.drafter, self.head_chunk, self.gemm_dtype = drafter, head_chunk, gemm_dtype
+        self.drafter, self.head_chunk, self.gemm_dtype, self.kernels = drafter, head_chunk, gemm_dtype, kernels
 
     def forward(self, ids, aux, labels: Labels, ttt_steps: int, decay: float, counts: torch.Tensor | None = None):
         """ids (B, T), aux (B, T, 3H) -> (loss, correct (K,), scored (K,)); counts (K,) the denominators."""
-        m, (B, T), K = self.drafter, ids.shape, ttt_steps
+        m, (B, T), K, kn = self.drafter, ids.shape, ttt_steps, self.kernels
         pos = torch.arange(T, device=ids.device)
         kv, normed = [], []
-        shared = (TTTWeights(m, compute_dtype(ids.device, m.fc.weight.dtype), self.gemm_dtype)
-                  if self.shared_weights else None)
-        s, e = ttt_span(labels, T, K)  # the steps >= 1 and the head run on positions [s, e) only
+        shared = (TTTWeights(m, compute_dtype(ids.device, m.fc.weight.dtype), self.gemm_dtype, kn.grad_acc_fp32)
+                  if kn.shared_weights else None)
+        s, e = ttt_span(labels, T, K, kn.skip_unscored)  # the steps >= 1 and the head run on positions [s, e) only
         for k in range(K):
             nxt = torch.zeros_like(ids)
             nxt[:, :T - 1 - k] = ids[:, 1 + k:]  # step k at t reads token t+1+k
             if k == 0:  # all positions: step 0's keys are every later step's causal keys
-                h, hn = m.step(nxt, aux, pos, None, ttt=kv, shared=shared)  # (B, T, H) pre-norm, normed
+                h, hn = m.step(nxt, aux, pos, None, ttt=kv, shared=shared, kernels=kn)  # (B, T, H) pre-norm, normed
                 if (s, e) != (0, T):  # later queries are the last rows of keys [0, e) (bottom-right causal)
                     h, hn, kv[0] = h[:, s:e], hn[:, s:e], tuple(t[:, :, :e] for t in kv[0])
             else:
-                h, hn = m.step(nxt[:, s:e], h, pos[s:e] + k, None, ttt=kv, shared=shared)  # (B, L, H)
+                h, hn = m.step(nxt[:, s:e], h, pos[s:e] + k, None, ttt=kv, shared=shared, kernels=kn)  # (B, L, H)
             normed.append(hn)
         hn = torch.stack(normed)  # (K, B, L, H)
         rows, inside = label_rows(B, T, K, ids.device, (s, e))
@@ -215,6 +218,6 @@ class TTTObjective(nn.Module):
         decay_k = decay ** torch.arange(K, device=ids.device, dtype=torch.float32)
         row_w = valid * (decay_k / counts.to(ids.device, torch.float32).clamp(min=1))[:, None, None]
         loss, pred = head_soft_ce(hn.view(K * B * (e - s), -1), m.lm_head.weight, labels.probs, rows.view(-1),
-                                  row_w.view(-1), self.head_chunk, self.gemm_dtype)
+                                  row_w.view(-1), self.head_chunk, self.gemm_dtype, kn)
         correct = ((pred.view(K, B, e - s) == labels.target.view(-1)[rows]) & scored).sum((1, 2))
         return loss, correct, scored.sum((1, 2))

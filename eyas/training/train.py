@@ -3,7 +3,7 @@
     from eyas.config import load_config
     cfg = load_config("configs/local-tiny.yaml")
     result = train_drafter(cfg.training, cfg.target, shard_paths)        # one process
-    torchrun --nproc-per-node 8 -m eyas.training.distributed JOB.json              # many (eyas/training/distributed.py)
+    torchrun --nproc-per-node 8 -m eyas.training.distributed JOB.json  # many (eyas/training/distributed.py)
 
 The recipe (docs/training.md). For a sequence tok[0..n), at TTT step k the input at position t is
 (embed(tok[t+1+k]), h) where h is fc(aux[t]) at step 0 and the drafter's own output at t from step
@@ -14,9 +14,10 @@ Loss = sum_k loss_decay**k * soft-CE_k (eyas/training/losses.py).
 
 One optimizer step takes a global batch of batch_size * grad_accum * world_size sequences, drawn
 length-aware (sorted within windows of `length_grouping` global batches, so a micro-batch pads
-little) and cut into micro-batches; micro-batch j of a step goes to rank j % world_size. The loss is
-normalised by the global batch's count of scored positions, so any split of one global batch
-(accumulation, ranks) gives the same loss and gradient.
+little) and cut into micro-batches (eyas/training/batches.py); micro-batch j of a step goes to rank
+j % world_size. The loss is normalised by the global batch's count of scored positions, so any split
+of one global batch (accumulation, ranks) gives the same loss and gradient. How the step computes
+(torch.compile, kernels, fusions) is one KernelOptions made from the config (eyas/training/kernels.py).
 
 Checkpoints (eyas/training/checkpoints.py: cfg.output_dir/checkpoints/step-NNNNNN/, each written whole then
 renamed into place) hold the trainable weights with d2t/t2d, drafter.json, and trainer_state.pt
@@ -27,8 +28,6 @@ resumes from the latest one and reproduces the uninterrupted run's losses exactl
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,16 +36,15 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
+from eyas.evaluation.evaluate import simulated_acceptance_length
 from eyas.training import kernels as fused
+from eyas.training.batches import ShardData, add_aux_noise, check_shard_meta, collate, epoch_plan
 from eyas.training.checkpoints import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from eyas.training.draft_vocab import build_draft_vocab, count_tokens
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter
-from eyas.evaluation.evaluate import simulated_acceptance_length
-from eyas.training.losses import (HEAD_CHUNK_ROWS, HEAD_CHUNK_ROWS_CPU, TTTObjective, draft_first_order, scored_counts,
-                         teacher_labels)
-from eyas.extraction.shards import ShardReader
+from eyas.training.losses import HEAD_CHUNK_ROWS, HEAD_CHUNK_ROWS_CPU, TTTObjective, draft_first_order, teacher_labels
+from eyas.training.optim import clip_and_step, lr_factor, make_optimizer, resolve_device
 from eyas.training.target_head import TargetHead, load_target_tensors, read_target_config
 
 if TYPE_CHECKING:  # eyas.config needs pydantic; the GPU benchmark imports this module without it
@@ -70,121 +68,6 @@ class TrainResult:
     resumed_from_step: int = 0
     world_size: int = 1
     global_batch: int = 0  # sequences per optimizer step
-
-
-# ----------------------------------------------------------------------------- data
-
-class ShardData:
-    """Samples of several shards, read lazily by global index; the last few are held out."""
-
-    def __init__(self, paths: list[Path], num_heldout: int | None = None, ttt_steps: int = 1,
-                 all_positions: bool = False):
-        if not paths:
-            raise ValueError("train_drafter: no shard files given")
-        self.readers = [ShardReader(p) for p in paths]
-        self.index = [(r, i) for r in self.readers for i in range(len(r))]
-        self.lengths = [int(r.offsets[i + 1] - r.offsets[i]) for r in self.readers for i in range(len(r))]
-        hs = {(r.hidden_size, r.num_aux) for r in self.readers}
-        if len(hs) != 1:
-            raise ValueError(f"shards disagree on (hidden_size, num_aux): {sorted(hs)}")
-        (self.hidden_size, self.num_aux), = hs
-        n = len(self.index)
-        self.num_heldout = min(64, n // 20) if num_heldout is None else min(num_heldout, n - 1)
-        self.train_ids = list(range(n - self.num_heldout))
-        self.heldout_ids = list(range(n - self.num_heldout, n))
-        self.all_positions = all_positions  # every real token is a label, not only the loss mask's
-        self.scored = self._scored_counts(ttt_steps)  # (n, K) positions scored per TTT step
-
-    def _scored_counts(self, K: int) -> torch.Tensor:
-        rows = []
-        for r in self.readers:  # the loss-mask column only, never the states
-            with safe_open(str(r.path), framework="pt") as f:
-                mask = f.get_tensor("loss_mask").bool() | self.all_positions
-            rows += [scored_counts([mask[r.offsets[i]:r.offsets[i + 1]]], K) for i in range(len(r))]
-        return torch.stack(rows)
-
-    def sample(self, i: int):
-        r, j = self.index[i]
-        s = r.sample(j)
-        if self.all_positions:
-            s.loss_mask = torch.ones_like(s.loss_mask)
-        return s
-
-
-def check_shard_meta(readers: list[ShardReader], target: TargetConfig) -> dict:
-    """Layer ids, convention and final-norm state the shards agree on, checked against the target config."""
-    keys = ("layer_ids", "layer_convention", "last_hidden_norm")
-    seen = {}
-    for r in readers:
-        got = tuple(json.dumps(r.meta.get(k)) for k in keys)
-        seen.setdefault(got, r.path)
-    if len(seen) > 1:
-        raise ValueError(f"shards disagree on {keys}: " + "; ".join(f"{p}: {g}" for g, p in seen.items()))
-    meta = {k: readers[0].meta.get(k) for k in keys}
-    if meta["last_hidden_norm"] not in ("pre", "post"):
-        raise ValueError(f"{readers[0].path}: shard meta must say last_hidden_norm 'pre' or 'post', got "
-                         f"{meta['last_hidden_norm']!r}; without it the labels may be computed on the wrong states")
-    if meta["layer_ids"] is not None:
-        shift = 1 if meta["layer_convention"] == "output-of" else 0
-        capture = [i + shift for i in meta["layer_ids"]]
-        if capture != target.capture_ids():
-            raise ValueError(f"{readers[0].path}: shards hold capture layers {capture} ({meta['layer_ids']} "
-                             f"{meta['layer_convention']}) but target.layer_ids says {target.capture_ids()} "
-                             f"({target.layer_ids} {target.layer_convention})")
-        meta["capture_ids"] = capture
-    return meta
-
-
-def epoch_plan(lengths: list[int], ids: list[int], micro: int, num_micro: int, seed: int, epoch: int,
-               window: int = 16) -> list[list[list[int]]]:
-    """One epoch as steps -> micro-batches -> sample ids, length-aware, independent of world size.
-
-    A seeded shuffle is cut into windows of `window` global batches (num_micro * micro sequences
-    each); each window is sorted by length and cut into global batches, each global batch into
-    num_micro micro-batches of similar lengths; the steps are shuffled again. An incomplete last
-    global batch is dropped.
-    """
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    perm = [ids[i] for i in torch.randperm(len(ids), generator=g).tolist()]
-    G, steps = micro * num_micro, []
-    perm = perm[:len(perm) - len(perm) % G]
-    for s in range(0, len(perm), window * G):
-        chunk = sorted(perm[s:s + window * G], key=lambda i: (-lengths[i], i))
-        for b in range(0, len(chunk), G):
-            steps.append([chunk[b + m * micro:b + (m + 1) * micro] for m in range(num_micro)])
-    return [steps[i] for i in torch.randperm(len(steps), generator=g).tolist()]
-
-
-def collate(samples, device, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """Right-pad a list of samples: ids (B, T), loss_mask (B, T), aux (B, T, K*H), last (B, T, H)."""
-    B, T = len(samples), max(len(s) for s in samples)
-    out = {"ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-           "aux": torch.zeros(B, T, samples[0].aux_hidden_states.shape[1], dtype=dtype),
-           "last": torch.zeros(B, T, samples[0].last_hidden_state.shape[1], dtype=dtype)}
-    for b, s in enumerate(samples):
-        n = len(s)
-        out["ids"][b, :n], out["loss_mask"][b, :n] = s.input_ids, s.loss_mask
-        out["aux"][b, :n], out["last"][b, :n] = s.aux_hidden_states, s.last_hidden_state
-    return {k: v.to(device, non_blocking=True) for k, v in out.items()}
-
-
-def add_aux_noise(batch: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """aux + scale * rms * N(0, 1), the RMS taken per token and per captured layer (B, T, K*H)."""
-    if scale:
-        aux = batch["aux"]
-        B, T, KH = aux.shape
-        K = KH // batch["last"].shape[-1]
-        a = aux.float().view(B, T, K, -1)
-        rms = a.pow(2).mean(-1, keepdim=True).sqrt()
-        batch["aux"] = (a + scale * rms * torch.randn_like(a)).view(B, T, KH).to(aux.dtype)
-    return batch
-
-
-def shift_left(x: torch.Tensor, s: int) -> torch.Tensor:
-    """x[:, t + s] at position t, zeros past the end (B, T, ...)."""
-    out = torch.zeros_like(x)
-    out[:, :max(x.shape[1] - s, 0)] = x[:, s:]
-    return out
 
 
 # ----------------------------------------------------------------------------- setup
@@ -220,62 +103,15 @@ def init_from_target(model: Eagle3Drafter, checkpoint: Path, d2t: torch.Tensor, 
         model.t2d.copy_(t2d)
 
 
-def lr_factor(step: int, warmup: int, max_steps: int) -> float:
-    """Linear warmup, then cosine decay to 10% of the peak."""
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    progress = (step - warmup) / max(1, max_steps - warmup)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW (0.9, 0.95); the fused CUDA kernel where every parameter is on a GPU."""
-    params = list(params)
-    fused = all(p.is_cuda for p in params)
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=fused)
-
-
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(name)
-    if dev.type == "cuda" and dev.index is None:  # torch.cuda.set_device refuses an index-less device on torch 2.11
-        dev = torch.device("cuda", local_rank if dist.is_initialized() else torch.cuda.current_device())
-    return dev
-
-
 # ----------------------------------------------------------------------------- one optimizer step
-
-FUSED_CLIP = True  # apply the clip factor inside the fused AdamW kernel (below); False: clip_grad_norm_ first
-
-
-def clip_and_step(params, opt: torch.optim.Optimizer, max_norm: float) -> None:
-    """clip_grad_norm_(params, max_norm), then opt.step().
-
-    With the fused AdamW kernel and plain (not sharded) gradients the clip factor is not applied in
-    a pass of its own over every gradient: the kernel's grad_scale divides each gradient by
-    1 / clip_grad_norm_'s clamped coefficient as it reads it (the mechanism GradScaler uses), which
-    saves reading and writing all fp32 gradients once. Same update, up to the last bit of rounding.
-    """
-    params = list(params)
-    grads = [p.grad for p in params if p.grad is not None]
-    if not (FUSED_CLIP and opt.defaults.get("fused") and grads and all(type(g) is torch.Tensor for g in grads)):
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-        opt.step()
-        return
-    norm = torch.nn.utils.get_total_norm(grads, 2.0, False, True)
-    opt.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)  # 1 / min(max_norm / (norm + 1e-6), 1)
-    try:
-        opt.step()
-    finally:
-        opt.grad_scale = None
 
 def optimizer_step(objective, wrapped, opt, sched, micro_batches, make_labels, *, ttt_steps: int, decay: float,
                    counts: torch.Tensor, grad_clip: float, autocast, world: int = 1) -> torch.Tensor:
     """Forward/backward every micro-batch of this rank, then clip and step -> [loss, correct.., scored..].
 
     micro_batches yields collated batches; make_labels(batch) gives the teacher's labels. Gradients
-    are synchronised once, after the last micro-batch (DDP's no_sync before it).
+    are synchronised once, after the last micro-batch (DDP's no_sync before it). The clip runs as the
+    objective's KernelOptions say (fused_clip).
     """
     micro_batches = list(micro_batches)
     stats = 0
@@ -287,7 +123,7 @@ def optimizer_step(objective, wrapped, opt, sched, micro_batches, make_labels, *
                 loss, correct, scored = wrapped(batch["ids"], batch["aux"], labels, ttt_steps, decay, counts)
             (loss * world).backward()  # DDP/FSDP average over ranks; the loss is a share of the global sum
         stats = stats + torch.cat([loss.detach().reshape(1), correct, scored]).double()
-    clip_and_step([p for p in objective.parameters() if p.requires_grad], opt, grad_clip)
+    clip_and_step([p for p in objective.parameters() if p.requires_grad], opt, grad_clip, objective.kernels.fused_clip)
     sched.step()
     opt.zero_grad(set_to_none=True)
     return stats.cpu()  # on the device until now: no wait for the GPU before the optimizer is queued
@@ -303,19 +139,15 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     Runs on one process, or on every rank of an initialised process group (torchrun; see
     eyas/training/distributed.py), which then share each global batch. stop_at_step: checkpoint and return
     once this step is reached, as if preempted; a later call with the same arguments resumes.
-    log_every defaults to about 20 lines per run. torch.compile (training.compile) is on only inside.
+    log_every defaults to about 20 lines per run. The step's kernels (torch.compile per
+    training.compile) come from fused.kernel_options, made once here and passed down.
     """
-    on_gpu = resolve_device(cfg.device).type == "cuda"
-    with fused.compile_scope(on_gpu if cfg.compile is None else cfg.compile):
-        return _train(cfg, target, shard_paths, target_config_json, log, log_every, stop_at_step)
-
-
-def _train(cfg, target, shard_paths, target_config_json, log, log_every, stop_at_step) -> TrainResult:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = resolve_device(cfg.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    kernels = fused.kernel_options(cfg, device)
     log = log if rank == 0 else (lambda _: None)
     out_dir = Path(cfg.output_dir)
     # 1. data, and what the shards say about how they were made
@@ -340,7 +172,8 @@ def _train(cfg, target, shard_paths, target_config_json, log, log_every, stop_at
     # A CPU with bf16 matrix units runs the GEMMs in bf16 (the rest fp32): ~2x faster steps here
     cpu_bf16 = device.type == "cpu" and cfg.precision == "bf16" and fused.cpu_bf16_gemm()
     head_chunk = HEAD_CHUNK_ROWS_CPU if device.type == "cpu" else HEAD_CHUNK_ROWS
-    objective = wrapped = TTTObjective(model, head_chunk, gemm_dtype=torch.bfloat16 if cpu_bf16 else None)
+    objective = wrapped = TTTObjective(model, head_chunk, gemm_dtype=torch.bfloat16 if cpu_bf16 else None,
+                                       kernels=kernels)
     if world > 1:
         wrapped = _parallelize(objective, cfg.distributed.strategy, device)
     head = TargetHead.from_checkpoint(target.checkpoint, last_hidden_norm=meta["last_hidden_norm"],
@@ -366,7 +199,8 @@ def _train(cfg, target, shard_paths, target_config_json, log, log_every, stop_at
     log_every = log_every or max(1, cfg.max_steps // 20)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16)
     dtype = torch.bfloat16 if bf16 else torch.float32
-    make_labels = lambda b: teacher_labels(head, b["last"], b["loss_mask"], cfg.draft_vocab_size, dtype)  # noqa: E731
+    make_labels = lambda b: teacher_labels(head, b["last"], b["loss_mask"], cfg.draft_vocab_size, dtype,  # noqa: E731
+                                           kernels=kernels)
     log(f"training drafter: {sum(p.numel() for p in params) / 1e6:.2f}M params, {len(data.train_ids)} train / "
         f"{data.num_heldout} held-out sequences, global batch {G} ({world} rank(s) x {cfg.grad_accum} x "
         f"{cfg.batch_size}), draft vocab {cfg.draft_vocab_size}, device {device}{' (bf16 GEMMs)' * cpu_bf16}")

@@ -219,7 +219,7 @@ def test_check_architecture_takes_a_version_a_manifest_or_a_patch_set():
         sglang_patch.check_architecture("0.5.22", [TARGET_ARCH], "x/config.json")
 
 
-# Wrappers whose call into the language model tests/test_sglang_hook.py drives from the wheel's code.
+# Wrappers whose call into the language model tests/unit/test_sglang_hook.py drives from the wheel's code.
 DRIVEN_WRAPPERS = {"KimiK25ForConditionalGeneration"}
 NO_EAGLE3 = "defines no set_eagle3_layers_to_capture"
 

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter, KVCache, apply_rope, causal_mask, rope_cos_sin
 from eyas.evaluation.export import expected_weights
-from eyas.training.train import shift_left
+from eyas.training.batches import shift_left
 
 torch.set_num_threads(1)
 

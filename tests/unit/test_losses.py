@@ -6,10 +6,10 @@ import torch.nn.functional as F
 
 from eyas.training import kernels as fused
 from eyas.training.attention import reference_ttt_attention, ttt_attention
+from eyas.training.batches import epoch_plan, shift_left
 from eyas.training.drafter import causal_mask
 from eyas.training.losses import TTTObjective, draft_first_order, head_soft_ce, scored_counts, teacher_labels, ttt_span
 from eyas.training.target_head import TargetHead
-from eyas.training.train import epoch_plan, shift_left
 from tests.unit.test_drafter import make
 
 torch.set_num_threads(1)

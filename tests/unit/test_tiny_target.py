@@ -1,5 +1,6 @@
-"""Tests for eyas.local.tiny_target: the architecture, the Hugging Face folder, the tokenizer and chat
-template, and the committed fixtures (fixtures/tiny-target, fixtures/data/conversations.jsonl)."""
+"""Tests for eyas.local.tiny_target and eyas.local.tiny_corpus: the architecture, the Hugging Face
+folder, the tokenizer and chat template, and the committed fixtures (fixtures/tiny-target,
+fixtures/data/conversations.jsonl)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3ForCausalLM
 
 from eyas.local import hf_folder
+from eyas.local import tiny_corpus as tc
 from eyas.local import tiny_target as tt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,7 +81,7 @@ CONVERSATION = [
 @pytest.fixture(scope="module")
 def small_tokenizer():
     """A real BPE tokenizer, trained on a few standard-library files so that it is quick."""
-    return tt.train_tokenizer(tt.stdlib_files()[:40], vocab_size=600)
+    return tc.train_tokenizer(tc.stdlib_files()[:40], vocab_size=600)
 
 
 @pytest.fixture(scope="module")
@@ -133,61 +135,61 @@ def test_hidden_states_are_the_inputs_of_the_decoder_layers():
 def test_tokenizer_round_trips_text_and_gives_special_tokens_the_first_ids(small_tokenizer):
     text = 'def f(x):\n\treturn x + "h\u00e9llo \u2713"  # \u4e2d\u6587\n'
     assert small_tokenizer.decode(small_tokenizer.encode(text).ids) == text
-    assert [small_tokenizer.token_to_id(t) for t in tt.SPECIAL_TOKENS] == list(range(len(tt.SPECIAL_TOKENS)))
-    assert small_tokenizer.token_to_id(tt.END) == tt.END_ID
+    assert [small_tokenizer.token_to_id(t) for t in tc.SPECIAL_TOKENS] == list(range(len(tc.SPECIAL_TOKENS)))
+    assert small_tokenizer.token_to_id(tc.END) == tc.END_ID
 
 
 def test_train_tokenizer_rejects_bad_input():
     with pytest.raises(ValueError, match="vocab_size"):
-        tt.train_tokenizer(tt.stdlib_files()[:1], vocab_size=10)
+        tc.train_tokenizer(tc.stdlib_files()[:1], vocab_size=10)
     with pytest.raises(ValueError, match="at least one file"):
-        tt.train_tokenizer([], vocab_size=600)
+        tc.train_tokenizer([], vocab_size=600)
 
 
 def test_chat_template_renders_a_prefix_of_the_messages_as_a_token_prefix(saved):
     tokenizer = AutoTokenizer.from_pretrained(saved[1])
-    full = tt.chat_token_ids(tokenizer, CONVERSATION)
-    assert full[0] == tt.BOS_ID and full[-1] == tt.END_ID
+    full = tc.chat_token_ids(tokenizer, CONVERSATION)
+    assert full[0] == tc.BOS_ID and full[-1] == tc.END_ID
     for k in range(1, len(CONVERSATION) + 1):
-        prefix = tt.chat_token_ids(tokenizer, CONVERSATION[:k])
+        prefix = tc.chat_token_ids(tokenizer, CONVERSATION[:k])
         assert full[: len(prefix)] == prefix
         if k < len(CONVERSATION) and CONVERSATION[k]["role"] == "assistant":
-            prompt = tt.chat_token_ids(tokenizer, CONVERSATION[:k], add_generation_prompt=True)
-            answer = full[len(prompt) : len(tt.chat_token_ids(tokenizer, CONVERSATION[: k + 1]))]
+            prompt = tc.chat_token_ids(tokenizer, CONVERSATION[:k], add_generation_prompt=True)
+            answer = full[len(prompt) : len(tc.chat_token_ids(tokenizer, CONVERSATION[: k + 1]))]
             # The assistant's tokens are its content, then <|end|>: one contiguous span for a loss mask.
-            assert full[: len(prompt)] == prompt and answer[-1] == tt.END_ID
+            assert full[: len(prompt)] == prompt and answer[-1] == tc.END_ID
             assert tokenizer.decode(answer[:-1]) == CONVERSATION[k]["content"]
 
 
 def test_chat_template_rejects_an_unknown_role(small_tokenizer):
     with pytest.raises(Exception, match="unknown chat role: tool"):
-        tt.hf_tokenizer(small_tokenizer).apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+        tc.hf_tokenizer(small_tokenizer).apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
 
 
 def test_code_conversation_is_deterministic_and_needs_enough_lines():
     lines = [f"x{i} = {i}\n" for i in range(60)]
-    first = tt.code_conversation(lines, random.Random(3), multi_turn=True)
-    assert first == tt.code_conversation(lines, random.Random(3), multi_turn=True)
+    first = tc.code_conversation(lines, random.Random(3), multi_turn=True)
+    assert first == tc.code_conversation(lines, random.Random(3), multi_turn=True)
     assert [m["role"] for m in first] == ["user", "assistant", "user", "assistant"]
-    assert first[0]["content"].startswith(tt.CONTINUE_PROMPT)
-    assert tt.code_conversation(lines[:5], random.Random(3), multi_turn=False) is None
+    assert first[0]["content"].startswith(tc.CONTINUE_PROMPT)
+    assert tc.code_conversation(lines[:5], random.Random(3), multi_turn=False) is None
 
 
 # --- corpus --------------------------------------------------------------------------------------------
 
 
 def test_stdlib_files_leave_out_tests_and_split_stably():
-    files = tt.stdlib_files()
+    files = tc.stdlib_files()
     assert files and not any({"test", "tests", "idlelib", "site-packages"} & set(f.parts) for f in files)
     # Pinned: the committed fixture's held-out files (docs/tiny-target.md) depend on this hash.
-    assert [tt.split_of(n) for n in ("functools.py", "argparse.py", "os.py")] == ["test", "val", "train"]
-    splits = [tt.split_of(f"m{i}.py") for i in range(5000)]
+    assert [tc.split_of(n) for n in ("functools.py", "argparse.py", "os.py")] == ["test", "val", "train"]
+    splits = [tc.split_of(f"m{i}.py") for i in range(5000)]
     assert 0.01 < splits.count("test") / len(splits) < 0.03
 
 
 def test_stdlib_files_rejects_a_folder_without_python(tmp_path):
     with pytest.raises(ValueError, match="no \\*.py files"):
-        tt.stdlib_files(tmp_path)
+        tc.stdlib_files(tmp_path)
 
 
 # --- training and evaluation -------------------------------------------------------------------------
@@ -253,9 +255,9 @@ def test_save_hf_folder_writes_a_sharded_checkpoint_transformers_loads(saved):
 
 def test_save_hf_folder_writes_a_tokenizer_with_the_chat_template(saved):
     tokenizer = AutoTokenizer.from_pretrained(saved[1])
-    assert tokenizer.chat_template == tt.CHAT_TEMPLATE
-    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (tt.BOS_ID, tt.EOS_ID, tt.PAD_ID)
-    assert json.loads((saved[1] / "tokenizer_config.json").read_text())["chat_template"] == tt.CHAT_TEMPLATE
+    assert tokenizer.chat_template == tc.CHAT_TEMPLATE
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (tc.BOS_ID, tc.EOS_ID, tc.PAD_ID)
+    assert json.loads((saved[1] / "tokenizer_config.json").read_text())["chat_template"] == tc.CHAT_TEMPLATE
 
 
 def test_save_hf_folder_replaces_the_old_folder_and_leaves_no_temporaries(saved, small_tokenizer, tmp_path):
@@ -284,7 +286,7 @@ def test_committed_fixture_is_small_and_sharded():
 def test_committed_fixture_predicts_held_out_code_well_above_chance():
     model = AutoModelForCausalLM.from_pretrained(FIXTURE, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(FIXTURE)
-    ids = torch.tensor([[tt.BOS_ID] + tokenizer(HELD_OUT_CODE)["input_ids"]])
+    ids = torch.tensor([[tc.BOS_ID] + tokenizer(HELD_OUT_CODE)["input_ids"]])
     with torch.no_grad():
         predicted = model(input_ids=ids[:, :-1]).logits.argmax(-1)
     accuracy = (predicted == ids[:, 1:]).float().mean().item()
@@ -302,7 +304,7 @@ def test_committed_conversations_fit_the_pipeline():
         roles = [m["role"] for m in row["messages"]]
         assert roles in (["user", "assistant"], ["user", "assistant"] * 2)
         num_multi_turn += len(roles) == 4
-        lengths.append(len(tt.chat_token_ids(tokenizer, row["messages"])))
+        lengths.append(len(tc.chat_token_ids(tokenizer, row["messages"])))
     assert 120 <= min(lengths) and max(lengths) <= 400
     assert num_multi_turn >= 50
     assert len({json.dumps(r) for r in rows}) == len(rows)  # no duplicates
@@ -320,7 +322,7 @@ def test_committed_fixture_in_bf16_matches_fp32(device):
     greedy predictions nearly all the same (a near-tie in routing may flip an expert)."""
     model = AutoModelForCausalLM.from_pretrained(FIXTURE, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(FIXTURE)
-    x = torch.tensor([[tt.BOS_ID] + tokenizer(HELD_OUT_CODE)["input_ids"]])
+    x = torch.tensor([[tc.BOS_ID] + tokenizer(HELD_OUT_CODE)["input_ids"]])
     with torch.no_grad():
         reference = model(input_ids=x, output_hidden_states=True)
         bf16 = model.to(device, torch.bfloat16)(input_ids=x.to(device), output_hidden_states=True)

@@ -6,7 +6,8 @@ from safetensors.torch import load_file
 
 from eyas.evaluation.evaluate import simulated_acceptance_length
 from eyas.training import kernels as fused
-from eyas.training.train import add_aux_noise, collate, shift_left, train_drafter
+from eyas.training.batches import add_aux_noise, collate, shift_left
+from eyas.training.train import train_drafter
 from tests.helpers_training import shard_meta, sharpen_target, target_config, training_config, write_shards
 
 torch.set_num_threads(1)

@@ -1,0 +1,181 @@
+"""KernelOptions: each option flipped on the CPU computes the same step, and no global switch is left."""
+
+import ast
+import dataclasses
+import importlib
+import pkgutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import eyas.training
+from eyas.training import attention, drafter, kernels as fused, losses, train
+from eyas.training.attention import ttt_attention
+from eyas.training.drafter import TTTWeights, _GradSink
+from eyas.training.kernels import KernelOptions, kernel_options
+from eyas.training.losses import TTTObjective, draft_first_order, teacher_labels, ttt_span
+from eyas.training.optim import clip_and_step, make_optimizer
+from eyas.training.target_head import TargetHead
+from tests.helpers_training import training_config
+from tests.unit.test_drafter import make
+
+torch.set_num_threads(1)
+
+B, T, K = 3, 23, 3
+
+
+def case(kernels: KernelOptions, seed: int = 4):
+    """A drafter, a batch with prompts and right padding of different lengths, and its labels."""
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[0, 9:20], mask[1, 12:19], mask[2, 10:15] = True, True, True
+    m = make(seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    ids, aux = torch.randint(0, 64, (B, T), generator=g), torch.randn(B, T, 96, generator=g)
+    t2d = m.t2d.clone()
+    t2d[torch.randperm(64, generator=g)[:40]] = True
+    head = TargetHead(torch.randn(64, 32, generator=g), None, 1e-6).reorder(draft_first_order(t2d))
+    labels = teacher_labels(head, torch.randn(B, T, 32, generator=g), mask, 40, chunk=5, kernels=kernels)
+    return m, ids, aux, labels
+
+
+def loss_and_grads(kernels: KernelOptions, gemm_dtype=None):
+    m, ids, aux, labels = case(kernels)
+    params = [p for p in m.parameters() if p.requires_grad]
+    loss, correct, scored = TTTObjective(m, gemm_dtype=gemm_dtype, kernels=kernels)(ids, aux, labels, K, 0.8)
+    return loss, torch.autograd.grad(loss, params), correct, scored
+
+
+def assert_same_step(a, b, atol=1e-7, rtol=1e-5):
+    torch.testing.assert_close(a[0], b[0], atol=atol, rtol=1e-6)
+    for ga, gb in zip(a[1], b[1]):
+        torch.testing.assert_close(ga, gb, atol=atol, rtol=rtol)
+    assert torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+
+
+def test_skipping_unscored_positions_or_not_gives_the_same_loss_and_gradients():
+    skip, full = KernelOptions(), KernelOptions(skip_unscored=False)
+    *_, lab_skip = case(skip)
+    *_, lab_full = case(full)
+    assert lab_skip.span == (8, 19) and lab_full.span == (0, T)  # the teacher ran on 11 of 23 positions, or all
+    assert ttt_span(lab_skip, T, K) == (5, 18) and ttt_span(lab_skip, T, K, skip=False) == (0, T)
+    assert_same_step(loss_and_grads(skip), loss_and_grads(full))
+
+
+def test_shared_weights_or_linear_modules_give_the_same_loss_and_gradients():
+    assert_same_step(loss_and_grads(KernelOptions()), loss_and_grads(KernelOptions(shared_weights=False)),
+                     atol=1e-6, rtol=1e-4)
+
+
+def test_grad_acc_fp32_sums_in_fp32_and_stays_close_to_the_bf16_sums():
+    x, dy = torch.randn(6, 4, dtype=torch.bfloat16), torch.randn(6, 5, dtype=torch.bfloat16)
+    for fp32, dtype in ((False, torch.bfloat16), (True, torch.float32)):
+        sink = _GradSink(fp32)
+        sink.add(dy.T, x)
+        sink.add(dy.T, x)
+        assert sink.buf.dtype == dtype  # the option reaches the sink
+        torch.testing.assert_close(sink.take(torch.float32), 2 * (dy.float().T @ x.float()), rtol=2e-2, atol=2e-2)
+    m = make()
+    assert all(s.fp32 for s in TTTWeights(m, torch.float32, torch.bfloat16, grad_acc_fp32=True).sink.values())
+    # the CPU's bf16 GEMM mode (TTTObjective's gemm_dtype): the per-step weight gradients are bf16
+    bf16 = loss_and_grads(KernelOptions(), torch.bfloat16)
+    f32 = loss_and_grads(KernelOptions(grad_acc_fp32=True), torch.bfloat16)
+    assert torch.equal(bf16[0], f32[0])  # the forward does not depend on it
+    for a, b in zip(f32[1], bf16[1]):
+        assert a.dtype == b.dtype == torch.float32 and float((a - b).norm() / b.norm()) < 2e-2
+
+
+def test_fused_clip_takes_the_same_step_as_clip_then_step():
+    """The clip factor as fused AdamW's grad_scale (CPU AdamW has the fused kernel too) against
+    clip_grad_norm_ then step; eps 0.1, so the step depends on the gradients' scale and a missing clip shows."""
+    def params_after(fused_clip: bool | None, fused_adamw: bool = True):
+        g = torch.Generator().manual_seed(5)
+        ps = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (100, 300)]
+        opt = torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), eps=0.1, weight_decay=0.01, fused=fused_adamw)
+        for _ in range(3):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g) * 3  # norm ~60: clipped to 0.5
+            if fused_clip is None:
+                opt.step()
+            else:
+                clip_and_step(ps, opt, 0.5, fused_clip=fused_clip)
+            assert getattr(opt, "grad_scale", None) is None  # the scale applies to its own step only
+        return torch.cat([p.detach() for p in ps])
+    plain = params_after(False)
+    torch.testing.assert_close(params_after(True), plain, atol=1e-6, rtol=1e-6)
+    assert (params_after(None) - plain).abs().max() > 1e-3  # not clipping would have shown
+    # not fused (make_optimizer on a CPU): fused_clip falls back to the same two passes, bit for bit
+    assert torch.equal(params_after(True, fused_adamw=False), params_after(False, fused_adamw=False))
+    assert not make_optimizer([torch.nn.Parameter(torch.ones(2))], 1e-3, 0.0).defaults["fused"]
+
+
+def test_attention_and_triton_ce_are_accepted_and_the_cpu_runs_its_own_kernels():
+    g = torch.Generator().manual_seed(1)
+    ts = [torch.randn(2, 3, 17, 8, generator=g, requires_grad=True) for _ in range(7)]  # K = 2
+    outs = []
+    for k in (KernelOptions(), KernelOptions(attention="flash")):
+        y = ttt_attention(ts[0], ts[1], ts[2], ts[3:5], ts[5:], 0.3, k)
+        outs.append([y, *torch.autograd.grad(y.square().sum(), ts)])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert not attention._refused  # the CPU never asks cuDNN
+    z, probs = torch.randn(9, 12, generator=g), torch.softmax(torch.randn(5, 12, generator=g), -1)
+    rows, w = torch.randint(0, 5, (9,), generator=g), torch.rand(9, generator=g)
+    on = fused.soft_ce_rows(z.clone(), probs, rows, w, torch.float32, KernelOptions(triton_ce=True))
+    off = fused.soft_ce_rows(z.clone(), probs, rows, w, torch.float32, KernelOptions(triton_ce=False))
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
+    assert_same_step(loss_and_grads(KernelOptions(attention="flash", triton_ce=False)),
+                     loss_and_grads(KernelOptions()), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="attention"):
+        KernelOptions(attention="sdpa")
+
+
+def test_compile_routes_every_region_through_torch_compile(monkeypatch):
+    """compile=True sends the elementwise regions through torch.compile (stubbed here to return the
+    function itself: the CPU would spend minutes compiling), with the same loss and gradients."""
+    seen = []
+
+    def fake_compile(fn, **kw):
+        seen.append(fn.__name__)
+        return fn
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(fused, "_compiled", {})
+    eager = loss_and_grads(KernelOptions())
+    assert not seen
+    compiled = loss_and_grads(KernelOptions(compile=True, triton_ce=False))
+    assert_same_step(compiled, eager, atol=1e-7, rtol=1e-6)
+    assert {"norm_cat", "add_norm", "rope_qk", "swiglu", "diag_forward", "diag_backward",
+            "_soft_ce_torch"} <= set(seen)
+
+
+def test_kernel_options_follow_training_compile(tmp_path):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert kernel_options(training_config(tmp_path), cpu) == KernelOptions()  # compile: None = on a GPU only
+    assert kernel_options(training_config(tmp_path), gpu) == KernelOptions(compile=True)
+    assert kernel_options(training_config(tmp_path, compile=True), cpu).compile
+    assert not kernel_options(training_config(tmp_path, compile=False), gpu).compile
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        KernelOptions().compile = True
+
+
+#: Module-level state that eyas/training may keep: caches and memos of what this process found, none a choice.
+MEMOS = {("attention", "_refused"), ("kernels", "_compiled"), ("kernels", "FP32_OUT"),
+         ("target_head", "_NAMES"), ("target_head", "_PREFIXES")}  # the last two: constant lookup tables
+
+
+def test_no_module_level_switch_is_left():
+    gone = {fused: ["TRITON_CE", "use_compile", "compiling", "compile_scope", "_COMPILE"], losses: ["SKIP_UNSCORED"],
+            attention: ["BACKEND"], train: ["FUSED_CLIP"], drafter: ["GRAD_ACC_FP32"]}
+    for module, names in gone.items():
+        assert not [n for n in names if hasattr(module, n)], module.__name__
+    assert "shared_weights" not in vars(TTTObjective)
+    for info in pkgutil.iter_modules(eyas.training.__path__):
+        module = importlib.import_module(f"eyas.training.{info.name}")
+        for name, value in vars(module).items():
+            if name.startswith("__") or name == "TYPE_CHECKING":
+                continue
+            assert not isinstance(value, (bool, str)), f"{info.name}.{name}"  # a flag or a mode
+            if isinstance(value, (dict, list, set)):
+                assert (info.name, name) in MEMOS, f"{info.name}.{name}"
+        tree = ast.parse(Path(module.__file__).read_text())
+        rebound = {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
+        assert rebound <= ({"_ce_kernel"} if info.name == "kernels" else set()), (info.name, rebound)
