@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from eyas.server import sglang_patch
+from eyas.server import patch_sets, sglang_patch
 from eyas.server.hosts import LocalHost, SSHHost
 from eyas.server.sglang_patch import PatchError, apply_diff, ensure_patched, reverse_patch
 from tests.sglang_wheel import DSV2, TARGET_ARCH, VERSION, make_site, sglang_config, wheel_text  # noqa: F401
@@ -92,7 +92,7 @@ def test_apply_is_idempotent_and_reverse_restores_the_original_bytes(tmp_path, s
     assert done["actions"] == {DSV2: "patched", HOOK: "installed", "eyas_dump.py": "installed"}
     assert sha(site / DSV2) == manifest["files"][0]["patched_sha256"]
     assert (site / HOOK).read_bytes() == (SET_DIR / HOOK).read_bytes()
-    assert (site / "eyas_dump.py").read_bytes() == sglang_patch.DUMP_SOURCE.read_bytes()
+    assert (site / "eyas_dump.py").read_bytes() == patch_sets.DUMP_SOURCE.read_bytes()
     state = json.loads((site / "sglang" / ".eyas-patch.json").read_text())
     assert state["patch_version"] == manifest["patch_version"] and state["sglang_version"] == VERSION
     assert state["files"][0]["original_sha256"] == hashlib.sha256(original).hexdigest()
@@ -149,7 +149,7 @@ def test_a_changed_module_or_a_reinstalled_sglang_is_redone(tmp_path, site, sgla
     redo = ensure_patched(host, cfg)
     assert redo["status"] == "patched" and redo["actions"]["eyas_dump.py"] == "updated"
     assert redo["actions"][DSV2] == "already patched"
-    assert (site / "eyas_dump.py").read_bytes() == sglang_patch.DUMP_SOURCE.read_bytes()
+    assert (site / "eyas_dump.py").read_bytes() == patch_sets.DUMP_SOURCE.read_bytes()
     # pip install --force-reinstall puts the original back but leaves the state file behind
     (site / DSV2).write_text(wheel_text(sglang_wheel, DSV2))
     assert ensure_patched(host, cfg, dry_run=True)["status"] == "would patch"

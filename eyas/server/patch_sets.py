@@ -1,0 +1,128 @@
+"""SGLang patch sets: what eyas installs for each SGLang version, read and checked on this machine.
+
+    pset = load_patch_set("0.5.23")        # patches/sglang/0.5.23/: manifest, hook, source patch
+    check_architecture(pset, ["KimiK25ForConditionalGeneration"], "config.json")
+    text = apply_diff(original, pset.files[0].diff, name=...)
+
+The patch stage (eyas/server/sglang_patch.py) installs a patch set on a host; preflight
+(eyas/preflight.py) checks a target's architecture against it before any GPU is touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eyas.resources import shipped
+from eyas.server.diffs import DiffError, apply_diff as _apply, parse_diff
+
+PATCHES_DIR = shipped("patches", "sglang")  #: one folder per SGLang version, each with manifest.json
+DUMP_SOURCE = Path(__file__).resolve().parents[1] / "dump.py"  # eyas/dump.py, copied as eyas_dump.py
+DUMP_MODULE = "eyas_dump.py"  #: how eyas/dump.py is installed beside the hook
+
+
+class PatchError(RuntimeError):
+    """The server host is in a state eyas will not patch; names the host, file or version."""
+
+
+def apply_diff(text: str, diff: str, *, reverse: bool = False, name: str = "<file>") -> str:
+    """text with diff applied (or un-applied); PatchError if any hunk does not match exactly."""
+    try:
+        return _apply(text, diff, reverse=reverse, name=name)
+    except DiffError as e:
+        raise PatchError(str(e)) from e
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Patch sets: patches/sglang/<version>/manifest.json
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class PatchedFile:
+    path: str  # relative to site-packages, e.g. sglang/srt/models/deepseek_v2.py
+    diff: str
+    original_sha256: str
+    patched_sha256: str
+
+
+@dataclass
+class PatchSet:
+    sglang_version: str
+    patch_version: str
+    files: list[PatchedFile]
+    modules: dict[str, bytes]  # file name in site-packages -> bytes (hook + dump writer)
+    #: model classes (config.json `architectures`) whose capture path the patch set supports
+    architectures: list[str] = field(default_factory=list)
+    #: known classes of the same family it does not support -> why
+    unsupported_architectures: dict[str, str] = field(default_factory=dict)
+
+
+def available_versions(patches_dir: Path = PATCHES_DIR) -> list[str]:
+    """SGLang versions this eyas has a patch set for."""
+    return sorted(p.parent.name for p in Path(patches_dir).glob("*/manifest.json"))
+
+
+def load_patch_set(version: str, patches_dir: Path = PATCHES_DIR) -> PatchSet:
+    """The patch set for one SGLang version, with its files checked against the manifest."""
+    folder = Path(patches_dir) / version
+    if not (folder / "manifest.json").is_file():
+        raise PatchError(f"sglang {version} has no eyas patch set (patch sets exist for: "
+                         f"{', '.join(available_versions(patches_dir)) or 'none'}; see {patches_dir})")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    if manifest["sglang_version"] != version:
+        raise PatchError(f"{folder}/manifest.json is for sglang {manifest['sglang_version']}, "
+                         f"not {version}")
+    hook = manifest["hook"]
+    hook_bytes = (folder / hook["module"]).read_bytes()
+    if _sha256(hook_bytes) != hook["sha256"]:
+        raise PatchError(f"{folder / hook['module']} has sha256 {_sha256(hook_bytes)}, its manifest says "
+                         f"{hook['sha256']}: run patches/sglang/refresh_manifest.py after editing it")
+    files = [PatchedFile(f["path"], (folder / f["patch"]).read_text(), f["original_sha256"],
+                         f["patched_sha256"]) for f in manifest["files"]]
+    for f, entry in zip(files, manifest["files"]):
+        target, _ = parse_diff(f.diff)
+        if target != f.path:
+            raise PatchError(f"{folder / entry['patch']} patches {target}, its manifest says {f.path}")
+    modules = {hook["module"]: hook_bytes, DUMP_MODULE: DUMP_SOURCE.read_bytes()}
+    if not manifest.get("architectures"):
+        raise PatchError(f"{folder}/manifest.json lists no supported architectures")
+    return PatchSet(version, manifest["patch_version"], files, modules, list(manifest["architectures"]),
+                    dict(manifest.get("unsupported_architectures", {})))
+
+
+def check_architecture(manifest_or_version: PatchSet | dict | str, architectures: list[str] | None,
+                       source: str, patches_dir: Path = PATCHES_DIR) -> str:
+    """The architecture SGLang will serve, if the patch set supports it; PatchError otherwise.
+
+    `manifest_or_version`: a PatchSet, a parsed manifest.json, or an SGLang version (its patch set
+    is read from patches_dir). `architectures`: the target config.json's list; SGLang's registry
+    (models/registry.py:resolve_model_cls) builds the class named first. `source` names where the
+    list came from (the config file) for the message.
+    """
+    if isinstance(manifest_or_version, str):
+        manifest_or_version = load_patch_set(manifest_or_version, patches_dir)
+    if isinstance(manifest_or_version, PatchSet):
+        pset = manifest_or_version
+        version, patch_version = pset.sglang_version, pset.patch_version
+        supported, unsupported = pset.architectures, pset.unsupported_architectures
+    else:
+        version, patch_version = manifest_or_version["sglang_version"], manifest_or_version["patch_version"]
+        supported = manifest_or_version.get("architectures") or []
+        unsupported = manifest_or_version.get("unsupported_architectures", {})
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    if not architectures:
+        raise PatchError(f"{source} names no architectures; eyas patch set {patch_version} (sglang "
+                         f"{version}) supports: {', '.join(supported)}")
+    arch = architectures[0]
+    if arch not in supported:
+        why = f" ({unsupported[arch]})" if arch in unsupported else ""
+        raise PatchError(f"{source}: architecture {arch} is not supported by eyas patch set "
+                         f"{patch_version} (sglang {version}){why}; supported: {', '.join(supported)}")
+    return arch
