@@ -42,6 +42,9 @@ LAST_HIDDEN_NORMS = ("post", "pre")  # whether last_hidden_state went through th
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 _RID_RE = re.compile(r"[A-Za-z0-9_.:-]+")
+# A rid names its dump folder, <dump_dir>/<rid>: a folder name has at most 255 bytes (NAME_MAX),
+# and 200 leaves room for what eyas appends to its own rids (the pool's attempt suffix "-a<k>").
+MAX_RID_LENGTH = 200
 # SGLang's own traffic: /health and /health_generate send rid HEALTH_CHECK_<time>; eyas's local
 # server names its warmup WARMUP_<hex>. (SGLang's warmup carries a random uuid: see rid_prefix.)
 _SKIP_PREFIXES = ("HEALTH_CHECK", "WARMUP")
@@ -57,6 +60,9 @@ class DumpError(ValueError):
 
 def check_rid(rid: str) -> str:
     """Return rid if it is safe as a folder name, else raise ValueError saying why."""
+    if isinstance(rid, str) and len(rid) > MAX_RID_LENGTH:
+        raise ValueError(f"invalid rid {rid[:40]!r}...: {len(rid)} characters, at most {MAX_RID_LENGTH} "
+                         f"(it names the dump folder <dump_dir>/<rid>)")
     if not isinstance(rid, str) or not _RID_RE.fullmatch(rid):
         raise ValueError(f"invalid rid {rid!r}: use only letters, digits and _ . : -")
     if ".." in rid:

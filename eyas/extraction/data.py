@@ -10,15 +10,19 @@ tokenized here with the target's tokenizer and chat template, and pre-tokenized 
 tokens: each assistant turn is found by rendering the conversation up to that turn with and
 without it, so the mask follows the chat template exactly.
 
-A bad line (malformed JSON, missing or empty messages, an empty assistant turn, token ids outside
-the target's vocabulary, ...) is an error naming `file:line`, or with `bad_lines: skip` a counted
-skip that names the line in the stats. Nothing is written until every line has been read.
+A bad line (bytes that are not UTF-8, malformed JSON, missing or empty messages, an empty assistant
+turn, text the tokenizer cannot take, token ids outside the target's vocabulary, more tokens than
+the target's context, ...) is an error naming `file:line`, or with `bad_lines: skip` a counted skip
+that names the line in the stats. Lines are decoded one by one, so one bad byte costs one line; a
+UTF-8 byte order mark at the start of the file is dropped. Nothing is written until every line has
+been read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,9 @@ from eyas.extraction.shards import sha256_file, write_json_atomic
 ROLES = {"system", "user", "assistant"}
 PLAN_FORMAT = "eyas-plan/1"
 MAX_NAMED_SKIPS = 50  # the stats name at most this many skipped lines (and count all)
+UTF8_BOM = b"\xef\xbb\xbf"
+_PLAN_FILE = re.compile(r"shard-(\d{5,})\.plan\.jsonl")  # write_shard_plans's own files
+_UNSET_MAX_LENGTH = 10**9  # Hugging Face's "no limit" is int(1e30)
 
 
 class DataError(ValueError):
@@ -66,6 +73,12 @@ def _check_messages(record: Any, where: str) -> list[dict[str, str]]:
             raise DataError(f"{where}: message {j} needs a role in {sorted(ROLES)} and string content")
         if m["role"] == "assistant" and not m["content"].strip():
             raise DataError(f"{where}: message {j} is an empty assistant turn")
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON can spell half a UTF-16 pair ("\\ud800"); no tokenizer takes it
+            raise DataError(f"{where}: message {j} ({m['role']}): lone surrogate U+{ord(m['content'][e.start]):04X} "
+                            f"at character {e.start} is not Unicode text (half of a UTF-16 pair in a JSON "
+                            f"\\u escape)") from None
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: no assistant turn, so nothing to train on")
     return messages
@@ -104,12 +117,13 @@ def load_records(path: str | Path, *, vocab_size: int | None = None,
     if not path.exists():
         raise DataError(f"{path}: data file not found")
     records, skipped = [], []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for lineno, raw_line in enumerate(f, start=1):
             where = f"{path}:{lineno}"
             try:
+                line = _decode_line(raw_line.removeprefix(UTF8_BOM) if lineno == 1 else raw_line, where)
+                if not line.strip():
+                    continue
                 try:
                     raw = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -128,6 +142,14 @@ def load_records(path: str | Path, *, vocab_size: int | None = None,
                             f"skipped, e.g. {skipped[:3]})")
         raise DataError(f"{path}: no conversations in the file (it is empty)")
     return records, skipped
+
+
+def _decode_line(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}: "
+                        f"{e.reason}); data files are UTF-8 JSONL") from None
 
 
 def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
@@ -157,6 +179,24 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]]) -> Tokenize
     return TokenizedSample(ids, mask)
 
 
+def _render_error(tokenizer, messages: list[dict[str, str]], where: str, error: Exception) -> str:
+    """Name the first message the tokenizer or chat template fails on (rendering longer and longer
+    prefixes, as tokenize_conversation does); called only once rendering has failed."""
+    for j in range(len(messages)):
+        try:
+            _render(tokenizer, messages[: j + 1], add_generation_prompt=False)
+        except Exception as e:  # noqa: BLE001 - any failure is the data's, reported with its line
+            return (f"{where}: message {j} ({messages[j].get('role')}): the tokenizer or chat template fails "
+                    f"on it ({type(e).__name__}: {e})")
+    return f"{where}: the tokenizer or chat template fails on this conversation ({type(error).__name__}: {error})"
+
+
+def context_limit(tokenizer) -> int | None:
+    """The target's context in tokens as its tokenizer states it (model_max_length), if it does."""
+    limit = getattr(tokenizer, "model_max_length", None)
+    return limit if isinstance(limit, int) and 0 < limit < _UNSET_MAX_LENGTH else None
+
+
 def prepare(records: list, tokenizer, cfg: DataConfig, *, vocab_size: int | None = None,
             skipped: list[str] | None = None) -> Prepared:
     """Tokenize, apply the length policy, and hold out the last records for evaluation.
@@ -178,12 +218,16 @@ def prepare(records: list, tokenizer, cfg: DataConfig, *, vocab_size: int | None
         stats["skipped_bad_lines"] += 1
         skipped.append(reason)
 
+    limit = context_limit(tokenizer)
+    warned = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(warned, dict):  # Hugging Face's "longer than the maximum" warning names no line; eyas does
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
     train = []
     for r in train_recs:
         try:
             s = r.tokens or tokenize_conversation(tokenizer, r.messages)
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation: name the line
-            skip(f"{r.where}: the chat template cannot render this conversation ({type(e).__name__}: {e})")
+            skip(_render_error(tokenizer, r.messages, r.where, e))
             continue
         if r.messages is not None:
             try:
@@ -202,6 +246,11 @@ def prepare(records: list, tokenizer, cfg: DataConfig, *, vocab_size: int | None
             stats["dropped_no_loss"] += 1  # truncation cut every assistant token
             skipped.append(f"{r.where}: no assistant token left within data.max_length, dropped")
             continue
+        if limit is not None and len(s.input_ids) >= limit:  # the server would refuse it (SGLang: >=)
+            skip(f"{r.where}: {len(s.input_ids)} tokens (after data.overlong {cfg.overlong} at "
+                 f"data.max_length {cfg.max_length}) are too many for the target (its tokenizer's "
+                 f"model_max_length is {limit}; a server takes fewer); set data.max_length below {limit}")
+            continue
         train.append(s)
     if not train:
         raise DataError(f"{cfg.path}: no trainable sequence left after the length policy ({stats})")
@@ -209,7 +258,11 @@ def prepare(records: list, tokenizer, cfg: DataConfig, *, vocab_size: int | None
     for r in heldout:
         if r.messages is not None:
             first = next(j for j, m in enumerate(r.messages) if m["role"] == "assistant")
-            prompt = _render(tokenizer, r.messages[:first], add_generation_prompt=True)
+            try:
+                prompt = _render(tokenizer, r.messages[:first], add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - as for training records: name the line and message
+                skip(_render_error(tokenizer, r.messages[:first], r.where, e) + " (a held-out prompt)")
+                continue
         else:
             prompt = r.tokens.input_ids[: r.tokens.loss_mask.index(1)] or r.tokens.input_ids[:1]
         prompts.append(prompt[-cfg.max_length:])
@@ -261,7 +314,8 @@ def write_shard_plans(samples: list[TokenizedSample], num_shards: int, plan_dir:
                       info: dict[str, Any] | None = None) -> list[ShardPlan]:
     """Split samples into contiguous shards by index and write one plan file per shard.
 
-    plan.json (written last) lists the shards and carries `info` (provenance, data stats).
+    plan.json (written after the shard files) lists the shards and carries `info` (provenance, data
+    stats); plan files of an earlier, larger plan in the folder are deleted after it.
     """
     plan_dir = Path(plan_dir)
     num_shards = max(1, min(num_shards, len(samples)))
@@ -280,6 +334,12 @@ def write_shard_plans(samples: list[TokenizedSample], num_shards: int, plan_dir:
                                sum(len(s.input_ids) for s in chunk), info.get("provenance", {})))
     write_json_atomic(plan_dir / "plan.json", {"format": PLAN_FORMAT, **info,
                                                "shards": [_plan_json(p) for p in plans]})
+    # A plan of fewer shards into the same folder: the index (replaced above) no longer names the
+    # old plan's higher shards; delete their files, and only eyas's own plan files.
+    for old in plan_dir.glob("shard-*.plan.jsonl"):
+        m = _PLAN_FILE.fullmatch(old.name)
+        if m and int(m.group(1)) >= num_shards:
+            old.unlink(missing_ok=True)
     return plans
 
 

@@ -53,6 +53,9 @@ _FALSY_FIELDS = {"stream", "return_logprob", "return_hidden_states", "logprob_st
                  "top_logprobs_num", "return_text_in_logprobs", "log_metrics", "lora_path",
                  "custom_logit_processor", "bootstrap_host", "bootstrap_room"}
 _GENERATE_KEYS = {"input_ids", "text", "rid", "sampling_params", *_FALSY_FIELDS}
+# A request body larger than this is refused (413) before it is read: 64 MiB is some 5 million
+# token ids as JSON, far beyond any batch eyas sends.
+MAX_BODY_BYTES = 64 << 20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,13 +208,13 @@ def parse_generate(body: Any, vocab_size: int, tokenizer) -> tuple[list[tuple[li
         rids = [rids]
     if len(rids) != len(seqs):
         raise BadRequest(f"rid has {len(rids)} entries for {len(seqs)} sequences")
-    if len(set(rids)) != len(rids):
-        raise BadRequest(f"rid has duplicates: {rids}")
-    for rid in rids:
+    for rid in rids:  # a rid names its dump folder: safe characters and length (before set(): hashable)
         try:
             check_rid(rid)
         except ValueError as e:
             raise BadRequest(f"rid: {e}") from None
+    if len(set(rids)) != len(rids):
+        raise BadRequest(f"rid has duplicates: {rids}")
 
     sp = body.get("sampling_params")
     if isinstance(sp, list):
@@ -245,7 +248,7 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt: str, *args: Any) -> None:
         pass  # replaced by the uvicorn-style access line in _send
 
-    def _send(self, status: int, payload: Any = None) -> None:
+    def _send(self, status: int, payload: Any = None, *, close: bool = False) -> None:
         body = b"" if payload is None else json.dumps(payload).encode()
         # Logged before sending, so a client's next log line (the warmup's ready line) comes after.
         host, port = self.client_address[:2]
@@ -254,6 +257,9 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
+        if close:  # the request's body was not read: the rest of the stream cannot be framed
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
         self.wfile.write(body)
 
@@ -275,9 +281,29 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200)
         self._send(404, {"error": f"no route GET {path}"})
 
+    def _body_length(self) -> int | None:
+        """The body's length from Content-Length, or None once a 4xx has been sent (and the
+        connection marked to close): a bad or huge length must not make a thread wait for bytes."""
+        values = [v.strip() for v in self.headers.get_all("Content-Length") or []]
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            self._send(411, {"error": "chunked bodies are not supported: send the body with a "
+                                      "Content-Length"}, close=True)
+        elif len(set(values)) > 1:
+            self._send(400, {"error": f"conflicting Content-Length headers {values}"}, close=True)
+        elif values and not (values[0].isascii() and values[0].isdigit()):
+            self._send(400, {"error": f"Content-Length {values[0][:40]!r} is not a byte count"}, close=True)
+        elif values and (len(values[0]) > 12 or int(values[0]) > MAX_BODY_BYTES):
+            self._send(413, {"error": f"the request body may have at most {MAX_BODY_BYTES} bytes, "
+                                      f"Content-Length says {values[0][:40]}"}, close=True)
+        else:
+            return int(values[0]) if values else 0
+        return None
+
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
-        length = int(self.headers.get("Content-Length") or 0)
+        length = self._body_length()
+        if length is None:
+            return
         raw = self.rfile.read(length)
         if path == "/flush_cache":
             return self._send(200)

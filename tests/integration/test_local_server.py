@@ -6,7 +6,9 @@ from_pretrained, which shares no code with the server's shard-by-shard loader.
 
 from __future__ import annotations
 
+import json
 import re
+import socket
 
 import httpx
 import pytest
@@ -194,6 +196,55 @@ def test_bad_requests_get_400_naming_the_field(client, body, field):
 def test_invalid_json_gets_400(client):
     r = client.post("/generate", content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+
+
+# --- issue 16 (7): rids become folder names; Content-Length is checked before the body is read ---
+
+def test_a_long_rid_gets_400_naming_the_limit(client, server):
+    params = {"max_new_tokens": 1, "temperature": 0}
+    r = client.post("/generate", json={"input_ids": [5, 6, 7], "rid": "r" * 300, "sampling_params": params})
+    assert r.status_code == 400, r.text  # was a 500: the dump folder's name is too long for the filesystem
+    assert re.search(r"rid: invalid rid 'r{40}'\.\.\.: 300 characters, at most 200", r.json()["error"])
+    longest = "k" * 200  # the limit itself is a folder name the dump can make
+    r = client.post("/generate", json={"input_ids": [5, 6, 7], "rid": longest, "sampling_params": params})
+    assert r.status_code == 200, r.text
+    assert [p.name for p in (server.dump_dir / longest).iterdir()] == ["0000000000.safetensors"]
+
+
+@pytest.mark.parametrize("rid", ["a/b", "a\x00b", "..", "a..b", "", " x", "\u00e9t\u00e9", "a\\b", 7, ["x"]])
+def test_rids_unsafe_as_a_folder_name_get_400(client, rid):
+    r = client.post("/generate", json={"input_ids": [[5], [6]], "rid": [rid, "ok"]})  # ["x"]: was a 500
+    assert r.status_code == 400, r.text
+    assert r.json()["error"].startswith("rid: invalid rid"), r.json()
+
+
+def _raw_request(server, head: str) -> tuple[str, str]:
+    """Send a request's head only and read until the server closes: (status line, body)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+        s.sendall(head.encode())
+        data = b""
+        while chunk := s.recv(65536):  # socket.timeout (a failure) if the server waits for a body
+            data += chunk
+    head_out, _, body = data.decode().partition("\r\n\r\n")
+    assert "Connection: close" in head_out, head_out  # the rest of the stream cannot be framed
+    return head_out.split("\r\n")[0], body
+
+
+@pytest.mark.parametrize("header, status, needle", [
+    ("Content-Length: -1", 400, "Content-Length '-1' is not a byte count"),
+    ("Content-Length: abc", 400, "Content-Length 'abc' is not a byte count"),
+    ("Content-Length: 1_0", 400, "Content-Length '1_0' is not a byte count"),
+    ("Content-Length: 5\r\nContent-Length: 6", 400, "conflicting Content-Length headers"),
+    (f"Content-Length: {2 ** 40}", 413, "at most 67108864 bytes"),
+    ("Content-Length: " + "9" * 5000, 413, "at most 67108864 bytes"),
+    ("Transfer-Encoding: chunked", 411, "send the body with a Content-Length"),
+])
+def test_a_bad_content_length_is_answered_at_once(client, server, header, status, needle):
+    line, body = _raw_request(server, f"POST /generate HTTP/1.1\r\nHost: x\r\n{header}\r\n\r\n")
+    assert line.startswith(f"HTTP/1.1 {status} "), line
+    assert needle in json.loads(body)["error"]
+    r = client.post("/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 200, r.text  # and the server serves on
 
 
 # --- in-process pieces -----------------------------------------------------------------------

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from eyas.config import DataConfig
-from eyas.extraction.data import (DataError, load_conversations, load_records, prepare, read_shard_plan, tokenize_conversation,
-                       write_shard_plans)
+from eyas.extraction.data import (DataError, load_conversations, load_records, prepare, read_plan_index,
+                                  read_shard_plan, tokenize_conversation, write_shard_plans)
 from eyas.target import load_tokenizer
 from tests.stage_config import ROOT
 
@@ -152,3 +152,111 @@ def test_a_bad_file_writes_no_plan(tmp_path, tok):
         records, _ = load_records(path)
         write_shard_plans(prepare(records, tok, DataConfig(path=path, num_heldout=0)).train, 2, tmp_path / "plan")
     assert not (tmp_path / "plan").exists()
+
+
+# --- issue 16 (6): bad bytes, a BOM, text the tokenizer cannot take, over-long lines, stale plans ----
+
+GOOD = conv(("user", "q"), ("assistant", "a b c"))
+
+
+def _write_bytes(tmp_path, lines: list[bytes], name="b.jsonl"):
+    path = tmp_path / name
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+@pytest.mark.parametrize("bad", [b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', b"\xff\xfe{", b"ok \xc3"])
+def test_a_line_that_is_not_utf8_is_named_and_skippable(tmp_path, tok, bad):
+    path = _write_bytes(tmp_path, [GOOD.encode(), bad, GOOD.encode(), GOOD.encode()])
+    with pytest.raises(DataError, match=rf"{path}:2: not valid UTF-8 \(byte 0x.. at column \d+"):
+        load_records(path)
+    records, skipped = load_records(path, bad_lines="skip")  # one bad byte loses one line, not the file
+    assert [r.where for r in records] == [f"{path}:1", f"{path}:3", f"{path}:4"]
+    p = prepare(records, tok, DataConfig(path=path, num_heldout=1, bad_lines="skip"), skipped=skipped)
+    assert p.stats["skipped_bad_lines"] == 1 and p.stats["skipped_lines"][0].startswith(f"{path}:2: not valid UTF-8")
+
+
+def test_a_leading_utf8_bom_is_not_a_bad_line(tmp_path):
+    path = _write_bytes(tmp_path, [b"\xef\xbb\xbf" + GOOD.encode(), GOOD.encode()])
+    records, skipped = load_records(path)
+    assert skipped == [] and [r.where for r in records] == [f"{path}:1", f"{path}:2"]
+    # a BOM anywhere else is still bad JSON, and named
+    path = _write_bytes(tmp_path, [GOOD.encode(), b"\xef\xbb\xbf" + GOOD.encode()], name="mid.jsonl")
+    with pytest.raises(DataError, match=f"{path}:2: malformed JSON"):
+        load_records(path)
+
+
+def test_a_lone_surrogate_is_named_as_text_not_a_tokenizer_typeerror(tmp_path, tok):
+    bad = conv(("system", "s"), ("user", "x \ud800 y"), ("assistant", "b"))
+    assert "\\ud800" in bad  # valid JSON, but not a Unicode text
+    path = _write(tmp_path, [GOOD, bad, GOOD, bad])  # the last record is held out: rendered too
+    with pytest.raises(DataError, match=rf"{path}:2: message 1 \(user\): lone surrogate U\+D800 at character 2"):
+        load_records(path)
+    records, skipped = load_records(path, bad_lines="skip")
+    p = prepare(records, tok, DataConfig(path=path, num_heldout=1, bad_lines="skip"), skipped=skipped)
+    assert len(p.train) == 1 and len(p.heldout_prompts) == 1
+    assert [s.split(": ")[0] for s in p.stats["skipped_lines"]] == [f"{path}:2", f"{path}:4"]
+    assert not any("TypeError" in s or "TextEncodeInput" in s for s in p.stats["skipped_lines"])
+
+
+class PickyTokenizer:
+    """The real tokenizer, whose chat template refuses any message containing 'forbidden'."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def apply_chat_template(self, messages, **kw):
+        if any("forbidden" in m["content"] for m in messages):
+            raise ValueError("the template does not allow that word")
+        return self.tok.apply_chat_template(messages, **kw)
+
+
+def test_tokenizer_errors_name_the_line_and_the_message(tmp_path, tok):
+    bad = conv(("user", "q"), ("assistant", "a"), ("user", "a forbidden word"), ("assistant", "b"))
+    bad_prompt = conv(("user", "forbidden"), ("assistant", "b"))
+    path = _write(tmp_path, [GOOD, bad, GOOD, bad_prompt])  # the last is held out: only its prompt is rendered
+    records, _ = load_records(path)
+    picky = PickyTokenizer(tok)
+    with pytest.raises(DataError, match=rf"{path}:2: message 2 \(user\): the tokenizer or chat template fails on "
+                                        r"it \(ValueError: the template does not allow that word\)"):
+        prepare(records, picky, DataConfig(path=path, num_heldout=1))
+    p = prepare(records, picky, DataConfig(path=path, num_heldout=1, bad_lines="skip"))
+    assert len(p.train) == 2 and p.heldout_prompts == []
+    assert p.stats["skipped_lines"][1].startswith(f"{path}:4: message 0 (user): the tokenizer or chat template")
+    assert [s.split(": ")[0] for s in p.stats["skipped_lines"]] == [f"{path}:2", f"{path}:4"]
+
+
+def test_a_line_longer_than_the_model_context_is_named(tmp_path, capfd):
+    from eyas.target import load_tokenizer
+
+    fresh = load_tokenizer(TARGET)  # HF warns once per tokenizer object, naming no line
+    assert fresh.model_max_length == 1024
+    long = conv(("user", "q"), ("assistant", "word " * 1500))
+    path = _write(tmp_path, [GOOD, long, GOOD, GOOD])
+    records, _ = load_records(path)
+    with pytest.raises(DataError, match=rf"{path}:2: 15\d\d tokens \(after data.overlong truncate at data.max_length "
+                                        r"2048\) are too many for the target \(its tokenizer's model_max_length "
+                                        r"is 1024; .*set data.max_length below 1024"):
+        prepare(records, fresh, DataConfig(path=path, num_heldout=1, max_length=2048))
+    p = prepare(records, fresh, DataConfig(path=path, num_heldout=1, max_length=2048, bad_lines="skip"))
+    assert p.stats["skipped_bad_lines"] == 1 and p.stats["skipped_lines"][0].startswith(f"{path}:2: 15")
+    # within the context, data.max_length truncates as before
+    p = prepare(records, fresh, DataConfig(path=path, num_heldout=1, max_length=1000))
+    assert p.stats["truncated"] == 1 and len(p.train) == 3
+    assert "Token indices sequence length" not in capfd.readouterr().err
+
+
+def test_fewer_shards_into_the_same_folder_leave_no_stale_plans(tmp_path, tok):
+    convs = load_conversations(ROOT / "fixtures" / "data" / "conversations.jsonl")[:12]
+    samples = prepare(convs, tok, DataConfig(path=tmp_path, num_heldout=0)).train
+    plan_dir = tmp_path / "plan"
+    write_shard_plans(samples, 5, plan_dir)
+    (plan_dir / "notes.txt").write_text("mine")
+    (plan_dir / "shard-00004.plan.jsonl.bak").write_text("mine too")
+    plans = write_shard_plans(samples, 2, plan_dir)
+    left = sorted(p.name for p in plan_dir.iterdir())
+    assert left == ["notes.txt", "plan.json", "shard-00000.plan.jsonl", "shard-00001.plan.jsonl",
+                    "shard-00004.plan.jsonl.bak"]
+    index = read_plan_index(plan_dir)
+    assert [s["path"] for s in index["shards"]] == [str(p.path) for p in plans]
+    assert [s.input_ids for p in plans for s in read_shard_plan(p.path)] == [s.input_ids for s in samples]
