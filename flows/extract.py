@@ -22,6 +22,7 @@ from flows.common import DEFAULT_CONFIG, ConfigParam, gpu_host, resolve_config, 
 from flows.serve import run_name, serve
 from tasks.extract import extract_shard_for, prepare_data, regenerate_data, shard_cached
 from tasks.patch import patch_host
+from tasks.preflight import preflight_check
 from tasks.server import stop
 
 
@@ -38,6 +39,7 @@ def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | No
     regen = cfg.data.regenerate.enabled
 
     # 1. Data first: a bad input file should fail before a ten-minute server load.
+    preflight_check(cfg)
     with stage("prepare"):
         prepared = prepare_data(cfg)
         if regen and not regeneration_pending(cfg):  # regenerated before: no server needed for it

@@ -25,6 +25,7 @@ from flows.extract import extract
 from flows.serve import run_name
 from flows.serve_bench import serve_bench_flow
 from flows.train import train_flow
+from tasks.preflight import preflight_check
 
 
 @flow(name="eagle3-pipeline", flow_run_name=run_name("eagle3"), log_prints=True,
@@ -33,6 +34,8 @@ def eagle3_pipeline(config: ConfigParam = DEFAULT_CONFIG,
                     overrides: dict[str, Any] | None = None) -> dict:
     """Raise an EAGLE-3 drafter for the configured target, end to end."""
     cfg, stage = resolve_config(config, overrides), Stopwatch()
+    # 0. Check the config against the target, hosts and disks before any GPU is touched.
+    preflight_check(cfg)
     # 1. Patch, launch, sense readiness, extract the shards, stop the server.
     extracted = extract(cfg)
     # 2. Train, export for SGLang, measure the acceptance length.

@@ -18,6 +18,7 @@ from eyas.report import Stopwatch
 from eyas.results import ServerUp
 from flows.common import DEFAULT_CONFIG, ConfigParam, resolve_config, stop_server_hook
 from tasks.patch import patch_host, unpatch_host
+from tasks.preflight import preflight_check
 from tasks.server import launch_server, stop, wait_ready
 
 
@@ -35,6 +36,7 @@ def run_name(prefix: str):
 def serve(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None) -> ServerUp:
     """Patch the server host, launch the target server, wait until it is ready."""
     cfg, stage = resolve_config(config, overrides), Stopwatch()
+    preflight_check(cfg)
     with stage("patch"):
         patched = patch_host(cfg)
     with stage("launch"):

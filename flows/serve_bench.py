@@ -26,6 +26,7 @@ from eyas.report import artifact_key
 from eyas.extraction.shards import write_json_atomic
 from flows.common import DEFAULT_CONFIG, ConfigParam, gpu_host, resolve_config
 from flows.serve import run_name
+from tasks.preflight import preflight_check
 from tasks.serve_bench import benchmark_serving_for
 
 
@@ -50,6 +51,7 @@ def serve_bench_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, 
     cfg = resolve_config(config, overrides)
     if not cfg.benchmark.enabled:
         return None
+    preflight_check(cfg)
     # 1. The drafter and the prompts: given by the pipeline, or found from the config alone.
     drafter_dir = drafter_dir or str(Path(cfg.run_dir) / "drafter")
     if not (Path(drafter_dir) / "config.json").exists():

@@ -20,6 +20,7 @@ from eyas.extraction.shards import verify_shard
 from flows.common import DEFAULT_CONFIG, ConfigParam, resolve_config
 from flows.serve import run_name
 from tasks.extract import prepare_data
+from tasks.preflight import preflight_check
 from tasks.train import evaluate_for, export, train
 
 
@@ -29,6 +30,7 @@ def train_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] |
                   prompts: list[list[int]] | None = None) -> Trained:
     """Train (resuming from the newest checkpoint), export, evaluate."""
     cfg, stage = resolve_config(config, overrides), Stopwatch()
+    preflight_check(cfg)
     if manifests is None:
         manifests = _manifests_on_disk(Path(cfg.extraction.output_dir))
     if prompts is None:

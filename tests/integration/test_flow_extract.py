@@ -44,3 +44,12 @@ def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(p
     assert "regenerate" not in second.stages and "stop" not in second.stages  # no server launched
     assert second.ready is None
     assert [m["sha256"] for m in second.manifests] == [m["sha256"] for m in first.manifests]
+
+
+def test_a_layer_id_out_of_range_fails_at_preflight_before_anything_is_written(prefect_harness, tmp_path):
+    cfg = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{"target.layer_ids": [2, 4, 50]})
+    state = extract(cfg, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ValueError, match=r"target\.layer_ids.*50"):
+        state.result()
+    assert not (tmp_path / "shards").exists() and not (tmp_path / "server").exists()  # no plan, no launch
