@@ -31,9 +31,11 @@ def _write_tokenizer(folder: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece()  # joins words with spaces
     tok.save(str(folder / "tokenizer.json"))
+    # A plain chat template (every role's words, then </s>), so preflight and prepare-data accept it.
+    template = "{% for m in messages %}{{ m['content'] }} </s> {% endfor %}"
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>"}))
+        "unk_token": "<unk>", "chat_template": template}))
 
 
 @pytest.fixture(scope="session")

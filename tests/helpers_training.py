@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -68,6 +69,9 @@ def sharpen_target(src: Path, dst: Path, factor: float = 40.0) -> Path:
     with torch.no_grad():
         model.lm_head.weight.mul_(factor)
     model.save_pretrained(dst, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the same tokenizer as its source
+        if (Path(src) / name).exists():
+            shutil.copy(Path(src) / name, Path(dst) / name)
     return Path(dst)
 
 

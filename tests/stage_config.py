@@ -8,11 +8,17 @@ from eyas.server.hosts import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
-
 def stage_config(tmp: Path, target: Path, **overrides) -> PipelineConfig:
+    """configs/local-tiny.yaml on `target`; its draft vocabulary shrunk to fit a smaller target's."""
+    import json
+
+    draft_vocab = 2048  # a stand-in target without a vocabulary (the patch tests' config.json) keeps it
+    config = Path(target) / "config.json"
+    if config.exists():
+        draft_vocab = min(draft_vocab, json.loads(config.read_text()).get("vocab_size", draft_vocab))
     return load_config(ROOT / "configs" / "local-tiny.yaml", {
         "target.checkpoint": str(target), "run_dir": str(tmp / "run"), "server.port": free_port(),
         "server.workdir": str(tmp / "server"), "server.dump_dir": str(tmp / "server" / "dump"),
         "server.chunked_prefill_size": 16, "extraction.output_dir": str(tmp / "shards"),
-        "training.output_dir": str(tmp / "train"), "sensor.poll_interval_s": 0.1, **overrides})
+        "training.output_dir": str(tmp / "train"), "sensor.poll_interval_s": 0.1,
+        "training.draft_vocab_size": draft_vocab, **overrides})
