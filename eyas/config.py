@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_serializer,
+                      field_validator, model_validator)
+
+from eyas.secrets import check_address, check_env_name, looks_secret, redact_args
 
 
 class ConfigError(ValueError):
@@ -27,6 +30,9 @@ class StrictModel(BaseModel):
 
 
 LayerConvention = Literal["capture-before", "output-of"]
+#: Values that reach a shell where quoting cannot help: validated (eyas/secrets.py, docs/operations.md "Secrets").
+EnvName = Annotated[str, AfterValidator(check_env_name)]  #: [A-Za-z_][A-Za-z0-9_]*
+Address = Annotated[str, AfterValidator(check_address)]  #: an IP address or a host name
 
 
 class TargetConfig(StrictModel):
@@ -56,13 +62,14 @@ class HostConfig(StrictModel):
     """Where the server runs: this machine, or a GPU host reached over SSH (Fabric)."""
 
     kind: Literal["local", "ssh"] = "local"
-    name: str = "localhost"  #: a label for run names and logs, e.g. gpu-node-1
-    hostname: str | None = None  #: SSH only
+    name: str = Field("localhost", pattern=r"^[A-Za-z0-9_.-]+$")  #: a label for run names, logs, locks: gpu-node-1
+    hostname: Address | None = None  #: SSH only
     port: int = 22
     user: str | None = None
     key_filename: Path | None = None
-    known_hosts: Path | None = None  #: host keys are checked against this file
-    #: Fabric trusts any host key by default; eyas does not unless this is set on purpose.
+    known_hosts: Path | None = None  #: host keys are checked against this file; it must exist
+    #: Fabric trusts any host key by default; eyas does not. True accepts hosts known_hosts does not
+    #: list, with a warning at every connection; a key that contradicts known_hosts is still refused.
     insecure_accept_any_host_key: bool = False
     connect_timeout_s: float = Field(10.0, gt=0)
 
@@ -81,13 +88,19 @@ class ServerConfig(StrictModel):
 
     backend: Literal["sglang", "local"] = "local"
     host: HostConfig = HostConfig()
-    bind: str = "127.0.0.1"  #: address the server listens on (on its host)
-    url_host: str | None = None  #: address the pipeline uses to reach it; default host.hostname or bind
+    bind: Address = "127.0.0.1"  #: address the server listens on (on its host)
+    url_host: Address | None = None  #: address the pipeline uses to reach it; default host.hostname or bind
     port: int = Field(30000, ge=1, le=65535)
     #: interpreter on the server host; None = this interpreter (local host) or python3 (ssh)
     python: str | None = None
-    launch_args: list[str] = []  #: extra flags appended to the launch command
-    env: dict[str, str] = {}  #: e.g. NCCL_PROTO, NCCL_ALGO, CUDA_VISIBLE_DEVICES
+    launch_args: list[str] = []  #: extra flags appended to the launch command (an --api-key value is never shown)
+    env: dict[EnvName, str] = {}  #: e.g. NCCL_PROTO, NCCL_ALGO, CUDA_VISIBLE_DEVICES; shown and stored: no secrets
+    #: secret values for the server's environment, from a config file on the worker: never printed,
+    #: stored with a run, nor put on a command line (docs/operations.md, "Secrets")
+    secret_env: dict[EnvName, SecretStr] = {}
+    #: server variables copied at launch from the environment of the process running the flow:
+    #: [HF_TOKEN] (same name) or {HF_TOKEN: NAME_THERE}; only the names travel with the run
+    env_from: dict[EnvName, EnvName] = {}
     workdir: Path  #: on the server host: holds the log and pid files
     dump_dir: Path  #: on the server host: where the hidden-state dump records land
     chunked_prefill_size: int = 8192  #: prefill chunk; the collector reassembles the chunks
@@ -98,6 +111,26 @@ class ServerConfig(StrictModel):
     #: launch with hidden-state capture (extraction); the serving benchmark launches without it
     capture_aux: bool = True
     stop_timeout_s: float = Field(30.0, gt=0)
+
+    @field_validator("env_from", mode="before")
+    @classmethod
+    def _same_names(cls, v):
+        return {n: n for n in v} if isinstance(v, (list, tuple)) else v
+
+    @model_validator(mode="after")
+    def _check_env(self) -> "ServerConfig":
+        for name in self.env:
+            if looks_secret(name):
+                raise ValueError(f"server.env.{name} looks like a secret, and env values are shown and stored: "
+                                 f"use server.env_from (copied from the worker's environment) or server.secret_env")
+        plain, secret, copied = set(self.env), set(self.secret_env), set(self.env_from)
+        if twice := (plain & secret) | (plain & copied) | (secret & copied):
+            raise ValueError(f"server: {sorted(twice)} set in more than one of env, secret_env, env_from")
+        return self
+
+    @field_serializer("launch_args", when_used="json")
+    def _hide_secret_flags(self, v: list[str]) -> list[str]:
+        return redact_args(v)  # what Prefect stores as a run's parameters, and check-config prints
 
     @property
     def log_path(self) -> Path:
@@ -208,7 +241,7 @@ class DistributedConfig(StrictModel):
     strategy: Literal["ddp", "fsdp"] = "ddp"  #: fsdp shards gradients and optimizer state (ZeRO-2)
     master_port: int = Field(29511, ge=1, le=65535)
     python: str | None = None  #: interpreter on the training hosts; None = this one (local) or python3
-    env: dict[str, str] = {}  #: e.g. NCCL_SOCKET_IFNAME, CUDA_VISIBLE_DEVICES
+    env: dict[EnvName, str] = {}  #: e.g. NCCL_SOCKET_IFNAME, CUDA_VISIBLE_DEVICES
     timeout_s: float = Field(7 * 24 * 3600.0, gt=0)  #: the whole run, all nodes
 
     @property

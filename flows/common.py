@@ -4,6 +4,10 @@ A flow's `config` parameter is either a path to a YAML config (relative paths ar
 repository root, so deployments work from any working directory), an inline mapping with the same
 fields, or an already loaded PipelineConfig (what `eyas run` passes). `overrides` are dotted fields
 applied on top ({"training.max_steps": 20}), exactly like `eyas run --set`.
+
+Prefect stores a run's parameters in its database: a loaded config is stored with its secrets masked
+(SecretStr, the --api-key value), but an inline mapping or overrides are stored as sent, so secret
+values there are refused (docs/operations.md, "Secrets").
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from typing import Any, Iterator, Union
 from prefect.concurrency.sync import concurrency
 from prefect.logging import get_logger, get_run_logger
 
-from eyas.config import PipelineConfig, config_from_dict, load_config
+from eyas.config import ConfigError, PipelineConfig, config_from_dict, load_config
+from eyas.secrets import MASK, PYDANTIC_MASK, secret_flag_values
 from eyas.resources import shipped_root
 from eyas.server.hosts import make_host
 from eyas.server.launch import stop_server
@@ -30,14 +35,43 @@ ConfigParam = Union[str, dict[str, Any], PipelineConfig]
 
 def resolve_config(config: ConfigParam, overrides: dict[str, Any] | None = None) -> PipelineConfig:
     """A path, an inline mapping or a PipelineConfig, plus dotted overrides -> a validated config."""
+    _refuse_secrets(_nested(overrides or {}), "overrides")
     if isinstance(config, PipelineConfig):
         if not overrides:
             return config
-        config = config.model_dump(mode="json")
+        # python mode: secrets stay SecretStr (mode="json" would give their masks)
+        return config_from_dict(config.model_dump(), base_dir=ROOT, source="<config>", overrides=overrides)
     if isinstance(config, dict):
+        _refuse_secrets(config, "an inline config")
         return config_from_dict(config, base_dir=ROOT, source="<inline config>", overrides=overrides)
     path = Path(config)
     return load_config(path if path.is_absolute() else ROOT / path, overrides)
+
+
+def _nested(overrides: dict[str, Any]) -> dict:
+    out: dict = {}
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return out
+
+
+def _refuse_secrets(raw: dict, where: str) -> None:
+    """A secret value in a flow run's parameters is already in Prefect's database: refuse it, loudly.
+    The masks a loaded config is stored with (a failure hook reads them back) pass."""
+    server = raw.get("server") if isinstance(raw.get("server"), dict) else {}
+    named = [f"server.secret_env.{k}" for k, v in (server.get("secret_env") or {}).items()
+             if str(getattr(v, "get_secret_value", lambda: v)()) != PYDANTIC_MASK]
+    if any(v != MASK for v in secret_flag_values(map(str, server.get("launch_args") or []))):
+        named.append("server.launch_args (--api-key)")
+    if named:
+        raise ConfigError(f"{where} carries secret values ({', '.join(named)}): a flow run's parameters are "
+                         f"stored in the Prefect database as sent. Keep secrets in a config file on the worker "
+                         f"(server.secret_env) or in the worker's environment (server.env_from), and treat "
+                         f"these values as leaked")
 
 
 def host_limit_name(cfg: PipelineConfig) -> str:

@@ -5,14 +5,14 @@ from prefect.cache_policies import NO_CACHE
 
 from eyas.server import sglang_patch
 from eyas.config import PipelineConfig
-from eyas.server.hosts import make_host
+from eyas.server.hosts import HostAuthError, make_host
 
 
 def _transient(task, task_run, state) -> bool:
     """Retry only a failure that may pass (a dropped connection), never a refused host state."""
     try:
         state.result()
-    except sglang_patch.PatchError:
+    except (sglang_patch.PatchError, HostAuthError):  # refused login, missing known_hosts
         return False
     except Exception:  # noqa: BLE001 - unreachable host, failed transfer: worth one more try
         return True

@@ -6,6 +6,7 @@ from prefect.logging import get_run_logger
 from eyas.config import PipelineConfig
 from eyas.evaluation.export import drafter_digest
 from eyas.evaluation.serve_bench import run_serve_bench
+from eyas.secrets import redact_args
 from tasks.train import result_key
 
 
@@ -15,7 +16,7 @@ def _serving_key(context, parameters) -> str:
     cfg = parameters["cfg"]
     return "serve-bench-" + result_key(drafter_digest(parameters["drafter_dir"]), str(cfg.target.checkpoint),
                                        cfg.target.revision, cfg.server.host.name, cfg.server.backend,
-                                       cfg.server.launch_args, cfg.server.env,  # tuning changes the figures
+                                       redact_args(cfg.server.launch_args), cfg.server.env,  # tuning, not keys
                                        cfg.benchmark.model_dump(mode="json"), parameters["prompts"])
 
 

@@ -15,7 +15,8 @@ from eyas.report import artifact_key
 
 
 def _transient(task, task_run, state) -> bool:
-    """Retry launch on anything but a refused login: retrying bad credentials never helps."""
+    """Retry on anything but a refused login or a host configuration that cannot work (a missing
+    known_hosts: HostConfigError is a HostAuthError), or a refused launch: retrying never helps."""
     try:
         state.result()
     except HostAuthError:
@@ -79,7 +80,7 @@ def wait_ready(cfg: PipelineConfig, handle: dict) -> dict:
 
 
 @task(task_run_name="stop@{cfg.server.host.name}", cache_policy=NO_CACHE, retries=2,
-      retry_delay_seconds=5, timeout_seconds=300)
+      retry_delay_seconds=5, retry_condition_fn=_transient, timeout_seconds=300)
 def stop(cfg: PipelineConfig, handle: dict | None = None) -> dict:
     """Stop the server's process group and clean its dump directory."""
     host = make_host(cfg.server.host)

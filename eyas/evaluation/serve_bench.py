@@ -88,10 +88,10 @@ def _generate(client: httpx.Client, ids: list[int], b: BenchmarkConfig, max_new:
 class Meter:
     """One running server's figures, a pass at a time (so two servers' passes can alternate)."""
 
-    def __init__(self, url: str, prompts: list[list[int]], b: BenchmarkConfig):
+    def __init__(self, url: str, prompts: list[list[int]], b: BenchmarkConfig, headers: dict | None = None):
         self.prompts, self.b = prompts, b
         limits = httpx.Limits(max_connections=b.concurrency, max_keepalive_connections=b.concurrency)
-        self.client = httpx.Client(base_url=url, timeout=b.request_timeout_s, limits=limits)
+        self.client = httpx.Client(base_url=url, timeout=b.request_timeout_s, limits=limits, headers=headers)
         self.single: list[float] = []
         self.concurrent: list[float] = []
         self.ttft: list[float] = []
@@ -138,9 +138,9 @@ class Meter:
         }
 
 
-def measure(url: str, prompts: list[list[int]], b: BenchmarkConfig) -> dict[str, Any]:
+def measure(url: str, prompts: list[list[int]], b: BenchmarkConfig, headers: dict | None = None) -> dict[str, Any]:
     """Warm up, then num_repeats passes; medians of tokens/s and TTFT, the server's acceptance."""
-    meter = Meter(url, prompts, b)
+    meter = Meter(url, prompts, b, headers)
     meter.warm_up()
     for _ in range(b.num_repeats):
         meter.one_pass()
@@ -170,7 +170,7 @@ def bench_server(host: Host, cfg: PipelineConfig, prompts: list[list[int]], log=
     """Start the server cfg describes, wait until ready, measure it, and always stop it."""
     handle, ready_s = _start(host, cfg, log)
     try:
-        figures = measure(handle.url, prompts, cfg.benchmark)
+        figures = measure(handle.url, prompts, cfg.benchmark, launch.auth_headers(cfg))
     finally:
         launch.stop_server(host, cfg, handle.pid)
     return {**figures, "ready_seconds": ready_s, "command": handle.command}
@@ -183,7 +183,7 @@ def bench_interleaved(host: Host, cfgs: list[PipelineConfig], prompts: list[list
     try:
         for c in cfgs:
             started.append((c, *_start(host, c, log)))
-        meters = [Meter(h.url, prompts, c.benchmark) for c, h, _ in started]
+        meters = [Meter(h.url, prompts, c.benchmark, launch.auth_headers(c)) for c, h, _ in started]
         for m in meters:
             m.warm_up()
         for _ in range(cfgs[0].benchmark.num_repeats):

@@ -94,13 +94,15 @@ class ServerPool:
     """Bounded, retrying /generate requests over one or many endpoints (see the module docstring)."""
 
     def __init__(self, endpoints: list[Endpoint], *, request_timeout_s: float = 300.0, retries: int = 5,
-                 backoff_s: float = 2.0, backoff_max_s: float = 60.0, connect_timeout_s: float = 10.0):
+                 backoff_s: float = 2.0, backoff_max_s: float = 60.0, connect_timeout_s: float = 10.0,
+                 headers: dict[str, str] | None = None):
         if not endpoints:
             raise ValueError("ServerPool needs at least one endpoint")
         urls = [e.url for e in endpoints]
         if len(set(urls)) != len(urls):
             raise ValueError(f"ServerPool: duplicate endpoint urls {urls}")
         self.endpoints = list(endpoints)
+        self._headers = dict(headers or {})  # e.g. the server's API key
         self.request_timeout_s, self.retries = request_timeout_s, retries
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self._timeout = httpx.Timeout(request_timeout_s, connect=min(connect_timeout_s, request_timeout_s))
@@ -114,7 +116,7 @@ class ServerPool:
 
     async def _setup(self) -> None:
         slots = sum(e.max_in_flight for e in self.endpoints)
-        self._client = httpx.AsyncClient(timeout=self._timeout, limits=httpx.Limits(
+        self._client = httpx.AsyncClient(timeout=self._timeout, headers=self._headers, limits=httpx.Limits(
             max_connections=slots + 4, max_keepalive_connections=slots + 4))
         self._changed = asyncio.Condition()
 

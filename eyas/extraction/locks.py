@@ -120,6 +120,7 @@ def reclaim_stale_server(host: Host, cfg: PipelineConfig) -> dict | None:
     Call only with the output lock held (then no live run of this config uses that server). Returns
     what was done, or None when there was nothing to reclaim.
     """
+    from eyas.secrets import redact_args
     from eyas.server.launch import _recorded_pid, launch_command, stop_server
 
     pid = _recorded_pid(host, cfg)
@@ -127,5 +128,5 @@ def reclaim_stale_server(host: Host, cfg: PipelineConfig) -> dict | None:
         return None
     argv = _cmdline(host, pid)
     if argv != shlex.split(launch_command(cfg)):
-        return {"pid": pid, "outcome": "left alone: not this config's server", "cmdline": argv}
+        return {"pid": pid, "outcome": "left alone: not this config's server", "cmdline": redact_args(argv or [])}
     return {**stop_server(host, cfg, pid), "reason": "stale server of a killed run of this config"}

@@ -28,7 +28,7 @@ from eyas.extraction.data import ShardPlan
 from eyas.extraction.progress import ExtractionRun
 from eyas.extraction.shards import sha256_file
 from eyas.server.hosts import make_host
-from eyas.server.launch import server_alive
+from eyas.server.launch import auth_headers, server_alive
 from eyas.target import load_tokenizer, target_dims
 
 Log = Callable[..., None]  # log(fmt, *args), as logging.Logger.info takes them
@@ -101,12 +101,13 @@ def endpoints(cfg: PipelineConfig) -> list[Endpoint]:
 
 def pool_for(cfg: PipelineConfig) -> ServerPool:
     x = cfg.extraction
-    key = (tuple(endpoints(cfg)), x.request_timeout_s, x.request_retries, x.retry_backoff_s)
+    headers = auth_headers(cfg)
+    key = (tuple(endpoints(cfg)), x.request_timeout_s, x.request_retries, x.retry_backoff_s, tuple(headers.items()))
     with _pools_lock:
         if key not in _pools:
             logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
             _pools[key] = ServerPool(endpoints(cfg), request_timeout_s=x.request_timeout_s,
-                                     retries=x.request_retries, backoff_s=x.retry_backoff_s)
+                                     retries=x.request_retries, backoff_s=x.retry_backoff_s, headers=headers)
         return _pools[key]
 
 

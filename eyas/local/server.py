@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-server-warmup", action="store_true")
     p.add_argument("--max-running-requests", type=int, default=1,
                    help="plain (non-speculative) requests decoded together, one forward per step for all")
+    p.add_argument("--api-key", default=None, help="as SGLang: every route but /health* wants "
+                   "'Authorization: Bearer KEY' (never logged nor shown in /server_info)")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, ignored")
     p.add_argument("--trust-remote-code", action="store_true", help="accepted, ignored")
     p.add_argument("--random-seed", type=int, default=0, help="seed of sampling without sampling_seed")
@@ -263,8 +265,18 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _refused(self, path: str) -> bool:
+        """SGLang's API-key middleware: /health* is open, every other route wants the bearer key."""
+        key = self.state.args.api_key
+        if key is None or path.startswith("/health") or self.headers.get("Authorization") == f"Bearer {key}":
+            return False
+        self._send(401, {"error": "Unauthorized"})
+        return True
+
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
+        if self._refused(path):
+            return None
         if path in ("/health", "/health_generate"):
             return self._health()
         if path == "/ready":
@@ -305,6 +317,8 @@ class Handler(BaseHTTPRequestHandler):
         if length is None:
             return
         raw = self.rfile.read(length)
+        if self._refused(path):
+            return None
         if path == "/flush_cache":
             return self._send(200)
         if path != "/generate":
@@ -347,8 +361,10 @@ def _warmup_then_ready(state: ServerState, url: str, skip_warmup: bool) -> None:
         else:
             body["input_ids"] = [i % state.engine.vocab_size for i in (10, 11, 12)]
         try:
+            key = state.args.api_key
             req = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json",
+                                                  **({"Authorization": f"Bearer {key}"} if key else {})})
             with urllib.request.urlopen(req, timeout=600) as res:
                 res.read()
         except Exception:  # noqa: BLE001 - any failure means the server is not usable
@@ -360,7 +376,8 @@ def _warmup_then_ready(state: ServerState, url: str, skip_warmup: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    log(f"server_args={vars(args)}")
+    shown = {**vars(args), "api_key": None if args.api_key is None else "***"}
+    log(f"server_args={shown}")
     if args.tp_size != 1:
         log(f"tp_size={args.tp_size} ignored: eyas-local runs the whole model in one CPU process")
     if args.dtype not in ("auto", "float32"):
@@ -397,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                   "model_type": model.config.model_type, "weight_version": "default",
                   "preferred_sampling_params": None, "has_image_understanding": False,
                   "has_audio_understanding": False}
-    server_info = {**vars(args), "served_model_name": served, "version": __version__,
+    server_info = {**shown, "served_model_name": served, "version": __version__,
                    "backend": "eyas-local", "dump_dir": dump_dir if writer else None,
                    "aux_hidden_state_layer_ids": capture_ids if writer else None,
                    "layer_convention": "capture-before", "hidden_size": model.config.hidden_size,

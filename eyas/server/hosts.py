@@ -6,11 +6,16 @@
     host.kill_group(pid)
 
 Both implementations have the same methods and the same failure types, so stages never ask which
-one they hold. Commands are shell strings run by /bin/sh on the host.
+one they hold. Commands are shell strings run by /bin/sh on the host: callers quote every value in
+them (shlex); environment names are checked here. Secret variables (`start(..., secret_env=)`)
+never enter a command string: a local process gets them through its environment, an SSH one
+through the channel's stdin. Error messages pass through eyas.secrets.redact.
 """
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import shlex
 import signal
@@ -22,6 +27,9 @@ from pathlib import Path
 from typing import Protocol
 
 from eyas.config import HostConfig
+from eyas.secrets import check_env_name, redact, register
+
+log = logging.getLogger(__name__)
 
 
 def free_port(bind: str = "127.0.0.1") -> int:
@@ -35,6 +43,7 @@ class HostError(RuntimeError):
     """A command on a host failed; carries the host, the command and what it printed."""
 
     def __init__(self, host: str, command: str, exit_code: int | None, stderr: str = ""):
+        command, stderr = redact(command), redact(stderr)  # never a secret in a message
         self.host, self.command, self.exit_code, self.stderr = host, command, exit_code, stderr
         tail = stderr.strip()[-2000:]
         super().__init__(f"[{host}] command failed (exit {exit_code}): {command}\n{tail}".rstrip())
@@ -56,6 +65,14 @@ class HostAuthError(HostError):
         self.args = (f"[{host}] authentication or host-key failure: {reason}",)
 
 
+class HostConfigError(HostAuthError):
+    """The host's configuration cannot work (a known_hosts file that is not there): never retried."""
+
+    def __init__(self, host: str, reason: str):
+        super().__init__(host, reason)
+        self.args = (f"[{host}] {reason}",)
+
+
 @dataclass
 class RunResult:
     exit_code: int
@@ -73,7 +90,7 @@ class Host(Protocol):
     def run(self, command: str, *, check: bool = True, timeout: float | None = None,
             env: dict[str, str] | None = None) -> RunResult: ...
     def start(self, command: str, *, log_path: str | Path, env: dict[str, str] | None = None,
-              cwd: str | Path | None = None) -> int: ...
+              cwd: str | Path | None = None, secret_env: dict[str, str] | None = None) -> int: ...
     def is_alive(self, pid: int) -> bool: ...
     def read_from(self, path: str | Path, offset: int, max_bytes: int = 1 << 20) -> tuple[bytes, int]: ...
     def put(self, local: str | Path, remote: str | Path) -> None: ...
@@ -90,16 +107,23 @@ def _alive_from_status(status: str) -> bool:
     return not zombie or int(fields.get("Threads", "1").strip() or 1) > 1
 
 
+def _exports(env: dict[str, str] | None) -> str:
+    """`A='1' B='x y'`: names checked (never quoted, so never free text), values quoted."""
+    return " ".join(f"{check_env_name(k)}={shlex.quote(str(v))}" for k, v in (env or {}).items())
+
+
 def _background_script(command: str, log_path: str | Path, env: dict[str, str] | None,
-                       cwd: str | Path | None) -> str:
+                       cwd: str | Path | None, env_on_stdin: bool = False) -> str:
     """A shell line that starts `command` detached and prints its pid at once.
 
     setsid gives it its own session and process group (so kill_group reaches its children),
     stdin comes from /dev/null and both outputs go to the log, so no channel stays open: with
     Fabric, an open stdout would make the launch block for as long as the server runs.
+    env_on_stdin: first read `export NAME='value'` lines from stdin (secrets, off the command line).
     """
-    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
-    prefix = f"cd {shlex.quote(str(cwd))}; " if cwd else ""
+    exports = _exports(env)
+    prefix = 'eval "$(cat)"; ' if env_on_stdin else ""
+    prefix += f"cd {shlex.quote(str(cwd))}; " if cwd else ""
     log = shlex.quote(str(log_path))
     inner = f"{'export ' + exports + '; ' if exports else ''}exec {command}"
     return (f"{prefix}mkdir -p \"$(dirname {log})\"; "
@@ -117,18 +141,27 @@ class _BaseHost:
             raise HostError(self.name, command, exit_code, stderr)
         return result
 
-    def start(self, command, *, log_path, env=None, cwd=None) -> int:
-        out = self.run(_background_script(command, log_path, env, cwd), timeout=30).stdout
+    def start(self, command, *, log_path, env=None, cwd=None, secret_env=None) -> int:
+        _exports(secret_env)  # names checked before anything runs
+        register(*(secret_env or {}).values())
+        out = self._start_script(_background_script(command, log_path, env, cwd, bool(secret_env)
+                                                    and self._secrets_on_stdin), secret_env or {}).stdout
         return int(out.strip().splitlines()[-1])
 
 
 class LocalHost(_BaseHost):
     """This machine, through subprocess."""
 
+    _secrets_on_stdin = False
+
     def __init__(self, name: str = "localhost"):
         self.name = name
 
+    def _start_script(self, script: str, secret_env: dict[str, str]) -> RunResult:
+        return self.run(script, timeout=30, env=secret_env)  # the environment, not the command
+
     def run(self, command, *, check=True, timeout=None, env=None) -> RunResult:
+        _exports(env)
         full_env = {**os.environ, **(env or {})}
         try:
             p = subprocess.run(command, shell=True, capture_output=True, text=True,
@@ -192,10 +225,31 @@ def _classify_connect_error(name: str, e: BaseException) -> HostError:
     return HostError(name, "<connect>", None, f"{type(e).__name__}: {e}")
 
 
+class _WholeStream(io.StringIO):
+    """stdin for Fabric, handed over in one read (invoke reads 1 byte per 10 ms otherwise), then EOF."""
+
+    def read(self, size: int | None = -1) -> str:
+        return super().read()
+
+
+class _AcceptUnknownHostKey:
+    """insecure_accept_any_host_key: a host known_hosts does not list is accepted, with a warning,
+    and not written to the file. A listed host whose key differs never gets here: paramiko refuses it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def missing_host_key(self, client, hostname, key) -> None:
+        log.warning("[%s] accepting the unlisted host key of %s (%s %s) because insecure_accept_any_host_key "
+                    "is true; add it to known_hosts", self.name, hostname, key.get_name(), key.fingerprint)
+
+
 class SSHHost(_BaseHost):
     """A remote host through Fabric, with its host key checked against a known_hosts file."""
 
-    def __init__(self, cfg: HostConfig):
+    _secrets_on_stdin = True
+
+    def __init__(self, cfg: HostConfig, field: str = "server.host"):
         from fabric import Connection
 
         self.name = cfg.name
@@ -205,35 +259,51 @@ class SSHHost(_BaseHost):
             connect_kwargs["key_filename"] = str(Path(cfg.key_filename).expanduser())
         self._conn = Connection(host=cfg.hostname, user=cfg.user, port=cfg.port,
                                 connect_timeout=cfg.connect_timeout_s, connect_kwargs=connect_kwargs)
-        # Fabric installs AutoAddPolicy (trust any key); replace it unless told otherwise.
+        # Fabric installs AutoAddPolicy (trust any key, and write it into a loaded known_hosts).
+        # known_hosts is always read when configured, so a key that contradicts it is always refused.
         import paramiko
 
-        if not cfg.insecure_accept_any_host_key:
-            self._conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
-            self._conn.client.load_host_keys(str(Path(cfg.known_hosts).expanduser()))
+        if cfg.known_hosts is not None:
+            known = Path(cfg.known_hosts).expanduser()
+            if not known.is_file():
+                raise HostConfigError(self.name, f"{field}.known_hosts: {known} does not exist (it must list "
+                                                 f"the host's key: ssh-keyscan -p {cfg.port} {cfg.hostname})")
+            self._conn.client.load_host_keys(str(known))
+        insecure = cfg.insecure_accept_any_host_key
+        self._conn.client.set_missing_host_key_policy(
+            _AcceptUnknownHostKey(self.name) if insecure else paramiko.RejectPolicy())
 
     def _open(self):
         if not self._conn.is_connected:
+            if self.cfg.insecure_accept_any_host_key:
+                log.warning("[%s] connecting with insecure_accept_any_host_key: true: a host key known_hosts "
+                            "does not list is accepted unchecked", self.name)
             try:
                 self._conn.open()
             except Exception as e:  # noqa: BLE001 - classified into our three error types
                 raise _classify_connect_error(self.name, e) from e
         return self._conn
 
-    def run(self, command, *, check=True, timeout=None, env=None) -> RunResult:
+    def run(self, command, *, check=True, timeout=None, env=None, stdin: str | None = None) -> RunResult:
         from invoke.exceptions import CommandTimedOut
 
-        conn = self._open()
         if env:
-            command = "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + "; " + command
+            command = f"export {_exports(env)}; {command}"
+        conn = self._open()
         try:
-            r = conn.run(command, hide=True, warn=True, timeout=timeout, in_stream=False)
+            r = conn.run(command, hide=True, warn=True, timeout=timeout,
+                         in_stream=False if stdin is None else _WholeStream(stdin))
         except CommandTimedOut as e:
             raise HostError(self.name, command, None, f"timed out after {timeout}s") from e
         except (OSError, EOFError) as e:
             self._conn.close()
             raise HostUnreachable(self.name, f"{type(e).__name__}: {e}") from e
         return self._result(command, r.exited, r.stdout, r.stderr, check)
+
+    def _start_script(self, script: str, secret_env: dict[str, str]) -> RunResult:
+        # The secrets travel on the channel's stdin, read by the script's `eval "$(cat)"`.
+        lines = "".join(f"export {_exports({k: v})}\n" for k, v in secret_env.items())
+        return self.run(script, timeout=30, stdin=lines or None)
 
     def is_alive(self, pid: int) -> bool:
         # Reading /proc/<pid>/stat over the open SFTP channel costs well under a millisecond;
@@ -286,9 +356,9 @@ class SSHHost(_BaseHost):
         self._conn.close()
 
 
-def make_host(cfg: HostConfig) -> Host:
-    """The Host for a config section."""
-    return SSHHost(cfg) if cfg.kind == "ssh" else LocalHost(cfg.name)
+def make_host(cfg: HostConfig, field: str = "server.host") -> Host:
+    """The Host for a config section (`field` names that section in configuration errors)."""
+    return SSHHost(cfg, field) if cfg.kind == "ssh" else LocalHost(cfg.name)
 
 
 def wait_dead(host: Host, pid: int, timeout: float, poll: float = 0.1) -> bool:

@@ -6,12 +6,16 @@
 
 The same function launches SGLang on a GPU host and eyas's local server here: only the command
 differs. Both get the dump directory through EYAS_DUMP_DIR, so the hidden-state writer in either
-process writes to the place the collector reads.
+process writes to the place the collector reads. Every config value in a command is quoted; the
+server's secret variables (server.secret_env, server.env_from) are resolved here, on the worker, and
+handed to Host.start apart from the command; the command kept in the handle (logged, reported) is
+redacted (eyas/secrets.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import sys
@@ -19,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 from eyas.config import PipelineConfig
 from eyas.dump import DUMP_DIR_ENV
+from eyas.secrets import PYDANTIC_MASK, redact, register, secret_flag_values
 from eyas.server.hosts import Host, HostError, make_host, wait_dead
 
 # The forward hook that the patch stage installs on SGLang hosts (patches/sglang/<version>/).
@@ -36,7 +41,7 @@ class ServerHandle:
     url: str
     log_path: str
     log_offset: int  # the log's size at launch: the sensor reads only what this launch wrote
-    command: str
+    command: str  # redacted: an --api-key value reads ***
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,9 +79,39 @@ def launch_env(cfg: PipelineConfig) -> dict[str, str]:
     return {**cfg.server.env, DUMP_DIR_ENV: str(cfg.server.dump_dir), "PYTHONUNBUFFERED": "1"}
 
 
+def launch_secrets(cfg: PipelineConfig, environ=os.environ) -> dict[str, str]:
+    """The server's secret variables: server.env_from read from this process's environment (the
+    worker's), server.secret_env's values. Registered for redaction; never part of a command."""
+    s, out = cfg.server, {}
+    for name, source in s.env_from.items():
+        if source not in environ:
+            raise LaunchError(f"server.env_from: {source} is not set in the environment of this worker "
+                              f"(pid {os.getpid()}), so the server's {name} cannot be given")
+        out[name] = environ[source]
+    for name, value in s.secret_env.items():
+        if value.get_secret_value() == PYDANTIC_MASK:
+            raise LaunchError(f"server.secret_env.{name} holds {PYDANTIC_MASK}, the mask Prefect stored instead of "
+                              f"the value; give the secret through server.env_from or a config file on the worker")
+        out[name] = value.get_secret_value()
+    register(*out.values(), *secret_flag_values(s.launch_args))
+    return out
+
+
+def auth_headers(cfg: PipelineConfig) -> dict[str, str]:
+    """What every request to the launched server carries: the --api-key of server.launch_args, as
+    SGLang wants it (Authorization: Bearer KEY; its /health routes need none)."""
+    keys = secret_flag_values(cfg.server.launch_args)
+    register(*keys)
+    return {"Authorization": f"Bearer {keys[-1]}"} if keys else {}
+
+
+_PORT_PROBE = ("import socket, sys; s = socket.socket(); s.settimeout(1); "
+               "sys.exit(0 if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 1)")
+
+
 def _port_in_use(host: Host, bind: str, port: int) -> bool:
-    probe = ("python3 -c \"import socket,sys; s=socket.socket(); s.settimeout(1); "
-             f"sys.exit(0 if s.connect_ex(('{'127.0.0.1' if bind in ('0.0.0.0', '') else bind}', {port})) == 0 else 1)\"")
+    address = "127.0.0.1" if bind in ("0.0.0.0", "", "::") else bind  # values as arguments, never code
+    probe = shlex.join(["python3", "-c", _PORT_PROBE, address, str(int(port))])
     return host.run(probe, check=False, timeout=15).ok
 
 
@@ -101,6 +136,7 @@ def server_alive(cfg: PipelineConfig) -> bool:
 def start_server(host: Host, cfg: PipelineConfig) -> ServerHandle:
     """Start the server detached; refuses if its port is taken or a recorded server lives."""
     s = cfg.server
+    secrets = launch_secrets(cfg)  # a missing secret fails before anything on the host changes
     old = _recorded_pid(host, cfg)
     if old is not None and host.is_alive(old):
         raise LaunchError(f"[{host.name}] a server recorded in {s.pid_path} (pid {old}) is still alive; "
@@ -111,9 +147,9 @@ def start_server(host: Host, cfg: PipelineConfig) -> ServerHandle:
     host.run(f"mkdir -p {q(str(s.workdir))} {q(str(s.dump_dir))} && rm -rf {q(str(s.dump_dir))}/*")
     size = host.run(f"stat -c %s {q(str(s.log_path))} 2>/dev/null || echo 0", check=False).stdout.strip()
     command = launch_command(cfg)
-    pid = host.start(command, log_path=s.log_path, env=launch_env(cfg), cwd=s.workdir)
-    host.run(f"echo {pid} > {q(str(s.pid_path))}")
-    return ServerHandle(pid, host.name, s.url, str(s.log_path), int(size or 0), command)
+    pid = host.start(command, log_path=s.log_path, env=launch_env(cfg), cwd=s.workdir, secret_env=secrets)
+    host.run(f"echo {int(pid)} > {q(str(s.pid_path))}")
+    return ServerHandle(pid, host.name, s.url, str(s.log_path), int(size or 0), redact(command))
 
 
 def stop_server(host: Host, cfg: PipelineConfig, pid: int | None = None) -> dict:

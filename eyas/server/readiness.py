@@ -21,6 +21,7 @@ from typing import Callable
 
 import httpx
 
+from eyas.secrets import redact
 from eyas.server.hosts import Host, HostUnreachable
 
 READY_LINE = "The server is fired up and ready to roll!"
@@ -168,8 +169,8 @@ class ServerFailed(RuntimeError):
                  fatal_lines: list[str] | None = None):
         self.reason = reason
         self.detail = detail
-        self.log_lines = list(log_lines)
-        self.fatal_lines = list(fatal_lines or [])
+        self.log_lines = [redact(line) for line in log_lines]  # SGLang logs its args, an api_key among them
+        self.fatal_lines = [redact(line) for line in fatal_lines or []]
         message = f"{reason}: {detail}" if detail else reason
         if self.fatal_lines:
             message += "\n--- offending lines ---\n" + "\n".join(self.fatal_lines[:5])

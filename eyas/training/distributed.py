@@ -54,7 +54,8 @@ def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json:
     from eyas.training.train import TrainResult
 
     d = cfg.distributed
-    hosts = hosts or ([make_host(h) for h in d.hosts] if d.hosts else [LocalHost()])
+    hosts = hosts or ([make_host(h, f"training.distributed.hosts[{i}]") for i, h in enumerate(d.hosts)]
+                      if d.hosts else [LocalHost()])
     local = all(isinstance(h, LocalHost) for h in hosts)
     master = "127.0.0.1" if local else (d.hosts[0].hostname or d.hosts[0].name)
     python = d.python or (sys.executable if local else "python3")
