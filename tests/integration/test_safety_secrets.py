@@ -8,7 +8,6 @@ process must get all three; the Prefect database and result storage, the run's o
 log and the worker's console must hold none of them.
 """
 
-import json
 import subprocess
 import sys
 import threading
