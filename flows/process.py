@@ -11,10 +11,12 @@ cgroup-wide stop, as systemd sends, leaves it too), and ended when eyas closes i
 the kernel does when eyas exits, however it exits (kill -9 included).
 
 On SIGTERM or SIGINT, Prefect's engine marks the runs Crashed ("Execution was aborted by a
-termination signal") and runs their hooks on the way out; the extract flow's `finally` and the
-flows' hooks stop the server the run launched. Then the process exits at once, with 128 + the
-signal number, without waiting for worker threads. A watchdog bounds the whole: after GRACE_S it
-stops whatever server this process launched and is still up, and exits.
+termination signal") and runs their hooks on the way out (SIGTERM reaches Prefect's own handler
+first, SIGINT eyas's, which raises the same TerminationSignal); the extract flow's `finally` and the
+flows' hooks stop the server the run launched. When the signal comes back to eyas's handler (Prefect
+re-sends it to the handler it replaced), the process stops whatever server it launched and is still
+up, hands the logs over and exits at once with 128 + the signal number, without waiting for worker
+threads. From that moment a watchdog bounds the rest to GRACE_S.
 """
 
 from __future__ import annotations
@@ -117,8 +119,8 @@ class Termination:
         if self.signum is not None:
             return  # already stopping; the watchdog bounds it
         self.signum = signum
-        print(f"eyas: {signal.Signals(signum).name}: stopping the run: its servers, its flow runs "
-              f"(exit within {self.grace_s:.0f} s)", file=sys.stderr, flush=True)
+        print(f"eyas: {signal.Signals(signum).name}: ending the run (its servers stopped, its flow runs "
+              f"final); exiting within {self.grace_s:.0f} s", file=sys.stderr, flush=True)
         threading.Thread(target=self._watchdog, daemon=True, name="eyas-termination").start()
         raise TerminationSignal(signal=signum)
 

@@ -10,6 +10,7 @@ server (tests/prefect_server.py).
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -106,3 +107,28 @@ def test_sigint_ends_an_eyas_run_on_a_prefect_server_within_seconds(tmp_path, pr
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="-sigint@")))
     assert runs and all(r.state.is_final() for r in runs), [(r.name, r.state) for r in runs]
+
+
+def test_the_temporary_prefect_server_ends_with_its_eyas_process_even_on_kill_9(tmp_path):
+    """No orphan API: the temporary server, deaf to signals, still goes when its eyas process goes."""
+    (tmp_path / "prefect").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from flows.process import TemporaryServer; "
+                               "s = TemporaryServer(); print(s.url, flush=True); time.sleep(300)"],
+                              cwd=eyas_run.ROOT, env=eyas_run.env(tmp_path, None), stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        url = holder.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        servers = _temporary_servers(tmp_path / "prefect")
+        assert len(servers) == 1
+        os.killpg(holder.pid, signal.SIGKILL)  # no handler, no atexit: only the kernel closing its pipe
+        holder.wait(10)
+        end = time.monotonic() + 15
+        while _temporary_servers(tmp_path / "prefect") and time.monotonic() < end:
+            time.sleep(0.2)
+        assert not _temporary_servers(tmp_path / "prefect"), "the temporary server outlived its eyas process"
+    finally:
+        if holder.poll() is None:
+            os.killpg(holder.pid, signal.SIGKILL)
+        for pid in _temporary_servers(tmp_path / "prefect"):
+            os.kill(pid, signal.SIGKILL)
