@@ -73,12 +73,20 @@ def ensure_host_limit(cfg: PipelineConfig) -> str:
 
 
 def this_machine() -> dict:
-    """Where this process runs: what a holder record says, and what tells "the same machine"."""
-    machine = next((p.read_text().strip() for p in (Path("/etc/machine-id"), Path("/var/lib/dbus/machine-id"))
-                    if p.exists()), "")
-    return {"hostname": socket.gethostname(), "machine": machine,
-            "boot": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
-            "pidns": os.readlink("/proc/self/ns/pid")}
+    """Where this process runs: what a holder record says, and what tells "the same machine" (same
+    hostname, machine id and pid namespace: a container's pids are not its host's)."""
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return ""
+
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = ""
+    return {"hostname": socket.gethostname(), "machine": read("/etc/machine-id") or read("/var/lib/dbus/machine-id"),
+            "boot": read("/proc/sys/kernel/random/boot_id"), "pidns": pidns}
 
 
 def holder_record(cfg: PipelineConfig) -> dict:
