@@ -42,8 +42,10 @@ def _load(args):
 def cmd_run(args) -> int:
     cfg = _load(args)
     from flows.pipeline import eagle3_pipeline
+    from flows.process import run_in_process
 
-    report = eagle3_pipeline(cfg)
+    # SIGTERM / SIGINT: the run's servers stopped, its flow runs final, exit within seconds.
+    report = run_in_process(eagle3_pipeline, cfg)
     print(json.dumps({k: report[k] for k in ("acceptance_length", "extraction", "stages_seconds")}, indent=2))
     print(f"report:  {Path(cfg.run_dir) / 'report.json'}")
     print(f"drafter: {report['drafter_dir']}")
@@ -68,7 +70,7 @@ def cmd_stop(args) -> int:
     from eyas.server.hosts import make_host
     from eyas.server.launch import stop_server
 
-    cfg = _load(args)
+    cfg = _load(args)  # only a server this config's launch recorded, and still that very process
     print(json.dumps(stop_server(make_host(cfg.server.host), cfg)))
     return 0
 

@@ -11,6 +11,7 @@ current directory is. Paths on an SSH host must be absolute: they name files on 
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -423,7 +424,28 @@ def config_from_dict(raw: dict[str, Any], base_dir: Path, source: str = "<dict>"
     fields = _LOCAL_PATHS + (_SERVER_PATHS if cfg.server.host.kind == "local" else [])
     for dotted in fields:
         _resolve(cfg, dotted, base_dir)
+    _check_server_folders(cfg, source)
     return cfg
+
+
+_HOME_PARENTS = (Path("/home"), Path("/Users"))
+
+
+def _check_server_folders(cfg: PipelineConfig, source: str) -> None:
+    """server.workdir and server.dump_dir get eyas's files, and the dump folder is emptied: never a
+    filesystem root or a home folder, and the dump folder never holds the workdir (log, pid record)."""
+    s = cfg.server
+    homes = {Path("/root"), *_HOME_PARENTS, *([Path.home().resolve()] if s.host.kind == "local" else [])}
+    work, dump = (Path(os.path.normpath(p)) for p in (s.workdir, s.dump_dir))
+    for field, p in (("server.workdir", work), ("server.dump_dir", dump)):
+        why = ("is a filesystem root" if p == Path(p.anchor) else
+               "is a home folder" if p in homes or p.parent in _HOME_PARENTS else None)
+        if why:
+            raise ConfigError(f"{source}: {field}: {p} {why}; eyas writes files there (and empties the dump "
+                              f"folder): give it a folder of its own, e.g. {p / 'eyas'}")
+    if dump == work or dump in work.parents:
+        raise ConfigError(f"{source}: server.dump_dir: {dump} holds server.workdir {work} (the log and the "
+                          f"launch record); eyas empties the dump folder: use a folder of its own, e.g. {work / 'dump'}")
 
 
 def _set_dotted(raw: dict, dotted: str, value: Any) -> None:

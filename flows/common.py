@@ -1,4 +1,5 @@
-"""What every eyas flow shares: the config parameter, the per-host GPU lock, the stop-on-failure hook.
+"""What every eyas flow shares: the config parameter, the per-host GPU lock (flows/host_lock.py), the
+stop-on-failure hook.
 
 A flow's `config` parameter is either a path to a YAML config (relative paths are taken from the
 repository root, so deployments work from any working directory), an inline mapping with the same
@@ -12,20 +13,17 @@ values there are refused (docs/operations.md, "Secrets").
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Union
+from typing import Any, Union
 
-from prefect.concurrency.sync import concurrency
-from prefect.logging import get_logger, get_run_logger
+from prefect.logging import get_run_logger
 
 from eyas.config import ConfigError, PipelineConfig, config_from_dict, load_config
 from eyas.secrets import MASK, PYDANTIC_MASK, secret_flag_values
 from eyas.resources import shipped_root
 from eyas.server.hosts import make_host
 from eyas.server.launch import stop_server
-from eyas.extraction.locks import hold_lock, release_lock
+from flows.host_lock import ensure_host_limit, gpu_host, host_limit_name  # noqa: F401 - the flows' lock
 
 ROOT = shipped_root()  # relative config paths: the checkout, or the wheel's shipped copy
 DEFAULT_CONFIG = "configs/local-tiny.yaml"
@@ -74,88 +72,10 @@ def _refuse_secrets(raw: dict, where: str) -> None:
                          f"these values as leaked")
 
 
-def host_limit_name(cfg: PipelineConfig) -> str:
-    """The global concurrency limit that owns a server host's GPUs (one server at a time)."""
-    return f"eyas-gpu-host-{cfg.server.host.name}"
-
-
-def ensure_host_limit(cfg: PipelineConfig) -> str:
-    """Create the host's limit (1 slot) if nobody has; an operator may have made it already."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
-    name = host_limit_name(cfg)
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(name)
-        except ObjectNotFound:
-            try:
-                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-            except ObjectAlreadyExists:
-                pass
-    return name
-
-
-def lock_dir() -> Path:
-    """Where the per-host OS locks live: $EYAS_LOCK_DIR, else PREFECT_HOME/eyas-locks.
-
-    Every run that drives a given GPU host must see the same directory (one worker machine, or a
-    shared EYAS_LOCK_DIR); docs/operations.md says why.
-    """
-    from prefect.settings import get_current_settings
-
-    env = os.environ.get("EYAS_LOCK_DIR")
-    return Path(env) if env else Path(get_current_settings().home) / "eyas-locks"
-
-
-def free_dead_slots(name: str) -> int:
-    """Give back the slots of `name` that runs killed with -9 kept. Only call it holding the host's
-    OS lock: then no live run holds a slot, so every occupied one is a dead run's."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
-
-    with get_client(sync_client=True) as client:
-        held = client.read_global_concurrency_limit_by_name(name).active_slots
-        if held:
-            client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
-    return held
-
-
-@contextmanager
-def gpu_host(cfg: PipelineConfig) -> Iterator[None]:
-    """Own the server host while a server lives there: a second run waits, never doubles.
-
-    First the host's OS lock (an flock in lock_dir(): the kernel drops it when its holder dies, even
-    by kill -9), then the strict Prefect limit of one slot (what the UI shows on its Concurrency
-    page), after giving back any slot a killed run kept.
-    """
-    name, log = ensure_host_limit(cfg), _logger()
-    path = lock_dir() / f"{name}.lock"
-
-    def waiting(pid: str) -> None:
-        log.info("waiting for GPU host %s: another run (pid %s) holds it", cfg.server.host.name, pid)
-
-    hold_lock(path, wait_s=float("inf"), what=f"GPU host {cfg.server.host.name}", on_wait=waiting)
-    try:
-        freed = free_dead_slots(name)
-        if freed:
-            log.warning("gave back %d slot(s) of %s kept by a killed run", freed, name)
-        with concurrency(name, occupy=1, strict=True):
-            yield
-    finally:
-        release_lock(path)
-
-
-def _logger():
-    try:
-        return get_run_logger()
-    except Exception:  # noqa: BLE001 - outside a run context
-        return get_logger("eyas.flows")
-
-
 def stop_server_hook(flow, flow_run, state) -> None:
-    """on_failure / on_crashed: stop the server the run launched, so no failed run holds GPUs."""
+    """on_failure / on_crashed / on_cancellation: stop the server this run (or a subflow of it)
+    launched, so no failed run holds GPUs. Another run's server is left alone: a run that failed
+    because another one holds the config (OutputBusy) launched nothing and stops nothing."""
     try:
         cfg = resolve_config(flow_run.parameters["config"], flow_run.parameters.get("overrides"))
     except Exception as e:  # noqa: BLE001 - a bad config never launched anything
@@ -163,11 +83,11 @@ def stop_server_hook(flow, flow_run, state) -> None:
         return
     host = make_host(cfg.server.host)
     try:
-        outcome = stop_server(host, cfg)
+        outcome = stop_server(host, cfg, runs={str(flow_run.id)})
     finally:
         host.close()
     try:
-        get_run_logger().warning("run %s: stopped the server on %s: %s", state.name,
+        get_run_logger().warning("run %s: the server this run launched on %s: %s", state.name,
                                  cfg.server.host.name, outcome)
     except Exception:  # noqa: BLE001 - hooks may run without a run context
         print(f"stop-server hook ({state.name}): {outcome}")

@@ -28,7 +28,8 @@ from tasks.server import stop
 
 @flow(name="eyas-extract", flow_run_name=run_name("extract"), log_prints=True,
       task_runner=ThreadPoolTaskRunner(max_workers=2),
-      on_failure=[stop_server_hook], on_crashed=[stop_server_hook])
+      on_failure=[stop_server_hook], on_crashed=[stop_server_hook],
+      on_cancellation=[stop_server_hook])
 def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None) -> Extracted:
     """Plan the shards, bring the server up, (regenerate the replies,) extract every shard, stop it.
 

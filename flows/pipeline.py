@@ -29,7 +29,8 @@ from tasks.preflight import preflight_check
 
 
 @flow(name="eagle3-pipeline", flow_run_name=run_name("eagle3"), log_prints=True,
-      on_failure=[stop_server_hook], on_crashed=[stop_server_hook])
+      on_failure=[stop_server_hook], on_crashed=[stop_server_hook],
+      on_cancellation=[stop_server_hook])
 def eagle3_pipeline(config: ConfigParam = DEFAULT_CONFIG,
                     overrides: dict[str, Any] | None = None) -> dict:
     """Raise an EAGLE-3 drafter for the configured target, end to end."""

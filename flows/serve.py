@@ -32,7 +32,8 @@ def run_name(prefix: str):
 
 
 @flow(name="eyas-serve", flow_run_name=run_name("serve"), log_prints=True,
-      on_failure=[stop_server_hook], on_crashed=[stop_server_hook])
+      on_failure=[stop_server_hook], on_crashed=[stop_server_hook],
+      on_cancellation=[stop_server_hook])
 def serve(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None) -> ServerUp:
     """Patch the server host, launch the target server, wait until it is ready."""
     cfg, stage = resolve_config(config, overrides), Stopwatch()

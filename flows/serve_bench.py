@@ -31,20 +31,22 @@ from tasks.serve_bench import benchmark_serving_for
 
 
 def stop_bench_servers(flow, flow_run, state) -> None:
-    """on_failure / on_crashed: stop whichever benchmark server is still recorded as running."""
+    """on_failure / on_crashed / on_cancellation: stop the benchmark servers this run launched that
+    are still recorded as running (another run's are left alone)."""
     p = flow_run.parameters
     cfg = resolve_config(p["config"], p.get("overrides"))
     host = make_host(cfg.server.host)
     try:
         for label, offset in (("plain", 0), ("speculative", 1 if cfg.benchmark.interleave else 0)):
             print(f"serve-bench hook ({state.name}): {label}:",
-                  stop_server(host, serve_bench.server_config(cfg, label, None, port_offset=offset)))
+                  stop_server(host, serve_bench.server_config(cfg, label, None, port_offset=offset),
+                              runs={str(flow_run.id)}))
     finally:
         host.close()
 
 
 @flow(name="eyas-serve-bench", flow_run_name=run_name("serve-bench"), log_prints=True,
-      on_failure=[stop_bench_servers], on_crashed=[stop_bench_servers])
+      on_failure=[stop_bench_servers], on_crashed=[stop_bench_servers], on_cancellation=[stop_bench_servers])
 def serve_bench_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None,
                      drafter_dir: str | None = None, prompts: list[list[int]] | None = None) -> dict | None:
     """Serving speed with vs without the drafter: report.json's `serving` section."""

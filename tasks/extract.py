@@ -21,7 +21,10 @@ stage.runs.make_on_change = ExtractionPublisher
 @task(task_run_name="prepare-data", cache_policy=NO_CACHE, timeout_seconds=6 * 3600)
 def prepare_data(cfg: PipelineConfig, data_path: str | None = None, take_output_dir: bool = True) -> Prepared:
     """Take the output dir, clean a killed run's leftovers, tokenize, plan the shards, check disk space."""
-    return stage.prepare(cfg, data_path, take_dir=take_output_dir, log=logger().info)
+    from prefect.runtime import flow_run
+
+    return stage.prepare(cfg, data_path, take_dir=take_output_dir, log=logger().info,
+                         holder=f"flow run {flow_run.id}" if flow_run.id else "")
 
 
 @task(task_run_name="regenerate-data@{cfg.server.host.name}", cache_policy=NO_CACHE)

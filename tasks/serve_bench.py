@@ -7,6 +7,7 @@ from eyas.config import PipelineConfig
 from eyas.evaluation.export import drafter_digest
 from eyas.evaluation.serve_bench import run_serve_bench
 from eyas.secrets import redact_args
+from tasks.server import run_owner
 from tasks.train import result_key
 
 
@@ -33,7 +34,7 @@ def benchmark_serving(cfg: PipelineConfig, drafter_dir: str, prompts: list[list[
     reports the figures measured before (`refresh: [serve_bench]` measures again).
     """
     logger = get_run_logger()
-    result = run_serve_bench(cfg, drafter_dir, prompts, log=logger.info)
+    result = run_serve_bench(cfg, drafter_dir, prompts, log=logger.info, owner=run_owner())
     logger.info("single-stream speed-up %sx at acceptance length %s (outputs identical: %s)",
                 result["speedup"]["single_stream_tokens_per_s"], result["acceptance_length"],
                 result["identical_outputs"])

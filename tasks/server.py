@@ -11,7 +11,26 @@ from prefect.logging import get_run_logger
 from eyas.server import launch, readiness
 from eyas.config import PipelineConfig
 from eyas.server.hosts import HostAuthError, make_host
+from eyas.server.ownership import Owner
 from eyas.report import artifact_key
+
+
+def run_owner() -> Owner:
+    """A new launch token, with this flow run and its parents (innermost first): the runs whose
+    failure hooks may stop what is launched now (flows/common.py stop_server_hook)."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    runs, run_id = [], flow_run.id
+    try:
+        with get_client(sync_client=True) as client:
+            while run_id and len(runs) < 16:
+                runs.append(str(run_id))
+                parent = client.read_flow_run(run_id).parent_task_run_id
+                run_id = client.read_task_run(parent).flow_run_id if parent else None
+    except Exception:  # noqa: BLE001 - outside a run, or the API went away: what we have
+        pass
+    return Owner.new(runs)
 
 
 def _transient(task, task_run, state) -> bool:
@@ -34,7 +53,7 @@ def launch_server(cfg: PipelineConfig) -> dict:
     """Start the server detached; returns its handle (pid, url, log path and offset)."""
     host = make_host(cfg.server.host)
     try:
-        handle = launch.start_server(host, cfg)
+        handle = launch.start_server(host, cfg, run_owner())
     finally:
         host.close()
     get_run_logger().info("launched pid %s on %s: %s", handle.pid, handle.host, handle.command)
@@ -82,9 +101,10 @@ def wait_ready(cfg: PipelineConfig, handle: dict) -> dict:
 @task(task_run_name="stop@{cfg.server.host.name}", cache_policy=NO_CACHE, retries=2,
       retry_delay_seconds=5, retry_condition_fn=_transient, timeout_seconds=300)
 def stop(cfg: PipelineConfig, handle: dict | None = None) -> dict:
-    """Stop the server's process group and clean its dump directory."""
+    """Stop the server (the one `handle` names, else the recorded one) and clean its dump directory;
+    only ever a process eyas launched (launch.stop_server)."""
     host = make_host(cfg.server.host)
     try:
-        return launch.stop_server(host, cfg, handle["pid"] if handle else None)
+        return launch.stop_server(host, cfg, handle)
     finally:
         host.close()

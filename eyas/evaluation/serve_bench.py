@@ -151,8 +151,8 @@ def measure(url: str, prompts: list[list[int]], b: BenchmarkConfig, headers: dic
 # Launch, measure, stop: plain, then with the drafter (or both at once, passes alternating)
 # ---------------------------------------------------------------------------------------------
 
-def _start(host: Host, cfg: PipelineConfig, log) -> tuple[launch.ServerHandle, float]:
-    handle = launch.start_server(host, cfg)
+def _start(host: Host, cfg: PipelineConfig, log, owner=None) -> tuple[launch.ServerHandle, float]:
+    handle = launch.start_server(host, cfg, owner)
     log(f"launched pid {handle.pid}: {handle.command}")
     try:
         s = cfg.sensor
@@ -161,28 +161,29 @@ def _start(host: Host, cfg: PipelineConfig, log) -> tuple[launch.ServerHandle, f
             poll_interval_s=s.poll_interval_s, stall_timeout_s=s.stall_timeout_s, deadline_s=s.deadline_s,
             http_timeout_s=s.http_timeout_s)
     except BaseException:
-        launch.stop_server(host, cfg, handle.pid)
+        launch.stop_server(host, cfg, handle)
         raise
     return handle, round(ready.seconds, 2)
 
 
-def bench_server(host: Host, cfg: PipelineConfig, prompts: list[list[int]], log=print) -> dict[str, Any]:
+def bench_server(host: Host, cfg: PipelineConfig, prompts: list[list[int]], log=print,
+                 owner=None) -> dict[str, Any]:
     """Start the server cfg describes, wait until ready, measure it, and always stop it."""
-    handle, ready_s = _start(host, cfg, log)
+    handle, ready_s = _start(host, cfg, log, owner)
     try:
         figures = measure(handle.url, prompts, cfg.benchmark, launch.auth_headers(cfg))
     finally:
-        launch.stop_server(host, cfg, handle.pid)
+        launch.stop_server(host, cfg, handle)
     return {**figures, "ready_seconds": ready_s, "command": handle.command}
 
 
 def bench_interleaved(host: Host, cfgs: list[PipelineConfig], prompts: list[list[int]],
-                      log=print) -> list[dict[str, Any]]:
+                      log=print, owner=None) -> list[dict[str, Any]]:
     """Both servers up at once, their passes alternating, so a load change hits both alike."""
     started: list[tuple[PipelineConfig, launch.ServerHandle, float]] = []
     try:
         for c in cfgs:
-            started.append((c, *_start(host, c, log)))
+            started.append((c, *_start(host, c, log, owner)))
         meters = [Meter(h.url, prompts, c.benchmark, launch.auth_headers(c)) for c, h, _ in started]
         for m in meters:
             m.warm_up()
@@ -193,7 +194,7 @@ def bench_interleaved(host: Host, cfgs: list[PipelineConfig], prompts: list[list
                 for m, (_, h, r) in zip(meters, started)]
     finally:
         for c, h, _ in started:
-            launch.stop_server(host, c, h.pid)
+            launch.stop_server(host, c, h)
 
 
 def machine() -> dict[str, Any]:
@@ -226,8 +227,9 @@ def stage_drafter(host: Host, cfg: PipelineConfig, drafter_dir: str | Path) -> P
 
 
 def run_serve_bench(cfg: PipelineConfig, drafter_dir: str | Path, prompts: list[list[int]],
-                    host: Host | None = None, log=print) -> dict[str, Any]:
-    """Both servers, side by side -> figures, speed-up ratios, machine and settings."""
+                    host: Host | None = None, log=print, owner=None) -> dict[str, Any]:
+    """Both servers, side by side -> figures, speed-up ratios, machine and settings. `owner`
+    (ownership.Owner): who launches them, recorded with each launch."""
     b = cfg.benchmark
     if not prompts:
         raise ValueError("run_serve_bench: no prompts (the held-out set is empty)")
@@ -242,10 +244,10 @@ def run_serve_bench(cfg: PipelineConfig, drafter_dir: str | Path, prompts: list[
         plain_cfg = server_config(cfg, "plain", None)
         spec_cfg = server_config(cfg, "speculative", served, port_offset=1 if b.interleave else 0)
         if b.interleave:
-            plain, spec = bench_interleaved(host, [plain_cfg, spec_cfg], prompts, log)
+            plain, spec = bench_interleaved(host, [plain_cfg, spec_cfg], prompts, log, owner)
         else:
-            plain = bench_server(host, plain_cfg, prompts, log)
-            spec = bench_server(host, spec_cfg, prompts, log)
+            plain = bench_server(host, plain_cfg, prompts, log, owner)
+            spec = bench_server(host, spec_cfg, prompts, log, owner)
     finally:
         if own_host:
             host.close()

@@ -7,15 +7,15 @@
 The lock is an flock on `<output_dir>/.eyas.lock`, held for the life of the process: the kernel
 drops it when the process dies, however it dies, so a lock that can be taken proves that no live
 run uses this output directory. Only then are partial files deleted and a recorded server with
-this config's exact command line stopped (a server of another config is never touched: the launch
-then refuses with its own message).
+this config's exact command line stopped, once its pid is proven to be still the launched process
+(a server of another config is never touched: the launch then refuses with its own message). A
+second run that finds the lock taken fails at once with OutputBusy, having touched nothing.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-import shlex
 import threading
 import time
 from pathlib import Path
@@ -33,14 +33,15 @@ _held: dict[str, int] = {}  # resolved lock path -> fd, for this process
 _held_lock = threading.Lock()
 
 
-def hold_lock(path: str | Path, *, wait_s: float = 0.0, what: str = "it",
-              on_wait: Callable[[str], None] | None = None, report_every_s: float = 60.0) -> Path:
+def hold_lock(path: str | Path, *, wait_s: float = 0.0, what: str = "it", holder: str = "",
+              on_wait: Callable[[str], None] | None = None, report_every_s: float = 60.0,
+              busy: str = "") -> Path:
     """Hold an flock on `path` for this process (idempotent); released when the process dies.
 
-    Waits up to wait_s for another holder (float("inf"): until it is gone), then raises OutputBusy
-    naming the holder's pid; `on_wait(holder_pid)` is told at once and every report_every_s while
-    it waits. Usable for any "one live run at a time" rule whose holder may be killed without
-    warning (a GPU host's lock, flows/common.py).
+    The lock file names the holder: its pid and `holder` (a flow run, say). Waits up to wait_s for
+    another holder (float("inf"): until it is gone), then raises OutputBusy naming it, followed by
+    `busy`; `on_wait(holder)` is told at once and every report_every_s while it waits. Usable for
+    any "one live run at a time" rule whose holder may be killed without warning.
     """
     path = Path(path).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -58,10 +59,11 @@ def hold_lock(path: str | Path, *, wait_s: float = 0.0, what: str = "it",
                 if str(path) in _held:  # this process holds it (another thread got there first)
                     os.close(fd)
                     return path
-            owner, now = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?", time.monotonic()
+            owner, now = os.pread(fd, 200, 0).decode(errors="replace").strip() or "?", time.monotonic()
             if now >= deadline:
                 os.close(fd)
-                raise OutputBusy(f"{what} is in use by another eyas run (pid {owner}, lock {path})") from None
+                raise OutputBusy(f"{what} is in use by another eyas run (pid {owner.replace(' ', ', ', 1)}, "
+                                 f"lock {path}){busy}") from None
             if on_wait is not None and (reported is None or now - reported >= report_every_s):
                 reported = now
                 on_wait(owner)
@@ -71,7 +73,7 @@ def hold_lock(path: str | Path, *, wait_s: float = 0.0, what: str = "it",
             os.close(fd)  # (flock is per open file: closing ours leaves theirs held)
             return path
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, f"{os.getpid()} {holder}".strip().encode() + b"\n", 0)
         _held[str(path)] = fd
     return path
 
@@ -83,11 +85,14 @@ def release_lock(path: str | Path) -> None:
         os.close(fd)  # closing the descriptor releases the flock
 
 
-def lock_output_dir(output_dir: str | Path) -> Path:
-    """Take the output directory's lock for this process (idempotent); OutputBusy if another has it."""
+def lock_output_dir(output_dir: str | Path, holder: str = "") -> Path:
+    """Take the output directory's lock for this process (idempotent); OutputBusy at once if another
+    has it: the caller has then launched, deleted and stopped nothing, and must not."""
     output_dir = Path(output_dir)
-    return hold_lock(output_dir / ".eyas.lock",
-                     what=f"{output_dir} (wait for that run, or point extraction.output_dir elsewhere)")
+    return hold_lock(output_dir / ".eyas.lock", what=f"extraction.output_dir {output_dir}", holder=holder,
+                     busy="; this run stopped before touching anything (no server launched or stopped, "
+                          "no file deleted). Wait for that run to end, or point extraction.output_dir "
+                          "elsewhere")
 
 
 def unlock_output_dir(output_dir: str | Path) -> None:
@@ -109,24 +114,20 @@ def discard_partials(output_dir: str | Path) -> list[str]:
     return sorted(removed)
 
 
-def _cmdline(host: Host, pid: int) -> list[str] | None:
-    r = host.run(f"tr '\\0' '\\n' < /proc/{int(pid)}/cmdline", check=False, timeout=15)
-    return r.stdout.split("\n")[:-1] if r.ok and r.stdout else None
-
-
 def reclaim_stale_server(host: Host, cfg: PipelineConfig) -> dict | None:
-    """Stop the server recorded in server.pid if it lives and runs exactly this config's launch command.
+    """Stop the server recorded in server.pid if it is still the launched process and runs exactly
+    this config's launch command.
 
     Call only with the output lock held (then no live run of this config uses that server). Returns
     what was done, or None when there was nothing to reclaim.
     """
-    from eyas.secrets import redact_args
-    from eyas.server.launch import _recorded_pid, launch_command, stop_server
+    from eyas.secrets import redact
+    from eyas.server.launch import _check, launch_command, read_record, stop_server
 
-    pid = _recorded_pid(host, cfg)
-    if pid is None or not host.is_alive(pid):
+    record = read_record(host, cfg)
+    if record is None or _check(host, cfg, record) != "alive":
         return None
-    argv = _cmdline(host, pid)
-    if argv != shlex.split(launch_command(cfg)):
-        return {"pid": pid, "outcome": "left alone: not this config's server", "cmdline": redact_args(argv or [])}
-    return {**stop_server(host, cfg, pid), "reason": "stale server of a killed run of this config"}
+    if record.get("command", redact(launch_command(cfg))) != redact(launch_command(cfg)):
+        return {"pid": record["pid"], "outcome": "left alone: not this config's server",
+                "command": redact(record.get("command") or "")}
+    return {**stop_server(host, cfg, record), "reason": "stale server of a killed run of this config"}

@@ -115,11 +115,12 @@ def pool_for(cfg: PipelineConfig) -> ServerPool:
 # Prepare: the output dir, the data, the shard plans
 # ---------------------------------------------------------------------------------------------
 
-def take_output_dir(cfg: PipelineConfig, log: Log) -> None:
+def take_output_dir(cfg: PipelineConfig, log: Log, holder: str = "") -> None:
     """One run per output dir. Holding its lock proves a killed run's partial files and server are
-    stale: discard the files, stop that server (only if it runs this config's command)."""
+    stale: discard the files, stop that server (only if it runs this config's command). Another
+    live run holding it: OutputBusy, before anything is touched."""
     out = Path(cfg.extraction.output_dir)
-    locks.lock_output_dir(out)
+    locks.lock_output_dir(out, holder)
     removed = locks.discard_partials(out)
     if removed:
         log("discarded %d partial file(s) of a killed run: %s", len(removed), removed[:10])
@@ -133,16 +134,17 @@ def take_output_dir(cfg: PipelineConfig, log: Log) -> None:
 
 
 def prepare(cfg: PipelineConfig, data_path: str | None = None, *, take_dir: bool = True,
-            log: Log) -> Prepared:
+            log: Log, holder: str = "") -> Prepared:
     """Take the output dir, clean a killed run's leftovers, tokenize, plan the shards, check disk space.
 
     `data_path` replaces data.path (the regenerated conversations, say). `take_dir=False` when this
-    run took it already: its own server, launched since, must not be taken for stale.
+    run took it already: its own server, launched since, must not be taken for stale. `holder`
+    names this run in the lock file (what a second run's OutputBusy reports).
     """
     x, out = cfg.extraction, Path(cfg.extraction.output_dir)
     source = Path(data_path or cfg.data.path)
     if take_dir:
-        take_output_dir(cfg, log)
+        take_output_dir(cfg, log, holder)
     # Tokenize and check every line (ids against the target's vocabulary).
     folder = cfg.data.tokenizer or cfg.target.checkpoint
     hidden, vocab = target_dims(folder, cfg.target.checkpoint)

@@ -96,7 +96,40 @@ class Host(Protocol):
     def put(self, local: str | Path, remote: str | Path) -> None: ...
     def get(self, remote: str | Path, local: str | Path) -> None: ...
     def kill_group(self, pid: int, sig: int = signal.SIGTERM) -> None: ...
+    def process_identity(self, pid: int) -> ProcessIdentity | None: ...
+    def machine_identity(self) -> tuple[str, str]: ...
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """Who a pid is: a pid is reused, (boot, start) is not. `start` is the start time in clock
+    ticks since boot (/proc/<pid>/stat field 22), or `ps -o lstart` where there is no /proc."""
+
+    boot: str
+    start: str
+    pgrp: int | None
+    zombie: bool
+    argv: tuple[str, ...]
+
+
+# One command, any POSIX host: the boot id, the process's stat line and its argv.
+_IDENTITY = ("if [ -r /proc/self/stat ]; then cat /proc/sys/kernel/random/boot_id 2>/dev/null || hostname; "
+             "echo @@; cat /proc/{pid}/stat 2>/dev/null; echo @@; tr '\\0' '\\037' < /proc/{pid}/cmdline 2>/dev/null; "
+             "else echo ps; echo @@; ps -o pgid= -o stat= -o lstart= -p {pid}; echo @@; ps -o args= -p {pid}; fi")
+
+
+def _parse_identity(out: str) -> ProcessIdentity | None:
+    parts = out.split("@@\n")
+    if len(parts) != 3 or not parts[1].strip():
+        return None
+    boot, stat, argv = parts[0].strip(), parts[1].strip(), parts[2]
+    if boot == "ps":  # no /proc: pgid, state, then the start time to the second (lstart)
+        pgid, state, *lstart = stat.split()
+        return ProcessIdentity("ps", " ".join(lstart), int(pgid), state.startswith("Z"), (argv.strip(),))
+    fields = stat[stat.rfind(")") + 2:].split()  # comm may hold spaces and parentheses
+    return ProcessIdentity(boot, fields[19], int(fields[2]), fields[0] == "Z",
+                           tuple(a for a in argv.rstrip("\n").split("\x1f") if a))
 
 
 def _alive_from_status(status: str) -> bool:
@@ -147,6 +180,16 @@ class _BaseHost:
         out = self._start_script(_background_script(command, log_path, env, cwd, bool(secret_env)
                                                     and self._secrets_on_stdin), secret_env or {}).stdout
         return int(out.strip().splitlines()[-1])
+
+    def process_identity(self, pid: int) -> ProcessIdentity | None:
+        """The process's identity, or None if no process has that pid (read from the process table)."""
+        return _parse_identity(self.run(_IDENTITY.format(pid=int(pid)), check=False, timeout=30).stdout)
+
+    def machine_identity(self) -> tuple[str, str]:
+        """(hostname, machine id): the machine the host's commands run on, however it was reached."""
+        out = self.run("hostname; cat /etc/machine-id 2>/dev/null || cat /var/lib/dbus/machine-id 2>/dev/null "
+                       "|| cat /proc/sys/kernel/random/boot_id", timeout=30).stdout.split()
+        return out[0], out[1] if len(out) > 1 else out[0]
 
 
 class LocalHost(_BaseHost):

@@ -1,8 +1,8 @@
 """Launch and stop the target server through a Host, from the config alone.
 
-    handle = start_server(host, cfg)        # detached; returns at once with pid and log offset
+    handle = start_server(host, cfg, owner)  # detached; returns at once with pid, log offset, identity
     ...
-    stop_server(host, cfg, handle.pid)      # process group TERM, wait, KILL; cleans the dump dir
+    stop_server(host, cfg, handle)           # process group TERM, wait, KILL; cleans the dump dir
 
 The same function launches SGLang on a GPU host and eyas's local server here: only the command
 differs. Both get the dump directory through EYAS_DUMP_DIR, so the hidden-state writer in either
@@ -10,6 +10,12 @@ process writes to the place the collector reads. Every config value in a command
 server's secret variables (server.secret_env, server.env_from) are resolved here, on the worker, and
 handed to Host.start apart from the command; the command kept in the handle (logged, reported) is
 redacted (eyas/secrets.py).
+
+Only a server eyas launched is ever signalled: `<server.workdir>/server.pid` records the launch
+(JSON: pid, boot id and start time from the host's process table, the command, a launch token and
+the flow runs that launched it), and every stop first checks that the pid is still that process
+(eyas/server/ownership.py). A caller that passes `runs` (a failure hook) stops only a server one
+of those runs launched.
 """
 
 from __future__ import annotations
@@ -19,12 +25,15 @@ import os
 import shlex
 import signal
 import sys
-from dataclasses import asdict, dataclass
+import threading
+import time
+from dataclasses import asdict, dataclass, field
 
 from eyas.config import PipelineConfig
 from eyas.dump import DUMP_DIR_ENV
 from eyas.secrets import PYDANTIC_MASK, redact, register, secret_flag_values
 from eyas.server.hosts import Host, HostError, make_host, wait_dead
+from eyas.server.ownership import Owner, clean_dump_dir, prepare_dump_dir, verdict
 
 # The forward hook that the patch stage installs on SGLang hosts (patches/sglang/<version>/).
 SGLANG_HOOK = "eyas_sglang_hook:make_hook"
@@ -36,12 +45,20 @@ class LaunchError(RuntimeError):
 
 @dataclass
 class ServerHandle:
+    """One launch, as recorded in server.pid: where it serves, and who it is (boot, start)."""
+
     pid: int
     host: str
     url: str
     log_path: str
     log_offset: int  # the log's size at launch: the sensor reads only what this launch wrote
     command: str  # redacted: an --api-key value reads ***
+    boot: str | None = None  # the host's boot id and the process's start time (ownership.verdict)
+    start: str | None = None
+    owner: str = ""  # the launch token
+    runs: list[str] = field(default_factory=list)  # the flow runs that launched it, innermost first
+    config: str = ""
+    launched_at: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -115,56 +132,154 @@ def _port_in_use(host: Host, bind: str, port: int) -> bool:
     return host.run(probe, check=False, timeout=15).ok
 
 
-def _recorded_pid(host: Host, cfg: PipelineConfig) -> int | None:
+def _python(cfg: PipelineConfig) -> str:
+    """The interpreter for eyas's small helper scripts on the server host."""
+    return sys.executable if cfg.server.host.kind == "local" else "python3"
+
+
+def read_record(host: Host, cfg: PipelineConfig) -> dict | None:
+    """The launch recorded in server.pid (a bare pid from an older eyas: {"pid": N}), or None."""
     r = host.run(f"cat {shlex.quote(str(cfg.server.pid_path))}", check=False)
-    text = r.stdout.strip()
-    return int(text) if r.ok and text.isdigit() else None
+    text = r.stdout.strip() if r.ok else ""
+    if text.isdigit():
+        return {"pid": int(text)}
+    try:
+        record = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("pid"), int) else None
+
+
+def _check(host: Host, cfg: PipelineConfig, record: dict) -> str:
+    """ownership.verdict; a record without identity counts as alive only while its pid runs
+    exactly this config's launch command."""
+    v = verdict(host, record)
+    if v == "unverified":
+        found = host.process_identity(int(record["pid"]))
+        return "alive" if found and list(found.argv) == shlex.split(launch_command(cfg)) else "replaced"
+    return v
 
 
 def server_alive(cfg: PipelineConfig) -> bool:
     """Is the server recorded in server.pid_path alive? (Asked after a request failed: connects anew.)"""
     host = make_host(cfg.server.host)
     try:
-        pid = _recorded_pid(host, cfg)
-        return pid is not None and host.is_alive(pid)
+        record = read_record(host, cfg)
+        return record is not None and _check(host, cfg, record) == "alive"
     except Exception:  # noqa: BLE001 - unreachable host: not proof of death; the requests' backoff decides
         return True
     finally:
         host.close()
 
 
-def start_server(host: Host, cfg: PipelineConfig) -> ServerHandle:
-    """Start the server detached; refuses if its port is taken or a recorded server lives."""
-    s = cfg.server
+# What this process launched and has not stopped yet: a signal handler stops these (flows/process.py).
+_launched: dict[tuple[str, int], tuple[PipelineConfig, dict]] = {}
+_launched_lock = threading.Lock()
+
+
+def start_server(host: Host, cfg: PipelineConfig, owner: Owner | None = None) -> ServerHandle:
+    """Start the server detached and record who it is; refuses if its port is taken, a recorded
+    server lives, or server.dump_dir holds files eyas did not write."""
+    s, q, owner = cfg.server, shlex.quote, owner or Owner.new()
     secrets = launch_secrets(cfg)  # a missing secret fails before anything on the host changes
-    old = _recorded_pid(host, cfg)
-    if old is not None and host.is_alive(old):
-        raise LaunchError(f"[{host.name}] a server recorded in {s.pid_path} (pid {old}) is still alive; "
-                          f"stop it first (eyas stop) or remove the pid file if it is not ours")
+    old = read_record(host, cfg)
+    if old is not None and _check(host, cfg, old) == "alive":
+        by = f", launched by flow run {old['runs'][0]}" if old.get("runs") else ""
+        raise LaunchError(f"[{host.name}] a server recorded in {s.pid_path} (pid {old['pid']}{by}) is still "
+                          f"alive; stop it first (eyas stop)")
     if _port_in_use(host, s.bind, s.port):
         raise LaunchError(f"[{host.name}] port {s.port} is already in use; pick another server.port")
-    q = shlex.quote
-    host.run(f"mkdir -p {q(str(s.workdir))} {q(str(s.dump_dir))} && rm -rf {q(str(s.dump_dir))}/*")
+    host.run(f"mkdir -p {q(str(s.workdir))}")
+    dump = prepare_dump_dir(host, _python(cfg), str(s.dump_dir), cfg.name)
+    if dump["state"] == "refused":
+        raise LaunchError(f"[{host.name}] server.dump_dir {s.dump_dir} holds files eyas did not write "
+                          f"({', '.join(dump['foreign'])}); eyas deletes that folder's contents, so point "
+                          f"server.dump_dir at a new or empty folder")
     size = host.run(f"stat -c %s {q(str(s.log_path))} 2>/dev/null || echo 0", check=False).stdout.strip()
     command = launch_command(cfg)
     pid = host.start(command, log_path=s.log_path, env=launch_env(cfg), cwd=s.workdir, secret_env=secrets)
-    host.run(f"echo {int(pid)} > {q(str(s.pid_path))}")
-    return ServerHandle(pid, host.name, s.url, str(s.log_path), int(size or 0), redact(command))
+    found = host.process_identity(pid)
+    handle = ServerHandle(pid, host.name, s.url, str(s.log_path), int(size or 0), redact(command),
+                          found.boot if found else None, found.start if found else None, owner.token,
+                          list(owner.runs), cfg.name, time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    tmp = f"{s.pid_path}.tmp-{owner.token}"
+    host.run(f"printf '%s\\n' {q(json.dumps(handle.to_dict()))} > {q(tmp)} && mv -f {q(tmp)} {q(str(s.pid_path))}")
+    with _launched_lock:
+        _launched[(host.name, pid)] = (cfg, handle.to_dict())
+    return handle
 
 
-def stop_server(host: Host, cfg: PipelineConfig, pid: int | None = None) -> dict:
-    """Stop the server's whole process group, then clean its dump directory. Idempotent."""
+def _as_record(which, recorded: dict | None) -> dict | None:
+    """What to stop: a handle or its dict as given; a bare pid through the record naming it."""
+    if which is None:
+        return recorded
+    if isinstance(which, ServerHandle):
+        return which.to_dict()
+    if isinstance(which, dict):
+        return which
+    return recorded if recorded and recorded["pid"] == int(which) else {"pid": int(which)}
+
+
+def stop_server(host: Host, cfg: PipelineConfig, which: ServerHandle | dict | int | None = None, *,
+                runs: set[str] | None = None) -> dict:
+    """Stop a server eyas launched (the recorded one, or `which`), then clean its dump directory.
+
+    The pid is signalled only while it is still the launched process (same boot id and start
+    time; a record without them: this config's exact command line). With `runs`, only a server
+    launched by one of those flow runs is stopped; another run's server is left alone, with its
+    record and dump folder. Idempotent.
+    """
     s = cfg.server
-    pid = pid if pid is not None else _recorded_pid(host, cfg)
-    outcome = "not running"
-    if pid is not None and host.is_alive(pid):
+    recorded = read_record(host, cfg)
+    record = _as_record(which, recorded)
+    if record is None:  # a hook (runs given) proves nothing here: it leaves the dump folder alone
+        return {"pid": None, "outcome": "not running", "dump_dir": _clean(host, cfg) if runs is None else "kept"}
+    pid, launched_by = int(record["pid"]), record.get("runs") or []
+    if runs is not None and not set(launched_by) & {str(r) for r in runs}:
+        who = f"flow run {launched_by[0]}" if launched_by else "a launch this run cannot prove its own"
+        return {"pid": pid, "outcome": f"left alone: launched by {who}, not by this run"}
+    state = _check(host, cfg, record)
+    outcome = {"gone": "not running", "replaced": f"not running (pid {pid} is now another process: "
+                                                  "left alone)"}.get(state, "terminated")
+    if state == "alive":
         host.kill_group(pid, signal.SIGTERM)
-        outcome = "terminated"
         if not wait_dead(host, pid, s.stop_timeout_s):
-            host.kill_group(pid, signal.SIGKILL)
-            outcome = "killed"
-            if not wait_dead(host, pid, 10):
-                raise HostError(host.name, f"kill -9 -{pid}", None, "server survived SIGKILL")
-    q = shlex.quote
-    host.run(f"rm -f {q(str(s.pid_path))}; rm -rf {q(str(s.dump_dir))}", check=False)
-    return {"pid": pid, "outcome": outcome}
+            if _check(host, cfg, record) == "alive":
+                host.kill_group(pid, signal.SIGKILL)
+                outcome = "killed"
+                if not wait_dead(host, pid, 10):
+                    raise HostError(host.name, f"kill -9 -{pid}", None, "server survived SIGKILL")
+    with _launched_lock:
+        _launched.pop((host.name, pid), None)
+    if recorded is not None and (recorded["pid"], recorded.get("owner")) == (pid, record.get("owner")):
+        host.run(f"rm -f {shlex.quote(str(s.pid_path))}", check=False)
+        dump = _clean(host, cfg)
+    elif recorded is not None and _check(host, cfg, recorded) == "alive":
+        dump = "kept: the recorded server uses it"
+    else:
+        dump = _clean(host, cfg)
+    return {"pid": pid, "outcome": outcome, "launched_by": launched_by[:1], "dump_dir": dump}
+
+
+def _clean(host: Host, cfg: PipelineConfig) -> str:
+    try:
+        return clean_dump_dir(host, _python(cfg), str(cfg.server.dump_dir))["state"]
+    except (HostError, ValueError) as e:
+        return f"not cleaned: {e}"
+
+
+def stop_launched(timeout_s: float = 10.0) -> list[dict]:
+    """Stop every server this process launched and has not stopped (a signal handler's last act)."""
+    with _launched_lock:
+        pending = list(_launched.values())
+    out = []
+    for cfg, record in pending:
+        host = make_host(cfg.server.host)
+        try:
+            quick = cfg.model_copy(update={"server": cfg.server.model_copy(update={"stop_timeout_s": timeout_s})})
+            out.append(stop_server(host, quick, record))
+        except Exception as e:  # noqa: BLE001 - best effort on the way out
+            out.append({"pid": record["pid"], "outcome": f"not stopped: {e}"})
+        finally:
+            host.close()
+    return out

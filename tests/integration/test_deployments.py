@@ -111,7 +111,10 @@ def test_pipeline_deployment_completes_with_every_task_and_artifact(server, firs
     assert expected.items() <= keys.items(), keys
     # The server's GPUs were held through the host's strict one-slot limit, and released.
     limits = {c["name"]: c for c in server.post("/v2/concurrency_limits/filter", {})}
-    gpu = limits["eyas-gpu-host-localhost"]
+    from eyas.config import load_config
+    from flows.common import host_limit_name
+
+    gpu = limits[host_limit_name(load_config(ROOT / "configs" / "local-tiny.yaml", overrides))]
     assert gpu["limit"] == 1 and gpu["active_slots"] == 0, gpu
     report = json.loads((Path(overrides["run_dir"]) / "report.json").read_text())
     assert report["training"]["steps"] == 20 and report["acceptance_length"] >= 1.0
@@ -193,3 +196,50 @@ def test_ui_screenshot_of_the_pipeline_run(server, first):
     subprocess.run([sys.executable, "deployments/screenshot.py", run["id"], "--out", str(out)],
                    cwd=ROOT, env=server.env, check=True, timeout=180)
     assert out.stat().st_size > 20_000 and out.with_name(f"{out.stem}-artifacts.png").stat().st_size > 20_000
+
+
+def _processes_of_flow_run(run_id: str, except_group: int) -> list[int]:
+    """The processes a worker started for a flow run (its env names the run), not the target server's group."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if (f"PREFECT__FLOW_RUN_ID={run_id}".encode() in (proc / "environ").read_bytes()
+                    and os.getpgid(int(proc.name)) != except_group):
+                found.append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_sigterm_to_a_workers_flow_run_process_stops_its_server_and_ends_the_run(server, small):
+    """What systemd or an operator's `kill` does to a flow run a worker started: within seconds the
+    run is final, its server stopped, its process gone."""
+    import signal
+
+    from eyas.config import load_config
+    from eyas.server.hosts import wait_dead
+
+    overrides = small("dep-term")
+    cfg = load_config(ROOT / "configs" / "local-tiny.yaml", overrides)
+    run_id = deployment_run(server, "eagle3-pipeline/pipeline", overrides)
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            with urllib.request.urlopen(f"{cfg.server.url}/health", timeout=2):
+                break
+        except OSError:
+            assert time.monotonic() < deadline, (server.home / "worker.log").read_text()[-4000:]
+            time.sleep(0.2)
+    record = json.loads(cfg.server.pid_path.read_text())
+    pid = record["pid"] if isinstance(record, dict) else record
+    procs = _processes_of_flow_run(run_id, except_group=pid)
+    assert procs, "no flow-run process found"
+    t0 = time.monotonic()
+    for p in procs:
+        os.kill(p, signal.SIGTERM)
+    run = wait_flow_run(server, run_id, timeout=20)
+    assert run["state"]["type"] in ("CRASHED", "CANCELLED", "FAILED"), run["state"]
+    assert wait_dead(LocalHost(), pid, max(1.0, 20 - (time.monotonic() - t0))), "the run's server outlived it"
+    assert not _processes_of_flow_run(run_id, except_group=pid) or time.sleep(3) or \
+        not _processes_of_flow_run(run_id, except_group=pid), "the flow-run process outlived the signal"
+    assert time.monotonic() - t0 < 20

@@ -1,7 +1,8 @@
-"""flows/common.py gpu_host: one run per GPU host, and a run killed with -9 does not block the host.
+"""flows/host_lock.py gpu_host: one run per GPU host, whatever lock directory or label each run
+has, and a run killed with -9 does not block the host.
 
-Real processes against the session's real (temporary) Prefect server: the lock is an flock plus a
-strict global concurrency limit, and both only mean something across processes.
+Real processes against the session's real (temporary) Prefect server: the holder record and the
+concurrency limit live there, and both only mean something across processes.
 """
 
 import os
@@ -13,24 +14,29 @@ from pathlib import Path
 
 import pytest
 
-from flows.common import ROOT, ensure_host_limit, free_dead_slots, resolve_config
+from flows.common import ROOT, ensure_host_limit, resolve_config
 
+# A flow run that holds the GPU host while the file argv[2] exists (argv[1]: the host's label).
 CHILD = """
 import logging, os, sys, time
+from prefect import flow
 from flows.common import gpu_host, resolve_config
-logging.basicConfig(level=logging.INFO)  # outside a flow run, gpu_host logs through plain logging
-cfg = resolve_config("configs/local-tiny.yaml", {"server.host.name": sys.argv[1]})
-with gpu_host(cfg):
-    print("IN", time.time(), flush=True)
-    while os.path.exists(sys.argv[2]):  # hold the host while the test keeps this file
-        time.sleep(0.1)
-print("OUT", time.time(), flush=True)
+logging.basicConfig(level=logging.INFO)
+
+@flow(name="hold-gpu-host")
+def hold(label: str, keep: str):
+    with gpu_host(resolve_config("configs/local-tiny.yaml", {"server.host.name": label})):
+        print("IN", time.time(), flush=True)
+        while os.path.exists(keep):
+            time.sleep(0.1)
+    print("OUT", time.time(), flush=True)
+
+hold(sys.argv[1], sys.argv[2])
 """
 
 
-def _child(host: str, hold: Path, env: dict, log: Path) -> subprocess.Popen:
-    """A process that holds the host's GPU lock for as long as the file `hold` exists."""
-    return subprocess.Popen([sys.executable, "-c", CHILD, host, str(hold)], cwd=ROOT, env=env,
+def _child(label: str, hold: Path, env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHILD, label, str(hold)], cwd=ROOT, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -52,48 +58,62 @@ def _active_slots(name: str) -> int:
         return client.read_global_concurrency_limit_by_name(name).active_slots
 
 
+def _kill(*procs) -> None:
+    for p in procs:
+        if p is not None and p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+
 @pytest.fixture
 def child_env(prefect_harness, tmp_path):
+    """Each child gets its own lock directory: the lock must not depend on one."""
     from prefect.settings import PREFECT_API_URL
 
-    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "EYAS_LOCK_DIR": str(tmp_path / "locks"),
-            "PYTHONPATH": str(ROOT)}
+    def env(lock_dir: str) -> dict:
+        return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT),
+                "EYAS_LOCK_DIR": str(tmp_path / lock_dir)}
+    return env
 
 
-def test_a_second_run_waits_for_the_host_and_takes_it_when_the_first_is_killed(child_env, tmp_path):
-    host = f"gpu-node-{os.getpid()}"
-    name = ensure_host_limit(resolve_config("configs/local-tiny.yaml", {"server.host.name": host}))
+def test_two_runs_with_other_lock_dirs_take_turns_and_a_killed_holder_is_reclaimed(child_env, tmp_path):
+    """The second run waits while the first holds, though each has its own EYAS_LOCK_DIR; once the
+    holder is killed with -9, the second takes the host and the slot the dead one kept."""
+    label = "gpu-node-shared"
+    name = ensure_host_limit(resolve_config("configs/local-tiny.yaml", {"server.host.name": label}))
     (tmp_path / "hold").touch()
-    first = _child(host, tmp_path / "hold", child_env, tmp_path / "first.log")
+    first = _child(label, tmp_path / "hold", child_env("locks-a"), tmp_path / "first.log")
     second = None
     try:
-        assert _wait_for(tmp_path / "first.log", "IN", 60) is not None, (tmp_path / "first.log").read_text()
+        assert _wait_for(tmp_path / "first.log", "IN", 90) is not None, (tmp_path / "first.log").read_text()
         assert _active_slots(name) == 1
-        second = _child(host, tmp_path / "no-hold", child_env, tmp_path / "second.log")
-        # The second waits as long as the first lives: never two servers on one host.
-        assert _wait_for(tmp_path / "second.log", "IN", 15) is None, (tmp_path / "second.log").read_text()
-        # kill -9: no cleanup runs, the Prefect slot stays taken; the kernel drops the flock.
+        second = _child(label, tmp_path / "no-hold", child_env("locks-b"), tmp_path / "second.log")
+        assert _wait_for(tmp_path / "second.log", "IN", 20) is None, (tmp_path / "second.log").read_text()
+        log = (tmp_path / "second.log").read_text()
+        assert f"waiting for GPU host {label} ({name}): held by flow run" in log, log
+        assert _active_slots(name) == 1  # still the first run's
+        # kill -9: no cleanup runs; its record and its slot stay in Prefect, its flow run stays Running.
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(10)
-        assert _active_slots(name) == 1
         assert _wait_for(tmp_path / "second.log", "OUT", 60) is not None, (tmp_path / "second.log").read_text()
-        assert second.wait(30) == 0
-        assert _active_slots(name) == 0  # the second gave its own slot back, and the dead run's is gone
+        assert second.wait(60) == 0
+        log = (tmp_path / "second.log").read_text()
+        assert "took it from flow run" in log and "is gone" in log, log
+        assert f"gave back 1 slot(s) of {name} kept by a killed run" in log, log
+        assert _active_slots(name) == 0
     finally:
-        for p in (first, second):
-            if p is not None and p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+        _kill(first, second)
 
 
-def test_runs_on_one_host_take_turns(child_env, tmp_path):
-    host, hold = f"gpu-node-turns-{os.getpid()}", tmp_path / "hold"
+def test_runs_on_one_host_take_turns_cleanly(child_env, tmp_path):
+    name = ensure_host_limit(resolve_config("configs/local-tiny.yaml"))
+    hold = tmp_path / "hold"
     hold.touch()
-    a = _child(host, hold, child_env, tmp_path / "a.log")
+    a = _child("node", hold, child_env("locks"), tmp_path / "a.log")
     b = None
     try:
-        assert _wait_for(tmp_path / "a.log", "IN", 60) is not None, (tmp_path / "a.log").read_text()
-        b = _child(host, tmp_path / "no-hold", child_env, tmp_path / "b.log")
+        assert _wait_for(tmp_path / "a.log", "IN", 90) is not None, (tmp_path / "a.log").read_text()
+        b = _child("node", tmp_path / "no-hold", child_env("locks"), tmp_path / "b.log")
         end = time.monotonic() + 60
         while "waiting for GPU host" not in (tmp_path / "b.log").read_text() and time.monotonic() < end:
             time.sleep(0.2)
@@ -102,14 +122,52 @@ def test_runs_on_one_host_take_turns(child_env, tmp_path):
         assert a.wait(30) == 0 and b.wait(60) == 0
         a_out, b_in = _wait_for(tmp_path / "a.log", "OUT", 1), _wait_for(tmp_path / "b.log", "IN", 1)
         assert b_in >= a_out, (a_out, b_in)
-        assert "kept by a killed run" not in (tmp_path / "b.log").read_text()  # a clean handover
+        log = (tmp_path / "b.log").read_text()
+        assert "kept by a killed run" not in log and "took it from" not in log  # a clean handover
+        assert _active_slots(name) == 0
     finally:
-        for p in (a, b):
-            if p is not None and p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+        _kill(a, b)
 
 
-def test_freeing_dead_slots_of_an_idle_host_changes_nothing(prefect_harness):
-    name = ensure_host_limit(resolve_config("configs/local-tiny.yaml", {"server.host.name": "idle-node"}))
-    assert free_dead_slots(name) == 0 and _active_slots(name) == 0
+def test_a_holder_elsewhere_is_waited_for_until_its_flow_run_is_final(prefect_harness):
+    """A holder on another machine cannot be checked by pid: only its flow run's final state frees it."""
+    import threading
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import VariableCreate
+    from prefect.states import Crashed, Running
+
+    from flows.host_lock import gpu_host, this_machine
+
+    @flow(name="elsewhere")
+    def elsewhere():
+        from prefect.runtime import flow_run
+        return str(flow_run.id)
+
+    cfg = resolve_config("configs/local-tiny.yaml")
+    name = ensure_host_limit(cfg)
+    state = elsewhere(return_state=True)
+    run_id = state.result()
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(run_id, state=Running(), force=True)  # as if it were still going
+        record = {**this_machine(), "hostname": "gpu-node-far", "machine": "f" * 32, "run": run_id,
+                  "run_name": "elsewhere", "pid": 1, "start": "1", "since": "earlier"}
+        client.create_variable(VariableCreate(name=name, value=record))
+    entered = threading.Event()
+
+    def take():
+        with gpu_host(cfg):
+            entered.set()
+
+    t = threading.Thread(target=take, daemon=True)
+    t.start()
+    try:
+        assert not entered.wait(5), "took the host from a holder whose run is still Running"
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(run_id, state=Crashed(message="worker lost"), force=True)
+        assert entered.wait(30), "did not take the host from a Crashed run"
+    finally:
+        t.join(30)
+        with get_client(sync_client=True) as client:
+            assert client.read_variable_by_name(name) is None

@@ -1,5 +1,6 @@
 """Patch, launch, sense and stop over a real SSH connection, against the local target server."""
 
+import json
 import sys
 
 import pytest
@@ -38,7 +39,10 @@ def test_patch_launch_sense_stop_over_ssh(tmp_path, sshd, random_target):
             report = _sense(host, cfg, handle, on_progress=progress.append)
             assert report.shards_total == len(list(random_target.glob("*.safetensors")))
             assert progress and progress[-1].done == progress[-1].total
-            assert (cfg.server.workdir / "server.pid").read_text().strip() == str(handle.pid)
+            record = json.loads((cfg.server.workdir / "server.pid").read_text())
+            # who the server is, read from the SSH host's process table: what every stop checks first
+            assert record["pid"] == handle.pid and record["start"] and record["boot"]
+            assert host.process_identity(handle.pid).start == record["start"]
         finally:
             outcome = stop_server(host, cfg, handle.pid)
         assert outcome["outcome"] in ("terminated", "killed")

@@ -1,5 +1,7 @@
 """The flows' config parameter: a YAML path, an inline mapping, or a loaded config, plus overrides."""
 
+import re
+
 import pytest
 import yaml
 
@@ -29,7 +31,10 @@ def test_a_loaded_config_passes_through_and_takes_overrides():
     assert resolve_config(cfg) is cfg
     again = resolve_config(cfg, {"server.port": 31000})
     assert again.server.port == 31000 and again.target.checkpoint == cfg.target.checkpoint
-    assert host_limit_name(again) == "eyas-gpu-host-localhost"
+    # The GPU-host lock is the machine's, whatever the label says: a safe name, never a path.
+    name = host_limit_name(again)
+    assert re.fullmatch(r"eyas-gpu-host-[a-z0-9-]+-[0-9a-f]{10}", name), name
+    assert host_limit_name(resolve_config(cfg, {"server.host.name": "../../../etc/evil"})) == name
 
 
 def test_a_bad_override_names_the_field():

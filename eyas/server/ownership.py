@@ -1,0 +1,130 @@
+"""What is eyas's own: the servers a run launched and the folders eyas made. Nothing else is
+signalled or deleted.
+
+    owner = Owner.new(runs=[flow_run_id, parent_run_id])   # who launches: a token, the flow runs
+    verdict(host, record)                                  # "alive" | "gone" | "replaced" | "unverified"
+    prepare_dump_dir(host, python, path, config_name)      # make + mark it, or refuse foreign content
+    clean_dump_dir(host, python, path)                     # delete only eyas's records, in a marked folder
+
+A pid is reused, a process's (boot id, start time) is not: the launch record (server.pid, JSON)
+carries both, read from the host's process table through the Host seam, so a stale record can
+never name someone else's process. A folder is eyas's when it holds the marker `.eyas-owned`
+written when eyas created (or adopted an empty) folder; eyas deletes its records there, and the
+folder itself only if eyas created it.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import uuid
+from dataclasses import dataclass
+
+from eyas.server.hosts import Host
+
+MARKER = ".eyas-owned"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who launches a server: a token unique to this launch, and the flow runs it happens in (the
+    launching run first, then its parents), so a run's failure hook can tell its server from others'."""
+
+    token: str
+    runs: tuple[str, ...] = ()
+
+    @classmethod
+    def new(cls, runs=()) -> "Owner":
+        return cls(uuid.uuid4().hex, tuple(str(r) for r in runs if r))
+
+
+def verdict(host: Host, record: dict) -> str:
+    """Is the recorded server still the process it names?
+
+    alive: the pid lives with the recorded boot id and start time. gone: no such pid (or a zombie
+    without threads). replaced: the pid now belongs to another process. unverified: the record has
+    no identity (written by an older eyas): only its command line can speak for it.
+    """
+    found = host.process_identity(int(record["pid"]))
+    if found is None or (found.zombie and not host.is_alive(int(record["pid"]))):
+        return "gone"
+    if not record.get("start"):
+        return "unverified"
+    same = found.boot == record.get("boot") and found.start == record.get("start")
+    return "alive" if same and found.pgrp == int(record["pid"]) else "replaced"
+
+
+# Run on the server host with its own python3: no eyas import there (an SSH host has none).
+_DUMP_SCRIPT = r"""
+import json, os, re, shutil, sys, time
+action, path, name = sys.argv[1:4]
+MARK = ".eyas-owned"
+RID, REC = re.compile(r"[A-Za-z0-9_.:-]+"), re.compile(r"\d{10}\.safetensors|\.\d{10}\.safetensors\.tmp-.+")
+def ours(e):
+    p = os.path.join(path, e)
+    if e == MARK:
+        return True
+    if os.path.islink(p) or not os.path.isdir(p) or not RID.fullmatch(e) or ".." in e:
+        return False
+    return all(REC.fullmatch(f) and not os.path.islink(os.path.join(p, f)) for f in os.listdir(p))
+def mark(created):
+    with open(os.path.join(path, MARK), "w") as f:
+        json.dump({"owner": "eyas", "what": "server.dump_dir", "created": created, "config": name,
+                   "at": time.strftime("%Y-%m-%dT%H:%M:%S")}, f)
+def records(entries):
+    for e in entries:
+        if e != MARK and ours(e):
+            shutil.rmtree(os.path.join(path, e))
+out = {}
+if not os.path.lexists(path):
+    if action == "prepare":
+        os.makedirs(path)
+        mark(True)
+    out["state"] = "created" if action == "prepare" else "absent"
+elif not os.path.isdir(path):
+    out = {"state": "refused", "foreign": [path + " is not a folder"]}
+else:
+    entries = sorted(os.listdir(path))
+    foreign = [e for e in entries if not ours(e)]
+    marker = os.path.join(path, MARK)
+    created = os.path.exists(marker) and json.load(open(marker)).get("created") is True
+    if action == "prepare":
+        if foreign:
+            out = {"state": "refused", "foreign": foreign[:5], "count": len(foreign)}
+        else:
+            records(entries)
+            if MARK not in entries:
+                mark(False)
+            out["state"] = "ready"
+    elif MARK not in entries:
+        out["state"] = "left alone: no " + MARK + " marker (not a folder eyas made)"
+    else:
+        records(entries)
+        if foreign:
+            out = {"state": "records removed; other files left", "foreign": foreign[:5], "count": len(foreign)}
+        elif created:
+            os.remove(marker)
+            os.rmdir(path)
+            out["state"] = "removed"
+        else:
+            out["state"] = "records removed (folder kept: eyas did not create it)"
+print(json.dumps(out))
+"""
+
+
+def _dump_dir(host: Host, python: str, action: str, path: str, name: str) -> dict:
+    q = shlex.quote
+    r = host.run(f"{q(python)} -c {q(_DUMP_SCRIPT)} {action} {q(str(path))} {q(name)}", timeout=120)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def prepare_dump_dir(host: Host, python: str, path: str, config_name: str) -> dict:
+    """Make the dump folder (marked as eyas's) or empty an eyas one of old records; {"state":
+    "refused", "foreign": [...]} when it holds anything eyas did not write: nothing is touched then."""
+    return _dump_dir(host, python, "prepare", path, config_name)
+
+
+def clean_dump_dir(host: Host, python: str, path: str) -> dict:
+    """Delete eyas's records in a marked dump folder, and the folder if eyas created it; a folder
+    without the marker, and any file eyas did not write, are left alone."""
+    return _dump_dir(host, python, "clean", path, "")
