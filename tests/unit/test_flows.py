@@ -34,7 +34,9 @@ def test_a_loaded_config_passes_through_and_takes_overrides():
     # The GPU-host lock is the machine's, whatever the label says: a safe name, never a path.
     name = host_limit_name(again)
     assert re.fullmatch(r"eyas-gpu-host-[a-z0-9-]+-[0-9a-f]{10}", name), name
-    assert host_limit_name(resolve_config(cfg, {"server.host.name": "../../../etc/evil"})) == name
+    assert host_limit_name(resolve_config(cfg, {"server.host.name": "another-label"})) == name
+    with pytest.raises(ConfigError, match="server.host.name"):  # and a path is no label at all
+        resolve_config(cfg, {"server.host.name": "../../../etc/evil"})
 
 
 def test_a_bad_override_names_the_field():
