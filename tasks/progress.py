@@ -51,6 +51,11 @@ class Publisher:
         self.warned = False
         self.writes = 0  # progress artifact writes (creation included)
 
+    def start(self, text: str) -> None:
+        """Show the bar at 0 now, from the task's own thread: Prefect ties an artifact to the run it is
+        created in, and callbacks from worker threads carry no run context (updates need none)."""
+        self.publish(lambda: (0.0, text), force=True, table=False)
+
     def publish(self, figures: Callable[[], tuple[float, str]], rows: Callable[[], list[dict]] | None = None, *,
                 force: bool = False, table: bool | None = None) -> bool:
         now = time.monotonic()
@@ -98,10 +103,12 @@ class ExtractionPublisher:
 
 
 class RegenerationPublisher:
-    """RegenerationProgress (every conversation) -> `regenerate-NAME`, a log line a minute."""
+    """RegenerationProgress (every conversation, from worker threads) -> `regenerate-NAME`, a log line a
+    minute. Made in the task, which it shows at 0 at once."""
 
     def __init__(self, name: str):
         self.out = Publisher("regenerate", name, "regeneration", log_every_s=60.0)
+        self.out.start("starting")
 
     def __call__(self, p) -> None:
         self.out.publish(lambda: (p.percent, p.describe()), force=p.parts_done == p.num_parts)
@@ -114,6 +121,7 @@ class TrainingPublisher:
     def __init__(self, name: str, max_steps: int):
         self.out, self.max_steps = Publisher("train", name, "training", table="train-losses"), max_steps
         self.rows: list[dict] = []
+        self.out.start(f"starting: shards, drafter, target head (max_steps {max_steps})")
 
     def __call__(self, s) -> None:
         if s.in_history:

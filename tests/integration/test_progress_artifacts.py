@@ -91,17 +91,16 @@ def test_training_shows_its_progress_and_loss_table_at_a_bounded_rate(prefect_ha
 def test_regeneration_progress_is_throttled_and_complete_at_the_end(prefect_harness, tmp_path, counted):
     from eyas.extraction.regenerate import RegenerationProgress
 
-    publish = progress.RegenerationPublisher("regen-test")
-
     @flow
     def regenerate_like():
+        publish = progress.RegenerationPublisher("regen-test")  # in the run, as the task makes it
         t0 = time.monotonic()
         for done in range(1, 2001):  # 2000 conversations over 4 parts, as fast as they come
             parts = done // 500
             publish(RegenerationProgress(parts, 4, done, 2000, 0, 30 * done, time.monotonic() - t0 + 1.0))
 
     regenerate_like()
-    assert 2 <= len(counted["progress"]) <= 10 and counted["progress"][-1] == 100.0
+    assert 2 <= len(counted["progress"]) <= 10 and counted["progress"][0] == 0.0 and counted["progress"][-1] == 100.0
     (bar,) = artifacts("regenerate-regen-test")
     assert bar.data == 100.0 and "4/4 parts, 2000/2000 conversations" in bar.description
     assert "tok/s" in bar.description and "ETA 0s" in bar.description
