@@ -285,6 +285,12 @@ class TrainingConfig(StrictModel):
     #: held-out sequences for the simulated acceptance length; None = 5% of the data, at most 64
     num_heldout: int | None = Field(None, ge=0)
     eval_every: int = Field(0, ge=0)  #: simulated acceptance length every N steps (0 = at the end only)
+    #: warm start: the drafter begins as this one (an exported drafter folder such as an earlier run's
+    #: run_dir/drafter, a checkpoint step-NNNNNN/, or another run's training output_dir) with its draft
+    #: vocabulary; optimizer, schedule and step start fresh. Sizes must match (refused naming the field);
+    #: ttt_steps and the recipe may differ. Checkpoints of another run in output_dir are set aside to
+    #: checkpoints.previous/ instead of refused; this run's own are resumed. None = from the target
+    init_from: Path | None = None
     distributed: DistributedConfig = DistributedConfig()
 
 
@@ -393,7 +399,7 @@ class PipelineConfig(StrictModel):
 
 # Fields holding paths on this machine, or on the server host when that host is local.
 _LOCAL_PATHS = ["run_dir", "data.path", "data.tokenizer", "data.regenerate.output_dir", "extraction.output_dir",
-                "training.output_dir"]
+                "training.output_dir", "training.init_from"]
 _SERVER_PATHS = ["target.checkpoint", "server.workdir", "server.dump_dir"]
 
 

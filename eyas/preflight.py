@@ -11,7 +11,8 @@ starts with the config field it is about and its value ("target.layer_ids=[2, 4,
   (capture-before id i = the input of layer i, 1 .. num_layers - 1: the last layer's output is the
   final norm's input, which SGLang cannot capture), not starting with 1 (SGLang would shift them);
 - the drafter against the target: training.draft_vocab_size within the vocabulary, the sizes
-  training.drafter leaves to the target present, data.max_length within its positions;
+  training.drafter leaves to the target present, data.max_length within its positions; a warm
+  start's training.init_from there and of the same sizes and capture layers;
 - the architecture against what server.backend serves: the patch set's "architectures" for SGLang
   (the patch stage's own check), DeepSeek-V3 for eyas's local server;
 - the chat template (tokenizer_config.json's chat_template or chat_template.jinja) when the data
@@ -74,6 +75,8 @@ def preflight(cfg: PipelineConfig, *, check_hosts: bool = True, check_tokenizer:
     if raw is not None:
         problems += architecture_problems(cfg, raw, version, patches_dir)
     dcfg = _drafter(cfg, tcfg, problems) if tcfg is not None else None
+    if dcfg is not None and cfg.training.init_from is not None:
+        problems += _warm_start(cfg, dcfg)
     tokenizer, pending = _tokenizer(cfg, notes, check_tokenizer)
     count = _count(cfg, tokenizer, tcfg, problems, pending, small_data_bytes)
     if count is not None and not count.conversations:
@@ -184,6 +187,17 @@ def _drafter(cfg: PipelineConfig, tcfg: dict, problems: list[str]):
     except ValueError as e:
         problems.append(f"training.drafter={t.drafter.model_dump(exclude_none=True)}: {e}")
     return None
+
+
+def _warm_start(cfg: PipelineConfig, dcfg) -> list[str]:
+    """training.init_from: there, a drafter or checkpoint, of this run's sizes and capture layers."""
+    from eyas.training.warm_start import init_problems, init_source
+
+    try:
+        source = init_source(cfg.training.init_from, cfg.training.output_dir)
+        return init_problems(source, dcfg, cfg.target.capture_ids())
+    except (ValueError, OSError, KeyError) as e:
+        return [str(e)]
 
 
 # ----------------------------------------------------------------------------- data

@@ -59,9 +59,10 @@ def build_report(*, name: str, config_source: str | None, extracted: Extracted, 
             "tokens_per_s": round(tokens / extract_s, 1) if extract_s else None,
             "dtype": manifests[0]["dtype"] if manifests else None,
         },
+        # history: the loss table (~100 rows: step, loss, acc per TTT step, lr, tokens/s, held-out)
         "training": {k: trained.result.get(k) for k in
                      ("final_loss", "first_loss", "steps", "tokens", "seconds", "draft_vocab_size",
-                      "simulated_acceptance_length")},
+                      "simulated_acceptance_length", "init_from", "history")},
         "evaluation": trained.evaluation,
         "drafter_dir": trained.drafter_dir,
         "stages_seconds": stages,

@@ -13,7 +13,7 @@ from eyas.config import PipelineConfig
 from eyas.extraction import stage
 from eyas.extraction.data import ShardPlan
 from eyas.extraction.stage import Prepared
-from tasks.progress import ExtractionPublisher, logger
+from tasks.progress import ExtractionPublisher, RegenerationPublisher, logger
 
 stage.runs.make_on_change = ExtractionPublisher
 
@@ -29,8 +29,10 @@ def prepare_data(cfg: PipelineConfig, data_path: str | None = None, take_output_
 
 @task(task_run_name="regenerate-data@{cfg.server.host.name}", cache_policy=NO_CACHE)
 def regenerate_data(cfg: PipelineConfig) -> str:
-    """Answer the training conversations again with the target (resumable by part); returns the new file."""
-    return stage.regenerate_data(cfg, log=logger().info)
+    """Answer the training conversations again with the target (resumable by part); returns the new file.
+
+    Its progress: the artifact `regenerate-NAME` (conversations done, tokens/s, ETA)."""
+    return stage.regenerate_data(cfg, log=logger().info, on_progress=RegenerationPublisher(cfg.name))
 
 
 def _shard_cache_key(context, parameters) -> str:

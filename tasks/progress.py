@@ -1,21 +1,26 @@
 """Progress of long stages in the Prefect UI: a progress artifact, a table artifact, log lines.
 
-Shared by the task files; publishing is throttled so thousands of shards (or steps) never flood the
-API, and the UI being unreachable never stops the work.
+One throttled publisher (`Publisher`) behind the three stages that take long: extraction
+(`extract-NAME`, `extract-shards-NAME`), regeneration (`regenerate-NAME`) and training (`train-NAME`,
+`train-losses-NAME`). The core calls back as often as it likes (every sample, conversation or step);
+the progress artifact is written at most every PUBLISH_EVERY_S and the table at most every
+TABLE_EVERY_S (plus once at the end), so thousands of shards or steps never flood the API, and the
+UI being unreachable never stops the work.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.logging import get_logger, get_run_logger
 
 from eyas.report import artifact_key
 
-PUBLISH_EVERY_S = 2.0  # progress artifact and log line, at most this often while shards run
-TABLE_EVERY_S = 30.0  # a new version of the shard table (500 rows in production), at most this often
+PUBLISH_EVERY_S = 2.0  # the progress artifact (and its log line), at most this often
+TABLE_EVERY_S = 30.0  # a new version of the table (500 shards, or ~100 loss rows), at most this often
 
 
 def logger(name: str = "eyas"):
@@ -26,41 +31,108 @@ def logger(name: str = "eyas"):
         return get_logger(name)
 
 
-class ExtractionPublisher:
-    """Turns ExtractionRun updates into the `extract-NAME` progress artifact, the
-    `extract-shards-NAME` table artifact and log lines."""
+class Publisher:
+    """The progress artifact `STAGE-NAME` and, with `table`, the table artifact `TABLE-NAME` of one run.
 
-    def __init__(self, name: str):
-        self.progress_key, self.table_key = artifact_key("extract", name), artifact_key("extract-shards", name)
+    publish(figures, rows) is cheap when throttled: figures() -> (percent, text) and rows() -> table
+    are only called when something is written. force: write the progress now; table: True = write
+    the table now (when the progress is written), False = not this time, None = when due.
+    log_every_s: a log line with the text at most this often (None: no log lines).
+    """
+
+    def __init__(self, stage: str, name: str, label: str, *, table: str | None = None,
+                 log_every_s: float | None = None):
+        self.stage, self.label, self.log_every_s = stage, label, log_every_s
+        self.progress_key = artifact_key(stage, name)
+        self.table_key = artifact_key(table, name) if table else None
         self.artifact_id = None
-        self.last = self.last_table = 0.0
+        self.last = self.last_table = self.last_log = float("-inf")
         self.lock = threading.Lock()
         self.warned = False
+        self.writes = 0  # progress artifact writes (creation included)
 
-    def __call__(self, run, event: str) -> None:
+    def start(self, text: str) -> None:
+        """Show the bar at 0 now, from the task's own thread: Prefect ties an artifact to the run it is
+        created in, and callbacks from worker threads carry no run context (updates need none)."""
+        self.publish(lambda: (0.0, text), force=True, table=False)
+
+    def publish(self, figures: Callable[[], tuple[float, str]], rows: Callable[[], list[dict]] | None = None, *,
+                force: bool = False, table: bool | None = None) -> bool:
         now = time.monotonic()
         with self.lock:
-            if event == "progress" and now - self.last < PUBLISH_EVERY_S:
-                return
+            if not force and now - self.last < PUBLISH_EVERY_S:
+                return False
             self.last = now
-            table = event == "complete" or (event == "shard" and now - self.last_table >= TABLE_EVERY_S)
+            table = rows is not None and self.table_key is not None and (
+                now - self.last_table >= TABLE_EVERY_S if table is None else table)
             if table:
                 self.last_table = now
-        figures, text = run.figures(), run.describe()
-        log = logger("eyas.extract")
-        log.info("extraction: %s", text)
+            log_now = self.log_every_s is not None and (force or now - self.last_log >= self.log_every_s)
+            if log_now:
+                self.last_log = now
+        percent, text = figures()
+        log = logger(f"eyas.{self.stage}")
+        if log_now:
+            log.info("%s: %s", self.label, text)
         try:
             with self.lock:
                 if self.artifact_id is None:
-                    self.artifact_id = create_progress_artifact(
-                        progress=figures["percent"], key=self.progress_key, description=text)
+                    self.artifact_id = create_progress_artifact(progress=percent, key=self.progress_key,
+                                                                description=text)
                 else:
-                    update_progress_artifact(artifact_id=self.artifact_id, progress=figures["percent"],
-                                             description=text)
+                    update_progress_artifact(artifact_id=self.artifact_id, progress=percent, description=text)
+                self.writes += 1
             if table:
-                create_table_artifact(table=run.table(), key=self.table_key,
-                                      description=f"extraction shards: {text}")
-        except Exception as e:  # noqa: BLE001 - the UI is a view; extraction goes on without it
+                create_table_artifact(table=rows(), key=self.table_key, description=f"{self.label}: {text}")
+        except Exception as e:  # noqa: BLE001 - the UI is a view; the work goes on without it
             if not self.warned:
                 self.warned = True
-                log.warning("extraction progress artifacts unavailable (%s: %s)", type(e).__name__, e)
+                log.warning("%s progress artifacts unavailable (%s: %s)", self.label, type(e).__name__, e)
+        return True
+
+
+class ExtractionPublisher:
+    """ExtractionRun updates -> `extract-NAME`, the shard table `extract-shards-NAME`, log lines."""
+
+    def __init__(self, name: str):
+        self.out = Publisher("extract", name, "extraction", table="extract-shards", log_every_s=0.0)
+
+    def __call__(self, run, event: str) -> None:  # events: "progress", "shard", "complete"
+        self.out.publish(lambda: (run.figures()["percent"], run.describe()), run.table,
+                         force=event != "progress", table={"complete": True, "shard": None}.get(event, False))
+
+
+class RegenerationPublisher:
+    """RegenerationProgress (every conversation, from worker threads) -> `regenerate-NAME`, a log line a
+    minute. Made in the task, which it shows at 0 at once."""
+
+    def __init__(self, name: str):
+        self.out = Publisher("regenerate", name, "regeneration", log_every_s=60.0)
+        self.out.start("starting")
+
+    def __call__(self, p) -> None:
+        self.out.publish(lambda: (p.percent, p.describe()), force=p.parts_done == p.num_parts)
+
+
+class TrainingPublisher:
+    """StepStats (every step) -> `train-NAME` (step/total, tokens/s, ETA) and `train-losses-NAME` (the
+    loss table: loss, accuracy per TTT step, lr, tokens/s, held-out acceptance). The core logs the steps."""
+
+    def __init__(self, name: str, max_steps: int):
+        self.out, self.max_steps = Publisher("train", name, "training", table="train-losses"), max_steps
+        self.rows: list[dict] = []
+        self.out.start(f"starting: shards, drafter, target head (max_steps {max_steps})")
+
+    def __call__(self, s) -> None:
+        if s.in_history:
+            self.rows.append(s.row())
+        self.out.publish(lambda: (s.percent, s.describe()), lambda: list(self.rows))
+
+    def finish(self, result: dict) -> None:
+        """The end: the result's figures and its whole loss table (steps before a resume included)."""
+        sal = result.get("simulated_acceptance_length")
+        text = (f"step {result['steps']}/{self.max_steps}, final loss {result['final_loss']:.4f}"
+                + (f", held-out simulated acceptance {sal:.3f}" if sal is not None else "")
+                + f", {result['tokens']:,} tokens in {result['seconds']:.0f}s")
+        self.out.publish(lambda: (round(100.0 * result["steps"] / self.max_steps, 2), text),
+                         lambda: result["history"], force=True, table=True)

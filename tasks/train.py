@@ -14,6 +14,7 @@ from eyas.training.distributed import launch_training
 from eyas.evaluation.evaluate import evaluate_acceptance
 from eyas.evaluation.export import drafter_digest, export_drafter
 from eyas.training.train import train_drafter
+from tasks.progress import TrainingPublisher
 
 
 def _plain(obj) -> dict:
@@ -25,13 +26,17 @@ def train(cfg: PipelineConfig, manifests: list[dict]) -> dict:
     """Train the EAGLE-3 drafter on the extracted shards (resumes from its last checkpoint).
 
     In this process by default; under torchrun on training.distributed's hosts when it asks for
-    more than one process or another host.
+    more than one process or another host (its steps then come from rank 0's launch/progress.jsonl).
+    Its progress: the artifacts `train-NAME` (step/total, tokens/s, ETA) and `train-losses-NAME`
+    (the loss table), updated at a bounded rate (tasks/progress.py).
     """
     logger = get_run_logger()
     shard_paths = [Path(cfg.extraction.output_dir) / m["file"] for m in manifests]
     run = launch_training if cfg.training.distributed.launched else train_drafter
-    result = run(cfg.training, cfg.target, shard_paths, log=logger.info)
-    return _plain(result)
+    publisher = TrainingPublisher(cfg.name, cfg.training.max_steps)
+    result = _plain(run(cfg.training, cfg.target, shard_paths, log=logger.info, on_step=publisher))
+    publisher.finish(result)
+    return result
 
 
 @task(task_run_name="export-drafter", cache_policy=NO_CACHE, timeout_seconds=3600)

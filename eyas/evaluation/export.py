@@ -33,6 +33,7 @@ from eyas.dump import DTYPES
 from eyas.extraction.shards import sha256_file
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter
 from eyas.training.target_head import load_target_tensors, read_target_config
+from eyas.training.warm_start import drafter_config_from_sglang
 
 
 
@@ -200,14 +201,7 @@ def load_exported(drafter_dir: str | Path, *, target_checkpoint: str | Path | No
     meta = json.loads((drafter_dir / "config.json").read_text())
     if meta.get("architectures") != ["LlamaForCausalLMEagle3"]:
         raise ValueError(f"{drafter_dir}: not an EAGLE-3 drafter (architectures {meta.get('architectures')})")
-    dcfg = DrafterConfig(
-        hidden_size=meta["hidden_size"], target_hidden_size=meta.get("target_hidden_size", meta["hidden_size"]),
-        num_attention_heads=meta["num_attention_heads"], num_key_value_heads=meta["num_key_value_heads"],
-        head_dim=meta.get("head_dim") or meta["hidden_size"] // meta["num_attention_heads"],
-        intermediate_size=meta["intermediate_size"], vocab_size=meta["vocab_size"],
-        draft_vocab_size=meta["draft_vocab_size"], num_aux=len(meta["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
-        rms_norm_eps=meta["rms_norm_eps"], rope_theta=meta["rope_theta"],
-        max_position_embeddings=meta["max_position_embeddings"])
+    dcfg = drafter_config_from_sglang(meta)
     weights = load_file(str(drafter_dir / "model.safetensors"))
     expected = expected_weights(dcfg)
     if set(weights) != set(expected):

@@ -16,6 +16,9 @@ Sharded and resumable: the conversations are split into contiguous parts; each p
 `part-{k:05d}.jsonl` with a manifest naming its input hash, target and sampling, and a part whose
 manifest matches is never regenerated again. `regenerated.jsonl` (all parts, in order) is written
 atomically once every part is done. Pre-tokenized records pass through unchanged.
+
+Progress: `on_progress(RegenerationProgress)` after every conversation and part (from the worker
+threads); the caller throttles (tasks/progress.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,6 +43,69 @@ RID_PREFIX = "WARMUP_regen-"  # the dump writer skips WARMUP* rids: nothing is d
 
 class RegenerationError(RuntimeError):
     """A conversation could not be regenerated; names the part and the input line."""
+
+
+@dataclass(frozen=True)
+class RegenerationProgress:
+    """Figures of one regeneration so far."""
+
+    parts_done: int
+    num_parts: int
+    done: int        # conversations (records) answered, or found in finished parts
+    total: int
+    reused: int      # of `done`: in parts an earlier run finished
+    tokens: int      # tokens the target generated in this run
+    seconds: float   # since this run began
+
+    @property
+    def percent(self) -> float:
+        return round(100.0 * self.done / max(self.total, 1), 2)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return round(self.tokens / self.seconds, 1) if self.seconds >= 1.0 and self.tokens else None
+
+    @property
+    def eta_s(self) -> float | None:
+        new = self.done - self.reused
+        return round((self.total - self.done) * self.seconds / new, 1) if new > 0 else None
+
+    def describe(self) -> str:
+        rate = f"{self.tokens_per_s:,.0f} tok/s" if self.tokens_per_s else "- tok/s"
+        eta = f"ETA {self.eta_s:.0f}s" if self.eta_s is not None else "ETA -"
+        return (f"{self.parts_done}/{self.num_parts} parts, {self.done}/{self.total} conversations "
+                f"({self.reused} reused), {self.tokens:,} tokens generated, {rate}, {eta}")
+
+
+class _Progress:
+    """Counts RegenerationProgress from the worker threads and hands each snapshot to on_progress."""
+
+    def __init__(self, num_parts: int, total: int, on_progress):
+        self.num_parts, self.total, self.on_progress = num_parts, total, on_progress
+        self.parts = self.done = self.reused = self.tokens = 0
+        self.t0, self.lock = time.monotonic(), threading.Lock()
+
+    def conversation(self, tokens: int) -> None:
+        with self.lock:
+            self.done, self.tokens = self.done + 1, self.tokens + tokens
+            snapshot = self._snapshot()
+        self._tell(snapshot)
+
+    def part(self, records: int, reused: bool) -> None:
+        with self.lock:
+            self.parts += 1
+            if reused:
+                self.done, self.reused = self.done + records, self.reused + records
+            snapshot = self._snapshot()
+        self._tell(snapshot)
+
+    def _snapshot(self) -> RegenerationProgress:
+        return RegenerationProgress(self.parts, self.num_parts, self.done, self.total, self.reused, self.tokens,
+                                    time.monotonic() - self.t0)
+
+    def _tell(self, snapshot: RegenerationProgress) -> None:
+        if self.on_progress is not None:
+            self.on_progress(snapshot)
 
 
 def _record_json(r: Record) -> str:
@@ -77,7 +144,7 @@ def regenerate_conversation(messages: list[dict], conv_index: int, tokenizer, po
                             where: str) -> tuple[list[dict], dict[str, int]]:
     """The conversation with each assistant turn answered again by the target, in order."""
     out: list[dict] = []
-    counts = {"regenerated_turns": 0, "kept_original_turns": 0, "dropped_turns": 0}
+    counts = {"regenerated_turns": 0, "kept_original_turns": 0, "dropped_turns": 0, "generated_tokens": 0}
     for j, m in enumerate(messages):
         if m["role"] != "assistant":
             out.append(dict(m))
@@ -94,7 +161,9 @@ def regenerate_conversation(messages: list[dict], conv_index: int, tokenizer, po
             reply = pool.generate(prompt, f"{RID_PREFIX}{conv_index:07d}-{j:03d}", params).result()
         except Exception as e:  # noqa: BLE001 - named with the line it came from
             raise RegenerationError(f"{where}: turn {j}: {e}") from e
-        text = tokenizer.decode(reply.body.get("output_ids") or [], skip_special_tokens=True)
+        output_ids = reply.body.get("output_ids") or []
+        counts["generated_tokens"] += len(output_ids)
+        text = tokenizer.decode(output_ids, skip_special_tokens=True)
         if text.strip():
             out.append({"role": "assistant", "content": text})
             counts["regenerated_turns"] += 1
@@ -109,16 +178,19 @@ def regenerate_conversation(messages: list[dict], conv_index: int, tokenizer, po
 
 def regenerate(records: list[Record], tokenizer, pool: ServerPool, out_dir: str | Path, cfg: RegenerateConfig, *,
                target: str, max_length: int, passthrough: list[Record] = (),
-               on_part: Callable[[int, int, dict], None] | None = None) -> tuple[Path, dict[str, Any]]:
+               on_part: Callable[[int, int, dict], None] | None = None,
+               on_progress: Callable[[RegenerationProgress], None] | None = None) -> tuple[Path, dict[str, Any]]:
     """Regenerate every part not already done; returns (regenerated.jsonl, summary).
 
     `passthrough` records (the held-out ones, say) are appended to regenerated.jsonl unchanged.
+    on_part(k, num_parts, manifest) after each part; on_progress after each conversation and part.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stop_ids = turn_end_ids(tokenizer)
     params = _params(cfg, stop_ids, max_length, target)
     bounds = part_bounds(len(records), cfg.num_parts)
+    progress = _Progress(len(bounds), len(records), on_progress)
     manifests = []
     for k, (a, b) in enumerate(bounds):
         input_hash = _input_hash(records[a:b])
@@ -126,11 +198,13 @@ def regenerate(records: list[Record], tokenizer, pool: ServerPool, out_dir: str 
         done = _finished_part(out_dir, k, input_hash, params)
         if done is not None:
             manifests.append({**done, "reused": True})
+            progress.part(b - a, reused=True)
             if on_part:
                 on_part(k, len(bounds), manifests[-1])
             continue
         manifests.append(_regenerate_part(records, a, b, k, len(bounds), tokenizer, pool, cfg, stop_ids, max_length,
-                                          params, input_hash, path, mpath))
+                                          params, input_hash, path, mpath, progress))
+        progress.part(b - a, reused=False)
         if on_part:
             on_part(k, len(bounds), manifests[-1])
     combined = out_dir / "regenerated.jsonl"
@@ -177,7 +251,7 @@ def _finished_part(out_dir: Path, k: int, input_hash: str, params: dict) -> dict
 
 
 def _regenerate_part(records, a, b, k, num_parts, tokenizer, pool, cfg, stop_ids, max_length, params, input_hash,
-                     path: Path, mpath: Path) -> dict:
+                     path: Path, mpath: Path, progress: _Progress) -> dict:
     t0 = time.monotonic()
     counts = {"regenerated_turns": 0, "kept_original_turns": 0, "dropped_turns": 0}
     lock = threading.Lock()
@@ -185,9 +259,11 @@ def _regenerate_part(records, a, b, k, num_parts, tokenizer, pool, cfg, stop_ids
     def one(i: int) -> str:
         r = records[i]
         if r.messages is None:
+            progress.conversation(0)
             return _record_json(r)
         messages, c = regenerate_conversation(r.messages, i, tokenizer, pool, cfg, stop_ids, max_length,
                                               f"part {k} ({r.where})")
+        progress.conversation(c.pop("generated_tokens"))
         with lock:
             for key, v in c.items():
                 counts[key] += v

@@ -192,8 +192,10 @@ def regeneration_pending(cfg: PipelineConfig) -> list[int]:
                          max_length=cfg.data.max_length)
 
 
-def regenerate_data(cfg: PipelineConfig, *, log: Log) -> str:
-    """Answer the training conversations again with the target (resumable by part); the new file."""
+def regenerate_data(cfg: PipelineConfig, *, log: Log, on_progress: Callable | None = None) -> str:
+    """Answer the training conversations again with the target (resumable by part); the new file.
+
+    on_progress gets a RegenerationProgress after every conversation (the caller throttles)."""
     from eyas.extraction.regenerate import regenerate
 
     train, heldout, tokenizer, out_dir, target, skipped = _regeneration_inputs(cfg)
@@ -207,7 +209,7 @@ def regenerate_data(cfg: PipelineConfig, *, log: Log) -> str:
 
     path, summary = regenerate(train, tokenizer, pool_for(cfg), out_dir, cfg.data.regenerate,
                                max_length=cfg.data.max_length, target=target, passthrough=heldout,
-                               on_part=on_part)
+                               on_part=on_part, on_progress=on_progress)
     log("regenerated %s", {k: v for k, v in summary.items() if k != "params"})
     return str(path)
 

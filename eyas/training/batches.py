@@ -13,6 +13,7 @@ little) and cut into micro-batches; micro-batch j of a step goes to rank j % wor
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -86,6 +87,21 @@ def check_shard_meta(readers: list[ShardReader], target: TargetConfig) -> dict:
                              f"({target.layer_ids} {target.layer_convention})")
         meta["capture_ids"] = capture
     return meta
+
+
+def data_digest(readers: list[ShardReader]) -> str:
+    """sha256 over what each shard holds: extraction's cache key (its sequences, the target and
+    revision, layers, dtype, encoding, patch), else its planned content hash, else its ids and masks.
+    Same names and sizes with other sequences (a nightly's new data) give another digest."""
+    h = hashlib.sha256()
+    for r in readers:
+        ident = r.meta.get("cache_key") or r.meta.get("content_hash")
+        if ident is None:
+            with safe_open(str(r.path), framework="pt") as f:
+                ident = hashlib.sha256(f.get_tensor("input_ids").numpy().tobytes()
+                                       + f.get_tensor("loss_mask").numpy().tobytes()).hexdigest()
+        h.update(f"{Path(r.path).name}:{ident}\n".encode())
+    return h.hexdigest()
 
 
 def epoch_plan(lengths: list[int], ids: list[int], micro: int, num_micro: int, seed: int, epoch: int,

@@ -33,11 +33,41 @@ class TrainState:
     losses: list[float] = field(default_factory=list)
     accuracies: list[list[float]] = field(default_factory=list)
     heldout_history: list[list[float]] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list)  # the bounded loss table (StepStats.row())
+    init_from: dict | None = None  # a warm start's source (training.init_from): path, kind
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
     found = sorted((output_dir / "checkpoints").glob("step-[0-9]*"))
     return found[-1] if found else None
+
+
+def checkpoint_differs(path: Path, fingerprint: dict, *, can_warm_start: bool = False) -> list[str]:
+    """The fingerprint fields in which the checkpoint's run differs from this one ([]: resumable).
+
+    Differing and no warm start configured: refused, naming training.init_from (the way to train on
+    from those weights with other data or settings)."""
+    differ = _differ(json.loads((path / "drafter.json").read_text())["fingerprint"], fingerprint)
+    if differ and not can_warm_start:
+        raise ValueError(refusal(path, differ))
+    return differ
+
+
+LATER_KEYS = {"data_sha256"}  # fingerprint keys a checkpoint written before eyas recorded them lacks
+
+
+def _differ(old: dict, new: dict) -> list[str]:
+    return sorted(k for k in set(old) | set(new) if k != "max_steps" and old.get(k) != new.get(k)
+                  and not (k in LATER_KEYS and k not in old))
+
+
+def refusal(path: Path, differ: list[str]) -> str:
+    return (f"{path}: checkpoint is from a different run ({', '.join(differ)} differ), so it cannot be resumed. "
+            f"To train on from its weights (new data, say), set training.init_from to that run's exported "
+            f"drafter (the pipeline's run_dir/drafter) or to a copy of {path} outside training.output_dir: a "
+            f"warm start (its weights and draft vocabulary, a fresh optimizer and schedule from step 0; the "
+            f"old checkpoints are set aside to {path.parent}.previous/). To start over, remove {path.parent} "
+            f"or use another training.output_dir")
 
 
 def _state_dicts(objective, opt):
@@ -82,10 +112,9 @@ def load_checkpoint(path: Path, objective, opt, sched, fingerprint: dict, log) -
                                                          set_optimizer_state_dict)
     ckpt = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
     old = ckpt["fingerprint"]
-    differ = sorted(k for k in set(old) | set(fingerprint) if k != "max_steps" and old.get(k) != fingerprint.get(k))
+    differ = _differ(old, fingerprint)
     if differ:
-        raise ValueError(f"{path}: checkpoint is from a different run ({', '.join(differ)} differ); "
-                         f"remove {path.parent} or use another training.output_dir")
+        raise ValueError(refusal(path, differ))
     if old.get("max_steps") != fingerprint.get("max_steps"):
         log(f"resuming with max_steps {fingerprint['max_steps']} (checkpoint ran with {old['max_steps']})")
     weights = load_file(str(path / "model.safetensors"))

@@ -9,8 +9,10 @@ node i on `training.distributed.hosts[i]` (this machine when the list is empty),
 as the rendezvous address. Every process runs this module's `main`, which sets its GPU, initialises
 the process group (NCCL on GPUs, gloo on CPUs) and calls `train_drafter`; the ranks share each
 global batch (eyas/training/train.py), under DDP or FSDP (`training.distributed.strategy`). Rank 0 writes the
-TrainResult to `launch/result.json` atomically. The launcher follows node 0's log, and once every
-node has exited returns the result, or raises naming the node, its exit code and its log.
+TrainResult to `launch/result.json` atomically, and every step's StepStats as a JSON line to
+`launch/progress.jsonl`. The launcher follows node 0's log (into `log`) and that file (into
+`on_step`, as train_drafter would call it), and once every node has exited returns the result, or
+raises naming the node, its exit code and its log.
 
 Shards, the target checkpoint and training.output_dir must be at the same paths on every training
 host (a shared filesystem): the job file is copied to each host, nothing else is.
@@ -47,8 +49,10 @@ def _node_command(python: str, nnodes: int, node: int, nproc: int, master: str, 
 
 def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json: dict | None = None,
                     log: Callable[[str], None] = print, poll_s: float = 1.0, hosts=None,
-                    stop_at_step: int | None = None):
-    """Run train_drafter under torchrun on the configured hosts -> TrainResult (rank 0's)."""
+                    stop_at_step: int | None = None, on_step: Callable | None = None):
+    """Run train_drafter under torchrun on the configured hosts -> TrainResult (rank 0's).
+
+    on_step gets rank 0's StepStats as they reach launch/progress.jsonl (up to poll_s late)."""
     from eyas.server.hosts import HostError, LocalHost, make_host
     from eyas.extraction.shards import write_json_atomic
     from eyas.training.train import TrainResult
@@ -60,10 +64,10 @@ def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json:
     master = "127.0.0.1" if local else (d.hosts[0].hostname or d.hosts[0].name)
     python = d.python or (sys.executable if local else "python3")
     folder = Path(cfg.output_dir) / "launch"
-    job, result = folder / "job.json", folder / "result.json"
+    job, result, progress = folder / "job.json", folder / "result.json", folder / "progress.jsonl"
     write_json_atomic(job, {"training": cfg.model_dump(mode="json"), "target": target.model_dump(mode="json"),
                             "shards": [str(p) for p in shard_paths], "target_config_json": target_config_json,
-                            "result": str(result), "stop_at_step": stop_at_step})
+                            "result": str(result), "progress": str(progress), "stop_at_step": stop_at_step})
     if result.exists():
         result.unlink()
     env = {"PYTHONPATH": str(Path(eyas.__file__).resolve().parents[1])} if local else {}
@@ -72,7 +76,8 @@ def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json:
     try:
         for i, host in enumerate(hosts):
             log_path, rc_path = folder / f"node-{i}.log", folder / f"node-{i}.rc"
-            host.run(f"rm -f {shlex.quote(str(rc_path))} {shlex.quote(str(log_path))}", check=False)
+            host.run(f"rm -f {shlex.quote(str(rc_path))} {shlex.quote(str(log_path))}"
+                     + (f" {shlex.quote(str(progress))}" if i == 0 else ""), check=False)
             if not local:
                 host.put(job, job)
             cmd = _node_command(python, len(hosts), i, d.nproc_per_node, master, d.master_port, job, rc_path)
@@ -80,7 +85,7 @@ def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json:
             log(f"[{host.name}] node {i}/{len(hosts)}: torchrun with {d.nproc_per_node} process(es), pid {pid}, "
                 f"log {log_path}")
             nodes.append((host, pid, log_path, rc_path))
-        _wait(nodes, d.timeout_s, poll_s, log)
+        _wait(nodes, d.timeout_s, poll_s, log, progress, on_step)
     finally:
         for host, pid, _, _ in nodes:
             if host.is_alive(pid):
@@ -102,18 +107,44 @@ def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json:
     return TrainResult(**json.loads(result.read_text()))
 
 
-def _wait(nodes, timeout_s: float, poll_s: float, log) -> None:
-    """Until every node has exited; node 0's log lines go to `log` as they come."""
+class _Tail:
+    """The complete lines a file on a host gained since the last call."""
+
+    def __init__(self, host, path: Path):
+        self.host, self.path, self.offset, self.partial = host, path, 0, b""
+
+    def lines(self) -> list[str]:
+        data = b""
+        for _ in range(64):  # read_from returns at most 1 MiB a call
+            chunk, self.offset = self.host.read_from(self.path, self.offset)
+            data += chunk
+            if not chunk:
+                break
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        return [line.decode(errors="replace") for line in lines]
+
+
+def _wait(nodes, timeout_s: float, poll_s: float, log, progress: Path, on_step) -> None:
+    """Until every node has exited; node 0's log lines go to `log`, rank 0's steps to `on_step`."""
+    from eyas.training.progress import StepStats
+
     host0, _, log0, _ = nodes[0]
-    deadline, offset, partial = time.monotonic() + timeout_s, 0, b""
-    while any(h.is_alive(pid) for h, pid, _, _ in nodes):
+    deadline, logs, steps = time.monotonic() + timeout_s, _Tail(host0, log0), _Tail(host0, progress)
+    running = True
+    while running:
+        running = any(h.is_alive(pid) for h, pid, _, _ in nodes)  # then one last read after the end
         if time.monotonic() > deadline:
             raise TrainingLaunchError(f"training did not finish within {timeout_s:.0f}s; see {log0}")
-        chunk, offset = host0.read_from(log0, offset)
-        *lines, partial = (partial + chunk).split(b"\n")
-        for line in lines:
-            log(line.decode(errors="replace"))
-        time.sleep(poll_s)
+        for line in logs.lines():
+            log(line)
+        for line in steps.lines() if on_step is not None else []:
+            try:
+                stats = StepStats.from_json(json.loads(line))
+            except (ValueError, TypeError):  # progress is a view: a line it cannot read is skipped
+                continue
+            on_step(stats)
+        if running:
+            time.sleep(poll_s)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,10 +162,17 @@ def main(argv: list[str] | None = None) -> None:
     if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if gpu else "gloo")
+    progress = job.get("progress")
+
+    def on_step(stats) -> None:  # rank 0 only (train_drafter's rule): one JSON line per step
+        with open(progress, "a") as f:
+            f.write(json.dumps(stats.to_json()) + "\n")
+
     try:
         result = train_drafter(cfg, target, [Path(p) for p in job["shards"]],
                                target_config_json=job.get("target_config_json"),
-                               log=lambda m: print(m, flush=True), stop_at_step=job.get("stop_at_step"))
+                               log=lambda m: print(m, flush=True), stop_at_step=job.get("stop_at_step"),
+                               on_step=on_step if progress else None)
         if dist.get_rank() == 0:
             write_json_atomic(job["result"], asdict(result))
         dist.barrier()  # every rank is done before any tears the group down

@@ -22,7 +22,11 @@ of one global batch (accumulation, ranks) gives the same loss and gradient. How 
 Checkpoints (eyas/training/checkpoints.py: cfg.output_dir/checkpoints/step-NNNNNN/, each written whole then
 renamed into place) hold the trainable weights with d2t/t2d, drafter.json, and trainer_state.pt
 (optimizer, scheduler, step, data position, RNG, loss history). A later call with the same config
-resumes from the latest one and reproduces the uninterrupted run's losses exactly.
+resumes from the latest one and reproduces the uninterrupted run's losses exactly. A run on other
+data starts from an earlier drafter's weights with training.init_from (eyas/training/warm_start.py).
+
+Progress: `on_step(StepStats)` after every step on rank 0 (eyas/training/progress.py); the caller
+throttles. The steps StepStats.in_history marks make the bounded loss table TrainResult.history.
 """
 
 from __future__ import annotations
@@ -39,13 +43,16 @@ import torch.distributed as dist
 
 from eyas.evaluation.evaluate import simulated_acceptance_length
 from eyas.training import kernels as fused
-from eyas.training.batches import ShardData, add_aux_noise, check_shard_meta, collate, epoch_plan
-from eyas.training.checkpoints import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from eyas.training.batches import ShardData, add_aux_noise, check_shard_meta, collate, data_digest, epoch_plan
+from eyas.training.checkpoints import (TrainState, checkpoint_differs, latest_checkpoint, load_checkpoint,
+                                       save_checkpoint)
 from eyas.training.draft_vocab import build_draft_vocab, count_tokens
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter
 from eyas.training.losses import HEAD_CHUNK_ROWS, HEAD_CHUNK_ROWS_CPU, TTTObjective, draft_first_order, teacher_labels
 from eyas.training.optim import clip_and_step, lr_factor, make_optimizer, resolve_device
+from eyas.training.progress import StepStats, keeps_row
 from eyas.training.target_head import TargetHead, load_target_tensors, read_target_config
+from eyas.training import warm_start
 
 if TYPE_CHECKING:  # eyas.config needs pydantic; the GPU benchmark imports this module without it
     from eyas.config import TargetConfig, TrainingConfig
@@ -68,6 +75,8 @@ class TrainResult:
     resumed_from_step: int = 0
     world_size: int = 1
     global_batch: int = 0  # sequences per optimizer step
+    history: list[dict] = field(default_factory=list)  # the loss table: StepStats.row() of ~100 steps
+    init_from: dict | None = None  # the warm start's source: path, kind (drafter/checkpoint)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -133,13 +142,15 @@ def optimizer_step(objective, wrapped, opt, sched, micro_batches, make_labels, *
 
 def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[Path], *,
                   target_config_json: dict | None = None, log: Callable[[str], None] = print,
-                  log_every: int | None = None, stop_at_step: int | None = None) -> TrainResult:
+                  log_every: int | None = None, stop_at_step: int | None = None,
+                  on_step: Callable[[StepStats], None] | None = None) -> TrainResult:
     """Train (or resume) an EAGLE-3 drafter on shards; checkpoints land in cfg.output_dir.
 
     Runs on one process, or on every rank of an initialised process group (torchrun; see
     eyas/training/distributed.py), which then share each global batch. stop_at_step: checkpoint and return
     once this step is reached, as if preempted; a later call with the same arguments resumes.
-    log_every defaults to about 20 lines per run. The step's kernels (torch.compile per
+    log_every defaults to about 20 lines per run. on_step gets every step's StepStats on rank 0
+    (cheap; the caller decides how often to show them). The step's kernels (torch.compile per
     training.compile) come from fused.kernel_options, made once here and passed down.
     """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -149,23 +160,43 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
         torch.cuda.set_device(device)
     kernels = fused.kernel_options(cfg, device)
     log = log if rank == 0 else (lambda _: None)
+    on_step = on_step if rank == 0 else None
     out_dir = Path(cfg.output_dir)
     # 1. data, and what the shards say about how they were made
     data = ShardData([Path(p) for p in shard_paths], cfg.num_heldout, cfg.ttt_steps, cfg.loss_positions == "all")
     meta = check_shard_meta(data.readers, target)
     tcfg = target_config_json or read_target_config(target.checkpoint)
-    d2t, t2d = build_draft_vocab(count_tokens(data.readers, tcfg["vocab_size"]), tcfg["vocab_size"],
-                                 cfg.draft_vocab_size)
     G = cfg.batch_size * cfg.grad_accum * world
     if G > len(data.train_ids):
         raise ValueError(f"global batch of {G} sequences (batch_size {cfg.batch_size} x grad_accum "
                          f"{cfg.grad_accum} x {world} ranks) exceeds the {len(data.train_ids)} training sequences")
-    # 2. the drafter (seeded, the same on every rank), the target's head, the optimizer
+    fingerprint = {**cfg.model_dump(mode="json", exclude={"output_dir", "checkpoint_every", "device", "eval_every",
+                                                          "batch_size", "grad_accum", "distributed", "compile"}),
+                   "global_batch": G, "shards": [[Path(r.path).name, r.num_tokens] for r in data.readers],
+                   "data_sha256": data_digest(data.readers), "capture_ids": target.capture_ids(),
+                   "last_hidden_norm": meta["last_hidden_norm"]}
+    # 2. where the weights start: this run's newest checkpoint, else init_from's drafter, else the target's
+    ckpt = latest_checkpoint(out_dir)
+    differ = checkpoint_differs(ckpt, fingerprint, can_warm_start=cfg.init_from is not None) if ckpt else []
+    resume = ckpt if ckpt is not None and not differ else None
+    init = warm_start.init_source(cfg.init_from, out_dir) if cfg.init_from is not None and resume is None else None
     dcfg = drafter_config(cfg, tcfg, data.hidden_size, data.num_aux)
+    if init is not None:
+        warm_start.check_init(init, dcfg, target.capture_ids())
+    d2t, t2d = _draft_vocab(cfg, data, tcfg, resume, init, log)
+    # 3. the drafter (seeded, the same on every rank), the target's head, the optimizer
     bf16 = device.type == "cuda" and cfg.precision == "bf16"
     torch.manual_seed(cfg.seed)
     model = Eagle3Drafter(dcfg)
     init_from_target(model, target.checkpoint, d2t, t2d)
+    if init is not None:
+        warm_start.load_init(model, init)  # every trainable weight; the optimizer and schedule start fresh
+    if differ:  # another run's checkpoints (init_from is set): set aside, never resumed nor mixed with ours
+        if dist.is_initialized():
+            dist.barrier()  # every rank has read what it needs from them
+        if rank == 0:
+            log(f"{ckpt.parent} holds another run's checkpoints ({', '.join(differ)} differ): set aside to "
+                f"{warm_start.set_aside(out_dir)}")
     if bf16:
         model.embed_tokens.to(torch.bfloat16)  # frozen: no master copy needed
     model.to(device)
@@ -182,20 +213,17 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     params = [p for p in objective.parameters() if p.requires_grad]
     opt = make_optimizer(params, cfg.lr, cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
-    fingerprint = {**cfg.model_dump(mode="json", exclude={"output_dir", "checkpoint_every", "device", "eval_every",
-                                                          "batch_size", "grad_accum", "distributed", "compile"}),
-                   "global_batch": G, "shards": [[Path(r.path).name, r.num_tokens] for r in data.readers],
-                   "capture_ids": target.capture_ids(), "last_hidden_norm": meta["last_hidden_norm"]}
     info = {"drafter": asdict(dcfg), "fingerprint": fingerprint, "shard_meta": meta,
             "target": {"checkpoint": str(target.checkpoint), "revision": target.revision,
                        "layer_ids": target.layer_ids, "layer_convention": target.layer_convention,
                        "capture_ids": target.capture_ids()}}
-    state, ckpt = TrainState(), latest_checkpoint(out_dir)
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, objective, opt, sched, fingerprint, log)
-        log(f"resumed from {ckpt} at step {state.step}")
-    resumed_from, t_run = state.step, time.monotonic()
-    t_log = t_run
+    state = TrainState(init_from=init and {"path": str(init.path), "kind": init.kind})
+    if resume is not None:
+        state = load_checkpoint(resume, objective, opt, sched, fingerprint, log)
+        log(f"resumed from {resume} at step {state.step}")
+    info["init_from"] = state.init_from
+    resumed_from, tokens_from, t_run = state.step, state.tokens, time.monotonic()
+    t_log = t_loop = t_run
     log_every = log_every or max(1, cfg.max_steps // 20)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16)
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -205,11 +233,12 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
         f"{data.num_heldout} held-out sequences, global batch {G} ({world} rank(s) x {cfg.grad_accum} x "
         f"{cfg.batch_size}), draft vocab {cfg.draft_vocab_size}, device {device}{' (bf16 GEMMs)' * cpu_bf16}")
 
-    # 3. the loop
+    # 4. the loop
     num_micro = cfg.grad_accum * world
     plan = epoch_plan(data.lengths, data.train_ids, cfg.batch_size, num_micro, cfg.seed, state.epoch,
                       cfg.length_grouping)
     stop = min(cfg.max_steps, stop_at_step or cfg.max_steps)
+    final_held = None  # per-TTT-step held-out accuracy at max_steps
     while state.step < stop:
         if state.batch_pos >= len(plan):
             state.epoch, state.batch_pos = state.epoch + 1, 0
@@ -219,6 +248,7 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
         counts = data.scored[[i for m in micro for i in m]].sum(0)  # (K,) the global batch's scored positions
         mine = (add_aux_noise(collate([data.sample(i) for i in m], device, dtype), cfg.aux_noise)
                 for m in micro[rank::world])
+        lr = sched.get_last_lr()[0]
         stats = optimizer_step(objective, wrapped, opt, sched, mine, make_labels, ttt_steps=cfg.ttt_steps,
                                decay=cfg.loss_decay, counts=counts, grad_clip=cfg.grad_clip, autocast=autocast,
                                world=world)
@@ -232,29 +262,59 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
         if state.step % log_every == 0 or state.step == stop:
             acc = " ".join(f"{a:.2f}" for a in state.accuracies[-1])
             log(f"step {state.step}/{cfg.max_steps} loss {state.losses[-1]:.4f} acc [{acc}] "
-                f"lr {sched.get_last_lr()[0]:.2e} {time.monotonic() - t_log:.1f}s")
-        if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < cfg.max_steps:
+                f"lr {lr:.2e} {time.monotonic() - t_log:.1f}s")
+        simulated = None  # held-out simulated acceptance length, every eval_every steps and at max_steps
+        if state.step == cfg.max_steps or (cfg.eval_every and state.step % cfg.eval_every == 0):
             held = evaluate_heldout(objective, wrapped, make_labels, data, cfg, device, dtype, autocast, rank, world)
-            if held is not None:
-                state.heldout_history.append([state.step, simulated_acceptance_length(held)])
-                log(f"step {state.step}: held-out simulated acceptance length {state.heldout_history[-1][1]:.3f}")
+            simulated = None if held is None else simulated_acceptance_length(held)
+            if state.step == cfg.max_steps:
+                final_held = held
+            elif simulated is not None:
+                state.heldout_history.append([state.step, simulated])
+                log(f"step {state.step}: held-out simulated acceptance length {simulated:.3f}")
+        report = StepStats(step=state.step, max_steps=cfg.max_steps, loss=state.losses[-1],
+                           accuracies=tuple(state.accuracies[-1]), lr=lr, tokens=state.tokens,
+                           seconds=time.monotonic() - t_loop, start_step=resumed_from, start_tokens=tokens_from,
+                           heldout_acceptance=simulated,
+                           in_history=keeps_row(state.step, cfg.max_steps, evaluated=simulated is not None,
+                                                last=state.step == stop))
+        if report.in_history:
+            state.history.append(report.row())
+        if on_step is not None:
+            on_step(report)
         if state.step % cfg.checkpoint_every == 0 or state.step == stop:
             state.seconds += time.monotonic() - t_run
             t_run = time.monotonic()
             ckpt = save_checkpoint(out_dir, objective, opt, sched, state, info, rank=rank)
 
-    # 4. held-out accuracy per TTT step -> simulated acceptance length
-    held = None
-    if state.step >= cfg.max_steps:
-        held = evaluate_heldout(objective, wrapped, make_labels, data, cfg, device, dtype, autocast, rank, world)
+    # 5. held-out accuracy per TTT step -> simulated acceptance length (a finished run resumed: again)
+    if final_held is None and state.step >= cfg.max_steps:
+        final_held = evaluate_heldout(objective, wrapped, make_labels, data, cfg, device, dtype, autocast, rank,
+                                      world)
     tail = state.losses[-max(1, min(10, len(state.losses) // 10)):]
     return TrainResult(
         final_loss=sum(tail) / len(tail), first_loss=state.losses[0], losses=state.losses,
         accuracies=state.accuracies, steps=state.step, tokens=state.tokens,
         seconds=round(state.seconds + time.monotonic() - t_run, 3), checkpoint_dir=str(ckpt),
-        draft_vocab_size=cfg.draft_vocab_size, heldout_accuracies=held,
-        simulated_acceptance_length=None if held is None else simulated_acceptance_length(held),
-        heldout_history=state.heldout_history, resumed_from_step=resumed_from, world_size=world, global_batch=G)
+        draft_vocab_size=cfg.draft_vocab_size, heldout_accuracies=final_held,
+        simulated_acceptance_length=None if final_held is None else simulated_acceptance_length(final_held),
+        heldout_history=state.heldout_history, resumed_from_step=resumed_from, world_size=world, global_batch=G,
+        history=state.history, init_from=state.init_from)
+
+
+def _draft_vocab(cfg: TrainingConfig, data: ShardData, tcfg: dict, resume: Path | None, init, log):
+    """(d2t, t2d): the resumed checkpoint's, else the warm start's, else counted on the shards."""
+    if resume is not None:
+        return warm_start.draft_vocab(resume)
+    counts = count_tokens(data.readers, tcfg["vocab_size"])
+    fresh = build_draft_vocab(counts, tcfg["vocab_size"], cfg.draft_vocab_size)
+    if init is None:
+        return fresh
+    d2t, t2d = warm_start.draft_vocab(init.path)  # its lm_head rows are these tokens' logits: kept
+    share = lambda m: float(counts[m].sum()) / max(1, int(counts.sum()))  # noqa: E731
+    log(f"warm start from {init.kind} {init.path}: its draft vocab covers {share(t2d):.1%} of the shards' "
+        f"scored tokens (one counted on them would cover {share(fresh[1]):.1%})")
+    return d2t, t2d
 
 
 def _parallelize(objective: TTTObjective, strategy: str, device: torch.device):

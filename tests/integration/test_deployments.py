@@ -93,6 +93,16 @@ def first(server, small):
     return overrides, run
 
 
+def test_nightly_warm_starts_from_the_drafter_its_config_exports(server):
+    from eyas.config import load_config
+
+    dep = server.get("/deployments/name/eagle3-pipeline/nightly")
+    cfg = load_config(ROOT / dep["parameters"]["config"], dep["parameters"]["overrides"])
+    assert cfg.training.init_from == cfg.run_dir / "drafter"  # the last run's export, read before training
+    assert not str(cfg.training.init_from).startswith(str(cfg.training.output_dir))
+    assert dep["schedules"] and not dep["schedules"][0]["active"]  # paused until an operator turns it on
+
+
 def test_pipeline_deployment_completes_with_every_task_and_artifact(server, first):
     overrides, run = first
     assert run["state"]["type"] == "COMPLETED", (run["state"], (server.home / "worker.log").read_text()[-4000:])

@@ -27,9 +27,13 @@ def test_two_processes_give_the_losses_of_one_with_the_same_global_batch(setup, 
     target, shards, one = setup
     cfg = training_config(tmp_path / "two", max_steps=5, batch_size=2, grad_accum=1, checkpoint_every=100,
                           distributed={"nproc_per_node": 2, "master_port": free_port, "strategy": strategy})
-    logs = []
-    two = launch_training(cfg, target_config(target), shards, log=logs.append, poll_s=0.2)
+    logs, steps = [], []
+    two = launch_training(cfg, target_config(target), shards, log=logs.append, poll_s=0.2, on_step=steps.append)
     assert (two.world_size, two.global_batch, one.global_batch) == (2, 4, 4)
+    # Rank 0's steps, through launch/progress.jsonl, as train_drafter hands them in one process.
+    assert [s.step for s in steps] == [1, 2, 3, 4, 5] and steps[-1].loss == two.losses[-1]
+    assert steps[-1].percent == 100.0 and steps[-1].heldout_acceptance == pytest.approx(two.simulated_acceptance_length)
+    assert two.history[-1]["step"] == 5 and two.history[-1]["loss"] == round(two.losses[-1], 5)
     assert two.losses == pytest.approx(one.losses, rel=1e-4, abs=1e-6)
     assert sum(two.accuracies, []) == pytest.approx(sum(one.accuracies, []), abs=1e-6)
     assert two.heldout_accuracies == pytest.approx(one.heldout_accuracies, abs=1e-6)

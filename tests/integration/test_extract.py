@@ -279,8 +279,14 @@ def test_regenerated_turns_are_the_targets_answers_and_parts_resume(server, tmp_
     records, _ = load_records(_conversations(tmp_path), vocab_size=512)
     rcfg, kw = RegenerateConfig(enabled=True, max_new_tokens=6, num_parts=3), dict(target="random", max_length=64)
     with ServerPool([_endpoint(cfg)], retries=1, backoff_s=0.2) as pool:
-        path, summary = regenerate(records[:-1], tok, pool, tmp_path / "regen", rcfg, passthrough=records[-1:], **kw)
+        seen = []
+        path, summary = regenerate(records[:-1], tok, pool, tmp_path / "regen", rcfg, passthrough=records[-1:],
+                                   on_progress=seen.append, **kw)
         assert summary["parts"] == 3 and summary["parts_reused"] == 0 and summary["conversations"] == 5
+        # Progress: a figure per conversation and part; at the end every part and conversation done.
+        assert len(seen) == 5 + 3 and [p.done for p in seen] == sorted(p.done for p in seen)
+        assert (seen[-1].parts_done, seen[-1].num_parts, seen[-1].done, seen[-1].total) == (3, 3, 5, 5)
+        assert seen[-1].percent == 100.0 and seen[-1].reused == 0 and seen[-1].tokens > 0
         assert summary["regenerated_turns"] + summary["kept_original_turns"] == 6
         out = [json.loads(line) for line in path.read_text().splitlines()]
         assert out[-1] == {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}  # passed through unchanged
@@ -300,8 +306,11 @@ def test_regenerated_turns_are_the_targets_answers_and_parts_resume(server, tmp_
         before = path.read_bytes()
         (tmp_path / "regen" / "part-00001.jsonl").unlink()
         n0 = pool.stats()[cfg.server.url]["requests"]
-        path, summary = regenerate(records[:-1], tok, pool, tmp_path / "regen", rcfg, passthrough=records[-1:], **kw)
+        seen = []
+        path, summary = regenerate(records[:-1], tok, pool, tmp_path / "regen", rcfg, passthrough=records[-1:],
+                                   on_progress=seen.append, **kw)
         assert summary["parts_reused"] == 2 and path.read_bytes() == before
+        assert (seen[-1].done, seen[-1].reused, seen[-1].parts_done) == (5, 4, 3)  # parts of 2, 1, 2: the 1 redone
         assert 0 < pool.stats()[cfg.server.url]["requests"] - n0 <= 3  # only the lost part's turns
         recs, skipped = load_records(path, vocab_size=512)  # it prepares like any input
         assert len(prepare(recs, tok, DataConfig(path=path, num_heldout=1), vocab_size=512).train) == 5

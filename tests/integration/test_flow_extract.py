@@ -39,6 +39,11 @@ def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(p
     original, _ = load_records(data)
     assert [r.messages for r in records[-2:]] == [r.messages for r in original[-2:]]  # held out: as they were
     assert records[0].messages != original[0].messages
+    # Its progress in the UI: the regenerate-NAME artifact, complete.
+    from tests.integration.test_progress_artifacts import artifacts
+
+    bar = artifacts(f"regenerate-{cfg.name}")[-1]
+    assert bar.data == 100.0 and "2/2 parts, 8/8 conversations (0 reused)" in bar.description
 
     second = extract(cfg)
     assert "regenerate" not in second.stages and "stop" not in second.stages  # no server launched
