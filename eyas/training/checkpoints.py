@@ -53,7 +53,7 @@ def checkpoint_differs(path: Path, fingerprint: dict, *, can_warm_start: bool = 
     return differ
 
 
-LATER_KEYS = {"data_sha256"}  # fingerprint keys a checkpoint written before eyas recorded them lacks
+LATER_KEYS = frozenset({"data_sha256"})  # fingerprint keys a checkpoint written before eyas recorded them lacks
 
 
 def _differ(old: dict, new: dict) -> list[str]:
