@@ -19,6 +19,7 @@ import os
 import shutil
 from dataclasses import dataclass, fields
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 from safetensors import safe_open
@@ -27,7 +28,7 @@ from safetensors.torch import load_file
 from eyas.training.drafter import DrafterConfig
 
 # DrafterConfig field -> the config field that sets it in this run (named in a refusal)
-SIZE_FIELDS = {
+SIZE_FIELDS = MappingProxyType({
     "hidden_size": "target.checkpoint (hidden_size)",
     "target_hidden_size": "target.checkpoint (hidden_size)",
     "num_aux": "target.layer_ids (layers captured)",
@@ -37,7 +38,7 @@ SIZE_FIELDS = {
     "num_key_value_heads": "training.drafter.num_key_value_heads",
     "head_dim": "training.drafter.head_dim",
     "intermediate_size": "training.drafter.intermediate_size",
-}
+})
 
 
 @dataclass(frozen=True)
