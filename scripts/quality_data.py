@@ -33,9 +33,9 @@ def main() -> None:
           "training.output_dir": str(rd / "train"), **extra}
     config = ROOT / "configs" / "local-tiny.yaml"
     r = extract(str(config), overrides=ov)
-    print("stages", r["stages"], "tokens", sum(m["num_tokens"] for m in r["manifests"]))
+    print("stages", r.stages, "tokens", r.num_tokens)  # flows.extract returns an eyas.results.Extracted
     shards = []
-    for m in r["manifests"]:
+    for m in r.manifests:
         reader = ShardReader(rd / "shards" / m["file"])
         shards.append({"meta": reader.meta, "samples": [(s.input_ids.int(), s.loss_mask) for s in reader]})
     out = ROOT / "sweep-data" / f"{name}.pt"

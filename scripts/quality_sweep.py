@@ -11,6 +11,13 @@ drafter, and measures what the pipeline measures: the real chain acceptance leng
 target's own continuations, overall and where a trigram seen earlier in the text predicts the token
 (in-context copies: the tiny target loops). One JSON line per variant in $OUT/results.jsonl.
 The GPU machine lacks pydantic: carry its wheels (the device tool's README says how).
+
+A variant may name `"encoding": "fp8_e4m3"`: its shards are then written as extraction writes them with
+`extraction.encoding: fp8_e4m3` (the same bf16 states, quantized by eyas.extraction.shards' writer), and
+training reads them through ShardReader as the pipeline does. Every encoding of a data variant is
+written from the same recomputed states, so plain and fp8 variants differ in the storage alone.
+Train on the CPU with `"training.device": "cpu"` in a variant's overrides (the figure of record is
+CPU-trained); `"evaluation.draft_steps": [3, 7]` measures 7/1/8 too (`al_by_setting`).
 """
 import argparse, json, os, subprocess, sys, time, collections
 from pathlib import Path
@@ -18,15 +25,25 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import torch
 
-def build_shards(data_pt, out_dir, device):
+def shard_dir(out, data, encoding="plain"):
+    """Where a data variant's shards in one encoding live (plain keeps its old name)."""
+    return f"{out}/shards-{Path(data).stem}" + ("" if encoding == "plain" else f"-{encoding}")
+
+
+def build_shards(data_pt, out_dirs, device):
+    """Recompute each sequence's states with the tiny target and write them once per encoding:
+    out_dirs maps an encoding ("plain", "fp8_e4m3") to its folder. The states are cast to bf16 first,
+    as the server dumps them; the fp8 writer quantizes those bf16 values, as extraction does."""
     from eyas.extraction.shards import Sample, write_shard
     from transformers import AutoModelForCausalLM
-    d = torch.load(data_pt)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if (out_dir / "done").exists():
+    todo = {enc: Path(o) for enc, o in out_dirs.items() if not (Path(o) / "done").exists()}
+    if not todo:
         return
+    d = torch.load(data_pt)
+    for o in todo.values():
+        o.mkdir(parents=True, exist_ok=True)
     t = AutoModelForCausalLM.from_pretrained(str(ROOT / "fixtures/tiny-target"), dtype=torch.float32).eval().to(device)
+    manifests = {enc: [] for enc in todo}
     for si, sh in enumerate(d["shards"]):
         samples = []
         for ids, mask in sh["samples"]:
@@ -36,8 +53,14 @@ def build_shards(data_pt, out_dir, device):
             samples.append(Sample(input_ids=ids.int(), loss_mask=mask.bool(), aux_hidden_states=aux,
                                   last_hidden_state=o.hidden_states[-1][0].bfloat16().cpu()))
         meta = {**sh["meta"], "target_checkpoint": str(ROOT / "fixtures/tiny-target")}
-        write_shard(out_dir / f"shard-{si:05d}.safetensors", samples, meta)
-    (out_dir / "done").write_text("ok")
+        for enc, o in todo.items():
+            m = write_shard(o / f"shard-{si:05d}.safetensors", samples, meta, encoding=enc)
+            manifests[enc].append({k: m[k] for k in ("num_samples", "num_tokens", "encoding", "fp8_error") if k in m}
+                                  | {"bytes": (o / f"shard-{si:05d}.safetensors").stat().st_size})
+    for enc, o in todo.items():
+        (o / "manifests.json").write_text(json.dumps(manifests[enc]))
+        (o / "done").write_text("ok")
+
 
 def copy_prediction(seq, t, n):
     """The token after the last earlier occurrence of the n tokens ending at t+1 (None if none)."""
@@ -71,7 +94,7 @@ def diag(drafter, target, prompts, cap, eos):
                     c["tri_ok"] += ok
     return {"step1_acc": c["ok"] / c["n"], "copy3_acc": c["tri_ok"] / max(1, c["tri_n"]), "copy3_n": c["tri_n"]}
 
-def worker(name, overrides, shard_dir, out_dir, data_pt):
+def worker(name, overrides, shard_dir, out_dir, data_pt, with_diag=True):
     from eyas.config import load_config
     from eyas.training.train import train_drafter
     from eyas.evaluation.export import export_drafter, load_exported
@@ -94,11 +117,15 @@ def worker(name, overrides, shard_dir, out_dir, data_pt):
     torch.set_num_threads(2)
     prompts = torch.load(data_pt)["prompts"]
     ev = evaluate_acceptance(ddir, cfg.target.checkpoint, prompts, cfg.evaluation, cfg.target.capture_ids())
-    drafter, _, m = load_exported(ddir, target_checkpoint=cfg.target.checkpoint)
-    target = AutoModelForCausalLM.from_pretrained(str(cfg.target.checkpoint), dtype=torch.float32).eval()
-    dg = diag(drafter, target, prompts, cfg.target.capture_ids(), _eos_ids(target))
-    r = {"name": name, "overrides": overrides, "al": round(ev.acceptance_length, 4),
-         "identical": ev.identical_to_target,
+    dg = {}
+    if with_diag:
+        drafter, _, m = load_exported(ddir, target_checkpoint=cfg.target.checkpoint)
+        target = AutoModelForCausalLM.from_pretrained(str(cfg.target.checkpoint), dtype=torch.float32).eval()
+        dg = diag(drafter, target, prompts, cfg.target.capture_ids(), _eos_ids(target))
+    r = {"name": name, "overrides": overrides, "encoding": meta.get("encoding", "plain"),
+         "al": round(ev.acceptance_length, 4),
+         "al_by_setting": {k: round(v["acceptance_length"], 4) for k, v in ev.settings.items()},
+         "identical": ev.identical_to_target, "eval_s": ev.seconds, "train_device": str(cfg.training.device),
          "sim_al": res.simulated_acceptance_length, "final_loss": res.final_loss, "train_s": round(t_train, 1),
          "steps": res.steps, **{k: round(v, 4) if isinstance(v, float) else v for k, v in dg.items()}}
     (out / "result.json").write_text(json.dumps(r))
@@ -111,15 +138,20 @@ def main():
     ap.add_argument("--out", default="/tmp/sweep")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--one", default=None)
+    ap.add_argument("--no-diag", action="store_true", help="skip the first-step accuracy diagnostics")
+    ap.add_argument("--skip-build", action="store_true", help="the shards are built already (another sweep)")
     a = ap.parse_args()
     variants = json.loads(Path(a.variants).read_text())
     if a.one:
         v = next(v for v in variants if v["name"] == a.one)
-        worker(v["name"], v["overrides"], f"{a.out}/shards-{Path(v['data']).stem}", a.out, v["data"])
+        worker(v["name"], v["overrides"], shard_dir(a.out, v["data"], v.get("encoding", "plain")), a.out, v["data"],
+               with_diag=not a.no_diag)
         return
     t0 = time.time()
     for data in sorted({v["data"] for v in variants}):
-        build_shards(data, f"{a.out}/shards-{Path(data).stem}", a.device)
+        encs = sorted({v.get("encoding", "plain") for v in variants if v["data"] == data})
+        if not a.skip_build:
+            build_shards(data, {e: shard_dir(a.out, data, e) for e in encs}, a.device)
     print(f"shards built in {time.time() - t0:.0f}s", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="2")
     pending, running = list(variants), []
@@ -129,7 +161,7 @@ def main():
             v = pending.pop(0)
             lf = open(f"{a.out}/{v['name']}.log", "w")
             running.append((v, subprocess.Popen([sys.executable, __file__, "--variants", a.variants, "--out", a.out,
-                                                 "--one", v["name"]], env=env, stdout=lf, stderr=subprocess.STDOUT)))
+                                                 "--one", v["name"]] + ["--no-diag"] * a.no_diag, env=env, stdout=lf, stderr=subprocess.STDOUT)))
         time.sleep(2)
         for v, p in list(running):
             if p.poll() is not None:
