@@ -60,7 +60,7 @@ def test_flow_completed_with_every_task_completed(run):
     states = asyncio.run(task_states())
     names = set(states)
     for stage in ("prepare-data", "patch@localhost", "launch-local@localhost", "wait-ready@localhost",
-                  "stop@localhost", "train-drafter", "export-drafter", "evaluate-acceptance"):
+                  "stop@localhost", "train-drafter", "export-drafter", "serve-bench@localhost"):
         assert stage in names, f"{stage} missing from {sorted(names)}"
     assert sum(n.startswith("extract-shard-") for n in names) == cfg.extraction.num_shards
     assert set(states.values()) == {"COMPLETED"}, states
