@@ -88,10 +88,10 @@ def _speed(meters: list[Meter], prompts: list[list[int]], repeats: int) -> list[
     return [m.summary() for m in meters]
 
 
-def _one_at_a_time(cfg: PipelineConfig, host: Host, sets: dict, configs: dict, bench: str | None,
-                   log) -> dict[str, dict]:
+def _one_at_a_time(cfg: PipelineConfig, host: Host, sets: dict, speed_prompts: list[list[int]], configs: dict,
+                   bench: str | None, log) -> dict[str, dict]:
     """Plain, then each chain: launch, every set, the speed passes (plain and bench), stop."""
-    speed_prompts, out = sets["heldout"]["prompts"][: cfg.benchmark.num_prompts], {}
+    out: dict[str, dict] = {}
     for key, c in configs.items():
         with ExitStack() as stack:
             meter = _open(stack, host, c, out, key, speed_prompts, log)
@@ -102,10 +102,10 @@ def _one_at_a_time(cfg: PipelineConfig, host: Host, sets: dict, configs: dict, b
     return out
 
 
-def _interleaved(cfg: PipelineConfig, host: Host, sets: dict, configs: dict, bench: str | None,
-                 log) -> dict[str, dict]:
+def _interleaved(cfg: PipelineConfig, host: Host, sets: dict, speed_prompts: list[list[int]], configs: dict,
+                 bench: str | None, log) -> dict[str, dict]:
     """The plain server up throughout; each chain's beside it in turn, their passes alternating."""
-    speed_prompts, out = sets["heldout"]["prompts"][: cfg.benchmark.num_prompts], {}
+    out: dict[str, dict] = {}
     (_, plain_cfg), *chain_configs = configs.items()
     with ExitStack() as stack:
         plain = _open(stack, host, plain_cfg, out, "plain", speed_prompts, log)
@@ -153,6 +153,7 @@ def run_serve_bench(cfg: PipelineConfig, drafter_dir: str | Path, sets: dict[str
     b, ev = cfg.benchmark, cfg.evaluation
     if not sets.get("heldout", {}).get("prompts"):
         raise ValueError("run_serve_bench: no held-out prompts (the held-out set is empty)")
+    speed_prompts = sets["heldout"]["prompts"][: b.num_prompts]
     sets = {**sets, "heldout": {**sets["heldout"], "prompts": sets["heldout"]["prompts"][: ev.num_prompts]}}
     served, bench = chains(cfg)
     t0, own_host = time.monotonic(), host is None
@@ -163,14 +164,14 @@ def run_serve_bench(cfg: PipelineConfig, drafter_dir: str | Path, sets: dict[str
             log(f"drafter uploaded to {cfg.server.host.name}:{where}")
         configs = dict(zip(["plain", *(c.name for c in served)], launches(cfg, where)))
         measure = _interleaved if b.interleave else _one_at_a_time
-        runs = measure(cfg, host, sets, configs, bench.name if bench else None, log)
+        runs = measure(cfg, host, sets, speed_prompts, configs, bench.name if bench else None, log)
     finally:
         if own_host:
             host.close()
-    return _assemble(cfg, drafter_dir, sets, served, bench, runs, time.monotonic() - t0)
+    return _assemble(cfg, drafter_dir, sets, len(speed_prompts), served, bench, runs, time.monotonic() - t0)
 
 
-def _assemble(cfg, drafter_dir, sets, served, bench, runs, seconds) -> dict[str, Any]:
+def _assemble(cfg, drafter_dir, sets, num_speed_prompts, served, bench, runs, seconds) -> dict[str, Any]:
     b, plain = cfg.benchmark, runs["plain"]
     result_chains = {c.name: {"command": runs[c.name]["command"], "ready_seconds": runs[c.name]["ready_seconds"],
                               "sets": _set_figures(sets, runs[c.name]["sets"], plain["sets"])} for c in served}
@@ -189,7 +190,7 @@ def _assemble(cfg, drafter_dir, sets, served, bench, runs, seconds) -> dict[str,
         "speculative": None, "speedup": None, "identical_outputs": None,
         "drafter_dir": str(drafter_dir),
         "seconds": round(seconds, 1),
-        "settings": {**b.model_dump(mode="json"), "num_prompts": len(sets["heldout"]["prompts"][: b.num_prompts]),
+        "settings": {**b.model_dump(mode="json"), "num_prompts": num_speed_prompts,
                      "evaluation": cfg.evaluation.model_dump(mode="json", exclude={"device"}),
                      "backend": cfg.server.backend, "target": str(cfg.target.checkpoint),
                      "server_env": cfg.server.env},
