@@ -47,7 +47,8 @@ def main() -> None:
     p.add_argument("--drafter", default=None)
     args = p.parse_args()
     from eyas.config import load_config
-    from eyas.evaluation.serve_bench import heldout_prompts, run_serve_bench
+    from eyas.evaluation.serve_bench import benchmarks, heldout_prompts, run_serve_bench
+    from eyas.evaluation.suites import load_suites
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -56,7 +57,9 @@ def main() -> None:
                                         "server.dump_dir": str(tmp / "server" / "dump")})
         drafter = find_drafter(cfg, args.drafter, tmp)
         os.environ.setdefault("OMP_NUM_THREADS", cfg.server.env.get("OMP_NUM_THREADS", "1"))
-        result = run_serve_bench(cfg, drafter, heldout_prompts(cfg), log=lambda m: print(m, file=sys.stderr))
+        sets = {"heldout": {"prompts": heldout_prompts(cfg), "source": {"file": str(cfg.data.path)}},
+                **load_suites(cfg)}
+        result = run_serve_bench(cfg, drafter, sets, log=lambda m: print(m, file=sys.stderr))
     plain, spec, r = result["plain"], result["speculative"], result["speedup"]
     figures = {
         "single_stream_tokens_per_s": {"plain": plain["single_stream_tokens_per_s"],
@@ -67,8 +70,9 @@ def main() -> None:
         "speedup": r, "acceptance_length": result["acceptance_length"],
         "break_even_acceptance_length": result["break_even_acceptance_length"],
         "identical_outputs": result["identical_outputs"], "drafter_dir": str(drafter),
-        "chain": f"{cfg.benchmark.speculative_num_steps}/{cfg.benchmark.speculative_eagle_topk}/"
-                 f"{cfg.benchmark.speculative_num_draft_tokens}",
+        "chain": result["benchmark_chain"], "benchmarks": {
+            name: {chain: {k: c[k] for k in ("acceptance_length", "speedup")} for chain, c in s["chains"].items()}
+            for name, s in benchmarks(result).items()},
         "single_stream_runs": {"plain": plain["single_stream_runs"], "speculative": spec["single_stream_runs"]},
         "machine": result["machine"],
     }

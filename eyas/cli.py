@@ -46,7 +46,10 @@ def cmd_run(args) -> int:
 
     # SIGTERM / SIGINT: the run's servers stopped, its flow runs final, exit within seconds.
     report = run_in_process(eagle3_pipeline, cfg)
-    print(json.dumps({k: report[k] for k in ("acceptance_length", "extraction", "stages_seconds")}, indent=2))
+    per_set = {name: {chain: c["acceptance_length"] for chain, c in s["chains"].items()}
+               for name, s in (report["benchmarks"] or {}).items()}  # acceptance per prompt set and chain
+    print(json.dumps({**{k: report[k] for k in ("acceptance_length", "speedup", "extraction", "stages_seconds")},
+                      "acceptance_per_set": per_set}, indent=2))
     print(f"report:  {Path(cfg.run_dir) / 'report.json'}")
     print(f"drafter: {report['drafter_dir']}")
     return 0

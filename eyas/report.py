@@ -34,19 +34,39 @@ class Stopwatch:
             self.seconds[stage] = round(self.seconds.get(stage, 0.0) + time.monotonic() - t0, 3)
 
 
+def served_evaluation(serving: dict) -> dict[str, Any]:
+    """The evaluation section of a served measurement: the held-out prompts' figures per chain."""
+    settings = {chain: c["sets"]["heldout"] for chain, c in serving["chains"].items()}
+    head = settings[serving["headline_chain"]]
+    return {"method": "server", "setting": serving["headline_chain"],
+            **{k: head[k] for k in ("acceptance_length", "num_prompts", "total_new_tokens", "verify_steps",
+                                    "accepted_per_verify")},
+            "identical_to_target": all(s["identical_to_target"] is not False for s in settings.values()),
+            "settings": settings}
+
+
 def build_report(*, name: str, config_source: str | None, extracted: Extracted, trained: Trained,
                  serving: dict | None, stages: dict[str, float]) -> dict[str, Any]:
-    """report.json from the stages' results; `stages` are the seconds of every stage of this run."""
+    """report.json from the stages' results; `stages` are the seconds of every stage of this run.
+
+    The acceptance figures come from the training flow when it evaluated in process
+    (evaluation.method in_process), else from the serving stage.
+    """
+    from eyas.evaluation.serve_bench import benchmarks
+
     manifests, ready = extracted.manifests, extracted.ready or {}
     tokens = extracted.num_tokens
     extract_s = stages.get("extract") or 0.0
+    evaluation = trained.evaluation or served_evaluation(serving)
     return {
         "name": name,
         "eyas_version": __version__,
         "config": config_source,
-        "acceptance_length": trained.evaluation["acceptance_length"],
+        "acceptance_length": evaluation["acceptance_length"],  # the first chain's, held-out prompts
         # Single-stream decoding speed with the drafter over without (None: benchmark disabled).
-        "speedup": serving["speedup"]["single_stream_tokens_per_s"] if serving else None,
+        "speedup": serving["speedup"]["single_stream_tokens_per_s"] if serving and serving["speedup"] else None,
+        # Per prompt set (held-out, and each suite): its source, and per chain acceptance and speed-up.
+        "benchmarks": benchmarks(serving) if serving else None,
         "serving": serving,
         "patch": extracted.patch,
         "server": {"ready_seconds": ready.get("seconds"), "shards_total": ready.get("shards_total")},
@@ -63,7 +83,7 @@ def build_report(*, name: str, config_source: str | None, extracted: Extracted, 
         "training": {k: trained.result.get(k) for k in
                      ("final_loss", "first_loss", "steps", "tokens", "seconds", "draft_vocab_size",
                       "simulated_acceptance_length", "init_from", "history")},
-        "evaluation": trained.evaluation,
+        "evaluation": evaluation,  # method, the headline chain, every chain's figures
         "drafter_dir": trained.drafter_dir,
         "stages_seconds": stages,
         "total_seconds": round(sum(stages.values()), 3),

@@ -41,9 +41,9 @@ class Extracted:
 
 @dataclass(frozen=True)
 class Trained:
-    """A trained, exported and evaluated drafter (flows/train.py)."""
+    """A trained and exported drafter, evaluated in process where so configured (flows/train.py)."""
 
     result: dict                  # training.train.TrainResult as a dict
     drafter_dir: str              # the exported folder SGLang loads
-    evaluation: dict              # evaluation.evaluate.EvalResult as a dict
+    evaluation: dict | None       # evaluation.evaluate.EvalResult as a dict; None: served instead
     stages: dict[str, float] = field(default_factory=dict)

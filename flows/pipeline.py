@@ -1,5 +1,5 @@
 """The eyas pipeline: extract (patch, launch, sense readiness, extract, stop), then train, export,
-evaluate, serve with and without the drafter to measure the speed-up, and report.
+serve plainly and with the drafter (acceptance length per chain and prompt set, speed-up), report.
 
     eyas run configs/local-tiny.yaml
     python -m flows.pipeline configs/local-tiny.yaml
@@ -19,6 +19,8 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from eyas.evaluation import suites
+from eyas.evaluation.serve_bench import benchmarks_markdown
 from eyas.report import Stopwatch, artifact_key, build_report, write_report
 from flows.common import DEFAULT_CONFIG, ConfigParam, resolve_config, stop_server_hook
 from flows.extract import extract
@@ -37,11 +39,12 @@ def eagle3_pipeline(config: ConfigParam = DEFAULT_CONFIG,
     cfg, stage = resolve_config(config, overrides), Stopwatch()
     # 0. Check the config against the target, hosts and disks before any GPU is touched.
     preflight_check(cfg)
+    suites.check_available(cfg)  # a benchmark suite's missing package fails now, not after training
     # 1. Patch, launch, sense readiness, extract the shards, stop the server.
     extracted = extract(cfg)
-    # 2. Train, export for SGLang, measure the acceptance length.
+    # 2. Train, export for SGLang (a small target's acceptance measured in process, if so configured).
     trained = train_flow(cfg, manifests=extracted.manifests, prompts=extracted.prompts)
-    # 3. Serve with and without the drafter: the speed-up.
+    # 3. Serve plainly and with the drafter per chain: acceptance per chain and prompt set, speed-up.
     with stage("serve_bench"):  # the wall time of this run (a cached benchmark takes a moment)
         serving = serve_bench_flow(cfg, drafter_dir=trained.drafter_dir, prompts=extracted.prompts)
     # 4. Report: report.json and the run's markdown artifact.
@@ -56,10 +59,12 @@ def eagle3_pipeline(config: ConfigParam = DEFAULT_CONFIG,
 
 def _markdown(report: dict, path) -> str:
     rows = "\n".join(f"| {k} | {v:.1f} |" for k, v in report["stages_seconds"].items())
-    x, t = report["extraction"], report["training"]
+    x, t, e = report["extraction"], report["training"], report["evaluation"]
+    per_set = benchmarks_markdown(report["benchmarks"]) if report["benchmarks"] else ""
     return (f"# eyas run `{report['name']}`\n\n"
-            f"**Acceptance length: {report['acceptance_length']:.3f}**\n\n"
-            f"Single-stream speed-up with the drafter: **{report['speedup']}x**\n\n"
+            f"**Acceptance length: {report['acceptance_length']:.3f}** at {e['setting']} on "
+            f"{e['num_prompts']} held-out prompts ({e['method'].replace('_', '-')})\n\n"
+            f"Single-stream speed-up with the drafter: **{report['speedup']}x**\n\n{per_set}\n"
             f"- extraction: {x['tokens']} tokens, {x['bytes'] / 1e6:.1f} MB in {x['shards']} shards"
             f" ({x['tokens_per_s']} tokens/s)\n"
             f"- training: loss {t['first_loss']:.3f} -> {t['final_loss']:.3f} in {t['steps']} steps\n"

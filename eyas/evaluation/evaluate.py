@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from eyas.evaluation.acceptance import chain_name, pooled, prompt_record
 from eyas.training.drafter import KVCache, causal_mask
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ class EvalResult:
     per_prompt: list[dict] = field(default_factory=list)
     setting: str = ""  # the headline's "steps/1/steps+1"
     settings: dict[str, dict] = field(default_factory=dict)  # every setting: the fields above, per setting
+    method: str = "in_process"  # evaluation.method: the target loaded here, not served
 
 
 def simulated_acceptance_length(per_step_acc) -> float:
@@ -146,19 +148,11 @@ def evaluate_acceptance(drafter_dir: str | Path, target_checkpoint: str | Path, 
     refs = [target_greedy(target, prompt, cfg.max_new_tokens, eos) for prompt in prompts]
     settings = {}
     for steps in cfg.draft_steps:
-        total_new = verify_total = 0
-        identical, per_prompt = True, []
+        records = []
         for prompt, ref in zip(prompts, refs):
             spec, n = speculative_greedy(target, drafter, prompt, capture_ids, steps, cfg.max_new_tokens, eos)
-            identical &= spec == ref
-            total_new, verify_total = total_new + len(spec), verify_total + n
-            per_prompt.append({"prompt_tokens": len(prompt), "new_tokens": len(spec), "verify_steps": n,
-                               "identical": spec == ref})
-        settings[f"{steps}/1/{steps + 1}"] = {
-            "acceptance_length": total_new / verify_total if verify_total else 1.0,
-            "total_new_tokens": total_new, "verify_steps": verify_total, "identical_to_target": identical,
-            "accepted_per_verify": (total_new - len(prompts)) / verify_total - 1 if verify_total else 0.0,
-            "per_prompt": per_prompt}
+            records.append(prompt_record(len(prompt), spec, n, reference=ref))
+        settings[chain_name(steps)] = pooled(records)
     head, first = next(iter(settings)), next(iter(settings.values()))
     return EvalResult(
         acceptance_length=first["acceptance_length"], num_prompts=len(prompts),

@@ -1,39 +1,40 @@
-"""Serving speed with and without the drafter: the number a drafter is trained for.
+"""The serving stage: acceptance length and speed-up of the drafter, measured by serving it.
 
-    result = run_serve_bench(cfg, drafter_dir, prompts)   # launches, measures, stops, twice
-    result["speedup"]["single_stream_tokens_per_s"]        # > 1.0: the drafter pays off
+    result = run_serve_bench(cfg, drafter_dir, {"heldout": {"prompts": ids, "source": {...}}, ...})
+    result["chains"]["3/1/4"]["sets"]["heldout"]["acceptance_length"]   # per chain, per prompt set
+    result["speedup"]["single_stream_tokens_per_s"]                      # > 1.0: the drafter pays off
 
-The target server is launched twice through the pipeline's own launch, readiness and stop code
-(eyas.server.launch, eyas.server.readiness), from config copies that differ only in their launch arguments:
-once plain, once with `--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR` and the
-configured steps / top-k / draft tokens. Both get the same held-out prompts and sampling settings.
-Per server: `num_warmup` requests first (left out), then `num_repeats` passes of
-- single stream: the prompts one after another; output tokens / wall seconds,
-- concurrent: the prompts with `concurrency` requests in flight; output tokens / wall seconds,
-- time to first token: the latency of a max_new_tokens=1 request per prompt (the responses are
-  not streamed, so this is prefill plus the first token, the same for both servers),
-and the figures are medians over the passes. With `interleave` (for small targets on a shared
-machine) both servers are up at once on adjacent ports and their passes alternate, so a change in
-the machine's load hits both alike; otherwise (one server's GPUs) plain runs first, then the other. The acceptance length is the server's own:
-sum(completion_tokens) / sum(spec_verify_ct) over the single-stream responses (SGLang's counters).
+Launches (eyas/evaluation/serving.py: the pipeline's own launch, readiness and stop code): the
+target plainly, once; then once per chain with SGLang's EAGLE-3 flags and the drafter, the chains
+being evaluation.draft_steps (k/1/k+1 each) and the benchmark's chain where it is none of those.
+On every launch, after `num_warmup` requests:
+
+- **acceptance**: every prompt set (the held-out prompts, then each of benchmark.suites) one prompt at
+  a time, greedy, to the target's eos or evaluation.max_new_tokens. Per prompt and pooled:
+  completion tokens / meta_info.spec_verify_ct (eyas/evaluation/acceptance.py), the output compared
+  token by token with the plain launch's, and the pass's output tokens/s, whose ratio to the plain
+  pass on the same prompts is that set's speed-up (equal work wherever the outputs are equal);
+- **speed** (on the plain launch and the benchmark chain's, when benchmark.enabled): `num_repeats`
+  passes of the benchmark's settings over the first benchmark.num_prompts held-out prompts: single
+  stream output tokens/s, `concurrency` requests in flight, time to first token (a max_new_tokens=1
+  request: prefill plus a token); medians over the passes.
+
+With `interleave` (small targets on a shared machine) the plain server stays up while each chain's
+server is up beside it (port + 1), and their passes alternate, so a change in the machine's load
+hits both alike; otherwise one server at a time, plain first.
 """
 
 from __future__ import annotations
 
-import os
-import platform
-import shlex
-import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from eyas.server import launch, readiness
-from eyas.config import BenchmarkConfig, PipelineConfig
-from eyas.evaluation.export import drafter_digest
+from eyas.config import PipelineConfig
+from eyas.server import launch
+from eyas.evaluation.acceptance import pooled, prompt_record
+from eyas.evaluation.serving import Chain, Meter, machine, running, server_config, stage_drafter
 from eyas.server.hosts import Host, make_host
 
 
@@ -49,208 +50,162 @@ def heldout_prompts(cfg: PipelineConfig) -> list[list[int]]:
                         skipped=skipped).heldout_prompts
 
 
-def speculative_args(b: BenchmarkConfig, drafter_dir: str | Path) -> list[str]:
-    """SGLang's speculative flags for the configured chain (eyas-local takes the same)."""
-    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter_dir),
-            "--speculative-num-steps", str(b.speculative_num_steps),
-            "--speculative-eagle-topk", str(b.speculative_eagle_topk),
-            "--speculative-num-draft-tokens", str(b.speculative_num_draft_tokens),
-            *b.speculative_launch_args]
+def chains(cfg: PipelineConfig) -> tuple[list[Chain], Chain | None]:
+    """(every chain served, the benchmark's chain or None when the speed figures are off)."""
+    served = [Chain.of(k) for k in cfg.evaluation.draft_steps]
+    b = cfg.benchmark
+    bench = Chain(b.speculative_num_steps, b.speculative_eagle_topk, b.speculative_num_draft_tokens)
+    if not b.enabled:
+        return served, None
+    return served + ([bench] if bench not in served else []), bench
 
 
-def server_config(cfg: PipelineConfig, label: str, drafter_dir: str | Path | None,
-                  port_offset: int = 0) -> PipelineConfig:
-    """A copy of cfg whose server serves plainly (no capture), with the drafter if one is given."""
-    s = cfg.server
-    extra = ["--disable-radix-cache"]  # repeats of the same prompts must not skip their prefill
-    if drafter_dir is not None:
-        extra += speculative_args(cfg.benchmark, drafter_dir)
-    server = s.model_copy(update={"capture_aux": False, "port": s.port + port_offset, "launch_args": [*s.launch_args, *extra],
-                                  "workdir": Path(s.workdir) / f"bench-{label}",
-                                  "dump_dir": Path(s.workdir) / f"bench-{label}" / "dump"})
-    return cfg.model_copy(update={"server": server})
+def launches(cfg: PipelineConfig, drafter_dir: str | Path | None = None) -> list[PipelineConfig]:
+    """The configs of every launch of the stage, plain first (the stop hook stops each of them)."""
+    offset = 1 if cfg.benchmark.interleave else 0
+    return [server_config(cfg, "plain", None),
+            *(server_config(cfg, c.label, drafter_dir or "-", chain=c, port_offset=offset) for c in chains(cfg)[0])]
 
 
 # ---------------------------------------------------------------------------------------------
-# Measuring one running server
+# The launches: one at a time, or each chain beside the plain server
 # ---------------------------------------------------------------------------------------------
 
-def _generate(client: httpx.Client, ids: list[int], b: BenchmarkConfig, max_new: int) -> tuple[dict, float]:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": b.temperature,
-                                                  "ignore_eos": b.ignore_eos}}
-    t0 = time.perf_counter()
-    r = client.post("/generate", json=body)
-    seconds = time.perf_counter() - t0
-    r.raise_for_status()
-    return r.json(), seconds
+def _open(stack: ExitStack, host: Host, c: PipelineConfig, out: dict, key: str, warm: list[list[int]],
+          log, owner) -> Meter:
+    """Launch (stopped when the stack closes), warm up, and note the launch under out[key]."""
+    handle, ready_s = stack.enter_context(running(host, c, log, owner))
+    meter = Meter(handle.url, c.benchmark, launch.auth_headers(c))
+    stack.callback(meter.close)
+    meter.warm_up(warm)
+    out[key] = {"command": handle.command, "ready_seconds": ready_s, "sets": {}, "speed": None}
+    return meter
 
 
-class Meter:
-    """One running server's figures, a pass at a time (so two servers' passes can alternate)."""
-
-    def __init__(self, url: str, prompts: list[list[int]], b: BenchmarkConfig, headers: dict | None = None):
-        self.prompts, self.b = prompts, b
-        limits = httpx.Limits(max_connections=b.concurrency, max_keepalive_connections=b.concurrency)
-        self.client = httpx.Client(base_url=url, timeout=b.request_timeout_s, limits=limits, headers=headers)
-        self.single: list[float] = []
-        self.concurrent: list[float] = []
-        self.ttft: list[float] = []
-        self.completion = self.verify = 0
-        self.outputs: list[list[int]] = []
-
-    def warm_up(self) -> None:
-        for i in range(self.b.num_warmup):
-            _generate(self.client, self.prompts[i % len(self.prompts)], self.b, self.b.max_new_tokens)
-
-    def one_pass(self) -> None:
-        b, client = self.b, self.client
-        t0, tokens, first = time.perf_counter(), 0, not self.single
-        for ids in self.prompts:
-            res, _ = _generate(client, ids, b, b.max_new_tokens)
-            meta = res["meta_info"]
-            tokens += meta["completion_tokens"]
-            self.verify += meta.get("spec_verify_ct") or 0
-            if first:
-                self.outputs.append(res["output_ids"])
-        self.single.append(tokens / (time.perf_counter() - t0))
-        self.completion += tokens
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(b.concurrency) as pool:
-            results = list(pool.map(lambda ids: _generate(client, ids, b, b.max_new_tokens)[0], self.prompts))
-        self.concurrent.append(sum(r["meta_info"]["completion_tokens"] for r in results)
-                               / (time.perf_counter() - t0))
-        self.ttft.append(statistics.median(_generate(client, ids, b, 1)[1] for ids in self.prompts))
-
-    def summary(self) -> dict[str, Any]:
-        """Medians over the passes; acceptance = completion tokens / verify steps (single stream)."""
-        internal = (self.client.get("/server_info").json().get("internal_states") or [{}])[0]
-        self.client.close()
-        return {
-            "single_stream_tokens_per_s": round(statistics.median(self.single), 2),
-            "concurrent_tokens_per_s": round(statistics.median(self.concurrent), 2),
-            "ttft_s": round(statistics.median(self.ttft), 4),
-            "acceptance_length": round(self.completion / self.verify, 3) if self.verify else None,
-            "server_avg_spec_accept_length": internal.get("avg_spec_accept_length"),
-            "single_stream_runs": [round(x, 2) for x in self.single],
-            "concurrent_runs": [round(x, 2) for x in self.concurrent],
-            "outputs": self.outputs,
-        }
-
-
-def measure(url: str, prompts: list[list[int]], b: BenchmarkConfig, headers: dict | None = None) -> dict[str, Any]:
-    """Warm up, then num_repeats passes; medians of tokens/s and TTFT, the server's acceptance."""
-    meter = Meter(url, prompts, b, headers)
-    meter.warm_up()
-    for _ in range(b.num_repeats):
-        meter.one_pass()
-    return meter.summary()
-
-
-# ---------------------------------------------------------------------------------------------
-# Launch, measure, stop: plain, then with the drafter (or both at once, passes alternating)
-# ---------------------------------------------------------------------------------------------
-
-def _start(host: Host, cfg: PipelineConfig, log, owner=None) -> tuple[launch.ServerHandle, float]:
-    handle = launch.start_server(host, cfg, owner)
-    log(f"launched pid {handle.pid}: {handle.command}")
-    try:
-        s = cfg.sensor
-        ready = readiness.wait_until_ready(
-            host, log_path=handle.log_path, pid=handle.pid, url=handle.url, start_offset=handle.log_offset,
-            poll_interval_s=s.poll_interval_s, stall_timeout_s=s.stall_timeout_s, deadline_s=s.deadline_s,
-            http_timeout_s=s.http_timeout_s)
-    except BaseException:
-        launch.stop_server(host, cfg, handle)
-        raise
-    return handle, round(ready.seconds, 2)
-
-
-def bench_server(host: Host, cfg: PipelineConfig, prompts: list[list[int]], log=print,
-                 owner=None) -> dict[str, Any]:
-    """Start the server cfg describes, wait until ready, measure it, and always stop it."""
-    handle, ready_s = _start(host, cfg, log, owner)
-    try:
-        figures = measure(handle.url, prompts, cfg.benchmark, launch.auth_headers(cfg))
-    finally:
-        launch.stop_server(host, cfg, handle)
-    return {**figures, "ready_seconds": ready_s, "command": handle.command}
-
-
-def bench_interleaved(host: Host, cfgs: list[PipelineConfig], prompts: list[list[int]],
-                      log=print, owner=None) -> list[dict[str, Any]]:
-    """Both servers up at once, their passes alternating, so a load change hits both alike."""
-    started: list[tuple[PipelineConfig, launch.ServerHandle, float]] = []
-    try:
-        for c in cfgs:
-            started.append((c, *_start(host, c, log, owner)))
-        meters = [Meter(h.url, prompts, c.benchmark, launch.auth_headers(c)) for c, h, _ in started]
+def _speed(meters: list[Meter], prompts: list[list[int]], repeats: int) -> list[dict]:
+    for _ in range(repeats):  # two meters: their passes alternate
         for m in meters:
-            m.warm_up()
-        for _ in range(cfgs[0].benchmark.num_repeats):
-            for m in meters:
-                m.one_pass()
-        return [{**m.summary(), "ready_seconds": r, "command": h.command}
-                for m, (_, h, r) in zip(meters, started)]
-    finally:
-        for c, h, _ in started:
-            launch.stop_server(host, c, h)
+            m.one_pass(prompts)
+    return [m.summary() for m in meters]
 
 
-def machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "python": platform.python_version(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+def _one_at_a_time(cfg: PipelineConfig, host: Host, sets: dict, speed_prompts: list[list[int]], configs: dict,
+                   bench: str | None, log, owner=None) -> dict[str, dict]:
+    """Plain, then each chain: launch, every set, the speed passes (plain and bench), stop."""
+    out: dict[str, dict] = {}
+    for key, c in configs.items():
+        with ExitStack() as stack:
+            meter = _open(stack, host, c, out, key, speed_prompts, log, owner)
+            for name, s in sets.items():
+                out[key]["sets"][name] = meter.serve_set(s["prompts"], cfg.evaluation.max_new_tokens)
+            if bench is not None and key in ("plain", bench):
+                out[key]["speed"] = _speed([meter], speed_prompts, cfg.benchmark.num_repeats)[0]
+    return out
 
+
+def _interleaved(cfg: PipelineConfig, host: Host, sets: dict, speed_prompts: list[list[int]], configs: dict,
+                 bench: str | None, log, owner=None) -> dict[str, dict]:
+    """The plain server up throughout; each chain's beside it in turn, their passes alternating."""
+    out: dict[str, dict] = {}
+    (_, plain_cfg), *chain_configs = configs.items()
+    with ExitStack() as stack:
+        plain = _open(stack, host, plain_cfg, out, "plain", speed_prompts, log, owner)
+        for key, c in chain_configs:
+            with ExitStack() as inner:
+                spec = _open(inner, host, c, out, key, speed_prompts, log, owner)
+                for name, s in sets.items():
+                    if name not in out["plain"]["sets"]:  # the first chain's turn
+                        out["plain"]["sets"][name] = plain.serve_set(s["prompts"], cfg.evaluation.max_new_tokens)
+                    out[key]["sets"][name] = spec.serve_set(s["prompts"], cfg.evaluation.max_new_tokens)
+                if key == bench:
+                    out["plain"]["speed"], out[key]["speed"] = _speed([plain, spec], speed_prompts,
+                                                                      cfg.benchmark.num_repeats)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage: launches, then figures per chain and per set
+# ---------------------------------------------------------------------------------------------
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-DRAFTER_FILES = ("config.json", "model.safetensors")
+def _set_figures(sets: dict, spec: dict, plain: dict) -> dict[str, dict]:
+    """Per set: pooled acceptance and per-prompt figures, equality with plain, tokens/s, speed-up."""
+    figures = {}
+    for name, s in sets.items():
+        ran, ref = spec[name], plain[name]
+        records = [prompt_record(len(p), out, v, reference=r) for p, out, v, r in
+                   zip(s["prompts"], ran["outputs"], ran["verify_steps"], ref["outputs"])]
+        figures[name] = {**pooled(records), "tokens_per_s": ran["tokens_per_s"],
+                         "plain_tokens_per_s": ref["tokens_per_s"],
+                         "speedup": _ratio(ran["tokens_per_s"], ref["tokens_per_s"])}
+    return figures
 
 
-def stage_drafter(host: Host, cfg: PipelineConfig, drafter_dir: str | Path) -> Path:
-    """The drafter's path as the server host sees it: the same folder on this machine; on an SSH
-    host, a copy under <server.workdir>/drafters/<digest> (uploaded once, whole, then renamed)."""
-    if cfg.server.host.kind == "local":
-        return Path(drafter_dir)
-    remote = Path(cfg.server.workdir) / "drafters" / drafter_digest(drafter_dir)[:16]
-    if host.run(f"test -f {shlex.quote(str(remote / DRAFTER_FILES[0]))}", check=False).ok:
-        return remote  # named by its content: present means complete
-    tmp = remote.with_name(f".{remote.name}.partial")
-    host.run(f"rm -rf {shlex.quote(str(tmp))}")
-    for name in DRAFTER_FILES:
-        host.put(Path(drafter_dir) / name, tmp / name)
-    host.run(f"rm -rf {shlex.quote(str(remote))} && mv {shlex.quote(str(tmp))} {shlex.quote(str(remote))}")
-    return remote
-
-
-def run_serve_bench(cfg: PipelineConfig, drafter_dir: str | Path, prompts: list[list[int]],
+def run_serve_bench(cfg: PipelineConfig, drafter_dir: str | Path, sets: dict[str, dict],
                     host: Host | None = None, log=print, owner=None) -> dict[str, Any]:
-    """Both servers, side by side -> figures, speed-up ratios, machine and settings. `owner`
-    (ownership.Owner): who launches them, recorded with each launch."""
-    b = cfg.benchmark
-    if not prompts:
-        raise ValueError("run_serve_bench: no prompts (the held-out set is empty)")
-    prompts = prompts[: b.num_prompts]
-    t0 = time.monotonic()
-    own_host = host is None
+    """Every launch, side by side -> per-chain acceptance per set, speed-up ratios, machine, settings.
+
+    `sets` maps a name to {"prompts": token ids, "source": where they came from}; "heldout" (the
+    data's held-out prompts) is required and cut to evaluation.num_prompts here. `owner`
+    (ownership.Owner): who launches the servers, recorded with each launch.
+    """
+    b, ev = cfg.benchmark, cfg.evaluation
+    if not sets.get("heldout", {}).get("prompts"):
+        raise ValueError("run_serve_bench: no held-out prompts (the held-out set is empty)")
+    speed_prompts = sets["heldout"]["prompts"][: b.num_prompts]
+    sets = {**sets, "heldout": {**sets["heldout"], "prompts": sets["heldout"]["prompts"][: ev.num_prompts]}}
+    served, bench = chains(cfg)
+    t0, own_host = time.monotonic(), host is None
     host = host or make_host(cfg.server.host)
     try:
-        served = stage_drafter(host, cfg, drafter_dir)
-        if str(served) != str(drafter_dir):
-            log(f"drafter uploaded to {cfg.server.host.name}:{served}")
-        plain_cfg = server_config(cfg, "plain", None)
-        spec_cfg = server_config(cfg, "speculative", served, port_offset=1 if b.interleave else 0)
-        if b.interleave:
-            plain, spec = bench_interleaved(host, [plain_cfg, spec_cfg], prompts, log, owner)
-        else:
-            plain = bench_server(host, plain_cfg, prompts, log, owner)
-            spec = bench_server(host, spec_cfg, prompts, log, owner)
+        where = stage_drafter(host, cfg, drafter_dir)
+        if str(where) != str(drafter_dir):
+            log(f"drafter uploaded to {cfg.server.host.name}:{where}")
+        configs = dict(zip(["plain", *(c.name for c in served)], launches(cfg, where)))
+        measure = _interleaved if b.interleave else _one_at_a_time
+        runs = measure(cfg, host, sets, speed_prompts, configs, bench.name if bench else None, log, owner)
     finally:
         if own_host:
             host.close()
+    return _assemble(cfg, drafter_dir, sets, len(speed_prompts), served, bench, runs, time.monotonic() - t0)
+
+
+def _assemble(cfg, drafter_dir, sets, num_speed_prompts, served, bench, runs, seconds) -> dict[str, Any]:
+    b, plain = cfg.benchmark, runs["plain"]
+    result_chains = {c.name: {"command": runs[c.name]["command"], "ready_seconds": runs[c.name]["ready_seconds"],
+                              "sets": _set_figures(sets, runs[c.name]["sets"], plain["sets"])} for c in served}
+    headline = result_chains[served[0].name]["sets"]["heldout"]
+    result = {
+        "acceptance_length": headline["acceptance_length"],  # the first chain's, held-out prompts
+        "headline_chain": served[0].name,
+        "chains": result_chains,
+        # Greedy outputs of every chain and set equal to the plain server's (None: nothing compared).
+        "identical_to_target": all(s["identical_to_target"] is not False
+                                   for c in result_chains.values() for s in c["sets"].values()),
+        "sets": {name: {"source": s.get("source"), "num_prompts": len(s["prompts"])} for name, s in sets.items()},
+        "plain": {"command": plain["command"], "ready_seconds": plain["ready_seconds"],
+                  "sets": {n: {k: r[k] for k in ("tokens_per_s", "seconds")} for n, r in plain["sets"].items()}},
+        "benchmark_chain": bench.name if bench else None,
+        "speculative": None, "speedup": None, "identical_outputs": None,
+        "drafter_dir": str(drafter_dir),
+        "seconds": round(seconds, 1),
+        "settings": {**b.model_dump(mode="json"), "num_prompts": num_speed_prompts,
+                     "evaluation": cfg.evaluation.model_dump(mode="json", exclude={"device"}),
+                     "backend": cfg.server.backend, "target": str(cfg.target.checkpoint),
+                     "server_env": cfg.server.env},
+        "machine": machine() if cfg.server.host.kind == "local" else {"host": cfg.server.host.name},
+    }
+    if bench is not None:
+        result.update(_speed_figures(plain["speed"], runs[bench.name], b.temperature))
+        result["plain"].update(plain["speed"])
+    return result
+
+
+def _speed_figures(plain: dict, spec_run: dict, temperature: float) -> dict[str, Any]:
+    spec = {**spec_run["speed"], "command": spec_run["command"], "ready_seconds": spec_run["ready_seconds"]}
     identical = plain.pop("outputs") == spec.pop("outputs")
     speedup = {k: _ratio(spec[k], plain[k]) for k in ("single_stream_tokens_per_s", "concurrent_tokens_per_s")}
     speedup["ttft"] = _ratio(plain["ttft_s"], spec["ttft_s"])  # > 1: the drafter made it faster
@@ -259,34 +214,85 @@ def run_serve_bench(cfg: PipelineConfig, drafter_dir: str | Path, prompts: list[
                                          zip(spec["single_stream_runs"], plain["single_stream_runs"])]
     al, ratio = spec["acceptance_length"], speedup["single_stream_tokens_per_s"]
     return {
-        "plain": plain, "speculative": spec, "speedup": speedup,
-        "acceptance_length": al,
+        "speculative": spec, "speedup": speedup,
         # The acceptance length at which this machine's verify-plus-draft round would break even:
         # tokens/s scale with AL at a fixed cost per round, so AL / speed-up.
         "break_even_acceptance_length": round(al / ratio, 3) if al and ratio else None,
         # Greedy outputs must match token for token; sampled ones need not.
-        "identical_outputs": identical if b.temperature == 0 else None,
-        "drafter_dir": str(drafter_dir),
-        "seconds": round(time.monotonic() - t0, 1),
-        "settings": {**b.model_dump(), "num_prompts": len(prompts), "backend": cfg.server.backend,
-                     "target": str(cfg.target.checkpoint), "server_env": cfg.server.env},
-        "machine": machine() if cfg.server.host.kind == "local" else {"host": cfg.server.host.name},
+        "identical_outputs": identical if temperature == 0 else None,
     }
 
 
+class OutputMismatch(RuntimeError):
+    """Speculative serving changed a greedy output on a deterministic backend (eyas-local): a bug."""
+
+
+def check_outputs(cfg: PipelineConfig, result: dict[str, Any]) -> None:
+    """On eyas-local, greedy outputs with the drafter must equal the plain server's, token for token.
+
+    SGLang's are recorded, never enforced: its batched, speculative and CUDA-graph kernels may
+    legitimately round differently and flip a near-tie (docs/operations.md).
+    """
+    if cfg.server.backend != "local":
+        return
+    bad = [f"{chain} on {name}: prompt(s) {[i for i, p in enumerate(s['per_prompt']) if p['identical'] is False]}"
+           for chain, c in result["chains"].items() for name, s in c["sets"].items()
+           if s["identical_to_target"] is False]
+    if bad or result["identical_outputs"] is False:
+        raise OutputMismatch("speculative decoding changed greedy outputs on eyas-local: "
+                             + ("; ".join(bad) or "the speed passes' outputs differ"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Summaries: per prompt set (report.json's `benchmarks`) and the Prefect artifact
+# ---------------------------------------------------------------------------------------------
+
+def benchmarks(result: dict[str, Any]) -> dict[str, dict]:
+    """Per prompt set: its source and, per chain, acceptance length, speed-up, output equality."""
+    return {name: {**s, "chains": {chain: {k: c["sets"][name][k] for k in
+                                           ("acceptance_length", "speedup", "identical_to_target")}
+                                   for chain, c in result["chains"].items()}}
+            for name, s in result["sets"].items()}
+
+
+def _source(source: dict | None) -> str:
+    if not source:
+        return "-"
+    if "package" in source:
+        return f"{source['package']} {source['version']} (sha256 {source['sha256'][:12]})"
+    return str(source.get("file", "-"))
+
+
+def benchmarks_markdown(per_set: dict[str, dict]) -> str:
+    """One row per prompt set: acceptance length and speed-up at each chain."""
+    names = list(next(iter(per_set.values()))["chains"])
+    head = "| prompt set | source | prompts | " + " | ".join(f"AL {n} | speed-up {n}" for n in names) + " |"
+    rule = "|---|---|---|" + "---|---|" * len(names)
+    rows = [f"| {name} | {_source(s['source'])} | {s['num_prompts']} | "
+            + " | ".join(f"{s['chains'][n]['acceptance_length']:.3f} | {s['chains'][n]['speedup']}x" for n in names)
+            + " |" for name, s in per_set.items()]
+    return "\n".join([head, rule, *rows]) + "\n"
+
+
 def markdown(result: dict[str, Any]) -> str:
-    """The Prefect artifact: one table, plain vs speculative."""
-    p, s, r = result["plain"], result["speculative"], result["speedup"]
+    """The Prefect artifact: acceptance per chain and set, then plain vs speculative speed."""
     b = result["settings"]
+    text = (f"# Serving with the drafter\n\n**Acceptance length {result['acceptance_length']:.3f}** at "
+            f"{result['headline_chain']} on the held-out prompts (served; outputs identical to plain "
+            f"serving: {result['identical_to_target']})\n\n{benchmarks_markdown(benchmarks(result))}\n"
+            f"Acceptance: each prompt alone, greedy, up to {b['evaluation']['max_new_tokens']} new tokens; "
+            f"speed-up: that pass's output tokens/s over the plain server's.\n")
+    if result["speedup"] is None:
+        return text
+    p, s, r = result["plain"], result["speculative"], result["speedup"]
     rows = [("single-stream output tokens/s", "single_stream_tokens_per_s", r["single_stream_tokens_per_s"]),
             (f"output tokens/s at concurrency {b['concurrency']}", "concurrent_tokens_per_s",
              r["concurrent_tokens_per_s"]),
             ("time to first token (s)", "ttft_s", r["ttft"])]
     table = "\n".join(f"| {name} | {p[k]} | {s[k]} | {ratio} |" for name, k, ratio in rows)
-    return (f"# Serving with the drafter\n\n"
+    return (f"{text}\n## Speed at {result['benchmark_chain']}\n\n"
             f"**Single-stream speed-up: {r['single_stream_tokens_per_s']}x**, acceptance length "
-            f"{result['acceptance_length']} ({b['speculative_num_steps']}/{b['speculative_eagle_topk']}/"
-            f"{b['speculative_num_draft_tokens']}), outputs identical: {result['identical_outputs']}\n\n"
+            f"{s['acceptance_length']}, outputs identical: {result['identical_outputs']}\n\n"
             f"| figure | plain | with drafter | ratio |\n|---|---|---|---|\n{table}\n\n"
             f"{b['num_prompts']} prompts, {b['max_new_tokens']} new tokens, temperature {b['temperature']}, "
             f"medians of {b['num_repeats']} passes after {b['num_warmup']} warm-up requests; "

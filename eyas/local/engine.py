@@ -158,6 +158,12 @@ def load_model(model_path: str | Path, *, load_delay: float = 0.0, fault: str = 
     if result.unexpected_keys:  # e.g. DeepSeek's MTP layer, which SGLang also skips here
         log(f"Ignored {len(result.unexpected_keys)} checkpoint weights the model does not use, "
             f"e.g. {result.unexpected_keys[:3]}")
+    if (model_path / "generation_config.json").exists():
+        from transformers import GenerationConfig
+
+        # SGLang stops at config.json's eos and generation_config.json's (model_config.py,
+        # _get_hf_eos_token_id): chat models list their end-of-turn token there.
+        model.generation_config = GenerationConfig.from_pretrained(model_path)
     model.eval()
     log(f"Load weight end. elapsed={time.monotonic() - tic:.2f} s, type={type(model).__name__}, "
         f"dtype=torch.float32, avail mem={_avail_mem_gb():.2f} GB, mem usage="
@@ -243,7 +249,10 @@ class Engine:
         cfg = model.config
         self.vocab_size = cfg.vocab_size
         self.context_len = getattr(cfg, "max_position_embeddings", None) or 1 << 30
-        eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+        eos = []
+        for source in (cfg, getattr(model, "generation_config", None)):  # as SGLang, both
+            ids = getattr(source, "eos_token_id", None)
+            eos += ids if isinstance(ids, list) else [ids]
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = {int(i) for i in eos if i is not None}

@@ -52,7 +52,7 @@ def small(tmp_path_factory):
                 "extraction.output_dir": str(tmp / "shards"), "training.output_dir": str(tmp / "train"),
                 "training.max_steps": 20, "training.warmup_steps": 2, "training.checkpoint_every": 10,
                 "training.batch_size": 4, "evaluation.num_prompts": 2,
-                "evaluation.max_new_tokens": 8, "sensor.poll_interval_s": 0.1, **extra}
+                "evaluation.max_new_tokens": 8, "benchmark.suites": [], "sensor.poll_interval_s": 0.1, **extra}
     return make
 
 
@@ -111,7 +111,7 @@ def test_pipeline_deployment_completes_with_every_task_and_artifact(server, firs
             "train-dep-ok@localhost"} <= set(flows)
     states = task_runs(server, [r["id"] for r in flows.values()])
     for name in ("prepare-data", "patch@localhost", "launch-local@localhost", "wait-ready@localhost",
-                 "stop@localhost", "train-drafter", "export-drafter", "evaluate-acceptance"):
+                 "stop@localhost", "train-drafter", "export-drafter", "serve-bench@localhost"):
         assert name in states, f"{name} missing from {sorted(states)}"
     assert sum(n.startswith("extract-shard-") for n in states) == 4
     assert {s["type"] for s in states.values()} == {"COMPLETED"}, states

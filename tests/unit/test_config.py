@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from eyas.config import ConfigError, HostConfig, TargetConfig, load_config
+from eyas.config import ConfigError, EvaluationConfig, HostConfig, TargetConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,3 +75,26 @@ def test_ssh_paths_must_be_absolute():
         config_from_dict(raw, base_dir=ROOT)
     with pytest.raises(ValueError):
         HostConfig(kind="ssh")
+
+
+def test_evaluation_is_served_by_default_and_never_in_process_with_sglang():
+    tiny = load_config(ROOT / "configs" / "local-tiny.yaml")
+    prod = load_config(ROOT / "configs" / "kimi-k2.5-sglang.yaml")
+    assert tiny.evaluation.method == prod.evaluation.method == "server"
+    assert EvaluationConfig().method == "server"
+    small = load_config(ROOT / "configs" / "local-tiny.yaml", {"evaluation.method": "in_process"})
+    assert small.evaluation.method == "in_process"  # a small target, chosen explicitly
+    with pytest.raises(ConfigError, match=r"evaluation\.method: in_process .* server\.backend sglang"):
+        load_config(ROOT / "configs" / "kimi-k2.5-sglang.yaml", {"evaluation.method": "in_process"})
+    with pytest.raises(ConfigError, match="evaluation.method"):
+        load_config(ROOT / "configs" / "local-tiny.yaml", {"evaluation.method": "loaded"})
+
+
+def test_benchmark_suites_by_name_or_with_their_prompt_count():
+    cfg = load_config(ROOT / "configs" / "local-tiny.yaml", {"benchmark.suites": ["humaneval", {
+        "name": "mtbench", "num_prompts": 5}]})
+    assert [(s.name, s.num_prompts) for s in cfg.benchmark.suites] == [("humaneval", 16), ("mtbench", 5)]
+    with pytest.raises(ConfigError, match="benchmark.suites"):
+        load_config(ROOT / "configs" / "local-tiny.yaml", {"benchmark.suites": ["gsm8k"]})
+    with pytest.raises(ConfigError, match="distinct"):
+        load_config(ROOT / "configs" / "local-tiny.yaml", {"benchmark.suites": ["humaneval", "humaneval"]})
