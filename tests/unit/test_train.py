@@ -8,19 +8,9 @@ from eyas.evaluation.evaluate import simulated_acceptance_length
 from eyas.training import kernels as fused
 from eyas.training.batches import add_aux_noise, collate, shift_left
 from eyas.training.train import train_drafter
-from tests.helpers_training import shard_meta, sharpen_target, target_config, training_config, write_shards
+from tests.helpers_training import shard_meta, target_config, training_config, write_shards
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def sharp_target(random_target, tmp_path_factory):
-    return sharpen_target(random_target, tmp_path_factory.mktemp("sharp-target"))
-
-
-@pytest.fixture(scope="module")
-def shards(sharp_target, tmp_path_factory):
-    return write_shards(sharp_target, tmp_path_factory.mktemp("shards"), num_shards=2, per_shard=12, length=40)
 
 
 def quiet(_):

@@ -8,23 +8,13 @@ from eyas.evaluation.export import export_drafter
 from eyas.training.progress import HISTORY_ROWS
 from eyas.training.train import train_drafter
 from eyas.training.warm_start import draft_vocab
-from tests.helpers_training import shard_meta, sharpen_target, target_config, training_config, write_shards
+from tests.helpers_training import shard_meta, target_config, training_config, write_shards
 
 torch.set_num_threads(1)
 
 
 def quiet(_):
     pass
-
-
-@pytest.fixture(scope="module")
-def sharp_target(random_target, tmp_path_factory):
-    return sharpen_target(random_target, tmp_path_factory.mktemp("sharp-target"))
-
-
-@pytest.fixture(scope="module")
-def shards(sharp_target, tmp_path_factory):
-    return write_shards(sharp_target, tmp_path_factory.mktemp("shards"), num_shards=2, per_shard=12, length=40)
 
 
 @pytest.fixture(scope="module")
