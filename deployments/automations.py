@@ -3,8 +3,10 @@
     PREFECT_API_URL=http://127.0.0.1:4200/api python deployments/automations.py local-tiny \
         [--params '{"overrides": {"training.max_steps": 50}}']
 
-The `extract` flow emits `eyas.extraction.completed` on resource `eyas.run.<config name>`; this
-automation answers it by running the `eyas-train/train` deployment with the given parameters
+The `extract` flow emits `eyas.extraction.completed` on resource `eyas.run.<config name>`, labelled
+`eyas.standalone: "true"` when it ran alone (a deployment run of `eyas-extract/extract`) and
+"false" as the pipeline's subflow, whose own train stage follows. This automation answers only the
+standalone ones by running the `eyas-train/train` deployment with the given parameters
 (default: the deployment's own). Re-running the script replaces the automation of the same name.
 """
 
@@ -31,9 +33,9 @@ def train_after_extraction(run_name: str, parameters: dict | None = None,
         pass
     return Automation(
         name=name,
-        description=f"When extraction of {run_name} completes, run {deployment}.",
+        description=f"When a standalone extraction of {run_name} completes, run {deployment}.",
         trigger=EventTrigger(expect={"eyas.extraction.completed"},
-                             match={"prefect.resource.id": f"eyas.run.{run_name}"},
+                             match={"prefect.resource.id": f"eyas.run.{run_name}", "eyas.standalone": "true"},
                              posture=Posture.Reactive, threshold=1),
         actions=[RunDeployment(source="selected", deployment_id=deployment_id,
                                parameters=parameters)],

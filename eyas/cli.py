@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +41,10 @@ def _load(args):
 
 
 def cmd_run(args) -> int:
+    # No Prefect telemetry from eyas's own process (read when prefect is first imported, below)
+    # unless the operator asks for it: offline it only printed tracebacks that looked like eyas failing.
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     cfg = _load(args)
     from flows.pipeline import eagle3_pipeline
     from flows.process import run_in_process

@@ -13,10 +13,14 @@ values there are refused (docs/operations.md, "Secrets").
 
 from __future__ import annotations
 
+import functools
+import inspect
 from pathlib import Path
 from typing import Any, Union
 
+import prefect
 from prefect.logging import get_run_logger
+from prefect.states import Failed
 
 from eyas.config import ConfigError, PipelineConfig, config_from_dict, load_config
 from eyas.secrets import MASK, PYDANTIC_MASK, secret_flag_values
@@ -29,6 +33,65 @@ ROOT = shipped_root()  # relative config paths: the checkout, or the wheel's shi
 DEFAULT_CONFIG = "configs/local-tiny.yaml"
 
 ConfigParam = Union[str, dict[str, Any], PipelineConfig]
+#: dotted field -> value; typed so that Prefect's run form and the API's parameter schema show it
+Overrides = dict[str, Union[str, int, float, bool, list, dict, None]]
+
+
+def one_line(error: Exception) -> str:
+    """A ConfigError's message on one line (a flow run's state message): `file: invalid config: a; b`."""
+    head, *problems = str(error).splitlines()
+    head = head.split(" (", 1)[0] if problems and head.endswith("problem(s))") else head
+    return "; ".join([head, *(p.strip().removeprefix("- ") for p in problems)]) if problems else head
+
+
+def config_label(config: Any, overrides: dict | None = None) -> str:
+    """A name for a config that may not load: its `name` (overrides first), else the file's stem."""
+    for src in (overrides or {}, config if isinstance(config, dict) else {}):
+        if isinstance(src.get("name"), str) and src["name"]:
+            return src["name"]
+    if isinstance(config, PipelineConfig):
+        return config.name
+    return Path(config).stem if isinstance(config, str) and config else "inline"
+
+
+def run_tags(cfg: PipelineConfig) -> list[str]:
+    """The tags every flow and task run of a config carries: config name, server host, target revision."""
+    return [f"config:{cfg.name}", f"host:{cfg.server.host.name}",
+            f"revision:{cfg.target.revision or 'unpinned'}"]
+
+
+def checked_flow(fn):
+    """Between @flow and the function: validate `config` + `overrides` before anything runs. A bad
+    config ends the run Failed, its state message the ConfigError on one line; a good one tags the flow
+    run and every task and subflow run inside it (run_tags)."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        try:
+            cfg = resolve_config(bound.arguments["config"], bound.arguments.get("overrides"))
+        except ConfigError as e:
+            return Failed(message=one_line(e))
+        tags = run_tags(cfg)
+        _tag_flow_run(tags)
+        with prefect.tags(*tags):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def _tag_flow_run(tags: list[str]) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None or set(tags) <= set(ctx.flow_run.tags):
+        return
+    merged = sorted({*ctx.flow_run.tags, *tags})
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(ctx.flow_run.id, tags=merged)
+    ctx.flow_run.tags = merged
 
 
 def resolve_config(config: ConfigParam, overrides: dict[str, Any] | None = None) -> PipelineConfig:

@@ -8,17 +8,18 @@ stop, so two runs never start two servers on the same GPUs; the second waits in 
 
 from __future__ import annotations
 
-from typing import Any
 
 from prefect import flow
 from prefect.events import emit_event
 from prefect.futures import as_completed
+from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eyas.extraction.stage import regeneration_pending, shards_intact
 from eyas.report import Stopwatch
 from eyas.results import Extracted
-from flows.common import DEFAULT_CONFIG, ConfigParam, gpu_host, resolve_config, stop_server_hook
+from flows.common import (DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, gpu_host, resolve_config,
+                          stop_server_hook)
 from flows.serve import run_name, serve
 from tasks.extract import extract_shard_for, prepare_data, regenerate_data, shard_cached
 from tasks.patch import patch_host
@@ -30,13 +31,16 @@ from tasks.server import stop
       task_runner=ThreadPoolTaskRunner(max_workers=2),
       on_failure=[stop_server_hook], on_crashed=[stop_server_hook],
       on_cancellation=[stop_server_hook])
-def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None) -> Extracted:
+@checked_flow
+def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = None) -> Extracted:
     """Plan the shards, bring the server up, (regenerate the replies,) extract every shard, stop it.
 
     When every shard is already intact on disk (a re-run), no server is launched at all.
     """
     cfg, stage = resolve_config(config, overrides), Stopwatch()
-    resource = {"prefect.resource.id": f"eyas.run.{cfg.name}", "eyas.host": cfg.server.host.name}
+    # eyas.standalone: "false" inside the pipeline, whose own train stage follows (automations.py)
+    resource = {"prefect.resource.id": f"eyas.run.{cfg.name}", "eyas.host": cfg.server.host.name,
+                "eyas.standalone": "false" if flow_run.parent_flow_run_id else "true"}
     regen = cfg.data.regenerate.enabled
 
     # 1. Data first: a bad input file should fail before a ten-minute server load.

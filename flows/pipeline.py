@@ -14,7 +14,6 @@ ends, and by a hook whenever the run fails or crashes, so a failed run never lea
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
@@ -22,7 +21,7 @@ from prefect.artifacts import create_markdown_artifact
 from eyas.evaluation import suites
 from eyas.evaluation.serve_bench import benchmarks_markdown
 from eyas.report import Stopwatch, artifact_key, build_report, write_report
-from flows.common import DEFAULT_CONFIG, ConfigParam, resolve_config, stop_server_hook
+from flows.common import DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, resolve_config, stop_server_hook
 from flows.extract import extract
 from flows.serve import run_name
 from flows.serve_bench import serve_bench_flow
@@ -33,8 +32,9 @@ from tasks.preflight import preflight_check
 @flow(name="eagle3-pipeline", flow_run_name=run_name("eagle3"), log_prints=True,
       on_failure=[stop_server_hook], on_crashed=[stop_server_hook],
       on_cancellation=[stop_server_hook])
+@checked_flow
 def eagle3_pipeline(config: ConfigParam = DEFAULT_CONFIG,
-                    overrides: dict[str, Any] | None = None) -> dict:
+                    overrides: Overrides | None = None) -> dict:
     """Raise an EAGLE-3 drafter for the configured target, end to end."""
     cfg, stage = resolve_config(config, overrides), Stopwatch()
     # 0. Check the config against the target, hosts and disks before any GPU is touched.

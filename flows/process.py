@@ -69,7 +69,10 @@ class TemporaryServer:
 
         settings = get_current_settings()
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
-               "PREFECT__SERVER_FINAL": "1", **settings.to_environment_variables(exclude_unset=True)}
+               "PREFECT__SERVER_FINAL": "1", **settings.to_environment_variables(exclude_unset=True),
+               # no telemetry from a server that lives for one run: its session row raced the run's
+               # writes ("database is locked") and its heartbeat failed offline, both as tracebacks
+               "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
         env.pop("PREFECT_API_URL", None)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
@@ -176,4 +179,5 @@ def run_in_process(fn: Callable[..., Any], *args, **kwargs) -> Any:
         raise
     finally:
         if term.server is not None and term.signum is None:
+            _flush_logs()  # the run's last log lines reach the server before it goes (else "Error logging to API")
             term.server.stop()

@@ -9,24 +9,27 @@ host's GPU lock and stops the server when extraction ends.
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow
 from prefect.runtime import flow_run
 
 from eyas.report import Stopwatch
 from eyas.results import ServerUp
-from flows.common import DEFAULT_CONFIG, ConfigParam, resolve_config, stop_server_hook
+from flows.common import (DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, config_label, resolve_config,
+                          stop_server_hook)
 from tasks.patch import patch_host, unpatch_host
 from tasks.preflight import preflight_check
 from tasks.server import launch_server, stop, wait_ready
 
 
 def run_name(prefix: str):
-    """flow_run_name: `<prefix>-<config name>@<server host>`, whatever form the config came in."""
+    """flow_run_name: `<prefix>-<config name>@<server host>`, whatever form the config came in; a
+    config that does not load gives `<prefix>-<its name or file stem>` (the run then fails with why)."""
     def name() -> str:
         p = flow_run.parameters
-        cfg = resolve_config(p["config"], p.get("overrides"))
+        try:
+            cfg = resolve_config(p["config"], p.get("overrides"))
+        except Exception:  # noqa: BLE001 - named anyway; checked_flow fails the run with the reason
+            return f"{prefix}-{config_label(p.get('config'), p.get('overrides'))}"
         return f"{prefix}-{cfg.name}@{cfg.server.host.name}"
     return name
 
@@ -34,7 +37,8 @@ def run_name(prefix: str):
 @flow(name="eyas-serve", flow_run_name=run_name("serve"), log_prints=True,
       on_failure=[stop_server_hook], on_crashed=[stop_server_hook],
       on_cancellation=[stop_server_hook])
-def serve(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None) -> ServerUp:
+@checked_flow
+def serve(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = None) -> ServerUp:
     """Patch the server host, launch the target server, wait until it is ready."""
     cfg, stage = resolve_config(config, overrides), Stopwatch()
     preflight_check(cfg)
@@ -48,7 +52,8 @@ def serve(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None
 
 
 @flow(name="eyas-teardown", flow_run_name=run_name("teardown"), log_prints=True)
-def teardown(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None,
+@checked_flow
+def teardown(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = None,
              unpatch: bool = False) -> dict:
     """Stop the server a config launched (idempotent); optionally restore the host's SGLang."""
     cfg = resolve_config(config, overrides)

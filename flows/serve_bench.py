@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
@@ -27,7 +26,7 @@ from eyas.extraction.shards import write_json_atomic
 from eyas.report import artifact_key
 from eyas.server.hosts import make_host
 from eyas.server.launch import stop_server
-from flows.common import DEFAULT_CONFIG, ConfigParam, gpu_host, resolve_config
+from flows.common import DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, gpu_host, resolve_config
 from flows.serve import run_name
 from tasks.preflight import preflight_check
 from tasks.serve_bench import benchmark_serving_for
@@ -37,7 +36,11 @@ def stop_bench_servers(flow, flow_run, state) -> None:
     """on_failure / on_crashed / on_cancellation: stop the benchmark servers this run launched that
     are still recorded as running (another run's are left alone)."""
     p = flow_run.parameters
-    cfg = resolve_config(p["config"], p.get("overrides"))
+    try:
+        cfg = resolve_config(p["config"], p.get("overrides"))
+    except Exception as e:  # noqa: BLE001 - a bad config launched nothing
+        print(f"serve-bench hook: config unreadable ({e}); nothing to stop")
+        return
     host = make_host(cfg.server.host)
     try:
         for launched in serve_bench.launches(cfg):
@@ -49,7 +52,8 @@ def stop_bench_servers(flow, flow_run, state) -> None:
 
 @flow(name="eyas-serve-bench", flow_run_name=run_name("serve-bench"), log_prints=True,
       on_failure=[stop_bench_servers], on_crashed=[stop_bench_servers], on_cancellation=[stop_bench_servers])
-def serve_bench_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None,
+@checked_flow
+def serve_bench_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = None,
                      drafter_dir: str | None = None, prompts: list[list[int]] | None = None) -> dict | None:
     """Acceptance and speed with vs without the drafter: report.json's `serving` section."""
     cfg = resolve_config(config, overrides)

@@ -12,7 +12,6 @@ and this flow never loads the target.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from prefect import flow
 from prefect.events import emit_event
@@ -20,7 +19,7 @@ from prefect.events import emit_event
 from eyas.report import Stopwatch
 from eyas.results import Trained
 from eyas.extraction.shards import verify_shard
-from flows.common import DEFAULT_CONFIG, ConfigParam, resolve_config
+from flows.common import DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, resolve_config
 from flows.serve import run_name
 from tasks.extract import prepare_data
 from tasks.preflight import preflight_check
@@ -28,7 +27,8 @@ from tasks.train import evaluate_for, export, train
 
 
 @flow(name="eyas-train", flow_run_name=run_name("train"), log_prints=True)
-def train_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: dict[str, Any] | None = None,
+@checked_flow
+def train_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = None,
                   manifests: list[dict] | None = None,
                   prompts: list[list[int]] | None = None) -> Trained:
     """Train (resuming from the newest checkpoint), export, evaluate in process if so configured."""

@@ -153,6 +153,11 @@ def test_rerun_serves_extraction_from_cache_and_automation_starts_training(serve
     assert trains, "the automation did not start a train run"
     assert trains[0]["state"]["type"] == "COMPLETED", trains[0]["state"]
     assert time.time() - t0 < 200
+    # The automation matches standalone extractions only: the pipeline's own extract subflow says
+    # "false" (its pipeline trains anyway), the deployment run of eyas-extract "true".
+    events = server.post("/events/filter", {"filter": {"event": {"name": ["eyas.extraction.completed"]},
+                                                       "resource": {"id": ["eyas.run.dep-ok"]}}})["events"]
+    assert sorted(e["resource"]["eyas.standalone"] for e in events) == ["false", "true"], events
 
 
 def test_server_failure_fails_the_run_with_the_reason_and_stops_the_server(server, small):
