@@ -509,7 +509,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a tiny drafter (the default without a GPU)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default 4096; tiny 64)")
     ap.add_argument("--ttt", type=int, default=7)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 2, 4, 8])
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--compile", choices=["on", "off"], default=None,
@@ -528,6 +528,10 @@ def main() -> None:
     ap.add_argument("--mask-batches", type=int, nargs="*", default=None,
                     help="batches to measure with chat-shaped masks: every position scored, --shape-fraction, "
                          "--masks-from (default 1 4; none with no value)")
+    ap.add_argument("--mask-kinds", nargs="+", default=["masks-from", "prompt", "all-scored"],
+                    choices=["masks-from", "prompt", "all-scored"],
+                    help="which chat-shaped rows, in this order (each new span and batch size costs a recompile "
+                         "of the fused regions, about a minute at Kimi size: an 8-minute call fits about six rows)")
     ap.add_argument("--shape-fraction", type=float, default=0.3, help="the prompt share of the chat-shaped row")
     ap.add_argument("--profile-batches", type=int, nargs="*", default=[1],
                     help="profile one step at these batches (GPU time by kernel class)")
@@ -619,8 +623,10 @@ def main() -> None:
             torch.cuda.empty_cache()
     figures["batches"] = results
     mask_batches = args.mask_batches if args.mask_batches is not None else ([1, 2] if args.tiny else [1, 4])
-    kinds = [("all-scored", "prefix:0"), (f"prompt-{args.shape_fraction:g}", f"prefix:{args.shape_fraction}")]
-    kinds += [("masks-from", "file")] * bool(args.masks_from)
+    known = {"all-scored": ("all-scored", "prefix:0"),
+             "prompt": (f"prompt-{args.shape_fraction:g}", f"prefix:{args.shape_fraction}"),
+             "masks-from": ("masks-from", "file")}
+    kinds = [known[k] for k in args.mask_kinds if k != "masks-from" or args.masks_from]
     figures["mask_rows"] = []
     for name, kind in kinds if mask_batches else []:
         fn = mask_source(kind, T, args.masks_from)
