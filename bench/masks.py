@@ -34,7 +34,7 @@ def prefix_masks(rows: int, T: int, fraction: float) -> np.ndarray:
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"prompt fraction must be in [0, 1), got {fraction}")
     m = np.ones((rows, T), dtype=bool)
-    m[:, :int(round(fraction * T))] = False
+    m[:, :round(fraction * T)] = False
     return m
 
 
