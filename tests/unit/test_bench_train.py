@@ -1,0 +1,77 @@
+"""bench/masks.py's chat-shaped loss masks and bench/train.py's goal line (CPU smoke run)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench import masks
+
+
+def test_prefix_masks_shape_and_share():
+    for f, T in ((1 / 16, 4096), (0.3, 4096), (0.0, 64), (0.3, 64)):
+        m = masks.prefix_masks(3, T, f)
+        assert m.shape == (3, T) and m.dtype == np.bool_
+        assert masks.unscored_share(m) == pytest.approx(round(f * T) / T)
+        assert not m[:, : round(f * T)].any() and m[:, round(f * T):].all()  # a leading prompt only
+    with pytest.raises(ValueError):
+        masks.prefix_masks(1, 64, 1.0)
+
+
+def test_pack_keeps_order_and_drops_the_tail():
+    convs = [[0, 0, 1, 1, 1], [0, 1, 1], [0, 0, 0, 1, 1, 1, 1]]  # 15 tokens, 10 scored
+    m = masks.pack(convs, 4)
+    assert m.shape == (3, 4)
+    assert m.reshape(-1).tolist() == [bool(x) for c in convs for x in c][:12]
+    with pytest.raises(ValueError):
+        masks.pack([[1, 1]], 4)
+
+
+def test_conversation_masks_are_eyas_loss_masks_packed(tmp_path):
+    convs = masks.conversation_masks(ROOT / "fixtures/data/conversations.jsonl", ROOT / "fixtures/tiny-target", 512)
+    assert len(convs) == 468  # 500 lines, 32 held out, as local-tiny prepares them
+    m = masks.pack(convs, 512)
+    total = sum(len(c) for c in convs)
+    assert m.shape == (total // 512, 512)
+    share = masks.unscored_share(m)
+    assert 0.3 < share < 0.8  # user turns and template tokens between replies
+    assert (m.mean(1) > 0).sum() > 0.9 * len(m) and (~m).any(1).mean() > 0.9  # nearly every row has both
+    path = tmp_path / "masks.npy"
+    np.save(path, m, allow_pickle=False)
+    again = masks.load_masks(path, 512)
+    assert np.array_equal(again, m)
+    recut = masks.load_masks(path, 64)  # the same stream in shorter rows
+    assert recut.shape == (m.size // 64, 64) and np.array_equal(recut.reshape(-1), m.reshape(-1))
+
+
+def test_goal_json_is_well_formed(tmp_path):
+    m = masks.pack(masks.conversation_masks(ROOT / "fixtures/data/conversations.jsonl",
+                                            ROOT / "fixtures/tiny-target", 256), 256)
+    np.save(tmp_path / "m.npy", m, allow_pickle=False)
+    out = subprocess.run([sys.executable, str(ROOT / "bench/train.py"), "--device", "cpu", "--steps", "1",
+                          "--batches", "1", "--masks-from", str(tmp_path / "m.npy"), "--prompt-fraction", "0.125"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
+                         env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = json.loads(out.stdout.strip().splitlines()[-1],
+                      parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))  # NaN would fail here
+    assert line["bench"] == "train" and set(line) == {"bench", "figures", "goals"}
+    for name, g in line["goals"].items():
+        assert set(g) >= {"value", "goal", "met"} and isinstance(g["met"], bool), name
+        assert g["goal"].split()[0] in (">=", "<=", "fits"), name
+    for key in ("chat_masks_b1_2x_specforge", "chat_masks_b4_2x_specforge", "all_scored_b4_1.5x_specforge"):
+        assert line["goals"][key]["met"] is False  # the tiny drafter meets no Kimi-size goal
+    rows = {(r["mask"], r["batch"]): r for r in line["figures"]["mask_rows"]}
+    assert set(rows) == {(k, b) for k in ("all-scored", "prompt-0.3", "masks-from") for b in (1, 2)}
+    assert rows[("all-scored", 1)]["unscored_share"] == 0
+    assert rows[("prompt-0.3", 2)]["unscored_share"] == pytest.approx(0.3, abs=0.02)
+    assert all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert line["figures"]["batches"][0]["unscored_share"] == pytest.approx(0.125)
