@@ -8,6 +8,7 @@ process must get all three; the Prefect database and result storage, the run's o
 log and the worker's console must hold none of them.
 """
 
+import json
 import subprocess
 import sys
 import threading
@@ -45,7 +46,7 @@ def _watch_server(workdir: Path, seen: dict, stop: threading.Event) -> None:
     """Read the launched server's environment and argv from /proc while it runs."""
     while not stop.is_set():
         try:
-            pid = int((workdir / "server.pid").read_text())
+            pid = json.loads((workdir / "server.pid").read_text())["pid"]  # the launch record
             seen["environ"] = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if e)
             seen["argv"] = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             if b"eyas.local.server" in b" ".join(seen["argv"]) or b"serve-local" in b" ".join(seen["argv"]):
@@ -62,7 +63,8 @@ def test_canaries_reach_the_server_and_nowhere_else(tmp_path):
     data.write_text("\n".join(lines) + "\n")
     cfg = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{
         "data.path": str(data), "data.num_heldout": 2, "data.max_length": 128, "extraction.num_shards": 2,
-        "server.chunked_prefill_size": 64, "server.launch_args": ["--load-delay", "0.2"]})
+        "server.chunked_prefill_size": 64, "server.launch_args": ["--load-delay", "0.2"],
+        "training.batch_size": 2})  # preflight: a global batch must fit the 4 training sequences
     raw = cfg.model_dump(mode="json")
     raw["server"]["secret_env"] = {"EYAS_SECRET": canary["secret"]}
     raw["server"]["env_from"] = {"EYAS_FROM_WORKER": "EYAS_TEST_WORKER_TOKEN"}

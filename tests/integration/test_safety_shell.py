@@ -8,6 +8,7 @@ the training node's arguments. Names and addresses, where quoting cannot help, a
 config (the error names the field) and again by the Host seam.
 """
 
+import json
 import os
 import shlex
 import sys
@@ -98,7 +99,7 @@ def test_metacharacters_in_every_launch_field_arrive_intact_and_run_nothing(tmp_
             assert environ["EYAS_DUMP_DIR"] == str(cfg.server.dump_dir)
             assert os.readlink(f"/proc/{handle.pid}/cwd") == str(cfg.server.workdir)
             assert (python.parent / "ran").read_text() == str(python)
-            assert cfg.server.log_path.exists() and Path(cfg.server.pid_path).read_text().strip() == str(handle.pid)
+            assert cfg.server.log_path.exists() and json.loads(Path(cfg.server.pid_path).read_text())["pid"] == handle.pid
         finally:
             assert launch.stop_server(host, cfg, handle.pid)["outcome"] in ("terminated", "killed")
         assert not cfg.server.dump_dir.exists()
