@@ -3,10 +3,11 @@
     PREFECT_API_URL=http://127.0.0.1:4200/api python deployments/screenshot.py [FLOW_RUN_ID] \
         [--out docs/images/prefect-pipeline-run.png]
 
-Without FLOW_RUN_ID it takes the newest `eagle3-pipeline` run. Two pictures: the run page (state,
-deployment and work pool, its subflow runs on the timeline with the report artifact, the logs),
-and beside it (`-artifacts.png`) the Artifacts page: the report, the loading and extraction progress,
-the shard table, the serving benchmark.
+Without FLOW_RUN_ID it takes the newest `eagle3-pipeline` run. Three pictures: the run page (state,
+deployment and work pool, its subflow runs on the timeline with the report artifact, the logs);
+beside it (`-artifacts.png`) the Artifacts page: the report, the loading, extraction, regeneration
+and training progress, the shard table, the serving benchmark; and (`-training.png`) the newest
+training loss table (`train-losses-NAME`: loss and per-TTT-step accuracy as training went).
 `EYAS_UI_SCREENSHOT=docs/images/prefect-pipeline-run.png pytest tests/integration/test_deployments.py` retakes
 it from the deployment tests' own server and pipeline run. Needs Debian's chromium
 (`apt-get install -y chromium`); runs it headless with the flags this sandboxed, offline machine needs.
@@ -40,6 +41,14 @@ def newest_pipeline_run(api: str) -> str:
     return runs[0]["id"]
 
 
+def newest_artifact_key(api: str, prefix: str) -> str | None:
+    body = json.dumps({"artifacts": {"key": {"like_": f"{prefix}%"}}, "sort": "CREATED_DESC", "limit": 1}).encode()
+    req = urllib.request.Request(f"{api}/artifacts/filter", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        found = json.loads(r.read())
+    return found[0]["key"] if found else None
+
+
 def screenshot(url: str, out: Path, size: str = "1600,1000", wait_ms: int = 20000) -> Path:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
@@ -62,6 +71,9 @@ def main() -> None:
     ui, out = api.removesuffix("/api"), Path(args.out)
     print(screenshot(f"{ui}/runs/flow-run/{run_id}", out))
     print(screenshot(f"{ui}/artifacts", out.with_name(f"{out.stem}-artifacts.png")))
+    losses = newest_artifact_key(api, "train-losses-")
+    if losses:
+        print(screenshot(f"{ui}/artifacts/key/{losses}", out.with_name(f"{out.stem}-training.png")))
 
 
 if __name__ == "__main__":

@@ -211,6 +211,7 @@ def test_ui_screenshot_of_the_pipeline_run(server, first):
     subprocess.run([sys.executable, "deployments/screenshot.py", run["id"], "--out", str(out)],
                    cwd=ROOT, env=server.env, check=True, timeout=180)
     assert out.stat().st_size > 20_000 and out.with_name(f"{out.stem}-artifacts.png").stat().st_size > 20_000
+    assert out.with_name(f"{out.stem}-training.png").stat().st_size > 20_000  # the loss table
 
 
 def _processes_of_flow_run(run_id: str, except_group: int) -> list[int]:
