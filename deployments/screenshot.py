@@ -41,12 +41,12 @@ def newest_pipeline_run(api: str) -> str:
     return runs[0]["id"]
 
 
-def newest_artifact_key(api: str, prefix: str) -> str | None:
+def newest_artifact_id(api: str, prefix: str) -> str | None:
     body = json.dumps({"artifacts": {"key": {"like_": f"{prefix}%"}}, "sort": "CREATED_DESC", "limit": 1}).encode()
     req = urllib.request.Request(f"{api}/artifacts/filter", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=10) as r:
         found = json.loads(r.read())
-    return found[0]["key"] if found else None
+    return found[0]["id"] if found else None  # its page shows the table itself
 
 
 def screenshot(url: str, out: Path, size: str = "1600,1000", wait_ms: int = 20000) -> Path:
@@ -71,9 +71,9 @@ def main() -> None:
     ui, out = api.removesuffix("/api"), Path(args.out)
     print(screenshot(f"{ui}/runs/flow-run/{run_id}", out))
     print(screenshot(f"{ui}/artifacts", out.with_name(f"{out.stem}-artifacts.png")))
-    losses = newest_artifact_key(api, "train-losses-")
+    losses = newest_artifact_id(api, "train-losses-")
     if losses:
-        print(screenshot(f"{ui}/artifacts/key/{losses}", out.with_name(f"{out.stem}-training.png")))
+        print(screenshot(f"{ui}/artifacts/artifact/{losses}", out.with_name(f"{out.stem}-training.png")))
 
 
 if __name__ == "__main__":
