@@ -22,15 +22,20 @@ from prefect.exceptions import ObjectNotFound
 from prefect.events.schemas.automations import EventTrigger, Posture
 
 
+def replace_automation(name: str) -> None:
+    """Delete the automation called `name`, if any: re-running a script replaces, never duplicates."""
+    try:
+        Automation.read(name=name).delete()
+    except (ValueError, ObjectNotFound):
+        pass
+
+
 def train_after_extraction(run_name: str, parameters: dict | None = None,
                            deployment: str = "eyas-train/train") -> Automation:
     with get_client(sync_client=True) as client:
         deployment_id = client.read_deployment_by_name(deployment).id
     name = f"train-after-extraction-{run_name}"
-    try:
-        Automation.read(name=name).delete()  # replace, never duplicate
-    except (ValueError, ObjectNotFound):
-        pass
+    replace_automation(name)
     return Automation(
         name=name,
         description=f"When a standalone extraction of {run_name} completes, run {deployment}.",

@@ -19,7 +19,8 @@ from prefect.automations import Automation
 from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.events.actions import SendNotification
 from prefect.events.schemas.automations import EventTrigger, Posture
-from prefect.exceptions import ObjectNotFound
+
+from automations import replace_automation  # deployments/automations.py: these run as scripts from here
 
 BLOCK = "eyas-failure-webhook"
 AUTOMATION = "eyas-failure-notification"
@@ -33,10 +34,7 @@ def failure_notification(url: str, flows: tuple[str, ...] = ("eagle3-pipeline", 
         name=BLOCK, url=url, method="POST",
         json_data={"subject": "{{subject}}", "body": "{{body}}", "source": "{{name}}"})
     block_id = block.save(BLOCK, overwrite=True)
-    try:
-        Automation.read(name=AUTOMATION).delete()  # replace, never duplicate
-    except (ValueError, ObjectNotFound):
-        pass
+    replace_automation(AUTOMATION)
     return Automation(
         name=AUTOMATION,
         description=f"POST to the {BLOCK} webhook when an eyas flow run fails or crashes.",
