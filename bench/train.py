@@ -53,11 +53,11 @@ import torch  # noqa: E402
 from bench import masks  # noqa: E402  (numpy only)
 
 from eyas.training import attention, kernels as fused  # noqa: E402
-from eyas.training.attention import reference_ttt_attention, ttt_attention  # noqa: E402
+from eyas.training.attention import reference_ttt_attention, reference_ttt_attention_rows, ttt_attention  # noqa: E402
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eyas.training.kernels import KernelOptions  # noqa: E402
 from eyas.training.losses import (Labels, TTTObjective, draft_first_order, head_soft_ce, scored_counts,  # noqa: E402
-                                  teacher_labels)
+                                  teacher_labels, ttt_rows)
 from eyas.training.optim import clip_and_step, lr_factor, make_optimizer  # noqa: E402
 from eyas.training.target_head import TargetHead  # noqa: E402
 from eyas.training.train import optimizer_step  # noqa: E402
@@ -103,13 +103,17 @@ def rel(a, b) -> float:
 
 # ----------------------------------------------------------------------------- checks
 
-def _attention_error(ts: list[torch.Tensor], K: int, hd: int, kernels: KernelOptions) -> float:
-    """Worst relative error of ttt_attention's output and gradients against the float64 reference."""
-    y = ttt_attention(ts[0], ts[1], ts[2], ts[3:3 + K], ts[3 + K:], hd ** -0.5, kernels)
+def _attention_error(ts: list[torch.Tensor], K: int, hd: int, kernels: KernelOptions, where=None) -> float:
+    """Worst relative error of ttt_attention's output and gradients against the float64 reference
+    (where: queries gathered at these (b, t) positions, against the gathered reference)."""
+    y = ttt_attention(ts[0], ts[1], ts[2], ts[3:3 + K], ts[3 + K:], hd ** -0.5, kernels, where)
     dy = torch.randn_like(y)
     grads = torch.autograd.grad(y, ts, dy)
     ref = [t.detach().double().requires_grad_() for t in ts]
-    yr = reference_ttt_attention(ref[0], ref[1], ref[2], ref[3:3 + K], ref[3 + K:], hd ** -0.5)
+    if where is None:
+        yr = reference_ttt_attention(ref[0], ref[1], ref[2], ref[3:3 + K], ref[3 + K:], hd ** -0.5)
+    else:
+        yr = reference_ttt_attention_rows(ref[0], ref[1], ref[2], ref[3:3 + K], ref[3 + K:], hd ** -0.5, *where)
     gr = torch.autograd.grad(yr, ref, dy.double())
     return max([rel(y, yr)] + [rel(a, b) for a, b in zip(grads, gr)])
 
@@ -126,6 +130,11 @@ def check_kernels(device, dtype, kernels: KernelOptions = KernelOptions()) -> di
         ts = [torch.randn(B, nh, T if i in (1, 2) else L, hd, generator=g).to(device, dtype).requires_grad_()
               for i in range(3 + 2 * K)]
         out[f"ttt_attention_k{K}_last{L}"] = _attention_error(ts, K, hd, kernels)
+    for K in (1, 3):  # queries gathered position by position from the batch (skip_rows), as with chat masks
+        b, t = (torch.rand(B, T, generator=g) < 0.45).nonzero(as_tuple=True)
+        ts = [torch.randn(B if i in (1, 2) else 1, nh, T if i in (1, 2) else b.numel(), hd, generator=g)
+              .to(device, dtype).requires_grad_() for i in range(3 + 2 * K)]
+        out[f"ttt_attention_k{K}_rows"] = _attention_error(ts, K, hd, kernels, (b.to(device), t.to(device)))
     N, H, V, M = 3000, 256, 1000, 3000
     h = (torch.randn(N, H, generator=g) * 0.5).to(device, dtype).requires_grad_()
     w = (torch.randn(V, H, generator=g) * 0.05).to(device).requires_grad_()
@@ -253,8 +262,19 @@ def run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args, kernels:
     med = statistics.median(times)
     unscored = 1.0 - float(sum(d["loss_mask"].float().mean() for d in data)) / len(data)
     return {"batch": B, "step_s": med, "step_s_all": [round(t, 4) for t in times], "tokens_per_s": B * T / med,
-            "unscored_share": round(unscored, 4),
+            "unscored_share": round(unscored, 4), "rows_share": round(rows_share(data, K), 4),
             "peak_gb": peak, "peak_reserved_gb": reserved, "losses": [round(x, 4) for x in losses]}
+
+
+def rows_share(data: list, K: int) -> float:
+    """The share of positions the TTT steps >= 1 run on when skipping position by position (ttt_rows)."""
+    n = 0.0
+    for d in data:
+        m = d["loss_mask"].bool().cpu()
+        scored = torch.zeros_like(m)
+        scored[:, :-1] = m[:, 1:]
+        n += ttt_rows(scored, K)[0].numel() / m.numel()
+    return n / len(data)
 
 
 def breakdown(model, head, opt, c, T, K, device, dtype, args, kernels: KernelOptions) -> dict:
@@ -296,6 +316,7 @@ VARIANTS = {"default": {},
                          triton_ce=False),  # 2026-12-03's base
             "all": dict(skip_unscored=False, triton_ce=False),  # no skipping, compiled soft CE (2026-12-03, + layouts)
             "skip": dict(triton_ce=False), "tce": dict(skip_unscored=False), "fp32acc": dict(grad_acc_fp32=True),
+            "span": dict(skip_rows=False),  # skipping by the batch's one scored span (before 2026-12-03, session 6)
             "flash": dict(attention="flash")}
 
 
@@ -304,11 +325,11 @@ def variant(name: str, compile_on: bool) -> KernelOptions:
 
 
 def run_variants(names, model, head, opt, sched, c, B, T, K, device, dtype, rounds: int, per_round: int,
-                 compile_on: bool) -> list:
+                 compile_on: bool, mask_fn=None) -> list:
     """The variants side by side at one batch size, interleaved (a warm-up step each, then `rounds` rounds
     of `per_round` timed steps of every variant in turn), so clock and thermal drift hit all alike.
     Each variant is its own TTTObjective over the one model, built with its KernelOptions."""
-    data = batch(c, B, T, device, dtype, seed=0)
+    data = batch(c, B, T, device, dtype, seed=0, mask_fn=mask_fn)
     counts = scored_counts(list(data["loss_mask"].cpu()), K)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     objectives = {n: TTTObjective(model, kernels=variant(n, compile_on)) for n in names}
@@ -523,6 +544,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=None, choices=list(VARIANTS),
                     help="measure these switch settings side by side first (at --variant-batches)")
     ap.add_argument("--variant-batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--variant-masks", choices=["main", "masks-from", "prompt", "all-scored"], default="main",
+                    help="the variants' loss masks: the main rows' (--prompt-fraction) or a chat-shaped kind")
     ap.add_argument("--gemm-shapes", action="store_true", help="time each GEMM shape of a step first")
     ap.add_argument("--prompt-fraction", type=float, default=1 / 16,
                     help="the main rows' unscored leading share of each sequence (default 1/16, as recorded)")
@@ -591,11 +614,16 @@ def main() -> None:
         f"optimizer fused={opt.defaults.get('fused')}")
 
     figures["variants"] = []
+    known = {"all-scored": ("all-scored", "prefix:0"),
+             "prompt": (f"prompt-{args.shape_fraction:g}", f"prefix:{args.shape_fraction}"),
+             "masks-from": ("masks-from", "file")}
     if args.variants:
+        vmask = None if args.variant_masks == "main" else mask_source(known[args.variant_masks][1], T, args.masks_from)
+        figures["variant_masks"] = args.variant_masks
         for B in args.variant_batches:
             try:
                 figures["variants"] += run_variants(args.variants, model, head, opt, sched, c, B, T, K, device, dtype,
-                                                    rounds=3, per_round=2, compile_on=compile_on)
+                                                    rounds=3, per_round=2, compile_on=compile_on, mask_fn=vmask)
             except Exception as e:  # noqa: BLE001
                 log(f"variants at batch {B}: {type(e).__name__}: {str(e)[:1500]}")
                 opt.zero_grad(set_to_none=True)
@@ -626,9 +654,6 @@ def main() -> None:
             torch.cuda.empty_cache()
     figures["batches"] = results
     mask_batches = args.mask_batches if args.mask_batches is not None else ([1, 2] if args.tiny else [1, 4])
-    known = {"all-scored": ("all-scored", "prefix:0"),
-             "prompt": (f"prompt-{args.shape_fraction:g}", f"prefix:{args.shape_fraction}"),
-             "masks-from": ("masks-from", "file")}
     kinds = [known[k] for k in args.mask_kinds if k != "masks-from" or args.masks_from]
     figures["mask_rows"] = []
     for name, kind in kinds if mask_batches else []:
@@ -641,7 +666,7 @@ def main() -> None:
                 opt.zero_grad(set_to_none=True)
             r["mask"] = name
             log(f"mask {name} batch {B}: " + (f"{r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tok/s, "
-                f"unscored {r['unscored_share']:.3f}, peak {r['peak_gb']:.1f} GB" if "tokens_per_s" in r else str(r)))
+                f"unscored {r['unscored_share']:.3f}, rows {r['rows_share']:.3f}, peak {r['peak_gb']:.1f} GB" if "tokens_per_s" in r else str(r)))
             figures["mask_rows"].append(r)
             if device.type == "cuda":
                 torch.cuda.empty_cache()

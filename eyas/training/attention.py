@@ -136,6 +136,52 @@ class _TTTAttention(torch.autograd.Function):
         return dq, dk0, dv0, None, None, None, *dkd, *dvd
 
 
+def _scatter(x, b, t, B: int, T: int):
+    """(1, nh, N, hd) rows sitting at positions (b[i], t[i]) -> (B, nh, T, hd), zeros elsewhere, laid
+    out (B, T, nh, hd) in memory (position-major, as the kernels and the projections lay it)."""
+    out = x.new_zeros(B, T, x.shape[1], x.shape[3])
+    out[b, t] = x[0].transpose(0, 1)
+    return out.transpose(1, 2)
+
+
+def _gather_rows(x, b, t):
+    """(B, nh, T, ...) -> (1, nh, N, ...) at positions (b[i], t[i]), position-major (a view of (N, nh, ...))."""
+    g = x.transpose(1, 2)[b, t]  # (N, nh, ...)
+    return g.transpose(0, 1)[None]
+
+
+class _TTTAttentionRows(torch.autograd.Function):
+    """TTT attention for query rows gathered from a (B, T) batch: the causal part runs on the whole
+    batch with the missing rows as zero queries (one kernel call, as for every position), the merge
+    with the diagonal keys on the gathered rows only. The backward hands the flash kernel the merged
+    output and lse at the gathered rows and dy = 0 elsewhere (those rows add nothing to dk0, dv0)."""
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, b, t, scale, n, kernels, *kv):  # q, kv (1, nh, N, hd); k0, v0 (B, nh, T, hd)
+        B, nh, T, hd = k0.shape
+        qf = _scatter(q, b, t, B, T)  # (B, nh, T, hd)
+        y0, raw, state = _flash_fwd(qf, k0, v0, scale, kernels.attention)
+        lse0 = raw.view(B, nh, T).float()
+        y, lse, a = fused.diag_forward(q, _gather_rows(y0, b, t), lse0[b, :, t].T[None], list(kv[:n]), list(kv[n:]),
+                                       scale, compile=kernels.compile)  # y (1, nh, N, hd), lse (1, nh, N)
+        ctx.scale, ctx.state, ctx.n, ctx.compile, ctx.lse_meta = scale, state, n, kernels.compile, (raw.shape, raw.dtype)
+        ctx.save_for_backward(q, k0, v0, b, t, y, lse, lse0, a, *kv)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k0, v0, b, t, y, lse, lse0, a, *kv = ctx.saved_tensors
+        B, nh, T, hd = k0.shape
+        n = ctx.n
+        lse_full = lse0.clone()  # (B, nh, T): the merged lse at the gathered rows, step 0's elsewhere (finite)
+        lse_full[b, :, t] = lse[0].T
+        dq0, dk0, dv0 = _flash_bwd(_scatter(dy, b, t, B, T), _scatter(q, b, t, B, T), k0, v0, _scatter(y, b, t, B, T),
+                                   lse_full.view(ctx.lse_meta[0]).to(ctx.lse_meta[1]), ctx.state, ctx.scale)
+        dq, dkd, dvd = fused.diag_backward(dy, y, q, a, list(kv[:n]), list(kv[n:]), _gather_rows(dq0, b, t), ctx.scale,
+                                           compile=ctx.compile)
+        return dq, dk0, dv0, None, None, None, None, None, *dkd, *dvd
+
+
 def reference_ttt_attention(q, k0, v0, kd: list, vd: list, scale: float) -> torch.Tensor:
     """The same function in plain autograd math: causal scores over k0 plus one diagonal column per step."""
     L, S = q.shape[2], k0.shape[2]
@@ -149,9 +195,32 @@ def reference_ttt_attention(q, k0, v0, kd: list, vd: list, scale: float) -> torc
     return y
 
 
-def ttt_attention(q, k0, v0, kd: list, vd: list, scale: float, kernels: KernelOptions = DEFAULT) -> torch.Tensor:
+def reference_ttt_attention_rows(q, k0, v0, kd: list, vd: list, scale: float, b, t) -> torch.Tensor:
+    """reference_ttt_attention for query rows gathered at (b[i], t[i]): row i attends to k0[b[i]] at
+    positions <= t[i] and to its own diagonal keys. q, kd, vd (1, nh, N, hd); k0, v0 (B, nh, T, hd)."""
+    T = k0.shape[2]
+    qn = q[0].transpose(0, 1)  # (N, nh, hd)
+    att = torch.einsum("nhd,nhsd->nhs", qn, k0[b]) * scale  # (N, nh, T)
+    att = att.masked_fill((torch.arange(T, device=q.device)[None] > t[:, None])[:, None], float("-inf"))
+    extra = [(qn * k[0].transpose(0, 1)).sum(-1, keepdim=True) * scale for k in kd]  # (N, nh, 1) each
+    att = F.softmax(torch.cat([att, *extra], dim=-1).float(), dim=-1).to(q.dtype)
+    y = torch.einsum("nhs,nhsd->nhd", att[..., :T], v0[b])  # (N, nh, hd)
+    for j, v in enumerate(vd):
+        y = y + att[..., T + j, None] * v[0].transpose(0, 1)
+    return y.transpose(0, 1)[None]
+
+
+def ttt_attention(q, k0, v0, kd: list, vd: list, scale: float, kernels: KernelOptions = DEFAULT,
+                  where: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Step-k TTT attention (see the module docstring); q, kd, vd (B, nh, L, hd), k0, v0 (B, nh, S >= L, hd),
-    heads expanded. kernels: the CUDA attention kernel and whether the diagonal terms are compiled."""
+    heads expanded. kernels: the CUDA attention kernel and whether the diagonal terms are compiled.
+
+    where: the queries are rows gathered from k0's batch, row i at (where[0][i], where[1][i]); then q,
+    kd, vd are (1, nh, N, hd) (TTTObjective's per-position skipping, KernelOptions.skip_rows)."""
+    if where is not None:
+        if not _flash_ok(q):
+            return reference_ttt_attention_rows(q, k0, v0, kd, vd, scale, *where)
+        return _TTTAttentionRows.apply(q, k0, v0, *where, scale, len(kd), kernels, *kd, *vd)
     if not kd and q.shape[2] == k0.shape[2]:
         return F.scaled_dot_product_attention(q, k0, v0, is_causal=True, scale=scale)
     if not _flash_ok(q):

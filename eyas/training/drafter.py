@@ -100,6 +100,15 @@ def causal_mask(num_new: int, num_past: int = 0, device=None, dtype=torch.float3
         k > q, float("-inf"))[None, None]
 
 
+class TTTKeys(list):
+    """What a TTT unroll's attention reads across its steps: step 0's (k, v) for every position of the
+    (B, T) batch, then one diagonal (k, v) per later step. `where`: the (b, t) positions of the later
+    steps' rows when they run gathered, as a (1, N) batch (TTTObjective's per-position skipping);
+    None: they run on the batch's own (B, L) layout. A plain list works where nothing is gathered."""
+
+    where: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
 class KVCache:
     """Keys/values of committed draft positions for incremental drafting; crop() rolls back."""
 
@@ -248,7 +257,8 @@ class Attention(nn.Module):
             (k, v), diag = ttt[0], ttt[1:]  # step 0's keys; one same-position key per later step
             if mask is None:  # causal over step 0 + diagonal over steps 1..k, O(T) memory
                 y = ttt_attention(q, self._heads(k), self._heads(v), [self._heads(kd) for kd, _ in diag],
-                                  [self._heads(vd) for _, vd in diag], scale, kernels)  # (B, nh, T, hd)
+                                  [self._heads(vd) for _, vd in diag], scale, kernels,
+                                  getattr(ttt, "where", None) if diag else None)  # (B, nh, T, hd)
                 return lin("o_proj", y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
         else:
             diag = []

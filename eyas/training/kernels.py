@@ -49,6 +49,10 @@ class KernelOptions:
     triton_ce: bool = True
     #: teacher, TTT steps >= 1 and head only on the positions the loss mask scores; False: everywhere
     skip_unscored: bool = True
+    #: with skip_unscored: gather the positions some step scores, sequence by sequence and position
+    #: by position (chat data: user turns between replies drop out); False: the one span from the
+    #: batch's first to its last scored position
+    skip_rows: bool = True
     #: the causal kernel of the TTT steps >= 1 on CUDA: cuDNN's fused attention or FlashAttention-2
     #: (attention.py; a CPU has one kernel and ignores this)
     attention: Literal["cudnn", "flash"] = "cudnn"

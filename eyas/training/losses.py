@@ -16,11 +16,12 @@ accumulation and data parallelism give exactly the loss of one big batch. A posi
 where the token it predicts is an assistant token and the target's argmax lies in the draft
 vocabulary; positions whose argmax does not still count in counts[k] and as misses in accuracy.
 
-Work only where the loss mask can use it: the teacher runs on the positions between the batch's first
-and last scored position, and the TTT steps >= 1 (and every step's head) only on the positions some
-step scores (`ttt_span`: a prompt prefix and right padding drop out; KernelOptions.skip_unscored off:
-everywhere). The loss and its gradients are the same function; a position is never dropped for its
-label's content.
+Work only where the loss mask can use it: the teacher runs on the scored positions only, and the TTT
+steps >= 1 (and every step's head) only on the positions some step scores: gathered position by
+position (`ttt_rows`: chat data's user turns between replies drop out, as do prompts and padding),
+or, where that would skip little, on the one span from the batch's first to its last scored position
+(`ttt_span`). KernelOptions.skip_rows off: always the span; skip_unscored off: everywhere. The loss
+and its gradients are the same function; a position is never dropped for its label's content.
 """
 
 from __future__ import annotations
@@ -32,13 +33,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from eyas.training import kernels as fused
-from eyas.training.drafter import Eagle3Drafter, TTTWeights, compute_dtype
+from eyas.training.drafter import Eagle3Drafter, TTTKeys, TTTWeights, compute_dtype
 from eyas.training.kernels import DEFAULT, KernelOptions
 from eyas.training.target_head import TargetHead
 
 HEAD_CHUNK_ROWS = 8192  # rows of the drafter's fused head per chunk: (rows, draft_vocab) fp32 transient
 HEAD_CHUNK_ROWS_CPU = 1024  # on a CPU: (1024, 2048) fp32 chunks stay in cache, 15% faster steps than 8192
 TEACHER_CHUNK_ROWS = 4096  # positions per chunk of the teacher: (rows, vocab) logits transient
+# Gather the positions some step scores only when they are at most this share of the span's: the
+# gathers and the scatter around every step's attention cost ~5% of an H200 step when nothing is
+# skipped (every position scored: 1,251 ms a batch-4 step gathered, against ~1,170 for the span),
+# and a prompt prefix alone the span skips as well.
+ROWS_WORTH = 0.9
 
 
 # ----------------------------------------------------------------------------- teacher
@@ -73,6 +79,16 @@ def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor
     first, end = scored_span(scored) if kernels.skip_unscored else (0, T)
     probs = torch.zeros(B, T, num_draft, dtype=probs_dtype, device=last.device)
     top = torch.full((B, T), num_draft, dtype=torch.long, device=last.device)  # outside the draft vocab
+    if kernels.skip_unscored and kernels.skip_rows:  # the scored positions only, gathered
+        at = scored.view(-1).nonzero().flatten()  # (n,) flat positions
+        flat_last, flat_probs, flat_top = last.view(B * T, H), probs.view(B * T, -1), top.view(-1)
+        for s in range(0, at.numel(), chunk):
+            r = at[s:s + chunk]
+            z = fused.mm_f32(head.prepare(flat_last[r]), head.weight.T)  # (n, V) draft ids first
+            flat_top[r] = z.argmax(-1)
+            flat_probs[r] = torch.softmax(z[:, :num_draft], dim=-1).to(probs_dtype)
+        target = torch.where(top < num_draft, top, -1)
+        return Labels(probs.view(B * T, num_draft), target, scored & (target >= 0), scored, (first, end))
     for b in range(B):
         for s in range(first, end, chunk):
             e = min(s + chunk, end)
@@ -152,6 +168,20 @@ def label_rows(B: int, T: int, K: int, device, span: tuple[int, int] | None = No
     return rows, inside
 
 
+def ttt_rows(scored: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, t) of the positions where some TTT step k < K scores row (k, b, t), i.e. scored[b, t+1+k]:
+    each reply's positions and the K before it, per sequence (one sync). Every position where nothing
+    is scored at all (the loss is then 0 and needs a graph all the same)."""
+    B, T = scored.shape
+    need = torch.zeros_like(scored)
+    for k in range(min(K, T - 1)):
+        need[:, :T - 1 - k] |= scored[:, 1 + k:]
+    b, t = need.nonzero(as_tuple=True)
+    if b.numel() == 0:
+        b, t = torch.ones_like(scored).nonzero(as_tuple=True)
+    return b, t
+
+
 def ttt_span(labels: Labels, T: int, K: int, skip: bool = True) -> tuple[int, int]:
     """[s, e): the positions t where some TTT step k < K scores row (k, b, t) in some sequence.
 
@@ -194,11 +224,15 @@ class TTTObjective(nn.Module):
     def forward(self, ids, aux, labels: Labels, ttt_steps: int, decay: float, counts: torch.Tensor | None = None):
         """ids (B, T), aux (B, T, 3H) -> (loss, correct (K,), scored (K,)); counts (K,) the denominators."""
         m, (B, T), K, kn = self.drafter, ids.shape, ttt_steps, self.kernels
+        s, e = ttt_span(labels, T, K, kn.skip_unscored)  # the steps >= 1 and the head run on positions [s, e) only
+        if kn.skip_unscored and kn.skip_rows:
+            b, t = ttt_rows(labels.scored, K)
+            if b.numel() < ROWS_WORTH * B * (e - s):  # else the span holds (nearly) nothing to skip
+                return self._forward_rows(ids, aux, labels, K, decay, counts, b, t)
         pos = torch.arange(T, device=ids.device)
         kv, normed = [], []
         shared = (TTTWeights(m, compute_dtype(ids.device, m.fc.weight.dtype), self.gemm_dtype, kn.grad_acc_fp32)
                   if kn.shared_weights else None)
-        s, e = ttt_span(labels, T, K, kn.skip_unscored)  # the steps >= 1 and the head run on positions [s, e) only
         for k in range(K):
             nxt = torch.zeros_like(ids)
             nxt[:, :T - 1 - k] = ids[:, 1 + k:]  # step k at t reads token t+1+k
@@ -221,3 +255,35 @@ class TTTObjective(nn.Module):
                                   row_w.view(-1), self.head_chunk, self.gemm_dtype, kn)
         correct = ((pred.view(K, B, e - s) == labels.target.view(-1)[rows]) & scored).sum((1, 2))
         return loss, correct, scored.sum((1, 2))
+
+    def _forward_rows(self, ids, aux, labels: Labels, K: int, decay: float, counts, b, t):
+        """forward() with the steps >= 1 and every step's head on the gathered positions some step
+        scores (ttt_rows), as one (1, N) batch: step 0 runs on all of (B, T), since its keys are every
+        later step's causal keys; the attention scatters the gathered queries back for its causal part."""
+        m, (B, T), kn = self.drafter, ids.shape, self.kernels
+        shared = (TTTWeights(m, compute_dtype(ids.device, m.fc.weight.dtype), self.gemm_dtype, kn.grad_acc_fp32)
+                  if kn.shared_weights else None)
+        kv, normed = TTTKeys(), []
+        for k in range(K):
+            nxt = torch.zeros_like(ids)
+            nxt[:, :T - 1 - k] = ids[:, 1 + k:]  # step k at t reads token t+1+k
+            if k == 0:
+                h, hn = m.step(nxt, aux, torch.arange(T, device=ids.device), None, ttt=kv, shared=shared, kernels=kn)
+                h, hn, kv.where = h[b, t][None], hn[b, t][None], (b, t)  # (1, N, H)
+            else:
+                h, hn = m.step(nxt[b, t][None], h, t + k, None, ttt=kv, shared=shared, kernels=kn)  # (1, N, H)
+            normed.append(hn[0])
+        hn = torch.stack(normed)  # (K, N, H)
+        src = t[None] + 1 + torch.arange(K, device=ids.device)[:, None]  # (K, N) row (k, i) labelled at t+1+k
+        inside = src < T
+        rows = b[None] * T + src.clamp(max=T - 1)  # (K, N) flat teacher rows
+        valid = labels.valid.view(-1)[rows] & inside
+        scored = labels.scored.view(-1)[rows] & inside
+        if counts is None:
+            counts = scored.sum(1)
+        decay_k = decay ** torch.arange(K, device=ids.device, dtype=torch.float32)
+        row_w = valid * (decay_k / counts.to(ids.device, torch.float32).clamp(min=1))[:, None]
+        loss, pred = head_soft_ce(hn.view(K * b.numel(), -1), m.lm_head.weight, labels.probs, rows.view(-1),
+                                  row_w.view(-1), self.head_chunk, self.gemm_dtype, kn)
+        correct = ((pred.view(K, -1) == labels.target.view(-1)[rows]) & scored).sum(1)
+        return loss, correct, scored.sum(1)

@@ -4,11 +4,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eyas.training import kernels as fused
-from eyas.training.attention import reference_ttt_attention, ttt_attention
+from eyas.training import kernels as fused, losses
+from eyas.training.attention import reference_ttt_attention, reference_ttt_attention_rows, ttt_attention
 from eyas.training.batches import epoch_plan, shift_left
 from eyas.training.drafter import causal_mask
-from eyas.training.losses import TTTObjective, draft_first_order, head_soft_ce, scored_counts, teacher_labels, ttt_span
+from eyas.training.kernels import KernelOptions
+from eyas.training.losses import (TTTObjective, draft_first_order, head_soft_ce, scored_counts, teacher_labels,
+                                  ttt_rows, ttt_span)
 from eyas.training.target_head import TargetHead
 from tests.unit.test_drafter import make
 
@@ -25,6 +27,35 @@ def test_ttt_attention_matches_the_masked_softmax_with_gradients(K):
     for a, b in zip(torch.autograd.grad(y, ts, dy), torch.autograd.grad(want, ts, dy)):
         torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(y, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_ttt_attention_on_gathered_rows_matches_the_whole_batch_with_gradients(K):
+    """Queries gathered from a (B, T) batch (uneven per sequence, first and last positions among them): the
+    kernel path and the gathered reference equal the whole batch's attention at those rows, gradients too."""
+    g = torch.Generator().manual_seed(10 + K)
+    B, nh, T, hd = 2, 3, 29, 16
+    b = torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    t = torch.tensor([0, 5, 6, 28, 3, 17, 27])
+    q, *kd = (torch.randn(1, nh, 7, hd, generator=g, requires_grad=True) for _ in range(1 + 2 * K))
+    kd, vd = kd[:K], kd[K:]
+    k0, v0 = (torch.randn(B, nh, T, hd, generator=g, requires_grad=True) for _ in range(2))
+    ins = [q, k0, v0, *kd, *vd]
+    y = ttt_attention(q, k0, v0, kd, vd, 0.25, where=(b, t))
+    ref = reference_ttt_attention_rows(q, k0, v0, kd, vd, 0.25, b, t)
+
+    def spread(x):  # (1, nh, N, hd) -> (B, nh, T, hd), zeros elsewhere
+        out = torch.zeros(B, T, nh, hd)
+        out[b, t] = x[0].transpose(0, 1)
+        return out.transpose(1, 2)
+    whole = reference_ttt_attention(spread(q), k0, v0, [spread(k) for k in kd], [spread(v) for v in vd], 0.25)
+    want = whole.transpose(1, 2)[b, t].transpose(0, 1)[None]
+    dy = torch.randn(y.shape, generator=g)
+    g_want = torch.autograd.grad(want, ins, dy)
+    for got in (y, ref):
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+        for a, c in zip(torch.autograd.grad(got, ins, dy), g_want):
+            torch.testing.assert_close(a, c, atol=2e-6, rtol=1e-5)
 
 
 def test_fused_head_loss_matches_log_softmax_cross_entropy():
@@ -149,39 +180,96 @@ def _objective_case(mask, K=3, seed=4):
     return m, ids, aux, teacher_labels(head, torch.randn(B, T, 32, generator=g), mask, 40, chunk=5)
 
 
-@pytest.mark.parametrize("layout", ["prompts_and_padding", "interleaved_turns", "nothing_scored"])
-def test_ttt_objective_skips_unscored_positions_with_the_same_loss_and_gradients(layout):
-    """Steps >= 1 and the head run only on the positions some step scores: long prompts, right padding of
-    different lengths, several turns per sequence; loss, gradients and statistics stay the reference's."""
+@pytest.mark.parametrize("layout", ["prompts_and_padding", "interleaved_turns", "nothing_scored", "everything"])
+def test_ttt_objective_skips_unscored_positions_with_the_same_loss_and_gradients(layout, monkeypatch):
+    """Steps >= 1 and the head run only on the positions some step scores, gathered position by position
+    (skip_rows) or as one span: long prompts, right padding of different lengths, several turns per
+    sequence; loss, gradients and statistics stay those of the unskipped objective and the reference."""
     B, T, K = 3, 23, 3
     mask = torch.zeros(B, T, dtype=torch.bool)
     if layout == "prompts_and_padding":
         mask[0, 9:20], mask[1, 12:19], mask[2, 10:15] = True, True, True
     elif layout == "interleaved_turns":
-        mask[0, 8:11], mask[0, 15:18], mask[1, 11:13], mask[2, 9:20] = True, True, True, True
+        mask[0, 8:11], mask[0, 15:18], mask[1, 11:13], mask[1, 21:], mask[2, 9:20] = True, True, True, True, True
+    elif layout == "everything":
+        mask[:] = True
     m, ids, aux, labels = _objective_case(mask, K)
     first, end = labels.span
     if layout == "prompts_and_padding":
         assert (first, end) == (8, 19)
-        assert ttt_span(labels, T, K) == (5, 18)  # steps >= 1 run on 13 of 23 positions
+        assert ttt_span(labels, T, K) == (5, 18)  # the span: steps >= 1 run on 13 of 23 positions
+        b, t = ttt_rows(labels.scored, K)
+        assert t[b == 1].tolist() == list(range(8, 17))  # sequence 1 scores tokens 12..18: rows 12-2-2 .. 18-2
+    elif layout == "interleaved_turns":
+        b, t = ttt_rows(labels.scored, K)
+        assert t[b == 0].tolist() == [*range(4, 9), *range(11, 16)]  # user turn 11..14 drops out between replies
     elif layout == "nothing_scored":
         assert ttt_span(labels, T, K) == (0, T)
+        assert ttt_rows(labels.scored, K)[0].numel() == B * T  # every position: the loss is 0 but has a graph
     params = [p for p in m.parameters() if p.requires_grad]
-    first_end = labels.span
-    labels.span = (0, T + 1)  # ttt_span -> every position: no skipping
-    full, c_full, n_full = TTTObjective(m)(ids, aux, labels, K, 0.8)
+    full, c_full, n_full = TTTObjective(m, kernels=KernelOptions(skip_unscored=False))(ids, aux, labels, K, 0.8)
     g_full = torch.autograd.grad(full, params) if layout != "nothing_scored" else []
     if layout != "nothing_scored":  # the reference divides by zero there
         torch.testing.assert_close(full, reference_loss(m, ids, aux, labels, K, 0.8))
-    for span in (first_end, None):  # the span from teacher_labels, or read off `scored` here
-        labels.span = span
-        loss, correct, scored = TTTObjective(m)(ids, aux, labels, K, 0.8)
+    span = labels.span
+    taken = []
+    real = TTTObjective._forward_rows
+    monkeypatch.setattr(TTTObjective, "_forward_rows", lambda *a: taken.append(a[-2].numel()) or real(*a))
+    for kernels, labels.span, worth in ((KernelOptions(), span, 1.0),  # gathered wherever anything is skipped
+                                        (KernelOptions(), span, losses.ROWS_WORTH),  # gathered where worth it
+                                        (KernelOptions(skip_rows=False), span, 1.0),
+                                        (KernelOptions(skip_rows=False), None, 1.0)):  # None: the span off `scored`
+        monkeypatch.setattr(losses, "ROWS_WORTH", worth)
+        loss, correct, scored = TTTObjective(m, kernels=kernels)(ids, aux, labels, K, 0.8)
         torch.testing.assert_close(loss, full, atol=1e-7, rtol=1e-6)
         for a, b in zip(torch.autograd.grad(loss, params) if g_full else [], g_full):
             torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
         assert torch.equal(correct, c_full) and torch.equal(scored, n_full)
         assert scored.tolist() == [int(labels.scored[:, 1 + k:].sum()) for k in range(K)]
         assert torch.equal(scored.double(), scored_counts(list(mask), K))
+    # gathered wherever it skips more than a tenth of the span's rows (29 of 39, 31 of 60), never where
+    # it would skip nothing
+    want = {"prompts_and_padding": [29, 29], "interleaved_turns": [31, 31], "nothing_scored": [], "everything": []}
+    assert taken == want[layout]
+
+
+def test_positions_are_gathered_only_where_they_skip_enough_of_the_span(monkeypatch):
+    """A short user turn in one of two sequences skips under a tenth of the span's rows: the span runs; a long
+    one skips more: the rows are gathered (KernelOptions.skip_rows, losses.ROWS_WORTH)."""
+    taken = []
+    real = TTTObjective._forward_rows
+    monkeypatch.setattr(TTTObjective, "_forward_rows", lambda *a: taken.append(a[-2].numel()) or real(*a))
+    for gap, gathered in ((range(10, 14), False), (range(6, 16), True)):
+        mask = torch.ones(2, 23, dtype=torch.bool)
+        mask[1, list(gap)] = False
+        m, ids, aux, labels = _objective_case(mask, 3)
+        b, _ = ttt_rows(labels.scored, 3)
+        s, e = ttt_span(labels, 23, 3)
+        assert (b.numel() < 0.9 * 2 * (e - s)) == gathered
+        taken.clear()
+        TTTObjective(m)(ids, aux, labels, 3, 0.8)
+        assert taken == ([b.numel()] if gathered else [])
+
+
+def test_teacher_labels_gathered_equal_the_span_and_the_whole_batch():
+    """The teacher on the scored positions only (skip_rows) gives the labels the span and the whole batch give
+    wherever a position is scored, and nothing (zeros, -1) where none is."""
+    mask = torch.zeros(3, 23, dtype=torch.bool)
+    mask[0, 8:11], mask[0, 15:18], mask[1, 11:13], mask[2, 9:20] = True, True, True, True
+    g = torch.Generator().manual_seed(4)
+    t2d = torch.zeros(64, dtype=torch.bool)
+    t2d[torch.randperm(64, generator=g)[:40]] = True
+    head = TargetHead(torch.randn(64, 32, generator=g), None, 1e-6).reorder(draft_first_order(t2d))
+    last = torch.randn(3, 23, 32, generator=g)
+    rows = teacher_labels(head, last, mask, 40, chunk=5)
+    span = teacher_labels(head, last, mask, 40, chunk=5, kernels=KernelOptions(skip_rows=False))
+    every = teacher_labels(head, last, mask, 40, chunk=5, kernels=KernelOptions(skip_unscored=False))
+    s = rows.scored
+    assert torch.equal(s, every.scored) and s.sum() == 19
+    for other in (span, every):
+        assert torch.equal(rows.target[s], other.target[s]) and torch.equal(rows.valid, other.valid)
+        torch.testing.assert_close(rows.probs[s.view(-1)], other.probs[s.view(-1)])
+    assert (rows.target[~s] == -1).all() and (rows.probs[~s.view(-1)] == 0).all()
 
 
 def test_epoch_plan_is_length_aware_and_the_same_for_any_split():
