@@ -167,6 +167,56 @@ def check_compiled(device, dtype) -> dict:
     return {"compiled_vs_eager": max(rel(a, b) for a, b in zip(out[1], out[0]))}
 
 
+def check_fp8(model, head, c, T, K, device, dtype, compile_on: bool) -> dict:
+    """One batch-1 step's loss and gradients three ways: the default (bf16 autocast on a GPU), the layer's
+    GEMMs in FP8, and fp32 throughout (the reference): relative error of the loss and of each trainable
+    weight's gradient, FP8 and the default each against the reference and against each other."""
+    d = batch(c, 1, T, device, dtype, seed=11, mask_fn=mask_source("prefix:0", T))
+    labels = teacher_labels(head, d["last"], d["loss_mask"], c.draft_vocab_size, dtype)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = {}
+    for v, mixed in (("default", True), ("fp8", True), ("fp32", False)):
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and mixed)
+        aux = d["aux"] if mixed else d["aux"].float()
+        with autocast:
+            loss, _, _ = TTTObjective(model, kernels=variant("default" if v == "fp32" else v, compile_on))(
+                d["ids"], aux, labels, K, 0.8)
+        out[v] = [loss.detach().float()] + [g.float() for g in torch.autograd.grad(loss, params)]
+    res = {}
+    for a, b in (("fp8", "fp32"), ("default", "fp32"), ("fp8", "default")):
+        res[f"{a}_vs_{b}"] = {"loss": rel(out[a][0], out[b][0]),
+                              **{n: rel(x, y) for n, x, y in zip(names, out[a][1:], out[b][1:])}}
+    return res
+
+
+def fp8_gemm_errors(device, compile_on: bool, M: int = 4096) -> dict:
+    """Each layer GEMM shape at Kimi size alone, on random data: the FP8 forward, input-gradient and
+    weight-gradient GEMMs (quantized eagerly and compiled) against fp32 products of the same bf16 inputs."""
+    if device.type != "cuda":
+        return {}
+    c = DrafterConfig(**KIMI)
+    H, I, nhd = c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim
+    shapes = {"fc": (3 * H, H), "qkv": (2 * H, nhd), "o": (nhd, H), "gate_up": (H, I), "down": (I, H)}
+    g = torch.Generator(device="cpu").manual_seed(13)
+    res: dict = {}
+    for name, (k, n) in shapes.items():
+        x = torch.randn(M, k, generator=g).to(device, torch.bfloat16)
+        w = (torch.randn(n, k, generator=g) * 0.02).to(device)
+        dy = (torch.randn(M, n, generator=g) * 1e-9).to(device, torch.bfloat16)
+        for comp in sorted({False, compile_on}):
+            x8, sx, xc8, sxc = fused.quant_both(x, compile=comp)
+            w8, sw, wc8, swc = fused.quant_both(w, compile=comp)
+            d8, sd, dc8, sdc = fused.quant_both(dy, compile=comp)
+            res[f"{name}{'_compiled' if comp else ''}"] = {
+                "y": rel(fused.mm_fp8(x8, sx, w8, sw, torch.bfloat16), x.float() @ w.T),
+                "dx": rel(fused.mm_fp8(d8, sd, wc8, swc, torch.bfloat16), dy.float() @ w),
+                "dw": rel(fused.mm_fp8(dc8, sdc, xc8, sxc, torch.bfloat16), dy.float().T @ x.float()),
+                "x_roundtrip": rel(x8.float() * sx, x.float())}
+    torch.cuda.empty_cache()
+    return res
+
+
 def gemm_rate(device) -> float:
     if device.type != "cuda":
         return float("nan")
@@ -316,8 +366,9 @@ VARIANTS = {"default": {},
                          triton_ce=False),  # 2026-12-03's base
             "all": dict(skip_unscored=False, triton_ce=False),  # no skipping, compiled soft CE (2026-12-03, + layouts)
             "skip": dict(triton_ce=False), "tce": dict(skip_unscored=False), "fp32acc": dict(grad_acc_fp32=True),
+            "flash": dict(attention="flash"),
             "span": dict(skip_rows=False),  # skipping by the batch's one scored span (before 2026-12-03, session 6)
-            "flash": dict(attention="flash")}
+            "fp8": dict(fp8_gemms=True)}  # the layer's GEMMs in FP8 (opt-in: training.fp8_gemms)
 
 
 def variant(name: str, compile_on: bool) -> KernelOptions:
@@ -504,11 +555,17 @@ def soft_ce_timing(device, kernels: KernelOptions) -> dict:
     return out
 
 
-def specforge_goals(mask_rows: list, tiny: bool) -> dict:
-    """Issue 18's goals against SpecForge 0.2.0 from the chat-shaped rows (none met on the tiny drafter)."""
-    by = {(r.get("mask"), r.get("batch")): r.get("tokens_per_s") for r in mask_rows}
+def specforge_goals(mask_rows: list, tiny: bool, variant_name: str = "default") -> dict:
+    """Issue 18's goals against SpecForge 0.2.0 from the chat-shaped rows of one variant (keys suffixed
+    with it unless the default; none met on the tiny drafter)."""
+    by = {(r.get("mask"), r.get("batch")): r.get("tokens_per_s") for r in mask_rows
+          if r.get("variant", "default") == variant_name}
     out = {}
     for key, (mask, b, need) in SPECFORGE_GOALS.items():
+        if variant_name != "default":
+            if not by:
+                continue
+            key = f"{key}_{variant_name}"
         v = None if tiny else by.get((mask, b))
         out[key] = {"value": None if v is None else round(v, 1), "goal": f">= {need}",
                     "met": v is not None and v >= need,
@@ -559,6 +616,10 @@ def main() -> None:
                     help="which chat-shaped rows, in this order (each new span and batch size costs a recompile "
                          "of the fused regions, about a minute at Kimi size: an 8-minute call fits about six rows)")
     ap.add_argument("--shape-fraction", type=float, default=0.3, help="the prompt share of the chat-shaped row")
+    ap.add_argument("--mask-variants", nargs="+", default=["default"], choices=list(VARIANTS),
+                    help="measure each chat-shaped row with these KernelOptions variants (e.g. default fp8)")
+    ap.add_argument("--fp8-check", action="store_true",
+                    help="one step's loss and gradients with FP8 GEMMs against the default's (relative error)")
     ap.add_argument("--profile-batches", type=int, nargs="*", default=[1],
                     help="profile one step at these batches (GPU time by kernel class)")
     args = ap.parse_args()
@@ -613,6 +674,17 @@ def main() -> None:
     log(f"built in {time.perf_counter() - t0:.1f}s: {figures['trainable_params'] / 1e9:.3f}B trainable params, "
         f"optimizer fused={opt.defaults.get('fused')}")
 
+    if args.fp8_check:
+        try:
+            figures["fp8_gemm_rel_err"] = fp8_gemm_errors(device, compile_on)
+            log(f"FP8 GEMMs alone (relative error against fp32): {figures['fp8_gemm_rel_err']}")
+            figures["fp8_step_rel_err"] = check_fp8(model, head, c, T, K, device, dtype, compile_on)
+        except Exception as e:  # noqa: BLE001 - report, measure the rest
+            figures["fp8_step_rel_err"] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
+        log(f"a step's loss and gradients, FP8 / default / fp32 (relative error): {figures['fp8_step_rel_err']}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
     figures["variants"] = []
     known = {"all-scored": ("all-scored", "prefix:0"),
              "prompt": (f"prompt-{args.shape_fraction:g}", f"prefix:{args.shape_fraction}"),
@@ -656,20 +728,21 @@ def main() -> None:
     mask_batches = args.mask_batches if args.mask_batches is not None else ([1, 2] if args.tiny else [1, 4])
     kinds = [known[k] for k in args.mask_kinds if k != "masks-from" or args.masks_from]
     figures["mask_rows"] = []
-    for name, kind in kinds if mask_batches else []:
+    rows = [(name, kind, B, v) for name, kind in kinds for B in mask_batches for v in args.mask_variants]
+    for name, kind, B, v in rows:
         fn = mask_source(kind, T, args.masks_from)
-        for B in mask_batches:
-            try:
-                r = run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args, kernels, mask_fn=fn)
-            except Exception as e:  # noqa: BLE001 - keep measuring the other masks
-                r = {"batch": B, "error": f"{type(e).__name__}: {str(e)[:1500]}"}
-                opt.zero_grad(set_to_none=True)
-            r["mask"] = name
-            log(f"mask {name} batch {B}: " + (f"{r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tok/s, "
-                f"unscored {r['unscored_share']:.3f}, rows {r['rows_share']:.3f}, peak {r['peak_gb']:.1f} GB" if "tokens_per_s" in r else str(r)))
-            figures["mask_rows"].append(r)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        try:
+            r = run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args, variant(v, compile_on),
+                          mask_fn=fn)
+        except Exception as e:  # noqa: BLE001 - keep measuring the other masks
+            r = {"batch": B, "error": f"{type(e).__name__}: {str(e)[:1500]}"}
+            opt.zero_grad(set_to_none=True)
+        r["mask"], r["variant"] = name, v
+        log(f"mask {name} batch {B} {v}: " + (f"{r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tok/s, "
+            f"unscored {r['unscored_share']:.3f}, rows {r['rows_share']:.3f}, peak {r['peak_gb']:.1f} GB" if "tokens_per_s" in r else str(r)))
+        figures["mask_rows"].append(r)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     eager = args.eager_batches if args.eager_batches is not None else ([1, 4] if compile_on else [])
     figures["eager_batches"] = []
     eager_kernels = dataclasses.replace(kernels, compile=False)
@@ -703,7 +776,8 @@ def main() -> None:
         goals[key] = {"value": v, "goal": f"<= {GOALS[key]}", "met": v is not None and v <= GOALS[key]}
     goals["batch8_fits"] = {"value": "tokens_per_s" in by.get(8, {}), "goal": "fits in one H200",
                             "met": "tokens_per_s" in by.get(8, {})}
-    goals.update(specforge_goals(figures["mask_rows"], args.tiny))
+    for v in args.mask_variants:
+        goals.update(specforge_goals(figures["mask_rows"], args.tiny, v))
     line = clean({"bench": "train", "figures": figures, "goals": goals})
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

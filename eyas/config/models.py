@@ -270,6 +270,11 @@ class TrainingConfig(StrictModel):
     precision: Literal["bf16", "fp32"] = "bf16"
     #: fuse the elementwise regions with torch.compile (eyas/training/kernels.py); None = on a GPU only
     compile: bool | None = None
+    #: EXPERIMENTAL: the drafter layer's GEMMs in FP8 (e4m3, row-wise scales; a GPU with FP8 units,
+    #: Hopper or newer), the head and the teacher in bf16. 1.2-1.25x faster steps on an H200, but one
+    #: step's gradients lie 60% from fp32's (bf16: 6%) and no drafter trained with it has been
+    #: evaluated: docs/performance.md "FP8 GEMMs (experimental)"
+    fp8_gemms: bool = False
     seed: int = 0
     device: str = "auto"  #: "auto" = cuda if available else cpu
     checkpoint_every: int = Field(100, ge=1)

@@ -147,6 +147,12 @@ class _GradSink:
         else:
             fused.addmm_f32_(self.buf, dy_t, x)
 
+    def add_product(self, g):  # += g, a weight gradient formed elsewhere (the FP8 GEMMs: no accumulating kernel)
+        if self.buf is None:
+            self.buf = g if not self.fp32 else g.float()
+        else:
+            self.buf.add_(g)
+
     def take(self, dtype):
         """The sum in `dtype` (None if nothing was added), emptying the sink."""
         buf, self.buf = self.buf, None
@@ -192,6 +198,57 @@ class _SharedLinear(torch.autograd.Function):
         return dx, dy.new_zeros((), dtype=torch.float32), None, None, None
 
 
+class _SharedLinearFP8(torch.autograd.Function):
+    """_SharedLinear with its three GEMMs in FP8 (KernelOptions.fp8_gemms): x quantized per token for the
+    forward and per channel (transposed) for the weight gradient, dy likewise in the backward, the weight
+    per output and per input channel (once per unroll, _Fp8Weight). Rows are padded to a multiple of 16."""
+
+    @staticmethod
+    def forward(ctx, x, token, wq, xq, sink, out_dtype):
+        # x (..., in) the activation (for its shape and autograd); xq its quantized rows/columns (_quantized)
+        x8, sx, xc8, sxc, M = xq
+        ctx.save_for_backward(xc8, sxc)
+        ctx.wq, ctx.sink, ctx.x_dtype, ctx.x_shape, ctx.M = wq, sink, x.dtype, x.shape, M
+        y = fused.mm_fp8(x8, sx, wq.row8, wq.row_s, out_dtype)[:M]  # (M, out)
+        return y.view(*x.shape[:-1], wq.row8.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc8, sxc = ctx.saved_tensors
+        wq, M = ctx.wq, ctx.M
+        dy8, sdy, dyc8, sdyc, _ = _quantized(dy, wq.compile)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = fused.mm_fp8(dy8, sdy, wq.col8, wq.col_s, ctx.x_dtype)[:M].view(ctx.x_shape)  # (M, in)
+        ctx.sink.add_product(fused.mm_fp8(dyc8, sdyc, xc8, sxc, torch.float32 if ctx.sink.fp32 else dy.dtype))
+        return dx, dy.new_zeros((), dtype=torch.float32), None, None, None, None
+
+
+def _quantized(x, compile: bool):
+    """x (..., K) -> (rows fp8 (Mp, K), their scales (Mp, 1), columns fp8 (K, Mp) transposed, their scales
+    (K, 1), M): both quantizations of one operand, rows padded with zeros to Mp, a multiple of 16."""
+    x2 = x.reshape(-1, x.shape[-1])
+    M = x2.shape[0]
+    if fused.fp8_pad(M) > M:
+        x2 = F.pad(x2, (0, 0, 0, fused.fp8_pad(M) - M))
+    return (*fused.quant_both(x2, compile=compile), M)
+
+
+@dataclass
+class _Fp8Weight:
+    """A weight quantized once per unroll: per output channel for the forward, per input channel
+    (transposed) for the input gradient."""
+    row8: torch.Tensor  # (out, in) fp8
+    row_s: torch.Tensor  # (out, 1)
+    col8: torch.Tensor  # (in, out) fp8
+    col_s: torch.Tensor  # (in, 1)
+    compile: bool
+
+    @classmethod
+    def of(cls, w: torch.Tensor, compile: bool) -> "_Fp8Weight":
+        return cls(*fused.quant_both(w.detach(), compile=compile), compile)
+
+
 class TTTWeights:
     """The drafter's GEMM weights for one TTT unroll: cast to the compute dtype once, and each one's
     gradient summed over the steps inside its weight-gradient GEMMs instead of one gradient per step
@@ -203,19 +260,32 @@ class TTTWeights:
     grad_acc_fp32: the sums in fp32 (_GradSink)."""
 
     def __init__(self, drafter: "Eagle3Drafter", dtype: torch.dtype, gemm_dtype: torch.dtype | None = None,
-                 grad_acc_fp32: bool = False):
+                 grad_acc_fp32: bool = False, fp8: bool = False, compile: bool = False):
         a, m = drafter.midlayer.self_attn, drafter.midlayer.mlp
         mods = {"fc": drafter.fc, "q_proj": a.q_proj, "k_proj": a.k_proj, "v_proj": a.v_proj, "o_proj": a.o_proj,
                 "gate_proj": m.gate_proj, "up_proj": m.up_proj, "down_proj": m.down_proj}
         grad = torch.is_grad_enabled()
-        self.w, self.sink, self.token, self.dtype = {}, {}, {}, dtype
+        self.w, self.sink, self.token, self.dtype, self.q8, self.compile = {}, {}, {}, dtype, {}, compile
+        self._last: tuple | None = None  # (x, its FP8 quantization): q/k/v and gate/up read one x
         for name, mod in mods.items():
             w = mod.weight
-            self.w[name] = w.detach().to(gemm_dtype or dtype)
             self.sink[name] = _GradSink(grad_acc_fp32)
             self.token[name] = _Collect.apply(self.sink[name], w) if grad and w.requires_grad else None
+            if fp8 and w.shape[0] % fused.FP8_MULTIPLE == 0 and w.shape[1] % fused.FP8_MULTIPLE == 0:
+                self.q8[name] = _Fp8Weight.of(w, compile)  # from the master weights; no bf16 copy needed
+            else:
+                self.w[name] = w.detach().to(gemm_dtype or dtype)
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if name in self.q8:
+            if self._last is None or self._last[0] is not x:
+                self._last = (x, _quantized(x.detach(), self.compile))
+            token = self.token[name]
+            if token is None:  # no gradient: the forward GEMM alone
+                x8, sx, _, _, M = self._last[1]
+                w8 = self.q8[name]
+                return fused.mm_fp8(x8, sx, w8.row8, w8.row_s, self.dtype)[:M].view(*x.shape[:-1], w8.row8.shape[0])
+            return _SharedLinearFP8.apply(x, token, self.q8[name], self._last[1], self.sink[name], self.dtype)
         w = self.w[name]
         if self.token[name] is None:
             return (x.to(w.dtype) @ w.T).to(self.dtype)

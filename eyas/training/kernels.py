@@ -63,10 +63,16 @@ class KernelOptions:
     #: the drafter's GEMM weights cast once per unroll, their gradients summed inside the GEMMs
     #: (drafter.TTTWeights); False: the nn.Linear modules, summed by autograd
     shared_weights: bool = True
+    #: the decoder layer's and fc's GEMMs (forward, input and weight gradients) in FP8 e4m3 with one
+    #: scale per row and column (training.fp8_gemms; needs shared_weights): not the same function,
+    #: FP8 rounds each operand to 3 mantissa bits. The head, the teacher and attention stay bf16.
+    fp8_gemms: bool = False
 
     def __post_init__(self):
         if self.attention not in ("cudnn", "flash"):
             raise ValueError(f"KernelOptions.attention must be 'cudnn' or 'flash', got {self.attention!r}")
+        if self.fp8_gemms and not self.shared_weights:
+            raise ValueError("KernelOptions.fp8_gemms needs shared_weights (the FP8 GEMMs live in drafter.TTTWeights)")
 
 
 DEFAULT = KernelOptions()  # eager, everything else at its default: what a caller that names nothing gets
@@ -75,7 +81,8 @@ DEFAULT = KernelOptions()  # eager, everything else at its default: what a calle
 def kernel_options(cfg: TrainingConfig, device: torch.device) -> KernelOptions:
     """The options a run of `cfg` on `device` uses: torch.compile per training.compile (None: on a GPU
     only), the rest at their defaults."""
-    return KernelOptions(compile=device.type == "cuda" if cfg.compile is None else bool(cfg.compile))
+    return KernelOptions(compile=device.type == "cuda" if cfg.compile is None else bool(cfg.compile),
+                         fp8_gemms=cfg.fp8_gemms)
 
 
 _compiled: dict = {}  # fn -> its torch.compile'd twin, made on first use (a cache, not a setting)
@@ -139,6 +146,41 @@ def gemm_operand(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if x.device.type == "cpu" and dtype != torch.float32:
         return rows_padded(x, dtype)
     return x.to(dtype)
+
+
+# ----------------------------------------------------------------------------- FP8 GEMMs
+# Row-wise scaled FP8 (e4m3) GEMMs through torch._scaled_mm: each operand quantized with one scale per
+# row along the contraction, so one outlier token or channel costs precision only in its own row. A
+# weight-gradient GEMM contracts over tokens, so its operands are quantized per channel and laid out
+# transposed (_scaled_mm wants the first operand row-major and the second column-major).
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+FP8_MULTIPLE = 16  # _scaled_mm wants every dimension a multiple of 16 on CUDA
+
+
+def _quant_rows(x):
+    """x (M, K) -> (fp8 (M, K), fp32 scale (M, 1)): x ~= fp8 * scale, row by row."""
+    amax = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    return (x.float() / scale).to(FP8), scale
+
+
+def _quant_cols_t(x):
+    """x (M, K) -> (fp8 (K, M) contiguous, fp32 scale (K, 1)): x.T quantized row by row."""
+    xt = x.t()
+    amax = xt.abs().amax(-1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    return (xt.float() / scale).to(FP8).contiguous(), scale
+
+
+def mm_fp8(a8, sa, b8, sb, out_dtype) -> torch.Tensor:
+    """(a8 * sa) @ (b8 * sb).T: a8 (M, K), b8 (N, K) row-major fp8, sa (M, 1), sb (N, 1) -> (M, N) out_dtype."""
+    return torch._scaled_mm(a8, b8.t(), sa, sb.view(1, -1), out_dtype=out_dtype)
+
+
+def fp8_pad(n: int) -> int:
+    return -(-n // FP8_MULTIPLE) * FP8_MULTIPLE
 
 
 def _fused(fn):
@@ -360,3 +402,9 @@ def _build_ce_kernel():
 
     return soft_ce_kernel
 
+
+
+@_fused
+def quant_both(x):
+    """x (M, K) -> _quant_rows(x) + _quant_cols_t(x): one read of x when compiled."""
+    return (*_quant_rows(x), *_quant_cols_t(x))

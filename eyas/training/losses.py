@@ -221,6 +221,14 @@ class TTTObjective(nn.Module):
         super().__init__()
         self.drafter, self.head_chunk, self.gemm_dtype, self.kernels = drafter, head_chunk, gemm_dtype, kernels
 
+    def _weights(self, device) -> TTTWeights | None:
+        """This unroll's TTTWeights (None: the nn.Linear modules run, KernelOptions.shared_weights off)."""
+        kn, m = self.kernels, self.drafter
+        if not kn.shared_weights:
+            return None
+        return TTTWeights(m, compute_dtype(device, m.fc.weight.dtype), self.gemm_dtype, kn.grad_acc_fp32,
+                          fp8=kn.fp8_gemms, compile=kn.compile)
+
     def forward(self, ids, aux, labels: Labels, ttt_steps: int, decay: float, counts: torch.Tensor | None = None):
         """ids (B, T), aux (B, T, 3H) -> (loss, correct (K,), scored (K,)); counts (K,) the denominators."""
         m, (B, T), K, kn = self.drafter, ids.shape, ttt_steps, self.kernels
@@ -231,8 +239,7 @@ class TTTObjective(nn.Module):
                 return self._forward_rows(ids, aux, labels, K, decay, counts, b, t)
         pos = torch.arange(T, device=ids.device)
         kv, normed = [], []
-        shared = (TTTWeights(m, compute_dtype(ids.device, m.fc.weight.dtype), self.gemm_dtype, kn.grad_acc_fp32)
-                  if kn.shared_weights else None)
+        shared = self._weights(ids.device)
         for k in range(K):
             nxt = torch.zeros_like(ids)
             nxt[:, :T - 1 - k] = ids[:, 1 + k:]  # step k at t reads token t+1+k
@@ -261,8 +268,7 @@ class TTTObjective(nn.Module):
         scores (ttt_rows), as one (1, N) batch: step 0 runs on all of (B, T), since its keys are every
         later step's causal keys; the attention scatters the gathered queries back for its causal part."""
         m, (B, T), kn = self.drafter, ids.shape, self.kernels
-        shared = (TTTWeights(m, compute_dtype(ids.device, m.fc.weight.dtype), self.gemm_dtype, kn.grad_acc_fp32)
-                  if kn.shared_weights else None)
+        shared = self._weights(ids.device)
         kv, normed = TTTKeys(), []
         for k in range(K):
             nxt = torch.zeros_like(ids)

@@ -157,6 +157,48 @@ def test_kernel_options_follow_training_compile(tmp_path):
         KernelOptions().compile = True
 
 
+def test_fp8_quantization_keeps_three_mantissa_bits_per_row_and_column():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 48, generator=g) * torch.logspace(-3, 3, 37)[:, None]  # rows of very different sizes
+    x8, s = fused.quant_both.eager(x)[:2]
+    assert x8.dtype == torch.float8_e4m3fn and s.shape == (37, 1)
+    back = x8.float() * s
+    assert ((back - x).abs() <= x.abs() * 2 ** -4 + s * 2 ** -9).all()  # e4m3: 3 mantissa bits, subnormals
+    assert torch.equal(x8.float().abs().amax(1), torch.full((37,), 448.0))  # each row's largest maps to 448
+    c8, cs = fused.quant_both.eager(x)[2:]
+    r8, rs = fused.quant_both.eager(x.t().contiguous())[:2]
+    assert c8.shape == (48, 37) and c8.is_contiguous() and torch.equal(c8.float(), r8.float()) and torch.equal(cs, rs)
+    w = torch.randn(32, 48, generator=g)
+    w8, ws = fused.quant_both.eager(w)[:2]
+    got = fused.mm_fp8(x8, s, w8, ws, torch.float32)
+    torch.testing.assert_close(got, (x8.float() * s) @ (w8.float() * ws).T, rtol=1e-5, atol=1e-4)
+
+
+def test_fp8_gemms_train_the_same_objective_up_to_fp8_rounding(monkeypatch):
+    """fp8_gemms: every layer GEMM (forward, input and weight gradients) goes through the scaled FP8
+    GEMM, and loss and gradients stay within FP8's rounding of the bf16/fp32 step's."""
+    calls = []
+    real = fused.mm_fp8
+    monkeypatch.setattr(fused, "mm_fp8", lambda *a: calls.append(a[0].shape) or real(*a))
+    fp8 = loss_and_grads(KernelOptions(fp8_gemms=True))
+    base = loss_and_grads(KernelOptions())
+    # fc once, then q, k, v, o, gate, up, down at each of K steps: a forward GEMM each, and a weight
+    # gradient each; an input gradient each but fc's (its input is data)
+    n = 1 + 7 * K
+    assert len(calls) == 3 * n - 1
+    assert abs(float(fp8[0].detach()) / float(base[0].detach()) - 1) < 1e-2
+    for a, b in zip(fp8[1], base[1]):
+        assert float((a - b).norm() / b.norm()) < 0.15
+    assert torch.equal(fp8[3], base[3])  # the same positions scored
+    with pytest.raises(ValueError, match="fp8_gemms needs shared_weights"):
+        KernelOptions(fp8_gemms=True, shared_weights=False)
+
+
+def test_fp8_gemms_follow_the_training_config(tmp_path):
+    assert not kernel_options(training_config(tmp_path), torch.device("cpu")).fp8_gemms
+    assert kernel_options(training_config(tmp_path, fp8_gemms=True), torch.device("cuda", 0)).fp8_gemms
+
+
 #: Module-level state that eyas/training may keep: caches and memos of what this process found, none a choice.
 MEMOS = {("attention", "_refused"), ("kernels", "_compiled"), ("kernels", "FP32_OUT"),
          ("target_head", "_NAMES"), ("target_head", "_PREFIXES")}  # the last two: constant lookup tables
