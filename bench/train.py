@@ -4,7 +4,8 @@
     python bench/train.py                                              # no GPU: a tiny smoke run
     python3 bench/train.py --variants default all flash --variant-batches 4 1   # KernelOptions side by side
     python bench/masks.py --out .perf/chat_masks.npy                   # real chat masks, packed to 4096
-    python3 bench/train.py --batches 1 4 --mask-batches 1 4 --masks-from .perf/chat_masks.npy --out $OUT
+    python3 bench/train.py --batches --mask-batches 4 1 --mask-kinds all-scored prompt masks-from \
+        --mask-variants default fp8 --fp8-check --masks-from .perf/chat_masks.npy --out $OUT   # issue 18's goals
 
 Loss masks: the main rows (--batches) score every position but a leading prompt of --prompt-fraction
 of each sequence (default 1/16, the figures recorded since 2026-12-02). --mask-batches measures the
@@ -13,7 +14,11 @@ and, with --masks-from, the masks of real tokenized multi-turn conversations pac
 length (bench/masks.py writes them: bool [N, T] in a .npy; rows are re-cut when T differs, so the
 CPU smoke run takes the same file). Goals against SpecForge 0.2.0 on the same GPU and shapes
 (docs/performance.md): >= 2.0x on chat-shaped masks at batch 1 and 4, >= 1.5x with every position
-scored at batch 4.
+scored at batch 4; each row also reports the share of positions the TTT steps >= 1 ran on
+(`rows_share`: skipping position by position). --mask-variants measures the rows again with other
+KernelOptions (the goals of a variant other than the default are reported with its name appended:
+`fp8`, the experimental FP8 GEMMs, is not the same arithmetic), and --fp8-check reports how far FP8
+lies from fp32 per GEMM and over a whole step, beside bf16's distance.
 
 The drafter is SGLang's LlamaForCausalLMEagle3 at Kimi-K2.5 size (H 7168, 64 heads of 128,
 intermediate 18432, vocab 163840, draft vocab 32000), trained on synthetic target states (random

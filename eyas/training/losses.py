@@ -40,10 +40,9 @@ from eyas.training.target_head import TargetHead
 HEAD_CHUNK_ROWS = 8192  # rows of the drafter's fused head per chunk: (rows, draft_vocab) fp32 transient
 HEAD_CHUNK_ROWS_CPU = 1024  # on a CPU: (1024, 2048) fp32 chunks stay in cache, 15% faster steps than 8192
 TEACHER_CHUNK_ROWS = 4096  # positions per chunk of the teacher: (rows, vocab) logits transient
-# Gather the positions some step scores only when they are at most this share of the span's: the
-# gathers and the scatter around every step's attention cost ~5% of an H200 step when nothing is
-# skipped (every position scored: 1,251 ms a batch-4 step gathered, against ~1,170 for the span),
-# and a prompt prefix alone the span skips as well.
+# Gather the positions some step scores only when they are under this share of the span's rows: the
+# gathers of h and the scatter around every step's attention are copies that buy nothing when the
+# span holds little else (a prompt prefix alone the span skips as well; every position scored).
 ROWS_WORTH = 0.9
 
 
