@@ -70,8 +70,8 @@ def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor
                    kernels: KernelOptions = DEFAULT) -> Labels:
     """Labels from the stored last hidden states (B, T, H); head.weight must be draft-first ordered.
 
-    The head runs only on the positions inside the batch's scored span (no prompt prefix, no padding):
-    nothing reads the labels of a position that is not scored. kernels.skip_unscored off: everywhere."""
+    The head runs only on the scored positions, gathered (kernels.skip_rows off: on the batch's scored
+    span; skip_unscored off: everywhere): nothing reads the labels of a position that is not scored."""
     B, T, H = last.shape
     scored = torch.zeros_like(loss_mask, dtype=torch.bool)
     scored[:, :-1] = loss_mask[:, 1:].bool()  # the target at t predicts token t+1
