@@ -44,16 +44,17 @@ def test_bench_launches_differ_only_in_the_speculative_flags(tmp_path, backend):
 
 
 def test_plain_once_then_one_launch_per_chain_the_benchmarks_included():
-    cfg = load_config(ROOT / "configs" / "local-tiny.yaml")  # draft_steps [3, 7], benchmark 3/1/4
+    cfg = load_config(ROOT / "configs" / "local-tiny.yaml", {"evaluation.draft_steps": [3, 7]})  # benchmark 3/1/4
     served, bench = chains(cfg)
     assert [c.name for c in served] == ["3/1/4", "7/1/8"] and bench == served[0]  # one launch gives both
+    assert [c.name for c in chains(load_config(ROOT / "configs" / "local-tiny.yaml"))[0]] == ["3/1/4"]  # the default
     configs = launches(cfg, "/d")
     assert [c.server.workdir.name for c in configs] == ["bench-plain", "bench-spec-3-1-4", "bench-spec-7-1-8"]
     assert [c.server.port - cfg.server.port for c in configs] == [0, 1, 1]  # interleaved: beside plain
     assert "--speculative-num-steps 7" in launch_command(configs[2])
     other = load_config(ROOT / "configs" / "local-tiny.yaml", {"evaluation.draft_steps": [7]})
     assert [c.name for c in chains(other)[0]] == ["7/1/8", "3/1/4"]  # the benchmark's chain is added
-    off = load_config(ROOT / "configs" / "local-tiny.yaml", {"benchmark.enabled": False})
+    off = load_config(ROOT / "configs" / "local-tiny.yaml", {"evaluation.draft_steps": [3, 7], "benchmark.enabled": False})
     assert chains(off) == (served, None)  # acceptance only: the evaluation's chains
 
 
