@@ -45,6 +45,7 @@ def run(prefect_harness, tmp_path_factory):
         "data.regenerate.max_new_tokens": 16, "data.regenerate.num_parts": 2,
         "training.max_steps": 100, "training.checkpoint_every": 50, "training.warmup_steps": 10,
         "evaluation.num_prompts": 4, "evaluation.max_new_tokens": 24,
+        "evaluation.draft_steps": [3, 7],  # the default serves 3/1/4 alone; two chains test the loop
         "name": "e2e-pipeline", "run_dir": str(tmp / "run"), "server.port": free_port(),
         "server.workdir": str(tmp / "server"), "server.dump_dir": str(tmp / "server" / "dump"),
         "extraction.output_dir": str(tmp / "shards"), "training.output_dir": str(tmp / "train"),
