@@ -21,4 +21,6 @@ def stage_config(tmp: Path, target: Path, **overrides) -> PipelineConfig:
         "server.workdir": str(tmp / "server"), "server.dump_dir": str(tmp / "server" / "dump"),
         "server.chunked_prefill_size": 16, "extraction.output_dir": str(tmp / "shards"),
         "training.output_dir": str(tmp / "train"), "sensor.poll_interval_s": 0.1,
-        "training.draft_vocab_size": draft_vocab, **overrides})
+        "training.draft_vocab_size": draft_vocab,
+        "server.env": {"OMP_NUM_THREADS": "1"},  # local-tiny gives its server both cores; tests run two at once
+        **overrides})

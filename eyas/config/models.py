@@ -350,6 +350,13 @@ class BenchmarkConfig(StrictModel):
     #: both servers up at once (server.port and server.port + 1), passes alternating: fairer on a
     #: shared machine, and only for targets small enough to be served twice at the same time
     interleave: bool = False
+    #: with interleave (alone it changes nothing): the two servers' passes run at the same time
+    #: instead of in turn, each server on its own cores (give each its share through server_env,
+    #: e.g. OMP_NUM_THREADS); half the stage's time where one server cannot use the machine
+    concurrent: bool = False
+    #: environment of the serving launches over server.env (e.g. {OMP_NUM_THREADS: "1"} when two
+    #: CPU servers share the cores); shown and stored: no secrets
+    server_env: dict[EnvName, str] = {}
     request_timeout_s: float = Field(300.0, gt=0)
 
     @field_validator("suites", mode="before")
@@ -361,6 +368,10 @@ class BenchmarkConfig(StrictModel):
     def _check_chain(self) -> "BenchmarkConfig":
         if len({x.name for x in self.suites}) != len(self.suites):
             raise ValueError(f"suites must be distinct, got {[x.name for x in self.suites]}")
+        for name in self.server_env:
+            if looks_secret(name):
+                raise ValueError(f"server_env.{name} looks like a secret, and env values are shown and stored: "
+                                 f"use server.env_from or server.secret_env (the serving launches get them too)")
         if self.speculative_eagle_topk == 1 and self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
             raise ValueError(f"with speculative_eagle_topk 1, speculative_num_draft_tokens must be "
                              f"speculative_num_steps + 1 = {self.speculative_num_steps + 1}, got "
@@ -406,6 +417,13 @@ class PipelineConfig(StrictModel):
         if self.evaluation.method == "in_process" and self.server.backend == "sglang":
             raise ValueError("evaluation.method: in_process loads the whole target into this process; with "
                              "server.backend sglang only SGLang loads it: use evaluation.method: server")
+        return self
+
+    @model_validator(mode="after")
+    def _bench_env_not_secret(self) -> "PipelineConfig":
+        if twice := set(self.benchmark.server_env) & (set(self.server.secret_env) | set(self.server.env_from)):
+            raise ValueError(f"benchmark.server_env: {sorted(twice)} also set in server.secret_env or "
+                             f"server.env_from")
         return self
 
     @model_validator(mode="after")

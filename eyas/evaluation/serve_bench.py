@@ -21,13 +21,17 @@ On every launch, after `num_warmup` requests:
 
 With `interleave` (small targets on a shared machine) the plain server stays up while each chain's
 server is up beside it (port + 1), and their passes alternate, so a change in the machine's load
-hits both alike; otherwise one server at a time, plain first.
+hits both alike; otherwise one server at a time, plain first. With `concurrent` as well, the two
+passes run at the same time instead (each server single-threaded on its own core, say: the
+embedded default's 2 cores), which halves the stage where one server cannot use the machine.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -82,10 +86,19 @@ def _open(stack: ExitStack, host: Host, c: PipelineConfig, out: dict, key: str, 
     return meter
 
 
-def _speed(meters: list[Meter], prompts: list[list[int]], repeats: int) -> list[dict]:
-    for _ in range(repeats):  # two meters: their passes alternate
-        for m in meters:
-            m.one_pass(prompts)
+def _together(*calls):
+    """Run the calls at the same time, one thread each -> their results in order (the first error raised)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
+def _speed(meters: list[Meter], prompts: list[list[int]], repeats: int, concurrent: bool = False) -> list[dict]:
+    for _ in range(repeats):  # two meters: their passes alternate, or run at the same time
+        if concurrent:
+            _together(*(partial(m.one_pass, prompts) for m in meters))
+        else:
+            for m in meters:
+                m.one_pass(prompts)
     return [m.summary() for m in meters]
 
 
@@ -105,21 +118,27 @@ def _one_at_a_time(cfg: PipelineConfig, host: Host, sets: dict, speed_prompts: l
 
 def _interleaved(cfg: PipelineConfig, host: Host, sets: dict, speed_prompts: list[list[int]], configs: dict,
                  bench: str | None, log, owner=None) -> dict[str, dict]:
-    """The plain server up throughout; each chain's beside it in turn, their passes alternating."""
+    """The plain server up throughout; each chain's beside it in turn, their passes alternating (or,
+    with benchmark.concurrent, running at the same time: each server on its own cores)."""
     out: dict[str, dict] = {}
     (_, plain_cfg), *chain_configs = configs.items()
+    together, max_new = cfg.benchmark.concurrent, cfg.evaluation.max_new_tokens
     with ExitStack() as stack:
         plain = _open(stack, host, plain_cfg, out, "plain", speed_prompts, log, owner)
         for key, c in chain_configs:
             with ExitStack() as inner:
                 spec = _open(inner, host, c, out, key, speed_prompts, log, owner)
                 for name, s in sets.items():
+                    calls = [partial(spec.serve_set, s["prompts"], max_new)]
                     if name not in out["plain"]["sets"]:  # the first chain's turn
-                        out["plain"]["sets"][name] = plain.serve_set(s["prompts"], cfg.evaluation.max_new_tokens)
-                    out[key]["sets"][name] = spec.serve_set(s["prompts"], cfg.evaluation.max_new_tokens)
+                        calls.insert(0, partial(plain.serve_set, s["prompts"], max_new))
+                    results = _together(*calls) if together else [call() for call in calls]
+                    if len(results) == 2:
+                        out["plain"]["sets"][name] = results[0]
+                    out[key]["sets"][name] = results[-1]
                 if key == bench:
                     out["plain"]["speed"], out[key]["speed"] = _speed([plain, spec], speed_prompts,
-                                                                      cfg.benchmark.num_repeats)
+                                                                      cfg.benchmark.num_repeats, together)
     return out
 
 
@@ -195,7 +214,7 @@ def _assemble(cfg, drafter_dir, sets, num_speed_prompts, served, bench, runs, se
         "settings": {**b.model_dump(mode="json"), "num_prompts": num_speed_prompts,
                      "evaluation": cfg.evaluation.model_dump(mode="json", exclude={"device"}),
                      "backend": cfg.server.backend, "target": str(cfg.target.checkpoint),
-                     "server_env": cfg.server.env},
+                     "server_env": {**cfg.server.env, **b.server_env}},
         "machine": machine() if cfg.server.host.kind == "local" else {"host": cfg.server.host.name},
     }
     if bench is not None:

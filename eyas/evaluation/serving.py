@@ -70,6 +70,7 @@ def server_config(cfg: PipelineConfig, label: str, drafter_dir: str | Path | Non
     if drafter_dir is not None:
         extra += chain.args(drafter_dir, cfg.benchmark.speculative_launch_args)
     server = s.model_copy(update={"capture_aux": False, "port": s.port + port_offset,
+                                  "env": {**s.env, **cfg.benchmark.server_env},
                                   "launch_args": [*s.launch_args, *extra],
                                   "workdir": Path(s.workdir) / f"bench-{label}",
                                   "dump_dir": Path(s.workdir) / f"bench-{label}" / "dump"})

@@ -52,6 +52,9 @@ def test_plain_once_then_one_launch_per_chain_the_benchmarks_included():
     assert [c.server.workdir.name for c in configs] == ["bench-plain", "bench-spec-3-1-4", "bench-spec-7-1-8"]
     assert [c.server.port - cfg.server.port for c in configs] == [0, 1, 1]  # interleaved: beside plain
     assert "--speculative-num-steps 7" in launch_command(configs[2])
+    # local-tiny: the extraction server has both cores, the serving launches (side by side) one each
+    assert cfg.server.env["OMP_NUM_THREADS"] == "2" and cfg.benchmark.concurrent
+    assert [c.server.env["OMP_NUM_THREADS"] for c in configs] == ["1", "1", "1"]
     other = load_config(ROOT / "configs" / "local-tiny.yaml", {"evaluation.draft_steps": [7]})
     assert [c.name for c in chains(other)[0]] == ["7/1/8", "3/1/4"]  # the benchmark's chain is added
     off = load_config(ROOT / "configs" / "local-tiny.yaml", {"evaluation.draft_steps": [3, 7], "benchmark.enabled": False})
@@ -68,13 +71,15 @@ def test_a_changed_greedy_output_fails_on_eyas_local_and_is_only_recorded_on_sgl
     check_outputs(sglang, result)  # recorded in the figures, never raised
 
 
-@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("interleave, concurrent", [(True, False), (True, True), (False, False)],
+                         ids=["alternating", "concurrent", "one-at-a-time"])
 def test_subflow_measures_both_servers_on_the_same_prompts(prefect_harness, exported_drafter, tmp_path,
-                                                           interleave):
+                                                           interleave, concurrent):
     from flows.serve_bench import serve_bench_flow
 
     target, drafter = exported_drafter
-    cfg = stage_config(tmp_path, target, **{"benchmark.interleave": interleave,
+    cfg = stage_config(tmp_path, target, **{"benchmark.interleave": interleave, "benchmark.concurrent": concurrent,
+                                            "benchmark.server_env": {"EYAS_BENCH_MARK": "served"},
         "benchmark.num_prompts": 2, "benchmark.max_new_tokens": 12, "benchmark.num_warmup": 1,
         "benchmark.num_repeats": 2, "benchmark.concurrency": 2, "benchmark.suites": [],
         "evaluation.draft_steps": [3], "evaluation.max_new_tokens": 10})
@@ -108,6 +113,8 @@ def test_subflow_measures_both_servers_on_the_same_prompts(prefect_harness, expo
         assert not (Path(cfg.server.workdir) / f"bench-{label}" / "server.pid").exists()
     ports = {side["command"].split("--port ")[1].split()[0] for side in (plain, spec)}
     assert len(ports) == (2 if interleave else 1)
+    assert result["settings"]["concurrent"] is concurrent
+    assert result["settings"]["server_env"] == {**cfg.server.env, "EYAS_BENCH_MARK": "served"}  # as launched
 
 
 def test_served_acceptance_equals_in_process_evaluation_per_chain_and_prompt(exported_drafter, tmp_path):

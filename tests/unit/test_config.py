@@ -98,3 +98,11 @@ def test_benchmark_suites_by_name_or_with_their_prompt_count():
         load_config(ROOT / "configs" / "local-tiny.yaml", {"benchmark.suites": ["gsm8k"]})
     with pytest.raises(ConfigError, match="distinct"):
         load_config(ROOT / "configs" / "local-tiny.yaml", {"benchmark.suites": ["humaneval", "humaneval"]})
+
+
+def test_serving_launches_env_holds_no_secrets():
+    tiny = ROOT / "configs" / "local-tiny.yaml"
+    with pytest.raises(ConfigError, match="server_env.HF_TOKEN looks like a secret"):
+        load_config(tiny, {"benchmark.server_env": {"HF_TOKEN": "x"}})
+    with pytest.raises(ConfigError, match=r"benchmark.server_env: \['A'\] also set"):
+        load_config(tiny, {"benchmark.server_env": {"A": "1"}, "server.env_from": ["A"]})
