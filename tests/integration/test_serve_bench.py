@@ -52,9 +52,11 @@ def test_plain_once_then_one_launch_per_chain_the_benchmarks_included():
     assert [c.server.workdir.name for c in configs] == ["bench-plain", "bench-spec-3-1-4", "bench-spec-7-1-8"]
     assert [c.server.port - cfg.server.port for c in configs] == [0, 1, 1]  # interleaved: beside plain
     assert "--speculative-num-steps 7" in launch_command(configs[2])
-    # local-tiny: the extraction server has both cores, the serving launches (side by side) one each
-    assert cfg.server.env["OMP_NUM_THREADS"] == "2" and cfg.benchmark.concurrent
-    assert [c.server.env["OMP_NUM_THREADS"] for c in configs] == ["1", "1", "1"]
+    # benchmark.server_env: the serving launches' environment over server.env, not the extraction's
+    env = load_config(ROOT / "configs" / "local-tiny.yaml", {"evaluation.draft_steps": [3, 7], "server.env": {
+        "OMP_NUM_THREADS": "2", "A": "x"}, "benchmark.server_env": {"OMP_NUM_THREADS": "1"}})
+    assert [c.server.env for c in launches(env, "/d")] == [{"OMP_NUM_THREADS": "1", "A": "x"}] * 3
+    assert env.server.env["OMP_NUM_THREADS"] == "2"
     other = load_config(ROOT / "configs" / "local-tiny.yaml", {"evaluation.draft_steps": [7]})
     assert [c.name for c in chains(other)[0]] == ["7/1/8", "3/1/4"]  # the benchmark's chain is added
     off = load_config(ROOT / "configs" / "local-tiny.yaml", {"evaluation.draft_steps": [3, 7], "benchmark.enabled": False})
