@@ -275,6 +275,10 @@ class TrainingConfig(StrictModel):
     #: step's gradients lie 60% from fp32's (bf16: 6%) and no drafter trained with it has been
     #: evaluated: docs/performance.md "FP8 GEMMs (experimental)"
     fp8_gemms: bool = False
+    #: on a CPU: the teacher's labels of every sequence computed once (not once per batch) when they
+    #: fit in this much memory (tokens x draft_vocab_size x 4 bytes; eyas/training/teacher_cache.py);
+    #: 0 = per batch, as on a GPU always
+    teacher_cache_gb: float = Field(2.0, ge=0)
     seed: int = 0
     device: str = "auto"  #: "auto" = cuda if available else cpu
     checkpoint_every: int = Field(100, ge=1)

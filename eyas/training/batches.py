@@ -124,8 +124,9 @@ def epoch_plan(lengths: list[int], ids: list[int], micro: int, num_micro: int, s
     return [steps[i] for i in torch.randperm(len(steps), generator=g).tolist()]
 
 
-def collate(samples, device, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """Right-pad a list of samples: ids (B, T), loss_mask (B, T), aux (B, T, K*H), last (B, T, H)."""
+def collate(samples, device, dtype=torch.float32, ids: list[int] | None = None) -> dict:
+    """Right-pad a list of samples: ids (B, T), loss_mask (B, T), aux (B, T, K*H), last (B, T, H);
+    with `ids` (the samples' global indices) also sample_ids, for the teacher cache."""
     B, T = len(samples), max(len(s) for s in samples)
     out = {"ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.bool),
            "aux": torch.zeros(B, T, samples[0].aux_hidden_states.shape[1], dtype=dtype),
@@ -134,7 +135,10 @@ def collate(samples, device, dtype=torch.float32) -> dict[str, torch.Tensor]:
         n = len(s)
         out["ids"][b, :n], out["loss_mask"][b, :n] = s.input_ids, s.loss_mask
         out["aux"][b, :n], out["last"][b, :n] = s.aux_hidden_states, s.last_hidden_state
-    return {k: v.to(device, non_blocking=True) for k, v in out.items()}
+    out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
+    if ids is not None:
+        out["sample_ids"] = list(ids)
+    return out
 
 
 def add_aux_noise(batch: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:

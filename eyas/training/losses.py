@@ -75,7 +75,7 @@ def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor
     B, T, H = last.shape
     scored = torch.zeros_like(loss_mask, dtype=torch.bool)
     scored[:, :-1] = loss_mask[:, 1:].bool()  # the target at t predicts token t+1
-    first, end = scored_span(scored) if kernels.skip_unscored else (0, T)
+    first, end = label_span(scored, kernels)
     probs = torch.zeros(B, T, num_draft, dtype=probs_dtype, device=last.device)
     top = torch.full((B, T), num_draft, dtype=torch.long, device=last.device)  # outside the draft vocab
     if kernels.skip_unscored and kernels.skip_rows:  # the scored positions only, gathered
@@ -96,6 +96,11 @@ def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor
             probs[b, s:e] = torch.softmax(z[:, :num_draft], dim=-1).to(probs_dtype)
     target = torch.where(top < num_draft, top, -1)
     return Labels(probs.view(B * T, num_draft), target, scored & (target >= 0), scored, (first, end))
+
+
+def label_span(scored: torch.Tensor, kernels: KernelOptions) -> tuple[int, int]:
+    """Where the teacher's labels hold: the batch's scored span, or everything (skip_unscored off)."""
+    return scored_span(scored) if kernels.skip_unscored else (0, scored.shape[1])
 
 
 def scored_span(scored: torch.Tensor) -> tuple[int, int]:

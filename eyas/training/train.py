@@ -49,6 +49,7 @@ from eyas.training.checkpoints import (TrainState, checkpoint_differs, latest_ch
 from eyas.training.draft_vocab import build_draft_vocab, count_tokens
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter
 from eyas.training.losses import HEAD_CHUNK_ROWS, HEAD_CHUNK_ROWS_CPU, TTTObjective, draft_first_order, teacher_labels
+from eyas.training.teacher_cache import TeacherCache
 from eyas.training.optim import clip_and_step, lr_factor, make_optimizer, resolve_device
 from eyas.training.progress import StepStats, keeps_row
 from eyas.training.target_head import TargetHead, load_target_tensors, read_target_config
@@ -171,7 +172,8 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
         raise ValueError(f"global batch of {G} sequences (batch_size {cfg.batch_size} x grad_accum "
                          f"{cfg.grad_accum} x {world} ranks) exceeds the {len(data.train_ids)} training sequences")
     fingerprint = {**cfg.model_dump(mode="json", exclude={"output_dir", "checkpoint_every", "device", "eval_every",
-                                                          "batch_size", "grad_accum", "distributed", "compile"}),
+                                                          "batch_size", "grad_accum", "distributed", "compile",
+                                                          "teacher_cache_gb"}),
                    "global_batch": G, "shards": [[Path(r.path).name, r.num_tokens] for r in data.readers],
                    "data_sha256": data_digest(data.readers), "capture_ids": target.capture_ids(),
                    "last_hidden_norm": meta["last_hidden_norm"]}
@@ -232,6 +234,13 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     log(f"training drafter: {sum(p.numel() for p in params) / 1e6:.2f}M params, {len(data.train_ids)} train / "
         f"{data.num_heldout} held-out sequences, global batch {G} ({world} rank(s) x {cfg.grad_accum} x "
         f"{cfg.batch_size}), draft vocab {cfg.draft_vocab_size}, device {device}{' (bf16 GEMMs)' * cpu_bf16}")
+    cache = None  # a CPU run's labels, once per sequence where they fit (a GPU computes them per batch)
+    if device.type == "cpu" and cfg.teacher_cache_gb > 0:
+        cache = TeacherCache.build(data, make_labels, cfg.draft_vocab_size, dtype, cfg.teacher_cache_gb, kernels)
+        if cache is not None:
+            make_labels = cache.labels
+            log(f"teacher labels of all {len(data.lengths)} sequences computed once "
+                f"({TeacherCache.nbytes(data, cfg.draft_vocab_size, dtype) / 2**30:.2f} GB)")
 
     # 4. the loop
     num_micro = cfg.grad_accum * world
@@ -246,7 +255,7 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
                               cfg.length_grouping)
         micro = plan[state.batch_pos]
         counts = data.scored[[i for m in micro for i in m]].sum(0)  # (K,) the global batch's scored positions
-        mine = (add_aux_noise(collate([data.sample(i) for i in m], device, dtype), cfg.aux_noise)
+        mine = (add_aux_noise(collate([data.sample(i) for i in m], device, dtype, ids=m), cfg.aux_noise)
                 for m in micro[rank::world])
         lr = sched.get_last_lr()[0]
         stats = optimizer_step(objective, wrapped, opt, sched, mine, make_labels, ttt_steps=cfg.ttt_steps,
@@ -348,7 +357,8 @@ def evaluate_heldout(objective, wrapped, make_labels, data: ShardData, cfg: Trai
     stats = torch.zeros(2 * cfg.ttt_steps, dtype=torch.float64)
     for j in range(per_rank):
         idx = rank + j * world
-        batch = collate([data.sample(i) for i in batches[idx % len(batches)]], device, dtype)
+        batch = collate([data.sample(i) for i in batches[idx % len(batches)]], device, dtype,
+                        ids=batches[idx % len(batches)])
         with autocast:
             _, c, n = wrapped(batch["ids"], batch["aux"], make_labels(batch), cfg.ttt_steps, cfg.loss_decay)
         if idx < len(batches):  # a rank past the end repeats a batch (FSDP needs every rank) and drops it

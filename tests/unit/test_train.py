@@ -145,3 +145,19 @@ def test_training_and_evaluation_config_sections():
     assert DistributedConfig(hosts=[HostConfig(kind="ssh", hostname="n1", known_hosts="/k")]).launched
     with pytest.raises(ValueError, match="grad_accum"):
         training_config("/tmp/x", grad_accum=0)
+
+
+def test_teacher_labels_once_per_sequence_train_as_labels_per_batch(sharp_target, shards, tmp_path):
+    """A CPU run computes the teacher's labels once per sequence where they fit (teacher_cache_gb):
+    the same losses and weights as computing them for every batch, bit for bit."""
+    tgt, logs = target_config(sharp_target), []
+    cached = train_drafter(training_config(tmp_path / "a", max_steps=8, checkpoint_every=100), tgt, shards,
+                           log=logs.append)
+    assert any("teacher labels of all" in line and "computed once" in line for line in logs)
+    logs = []
+    per_batch = train_drafter(training_config(tmp_path / "b", max_steps=8, checkpoint_every=100,
+                                              teacher_cache_gb=1e-6), tgt, shards, log=logs.append)
+    assert not any("teacher labels of all" in line for line in logs)  # over the budget: per batch
+    assert cached.losses == per_batch.losses and cached.heldout_accuracies == per_batch.heldout_accuracies
+    wa, wb = (load_file(f"{r.checkpoint_dir}/model.safetensors") for r in (cached, per_batch))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
