@@ -100,6 +100,10 @@ class ServerConfig(StrictModel):
     #: the backend's default (SGLang: sized from memory; eyas-local: one at a time). The serving
     #: benchmark's launches leave it out: eyas-local's speculative path runs one request at a time.
     max_running_requests: int | None = Field(None, ge=1)
+    #: replicas of the model in the extraction server (SGLang's --dp-size: data-parallel workers, one
+    #: GPU group each); None = the backend's default (1). eyas-local: copies on a core each. The
+    #: serving benchmark's launches leave it out, as max_running_requests
+    dp_size: int | None = Field(None, ge=1)
     #: launch with hidden-state capture (extraction); the serving benchmark launches without it
     capture_aux: bool = True
     stop_timeout_s: float = Field(30.0, gt=0)

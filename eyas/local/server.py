@@ -30,8 +30,9 @@ import time
 import traceback
 import urllib.request
 import uuid
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Iterator
 
 
 from eyas import __version__
@@ -39,6 +40,7 @@ from eyas.dump import DUMP_DIR_ENV, DumpWriter, check_rid, dtype_from_env
 from eyas.server.readiness import READY_LINE
 from eyas.local.engine import (FAULTS, BadRequest, Engine, Speculative, load_model,
                                optional_tokenizer, log, resolve_capture_ids)
+from eyas.local.replicas import Worker, exit_with_parent, start_workers
 
 
 # Sampling params SGLang accepts that eyas-local does not implement: allowed only at the value
@@ -87,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-server-warmup", action="store_true")
     p.add_argument("--max-running-requests", type=int, default=1,
                    help="plain (non-speculative) requests decoded together, one forward per step for all")
+    p.add_argument("--dp-size", "--data-parallel-size", type=int, default=1,
+                   help="model replicas (SGLang's data-parallel workers): worker processes beside this "
+                        "one, each request to the replica with the fewest in flight")
+    p.add_argument("--dp-worker", action="store_true", help=argparse.SUPPRESS)  # a replica --dp-size started
     p.add_argument("--api-key", default=None, help="as SGLang: every route but /health* wants "
                    "'Authorization: Bearer KEY' (never logged nor shown in /server_info)")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, ignored")
@@ -120,6 +126,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     f"with topk 1, got {args.speculative_num_draft_tokens}")
     if args.max_running_requests < 1:
         p.error(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
+    if args.dp_size < 1:
+        p.error(f"--dp-size must be >= 1, got {args.dp_size}")
+    if args.dp_size > 1 and args.fault != "none":
+        p.error("--fault with --dp-size > 1: inject faults into a single replica")
     ids = args.return_aux_hidden_state_layer_ids
     if ids is not None and (len(set(ids)) != len(ids) or min(ids) < 0):
         p.error(f"--return-aux-hidden-state-layer-ids must be unique and non-negative, got {ids}")
@@ -233,10 +243,27 @@ def parse_generate(body: Any, vocab_size: int, tokenizer) -> tuple[list[tuple[li
 # ---------------------------------------------------------------------------------------------
 
 class ServerState:
-    def __init__(self, engine: Engine, args: argparse.Namespace, model_info: dict, server_info: dict):
+    def __init__(self, engine: Engine, args: argparse.Namespace, model_info: dict, server_info: dict,
+                 workers: list[Worker] | None = None):
         self.engine, self.args = engine, args
         self.model_info, self.server_info = model_info, server_info
         self.up = False  # SGLang's ServerStatus.Up: set after the warmup request
+        self.workers = workers or []  # --dp-size: the other replicas (eyas/local/replicas.py)
+        self._in_flight = [0] * (1 + len(self.workers))
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def replica(self) -> Iterator[Worker | None]:
+        """The replica with the fewest requests in flight for one /generate call (None: this process's
+        engine), as SGLang's data-parallel controller dispatches to the shortest queue."""
+        with self._lock:
+            i = min(range(len(self._in_flight)), key=self._in_flight.__getitem__)
+            self._in_flight[i] += 1
+        try:
+            yield None if i == 0 else self.workers[i - 1]
+        finally:
+            with self._lock:
+                self._in_flight[i] -= 1
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -250,8 +277,13 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt: str, *args: Any) -> None:
         pass  # replaced by the uvicorn-style access line in _send
 
-    def _send(self, status: int, payload: Any = None, *, close: bool = False) -> None:
-        body = b"" if payload is None else json.dumps(payload).encode()
+    def _auth(self) -> dict[str, str]:
+        """The request's Authorization header, for a worker replica (which checks the key too)."""
+        value = self.headers.get("Authorization")
+        return {"Authorization": value} if value else {}
+
+    def _send(self, status: int, payload: Any = None, *, close: bool = False, raw: bytes | None = None) -> None:
+        body = raw if raw is not None else b"" if payload is None else json.dumps(payload).encode()
         # Logged before sending, so a client's next log line (the warmup's ready line) comes after.
         host, port = self.client_address[:2]
         reason = self.responses.get(status, ("",))[0]
@@ -283,12 +315,14 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200 if self.state.up else 503)
         if path in ("/model_info", "/get_model_info"):
             return self._send(200, self.state.model_info)
-        if path in ("/server_info", "/get_server_info"):
+        if path in ("/server_info", "/get_server_info"):  # one internal state per DP replica, as SGLang
             engine = self.state.engine
-            internal = {"avg_spec_accept_length": engine.avg_spec_accept_length(),
-                        "num_completion_tokens": engine.num_completion_tokens,
-                        "spec_verify_ct": engine.num_verify_steps}
-            return self._send(200, {**self.state.server_info, "internal_states": [internal]})
+            internal = [{"avg_spec_accept_length": engine.avg_spec_accept_length(),
+                         "num_completion_tokens": engine.num_completion_tokens,
+                         "spec_verify_ct": engine.num_verify_steps}]
+            for w in self.state.workers:
+                internal += json.loads(w.forward("GET", path, headers=self._auth())[1])["internal_states"]
+            return self._send(200, {**self.state.server_info, "internal_states": internal})
         if path == "/flush_cache":
             return self._send(200)
         self._send(404, {"error": f"no route GET {path}"})
@@ -330,7 +364,12 @@ class Handler(BaseHTTPRequestHandler):
         engine = self.state.engine
         try:
             reqs, batched = parse_generate(body, engine.vocab_size, engine.tokenizer)
-            results = [engine.generate(ids, rid, params) for ids, rid, params in reqs]
+            with self.state.replica() as worker:
+                if worker is not None:  # checked here, answered there: the worker's reply as it is
+                    status, reply = worker.forward("POST", path, raw, {"Content-Type": "application/json",
+                                                                       **self._auth()})
+                    return self._send(status, raw=reply)
+                results = [engine.generate(ids, rid, params) for ids, rid, params in reqs]
         except BadRequest as e:
             return self._send(400, {"error": str(e)})
         except Exception as e:  # noqa: BLE001 - reported to the client and logged, server stays up
@@ -375,7 +414,10 @@ def _warmup_then_ready(state: ServerState, url: str, skip_warmup: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw_argv)
+    if args.dp_worker:
+        exit_with_parent()
     shown = {**vars(args), "api_key": None if args.api_key is None else "***"}
     log(f"server_args={shown}")
     if args.tp_size != 1:
@@ -405,6 +447,12 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(model, tokenizer, chunk_size=args.chunked_prefill_size, writer=writer,
                     capture_ids=capture_ids, seed=args.random_seed, speculative=speculative,
                     max_running=args.max_running_requests)
+    workers = []
+    if args.dp_size > 1:  # the other replicas: this server again, as worker processes
+        log(f"dp_size={args.dp_size}: starting {args.dp_size - 1} more replica(s) of the model")
+        workers = start_workers(raw_argv, args.dp_size - 1, log)
+        log(f"dp_size={args.dp_size}: {args.dp_size} replicas ready (pids {[w.proc.pid for w in workers]} "
+            f"besides this one); each request goes to the least busy")
 
     # 3. Serve, then warm up over HTTP and announce readiness
     served = args.served_model_name or args.model_path
@@ -422,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
                    "context_length": engine.context_len, "internal_states": [{}]}
     httpd = ThreadingHTTPServer((args.host, args.port), Handler)
     httpd.daemon_threads = True
-    httpd.state = ServerState(engine, args, model_info, server_info)  # type: ignore[attr-defined]
+    httpd.state = ServerState(engine, args, model_info, server_info, workers)  # type: ignore[attr-defined]
     url = f"http://{args.host}:{args.port}"
     log(f"INFO:     Uvicorn running on {url} (Press CTRL+C to quit)")
     threading.Thread(target=_warmup_then_ready, args=(httpd.state, url, args.skip_server_warmup),

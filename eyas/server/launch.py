@@ -74,6 +74,8 @@ def launch_command(cfg: PipelineConfig) -> str:
               "--disable-radix-cache", "--chunked-prefill-size", str(s.chunked_prefill_size)]
     if s.max_running_requests is not None:
         common += ["--max-running-requests", str(s.max_running_requests)]
+    if s.dp_size is not None:
+        common += ["--dp-size", str(s.dp_size)]
     if not s.capture_aux:
         # A plain serving launch (the benchmark): no capture, no hook; launch_args add the rest.
         module = ["sglang.launch_server"] if s.backend == "sglang" else ["eyas", "serve-local"]

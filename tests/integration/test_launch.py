@@ -69,3 +69,12 @@ def test_max_running_requests_goes_to_the_extraction_launch_only(tmp_path, rando
     assert "--max-running-requests" not in launch_command(server_config(cfg, "plain", None))
     unset = stage_config(tmp_path, random_target, **{"server.max_running_requests": None})
     assert "--max-running-requests" not in launch_command(unset)
+
+
+def test_dp_size_goes_to_the_extraction_launch_only(tmp_path, random_target):
+    from eyas.evaluation.serving import server_config
+
+    cfg = stage_config(tmp_path, random_target, **{"server.dp_size": 2})
+    assert "--dp-size 2" in launch_command(cfg)
+    assert "--dp-size" not in launch_command(server_config(cfg, "plain", None))  # speed is compared per replica
+    assert "--dp-size" not in launch_command(stage_config(tmp_path, random_target, **{"server.dp_size": None}))

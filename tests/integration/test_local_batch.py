@@ -87,6 +87,39 @@ def test_server_with_max_running_requests_matches_greedy_reference(start_server,
         assert r["output_ids"] == greedy_reference(ref_model, p, 10)
 
 
+def test_dp_replicas_share_the_requests_and_answer_as_one_model(start_server, random_target):
+    """--dp-size 2: requests in flight spread over both replicas (their /server_info states), each
+    answering exactly what the one model would (greedy reference)."""
+    from transformers import AutoModelForCausalLM
+
+    ref_model = AutoModelForCausalLM.from_pretrained(random_target, dtype=torch.float32).eval()
+    proc = start_server("--dp-size", "2", "--max-running-requests", "2", "--skip-server-warmup", name="dp-server")
+    proc.wait_for(READY_LINE)
+    prompts = [prompt(n, 200 + n) for n in (7, 30, 14, 41, 22, 9)]
+    with httpx.Client(base_url=proc.url, timeout=60) as c, ThreadPoolExecutor(6) as ex:
+        replies = list(ex.map(lambda p: c.post("/generate", json={
+            "input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 12}}).json(), prompts))
+        states = c.get("/server_info").json()["internal_states"]
+    for p, r in zip(prompts, replies):
+        assert r["output_ids"] == greedy_reference(ref_model, p, 12)
+    assert len(states) == 2 and all(s["num_completion_tokens"] > 0 for s in states)  # both served
+    assert sum(s["num_completion_tokens"] for s in states) == 12 * len(prompts)
+    from eyas.local.server import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "x", "--dp-size", "0"])
+    # A replica that dies takes the server with it: a crash the sensor and the extraction see
+    import os
+    import re
+    import time
+    worker = int(re.search(r"\(pids \[(\d+)\]", proc.log_text()).group(1))
+    os.kill(worker, 9)
+    deadline = time.monotonic() + 20
+    while proc.host.is_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not proc.host.is_alive(proc.pid)
+    assert f"dp replica 1 (pid {worker}) exited with code -9: stopping the server" in proc.log_text()
+
+
 def _prefilled(engine: Engine, ids: list[int], max_new: int, cls=None):
     from eyas.local.batch import Sequence
 

@@ -1,0 +1,118 @@
+"""Data-parallel replicas of eyas-local (`--dp-size N`): N - 1 worker processes beside the front.
+
+    workers = start_workers(argv, 1, log)      # the same server again, on 127.0.0.1 ports of its own
+    status, body = workers[0].forward("/generate", raw_body, headers)
+
+The front process serves HTTP as before and is replica 0; every other replica is the same command
+started again as a worker (`--dp-worker`: an internal port on 127.0.0.1, no warm-up, exits when the
+front goes), to which the front forwards whole /generate requests. A request goes to the replica with
+the fewest in flight, as SGLang's data-parallel controller sends each to the shortest queue. Replicas
+are processes, not threads: a process decodes on a core of its own, while two replicas as threads of
+one process decoded only 1.18x one (the GIL; measured on the tiny target, 16 sequences in flight).
+
+A worker that dies takes the front with it (the log says which and how), so the readiness sensor and
+the extraction see a crashed server, never a server quietly answering with half its replicas. The
+workers share the front's process group, so stopping the server stops them too.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+from eyas.server.hosts import free_port
+from eyas.server.readiness import READY_LINE
+
+PARENT_ENV = "EYAS_DP_PARENT"  # the front's pid, for a worker to notice when it is gone
+START_TIMEOUT_S = 600.0
+
+
+class ReplicaFailed(RuntimeError):
+    """A worker replica exited before it was ready."""
+
+
+class Worker:
+    """One worker process and the front's keep-alive connections to it (one per handler thread)."""
+
+    def __init__(self, index: int, port: int, proc: subprocess.Popen):
+        self.index, self.port, self.proc = index, port, proc
+        self._local = threading.local()
+
+    def forward(self, method: str, path: str, body: bytes | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """The worker's (status, body) for this request, on this thread's connection."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=None)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            res = conn.getresponse()
+            return res.status, res.read()
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            self._local.conn = None
+            raise
+
+
+def worker_argv(argv: list[str], port: int) -> list[str]:
+    """The front's own arguments with the worker's port, one replica, no warm-up: argparse keeps the
+    last value of a repeated option, so the overrides go at the end."""
+    return [*argv, "--host", "127.0.0.1", "--port", str(port), "--dp-size", "1", "--skip-server-warmup",
+            "--dp-worker"]
+
+
+def start_workers(argv: list[str], count: int, log: Callable[[str], None]) -> list[Worker]:
+    """Start `count` workers and wait until each says it is ready; a worker that dies first fails
+    the start with its last lines. Afterwards each worker's output goes to this log (access lines
+    left out), and its exit ends this process."""
+    env = {**os.environ, PARENT_ENV: str(os.getpid())}
+    workers = []
+    for i in range(1, count + 1):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "eyas.local.server", *worker_argv(argv, port)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        workers.append(Worker(i, port, proc))
+    for w in workers:
+        _wait_ready(w)
+        threading.Thread(target=_relay, args=(w, log), name=f"eyas-dp-{w.index}", daemon=True).start()
+    return workers
+
+
+def _wait_ready(w: Worker) -> None:
+    tail: list[str] = []
+    deadline = time.monotonic() + START_TIMEOUT_S
+    for line in w.proc.stdout:  # blocks per line; a dead worker closes its pipe
+        if READY_LINE in line:
+            return
+        tail = (tail + [line.rstrip()])[-20:]
+        if time.monotonic() > deadline:
+            break
+    code = w.proc.poll()
+    raise ReplicaFailed(f"dp replica {w.index} {'exited with code ' + str(code) if code is not None else 'was not ready'} "
+                        f"before it was ready; its last lines:\n" + "\n".join(tail))
+
+
+def _relay(w: Worker, log: Callable[[str], None]) -> None:
+    for line in w.proc.stdout:
+        if not line.startswith("INFO:     "):  # the front logs every request already
+            log(f"[dp {w.index}] {line.rstrip()}")
+    code = w.proc.wait()
+    log(f"dp replica {w.index} (pid {w.proc.pid}) exited with code {code}: stopping the server")
+    os._exit(1)
+
+
+def exit_with_parent() -> None:
+    """In a worker: exit as soon as the front that started it is gone (its pid in PARENT_ENV)."""
+    parent = int(os.environ[PARENT_ENV])
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="eyas-dp-parent", daemon=True).start()
