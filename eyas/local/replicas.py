@@ -1,6 +1,7 @@
 """Data-parallel replicas of eyas-local (`--dp-size N`): N - 1 worker processes beside the front.
 
-    workers = start_workers(argv, 1, log)      # the same server again, on 127.0.0.1 ports of its own
+    workers = start_workers(argv, 1)           # the same server again, on 127.0.0.1 ports of its own
+    wait_ready(workers, log)                   # ... once this process has loaded its own model
     status, body = workers[0].forward("/generate", raw_body, headers)
 
 The front process serves HTTP as before and is replica 0; every other replica is the same command
@@ -66,10 +67,8 @@ def worker_argv(argv: list[str], port: int) -> list[str]:
             "--dp-worker"]
 
 
-def start_workers(argv: list[str], count: int, log: Callable[[str], None]) -> list[Worker]:
-    """Start `count` workers and wait until each says it is ready; a worker that dies first fails
-    the start with its last lines. Afterwards each worker's output goes to this log (access lines
-    left out), and its exit ends this process."""
+def start_workers(argv: list[str], count: int) -> list[Worker]:
+    """Start `count` workers (they load the model while this process loads its own)."""
     env = {**os.environ, PARENT_ENV: str(os.getpid())}
     workers = []
     for i in range(1, count + 1):
@@ -77,10 +76,16 @@ def start_workers(argv: list[str], count: int, log: Callable[[str], None]) -> li
         proc = subprocess.Popen([sys.executable, "-m", "eyas.local.server", *worker_argv(argv, port)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         workers.append(Worker(i, port, proc))
+    return workers
+
+
+def wait_ready(workers: list[Worker], log: Callable[[str], None]) -> None:
+    """Wait until each worker says it is ready; one that dies first fails the start with its last
+    lines. Afterwards each worker's output goes to this log (access lines left out), and its exit
+    ends this process."""
     for w in workers:
         _wait_ready(w)
         threading.Thread(target=_relay, args=(w, log), name=f"eyas-dp-{w.index}", daemon=True).start()
-    return workers
 
 
 def _wait_ready(w: Worker) -> None:

@@ -40,7 +40,7 @@ from eyas.dump import DUMP_DIR_ENV, DumpWriter, check_rid, dtype_from_env
 from eyas.server.readiness import READY_LINE
 from eyas.local.engine import (FAULTS, BadRequest, Engine, Speculative, load_model,
                                optional_tokenizer, log, resolve_capture_ids)
-from eyas.local.replicas import Worker, exit_with_parent, start_workers
+from eyas.local.replicas import Worker, exit_with_parent, start_workers, wait_ready
 
 
 # Sampling params SGLang accepts that eyas-local does not implement: allowed only at the value
@@ -426,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"dtype={args.dtype} ignored: eyas-local computes in float32 on CPU")
 
     # 1. Load the model (and fail here, as SGLang would, if a fault is injected)
+    workers = []  # --dp-size: the other replicas, this server again as worker processes; they load
+    if args.dp_size > 1:  # their models while this one loads its own
+        log(f"dp_size={args.dp_size}: starting {args.dp_size - 1} more replica(s) of the model")
+        workers = start_workers(raw_argv, args.dp_size - 1)
     model = load_model(args.model_path, load_delay=args.load_delay, fault=args.fault,
                        fault_shard=args.fault_shard)
     tokenizer = optional_tokenizer(args.model_path)
@@ -447,10 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(model, tokenizer, chunk_size=args.chunked_prefill_size, writer=writer,
                     capture_ids=capture_ids, seed=args.random_seed, speculative=speculative,
                     max_running=args.max_running_requests)
-    workers = []
-    if args.dp_size > 1:  # the other replicas: this server again, as worker processes
-        log(f"dp_size={args.dp_size}: starting {args.dp_size - 1} more replica(s) of the model")
-        workers = start_workers(raw_argv, args.dp_size - 1, log)
+    if workers:
+        wait_ready(workers, log)
         log(f"dp_size={args.dp_size}: {args.dp_size} replicas ready (pids {[w.proc.pid for w in workers]} "
             f"besides this one); each request goes to the least busy")
 
