@@ -150,6 +150,19 @@ class Termination:
         os._exit(128 + (self.signum or signal.SIGTERM))
 
 
+def _hand_over(timeout_s: float = 15.0) -> None:
+    """Send what Prefect still holds for the API (log batches, events) while the temporary server is
+    up. Left to the interpreter's exit, it found the server gone: "Error logging to API", retries,
+    and Prefect starting an ephemeral server of its own to deliver them (seen: 70 s between the
+    pipeline's end and the process's, on the embedded default)."""
+    try:
+        from prefect._internal.concurrency.services import _QueueServiceBase
+
+        _QueueServiceBase.drain_all(timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - nothing more to do on the way out
+        _flush_logs()
+
+
 def _flush_logs() -> None:
     try:
         from prefect.logging.handlers import APILogHandler
@@ -179,5 +192,5 @@ def run_in_process(fn: Callable[..., Any], *args, **kwargs) -> Any:
         raise
     finally:
         if term.server is not None and term.signum is None:
-            _flush_logs()  # the run's last log lines reach the server before it goes (else "Error logging to API")
+            _hand_over()  # the run's last logs and events reach the server before it goes
             term.server.stop()

@@ -27,7 +27,7 @@ def overrides(tmp: Path, data: Path, port: int | None = None, **extra) -> dict:
             "extraction.num_shards": 8, "extraction.concurrency": 2, "training.max_steps": 2,
             "training.batch_size": 2, "training.warmup_steps": 0, "evaluation.num_prompts": 1,
             "evaluation.max_new_tokens": 4, "sensor.poll_interval_s": 0.1, "benchmark.enabled": False,
-            "data.regenerate.enabled": False, **extra}
+            "data.regenerate.enabled": False, "server.dp_size": "null", **extra}  # one replica
 
 
 def command(verb: str, sets: dict) -> list[str]:

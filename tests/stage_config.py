@@ -22,5 +22,5 @@ def stage_config(tmp: Path, target: Path, **overrides) -> PipelineConfig:
         "server.chunked_prefill_size": 16, "extraction.output_dir": str(tmp / "shards"),
         "training.output_dir": str(tmp / "train"), "sensor.poll_interval_s": 0.1,
         "training.draft_vocab_size": draft_vocab,
-        "server.env": {"OMP_NUM_THREADS": "1"},  # local-tiny gives its server both cores; tests run two at once
+        "server.dp_size": None,  # one replica: the tests that signal or count a server's processes
         **overrides})

@@ -51,7 +51,6 @@ def run(prefect_harness, tmp_path_factory):
         "extraction.output_dir": str(tmp / "shards"), "training.output_dir": str(tmp / "train"),
         "benchmark.num_prompts": 2, "benchmark.max_new_tokens": 16, "benchmark.num_repeats": 1,
         "benchmark.interleave": False, "benchmark.concurrent": False, "benchmark.suites": SUITES,
-        "server.env": {"OMP_NUM_THREADS": "1"},  # CI runs two test files at once
     })
     state = eagle3_pipeline(cfg, return_state=True)
     return cfg, state
