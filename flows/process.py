@@ -150,6 +150,19 @@ class Termination:
         os._exit(128 + (self.signum or signal.SIGTERM))
 
 
+def _global_settings_from_env() -> None:
+    """Prefect's process-wide settings, read again from the environment. A thread the run starts (the
+    regeneration's workers, a progress publisher) sees those, not the flow's settings context: with
+    the API URL they were read with at import (none), its first log line made Prefect start an
+    ephemeral server of its own, which then ran beside the run to its end (seen in the README run:
+    "Starting temporary server" during regeneration, that part 27 s instead of 18)."""
+    try:
+        from prefect.context import refresh_global_settings_context
+    except ImportError:  # an older Prefect: threads keep the import-time settings
+        return
+    refresh_global_settings_context()
+
+
 def _hand_over(timeout_s: float = 15.0) -> None:
     """Send what Prefect still holds for the API (log batches, events) while the temporary server is
     up. Left to the interpreter's exit, it found the server gone: "Error logging to API", retries,
@@ -183,6 +196,7 @@ def run_in_process(fn: Callable[..., Any], *args, **kwargs) -> Any:
         if not PREFECT_API_URL.value():
             term.server = TemporaryServer()
             os.environ["PREFECT_API_URL"] = term.server.url  # for any process this run starts
+            _global_settings_from_env()  # ... and any thread
             settings = temporary_settings(updates={PREFECT_API_URL: term.server.url})
         with settings:
             return fn(*args, **kwargs)
