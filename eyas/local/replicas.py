@@ -61,10 +61,11 @@ class Worker:
 
 
 def worker_argv(argv: list[str], port: int) -> list[str]:
-    """The front's own arguments with the worker's port, one replica, no warm-up: argparse keeps the
-    last value of a repeated option, so the overrides go at the end."""
+    """The front's own arguments with the worker's port, one replica, no warm-up and no injected
+    fault (the front's loading bar is the one the sensor reads, and its fault the one that fires):
+    argparse keeps the last value of a repeated option, so the overrides go at the end."""
     return [*argv, "--host", "127.0.0.1", "--port", str(port), "--dp-size", "1", "--skip-server-warmup",
-            "--dp-worker"]
+            "--fault", "none", "--dp-worker"]
 
 
 def start_workers(argv: list[str], count: int) -> list[Worker]:

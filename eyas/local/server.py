@@ -128,8 +128,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
     if args.dp_size < 1:
         p.error(f"--dp-size must be >= 1, got {args.dp_size}")
-    if args.dp_size > 1 and args.fault != "none":
-        p.error("--fault with --dp-size > 1: inject faults into a single replica")
     ids = args.return_aux_hidden_state_layer_ids
     if ids is not None and (len(set(ids)) != len(ids) or min(ids) < 0):
         p.error(f"--return-aux-hidden-state-layer-ids must be unique and non-negative, got {ids}")

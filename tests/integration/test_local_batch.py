@@ -104,9 +104,14 @@ def test_dp_replicas_share_the_requests_and_answer_as_one_model(start_server, ra
         assert r["output_ids"] == greedy_reference(ref_model, p, 12)
     assert len(states) == 2 and all(s["num_completion_tokens"] > 0 for s in states)  # both served
     assert sum(s["num_completion_tokens"] for s in states) == 12 * len(prompts)
+    from eyas.local.replicas import worker_argv
     from eyas.local.server import parse_args
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "x", "--dp-size", "0"])
+    # a worker: its own loopback port, one replica, no warm-up, and no injected fault (the front's fires)
+    w = parse_args(worker_argv(["--model-path", "x", "--port", "1", "--dp-size", "2", "--fault", "oom-at-shard"], 5))
+    assert (w.port, w.host, w.dp_size, w.fault, w.skip_server_warmup, w.dp_worker) == (
+        5, "127.0.0.1", 1, "none", True, True)
     # A replica that dies takes the server with it: a crash the sensor and the extraction see
     import os
     import re
