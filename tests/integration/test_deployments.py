@@ -52,7 +52,8 @@ def small(tmp_path_factory):
                 "extraction.output_dir": str(tmp / "shards"), "training.output_dir": str(tmp / "train"),
                 "training.max_steps": 20, "training.warmup_steps": 2, "training.checkpoint_every": 10,
                 "training.batch_size": 4, "evaluation.num_prompts": 2,
-                "evaluation.max_new_tokens": 8, "benchmark.suites": [], "sensor.poll_interval_s": 0.1, **extra}
+                "evaluation.max_new_tokens": 8, "benchmark.suites": [], "sensor.poll_interval_s": 0.1,
+                "server.dp_size": None, **extra}  # one replica: these runs share 2 cores with other tests
     return make
 
 

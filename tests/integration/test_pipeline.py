@@ -51,6 +51,7 @@ def run(prefect_harness, tmp_path_factory):
         "extraction.output_dir": str(tmp / "shards"), "training.output_dir": str(tmp / "train"),
         "benchmark.num_prompts": 2, "benchmark.max_new_tokens": 16, "benchmark.num_repeats": 1,
         "benchmark.interleave": False, "benchmark.concurrent": False, "benchmark.suites": SUITES,
+        "server.dp_size": None,  # one replica: CI runs two test files at once on 2 cores
     })
     state = eagle3_pipeline(cfg, return_state=True)
     return cfg, state
