@@ -234,7 +234,7 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     log(f"training drafter: {sum(p.numel() for p in params) / 1e6:.2f}M params, {len(data.train_ids)} train / "
         f"{data.num_heldout} held-out sequences, global batch {G} ({world} rank(s) x {cfg.grad_accum} x "
         f"{cfg.batch_size}), draft vocab {cfg.draft_vocab_size}, device {device}{' (bf16 GEMMs)' * cpu_bf16}")
-    cache = None  # a CPU run's labels, once per sequence where they fit (a GPU computes them per batch)
+    # A CPU run's labels, once per sequence where they fit (a GPU computes them per batch)
     if device.type == "cpu" and cfg.teacher_cache_gb > 0:
         cache = TeacherCache.build(data, make_labels, cfg.draft_vocab_size, dtype, cfg.teacher_cache_gb, kernels)
         if cache is not None:
