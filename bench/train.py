@@ -156,32 +156,38 @@ def check_kernels(device, dtype, kernels: KernelOptions = KernelOptions()) -> di
 
 
 def check_compiled(device, dtype) -> dict:
-    """A small drafter's loss and gradients with the fused (compiled) regions against eager."""
+    """A small drafter's loss and gradients with the fused (compiled) regions against eager: a prompt
+    prefix (the span, step 0's queries on its last rows) and turns between replies (gathered rows)."""
     c = DrafterConfig(**TINY)
     model, head = build(c, device, dtype, seed=3)
-    K = 4
-    d = batch(c, 2, 96, device, dtype, seed=3)
-    labels = teacher_labels(head, d["last"], d["loss_mask"], c.draft_vocab_size, dtype)
+    K, T = 4, 96
+    turns = torch.ones(2, T, dtype=torch.bool)
+    turns[:, 10:30], turns[1, 50:75] = False, False
     params = [p for p in model.parameters() if p.requires_grad]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    out = []
-    for on in (False, True):
-        with autocast:
-            loss, _, _ = TTTObjective(model, kernels=KernelOptions(compile=on))(d["ids"], d["aux"], labels, K, 0.8)
-        out.append([loss] + list(torch.autograd.grad(loss, params)))
-    return {"compiled_vs_eager": max(rel(a, b) for a, b in zip(out[1], out[0]))}
+    res = {}
+    for name, mask_fn in (("compiled_vs_eager", None), ("compiled_vs_eager_turns", lambda B, seed: turns)):
+        d = batch(c, 2, T, device, dtype, seed=3, mask_fn=mask_fn)
+        labels = teacher_labels(head, d["last"], d["loss_mask"], c.draft_vocab_size, dtype)
+        out = []
+        for on in (False, True):
+            with autocast:
+                loss, _, _ = TTTObjective(model, kernels=KernelOptions(compile=on))(d["ids"], d["aux"], labels, K, 0.8)
+            out.append([loss] + list(torch.autograd.grad(loss, params)))
+        res[name] = max(rel(a, b) for a, b in zip(out[1], out[0]))
+    return res
 
 
-def check_fp8(model, head, c, T, K, device, dtype, compile_on: bool) -> dict:
-    """One batch-1 step's loss and gradients three ways: the default (bf16 autocast on a GPU), the layer's
-    GEMMs in FP8, and fp32 throughout (the reference): relative error of the loss and of each trainable
-    weight's gradient, FP8 and the default each against the reference and against each other."""
+def check_fp8(model, head, c, T, K, device, dtype, compile_on: bool, variants=("default", "fp8")) -> dict:
+    """One batch-1 step's loss and gradients with each variant (bf16 autocast on a GPU; `fp8`: the layer's
+    GEMMs in FP8) and fp32 throughout (the reference, the default's kernels): relative error of the loss and
+    of each trainable weight's gradient, each variant against the reference, and the second against the first."""
     d = batch(c, 1, T, device, dtype, seed=11, mask_fn=mask_source("prefix:0", T))
     labels = teacher_labels(head, d["last"], d["loss_mask"], c.draft_vocab_size, dtype)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = [p for p in model.parameters() if p.requires_grad]
     out = {}
-    for v, mixed in (("default", True), ("fp8", True), ("fp32", False)):
+    for v, mixed in [(v, True) for v in variants] + [("fp32", False)]:
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and mixed)
         aux = d["aux"] if mixed else d["aux"].float()
         with autocast:
@@ -189,7 +195,7 @@ def check_fp8(model, head, c, T, K, device, dtype, compile_on: bool) -> dict:
                 d["ids"], aux, labels, K, 0.8)
         out[v] = [loss.detach().float()] + [g.float() for g in torch.autograd.grad(loss, params)]
     res = {}
-    for a, b in (("fp8", "fp32"), ("default", "fp32"), ("fp8", "default")):
+    for a, b in [(v, "fp32") for v in variants] + [(variants[1], variants[0])] * (len(variants) > 1):
         res[f"{a}_vs_{b}"] = {"loss": rel(out[a][0], out[b][0]),
                               **{n: rel(x, y) for n, x, y in zip(names, out[a][1:], out[b][1:])}}
     return res
@@ -373,7 +379,8 @@ VARIANTS = {"default": {},
             "skip": dict(triton_ce=False), "tce": dict(skip_unscored=False), "fp32acc": dict(grad_acc_fp32=True),
             "flash": dict(attention="flash"),
             "span": dict(skip_rows=False),  # skipping by the batch's one scored span (before 2026-12-03, session 6)
-            "fp8": dict(fp8_gemms=True)}  # the layer's GEMMs in FP8 (opt-in: training.fp8_gemms)
+            "fp8": dict(fp8_gemms=True),  # the layer's GEMMs in FP8 (opt-in: training.fp8_gemms)
+            "noemb": dict(shared_emb=False)}  # every TTT step projects its own embedding (before 2026-12-04)  # the layer's GEMMs in FP8 (opt-in: training.fp8_gemms)
 
 
 def variant(name: str, compile_on: bool) -> KernelOptions:
@@ -625,6 +632,8 @@ def main() -> None:
                     help="measure each chat-shaped row with these KernelOptions variants (e.g. default fp8)")
     ap.add_argument("--fp8-check", action="store_true",
                     help="one step's loss and gradients with FP8 GEMMs against the default's (relative error)")
+    ap.add_argument("--step-check", nargs="+", default=None, choices=list(VARIANTS),
+                    help="one step's loss and gradients with these variants against fp32 (relative error)")
     ap.add_argument("--profile-batches", type=int, nargs="*", default=[1],
                     help="profile one step at these batches (GPU time by kernel class)")
     args = ap.parse_args()
@@ -687,6 +696,15 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - report, measure the rest
             figures["fp8_step_rel_err"] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
         log(f"a step's loss and gradients, FP8 / default / fp32 (relative error): {figures['fp8_step_rel_err']}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    if args.step_check:
+        try:
+            figures["step_rel_err"] = check_fp8(model, head, c, T, K, device, dtype, compile_on, args.step_check)
+        except Exception as e:  # noqa: BLE001 - report, measure the rest
+            figures["step_rel_err"] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
+        log(f"a step's loss and gradients against fp32 (relative error): {figures['step_rel_err']}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -117,8 +117,12 @@ class _TTTAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k0, v0, scale, n, kernels, *kv):  # kv: n diagonal keys, then n values, (B, nh, T, hd) each
         y0, lse0, state = _flash_fwd(q, k0, v0, scale, kernels.attention)  # (B, nh, T, hd), (B, nh, T[, 1])
-        y, lse, a = fused.diag_forward(q, y0, lse0.view(q.shape[:3]), list(kv[:n]), list(kv[n:]), scale,
-                                       compile=kernels.compile)
+        if n == 0:  # step 0's queries shorter than its keys: the causal part alone, nothing to merge;
+            # y dense and laid out like q, as the merge lays it (the kernels' backward wants dy like y)
+            y, lse, a = torch.empty_like(q).copy_(y0), lse0, None
+        else:
+            y, lse, a = fused.diag_forward(q, y0, lse0.view(q.shape[:3]), list(kv[:n]), list(kv[n:]), scale,
+                                           compile=kernels.compile)
         ctx.scale, ctx.state, ctx.n, ctx.lse_meta = scale, state, n, (lse0.shape, lse0.dtype)
         ctx.compile = kernels.compile
         ctx.save_for_backward(q, k0, v0, y, lse, a, *kv)
@@ -131,6 +135,8 @@ class _TTTAttention(torch.autograd.Function):
         if dy.stride() != y.stride():  # the kernels want dy laid out like y
             dy = torch.empty_like(y).copy_(dy)
         dq0, dk0, dv0 = _flash_bwd(dy, q, k0, v0, y, lse.view(ctx.lse_meta[0]).to(ctx.lse_meta[1]), ctx.state, ctx.scale)
+        if n == 0:  # dq dense and laid out like q (dq0 may be a slice of the kernel's padded rows)
+            return torch.empty_like(q).copy_(dq0), dk0, dv0, None, None, None
         dq, dkd, dvd = fused.diag_backward(dy, y, q, a, list(kv[:n]), list(kv[n:]), dq0, ctx.scale,
                                            compile=ctx.compile)
         return dq, dk0, dv0, None, None, None, *dkd, *dvd
@@ -162,8 +168,11 @@ class _TTTAttentionRows(torch.autograd.Function):
         qf = _scatter(q, b, t, B, T)  # (B, nh, T, hd)
         y0, raw, state = _flash_fwd(qf, k0, v0, scale, kernels.attention)
         lse0 = raw.view(B, nh, T).float()
-        y, lse, a = fused.diag_forward(q, _gather_rows(y0, b, t), lse0[b, :, t].T[None], list(kv[:n]), list(kv[n:]),
-                                       scale, compile=kernels.compile)  # y (1, nh, N, hd), lse (1, nh, N)
+        if n == 0:  # step 0's queries at the gathered rows: the causal part alone, nothing to merge
+            y, lse, a = _gather_rows(y0, b, t), lse0[b, :, t].T[None], None
+        else:
+            y, lse, a = fused.diag_forward(q, _gather_rows(y0, b, t), lse0[b, :, t].T[None], list(kv[:n]),
+                                           list(kv[n:]), scale, compile=kernels.compile)  # y (1, nh, N, hd), lse (1, nh, N)
         ctx.scale, ctx.state, ctx.n, ctx.compile, ctx.lse_meta = scale, state, n, kernels.compile, (raw.shape, raw.dtype)
         ctx.save_for_backward(q, k0, v0, b, t, y, lse, lse0, a, *kv)
         return y
@@ -177,6 +186,8 @@ class _TTTAttentionRows(torch.autograd.Function):
         lse_full[b, :, t] = lse[0].T
         dq0, dk0, dv0 = _flash_bwd(_scatter(dy, b, t, B, T), _scatter(q, b, t, B, T), k0, v0, _scatter(y, b, t, B, T),
                                    lse_full.view(ctx.lse_meta[0]).to(ctx.lse_meta[1]), ctx.state, ctx.scale)
+        if n == 0:
+            return _gather_rows(dq0, b, t), dk0, dv0, None, None, None, None, None
         dq, dkd, dvd = fused.diag_backward(dy, y, q, a, list(kv[:n]), list(kv[n:]), _gather_rows(dq0, b, t), ctx.scale,
                                            compile=ctx.compile)
         return dq, dk0, dv0, None, None, None, None, None, *dkd, *dvd

@@ -134,29 +134,36 @@ class _GradSink:
     In the GEMM dtype (the default: bf16 on a GPU, the sum autograd forms, one fused GEMM instead of a
     GEMM and an add per step) or, with fp32 (KernelOptions.grad_acc_fp32), in fp32: more exact, but
     cuBLAS's fp32-output kernels ran ~10% slower on the H200, which costs more than the adds it saves
-    (docs/performance.md)."""
+    (docs/performance.md). `part`: the column block a GEMM's gradient belongs to, for a weight used as
+    two halves (q/k/v's embedding and hidden-state columns, KernelOptions.shared_emb); take() joins them."""
 
     def __init__(self, fp32: bool = False):
-        self.buf, self.fp32 = None, fp32  # buf (out, in), made by the first weight-gradient GEMM
+        self.bufs, self.fp32 = {}, fp32  # part (None: the whole weight) -> (out, in) buffer, made by its first GEMM
 
-    def add(self, dy_t, x):  # += dy_t @ x: the first GEMM writes the buffer, the next ones accumulate into it
-        if self.buf is None:
-            self.buf = fused.mm_f32(dy_t, x) if self.fp32 and dy_t.dtype.itemsize < 4 else dy_t @ x
-        elif self.buf.dtype == dy_t.dtype:
-            self.buf.addmm_(dy_t, x)
+    def add(self, dy_t, x, part: int | None = None):  # += dy_t @ x: the first GEMM writes the buffer, the next ones accumulate
+        buf = self.bufs.get(part)
+        if buf is None:
+            self.bufs[part] = fused.mm_f32(dy_t, x) if self.fp32 and dy_t.dtype.itemsize < 4 else dy_t @ x
+        elif buf.dtype == dy_t.dtype:
+            buf.addmm_(dy_t, x)
         else:
-            fused.addmm_f32_(self.buf, dy_t, x)
+            fused.addmm_f32_(buf, dy_t, x)
 
     def add_product(self, g):  # += g, a weight gradient formed elsewhere (the FP8 GEMMs: no accumulating kernel)
-        if self.buf is None:
-            self.buf = g if not self.fp32 else g.float()
+        buf = self.bufs.get(None)
+        if buf is None:
+            self.bufs[None] = g if not self.fp32 else g.float()
         else:
-            self.buf.add_(g)
+            buf.add_(g)
 
     def take(self, dtype):
         """The sum in `dtype` (None if nothing was added), emptying the sink."""
-        buf, self.buf = self.buf, None
-        return None if buf is None else buf.to(dtype)
+        bufs, self.bufs = self.bufs, {}
+        if not bufs:
+            return None
+        if None in bufs:
+            return bufs[None].to(dtype)
+        return torch.cat([bufs[0].to(dtype), bufs[1].to(dtype)], dim=1)  # (out, in_0 + in_1)
 
 
 class _Collect(torch.autograd.Function):
@@ -178,12 +185,13 @@ class _SharedLinear(torch.autograd.Function):
     """x @ w.T for a weight shared by the TTT steps: dx as usual, dW added to the weight's sink."""
 
     @staticmethod
-    def forward(ctx, x, token, w, sink, out_dtype):
-        # x (..., in); w (out, in) detached, already in the GEMM dtype; the output in out_dtype
+    def forward(ctx, x, token, w, sink, out_dtype, part=None):
+        # x (..., in); w (out, in) detached, already in the GEMM dtype; the output in out_dtype;
+        # part: which column block of the shared weight w is (_GradSink), None for all of it
         x2 = x.reshape(-1, x.shape[-1])  # (M, in)
         xg = fused.gemm_operand(x2, w.dtype)  # (M or more, in): CPU bf16 GEMMs get padded rows
         ctx.save_for_backward(xg)
-        ctx.w, ctx.sink, ctx.x_dtype, ctx.x_shape = w, sink, x.dtype, x.shape
+        ctx.w, ctx.sink, ctx.x_dtype, ctx.x_shape, ctx.part = w, sink, x.dtype, x.shape, part
         return (xg @ w.T)[:x2.shape[0]].to(out_dtype).view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
@@ -194,8 +202,8 @@ class _SharedLinear(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             dx = (dyg @ ctx.w)[:dy2.shape[0]].view(ctx.x_shape).to(ctx.x_dtype)
-        ctx.sink.add(dyg.T, xg)  # padded rows are zeros on both sides: they add nothing
-        return dx, dy.new_zeros((), dtype=torch.float32), None, None, None
+        ctx.sink.add(dyg.T, xg, ctx.part)  # padded rows are zeros on both sides: they add nothing
+        return dx, dy.new_zeros((), dtype=torch.float32), None, None, None, None
 
 
 class _SharedLinearFP8(torch.autograd.Function):
@@ -260,23 +268,30 @@ class TTTWeights:
     grad_acc_fp32: the sums in fp32 (_GradSink)."""
 
     def __init__(self, drafter: "Eagle3Drafter", dtype: torch.dtype, gemm_dtype: torch.dtype | None = None,
-                 grad_acc_fp32: bool = False, fp8: bool = False, compile: bool = False):
+                 grad_acc_fp32: bool = False, fp8: bool = False, compile: bool = False, halves: bool = False):
         a, m = drafter.midlayer.self_attn, drafter.midlayer.mlp
         mods = {"fc": drafter.fc, "q_proj": a.q_proj, "k_proj": a.k_proj, "v_proj": a.v_proj, "o_proj": a.o_proj,
                 "gate_proj": m.gate_proj, "up_proj": m.up_proj, "down_proj": m.down_proj}
         grad = torch.is_grad_enabled()
         self.w, self.sink, self.token, self.dtype, self.q8, self.compile = {}, {}, {}, dtype, {}, compile
         self._last: tuple | None = None  # (x, its FP8 quantization): q/k/v and gate/up read one x
+        H = drafter.cfg.hidden_size
         for name, mod in mods.items():
             w = mod.weight
             self.sink[name] = _GradSink(grad_acc_fp32)
             self.token[name] = _Collect.apply(self.sink[name], w) if grad and w.requires_grad else None
             if fp8 and w.shape[0] % fused.FP8_MULTIPLE == 0 and w.shape[1] % fused.FP8_MULTIPLE == 0:
                 self.q8[name] = _Fp8Weight.of(w, compile)  # from the master weights; no bf16 copy needed
+            elif halves and name in ("q_proj", "k_proj", "v_proj"):
+                # q/k/v read concat(embedding, hidden state): its two column blocks as two GEMM operands,
+                # each contiguous (the cast copies anyway); linear(name, x, part) picks one
+                w = w.detach().to(gemm_dtype or dtype)
+                self.w[name] = (w[:, :H].contiguous(), w[:, H:].contiguous())
             else:
                 self.w[name] = w.detach().to(gemm_dtype or dtype)
 
-    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, name: str, x: torch.Tensor, part: int | None = None) -> torch.Tensor:
+        """x @ W.T for the weight `name`; part 0 / 1: x @ W[:, :H].T / x @ W[:, H:].T (q/k/v with halves)."""
         if name in self.q8:
             if self._last is None or self._last[0] is not x:
                 self._last = (x, _quantized(x.detach(), self.compile))
@@ -286,10 +301,10 @@ class TTTWeights:
                 w8 = self.q8[name]
                 return fused.mm_fp8(x8, sx, w8.row8, w8.row_s, self.dtype)[:M].view(*x.shape[:-1], w8.row8.shape[0])
             return _SharedLinearFP8.apply(x, token, self.q8[name], self._last[1], self.sink[name], self.dtype)
-        w = self.w[name]
+        w = self.w[name] if part is None else self.w[name][part]
         if self.token[name] is None:
             return (x.to(w.dtype) @ w.T).to(self.dtype)
-        return _SharedLinear.apply(x, self.token[name], w, self.sink[name], self.dtype)
+        return _SharedLinear.apply(x, self.token[name], w, self.sink[name], self.dtype, part)
 
 
 def compute_dtype(device: torch.device, default: torch.dtype) -> torch.dtype:
@@ -343,6 +358,47 @@ class Attention(nn.Module):
         return lin("o_proj", y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
+    def forward_ttt(self, x, pe: dict, cos, sin, ttt: list, shared: TTTWeights, kernels: KernelOptions, keep=None):
+        """A TTT step's attention with the embedding's share of q/k/v given (KernelOptions.shared_emb).
+
+        x (B, L, H) hidden_norm(h); pe {q_proj, k_proj, v_proj: (B, L, out)} input_layernorm(embed) @ W_e.T
+        at the same positions (Eagle3Drafter.emb_proj, shifted by the caller); cos/sin (L, hd) or
+        (L', hd) matching the rows. keep (step 0 of a skipping unroll): the queries only at these rows,
+        a slice of L (the last rows: bottom-right causal) or gathered (b, t) -> (1, N); keys and values
+        at every row, since they are every later step's causal keys. -> o_proj's output at the query rows."""
+        B, L, _ = x.shape
+        c = kernels.compile
+        k = fused.add_rope(shared.linear("k_proj", x, 1).view(B, L, self.nkv, self.hd),
+                           pe["k_proj"].view(B, L, self.nkv, self.hd), cos, sin, compile=c).transpose(1, 2)
+        v = (shared.linear("v_proj", x, 1) + pe["v_proj"]).view(B, L, self.nkv, self.hd).transpose(1, 2)
+        xq, pq, cq, sq = (_rows(x, keep), _rows(pe["q_proj"], keep), _pos_rows(cos, keep), _pos_rows(sin, keep))
+        Bq, Lq = xq.shape[:2]
+        q = fused.add_rope(shared.linear("q_proj", xq, 1).view(Bq, Lq, self.nh, self.hd),
+                           pq.view(Bq, Lq, self.nh, self.hd), cq, sq, compile=c).transpose(1, 2)  # (Bq, nh, Lq, hd)
+        ttt.append((k, v))
+        (k0, v0), diag = ttt[0], ttt[1:]
+        where = getattr(ttt, "where", None) if diag else (keep if isinstance(keep, tuple) else None)
+        y = ttt_attention(q, self._heads(k0), self._heads(v0), [self._heads(kd) for kd, _ in diag],
+                          [self._heads(vd) for _, vd in diag], 1.0 / math.sqrt(self.hd), kernels, where)
+        return shared.linear("o_proj", y.transpose(1, 2).reshape(Bq, Lq, self.nh * self.hd))
+
+
+def _rows(x, keep):
+    """x (B, L, ...) at the rows `keep` names: None all, a slice of L, or gathered (b, t) -> (1, N, ...)."""
+    if keep is None:
+        return x
+    if isinstance(keep, slice):
+        return x[:, keep]
+    return x[keep][None]
+
+
+def _pos_rows(x, keep):
+    """A per-position table (L, ...) (RoPE's cos/sin) at the rows `keep` names (see _rows)."""
+    if keep is None:
+        return x
+    return x[keep] if isinstance(keep, slice) else x[keep[1]]
+
+
 class _SwiGLU(torch.autograd.Function):
     """silu(g) * u keeping only g and u for the backward (silu(g) is recomputed): a third less MLP memory."""
 
@@ -390,6 +446,17 @@ class DecoderLayer(nn.Module):
         if final_norm is None:
             return h + out, None
         return fused.add_norm(h, out, final_norm.weight, final_norm.eps, compile=c)
+
+
+    def forward_ttt(self, h, pe: dict, cos, sin, ttt: list, final_norm: RMSNorm, shared: TTTWeights,
+                    kernels: KernelOptions, keep=None):
+        """forward() for a TTT step whose embedding's share of q/k/v is given (Attention.forward_ttt):
+        h (B, L, H) the residual stream in -> (h_out, final_norm(h_out)) at the query rows `keep`."""
+        eps, c = self.hidden_norm.eps, kernels.compile
+        x = fused.norm(h, self.hidden_norm.weight, eps, compile=c)  # (B, L, H)
+        a = self.self_attn.forward_ttt(x, pe, cos, sin, ttt, shared, kernels, keep)
+        h, x = fused.add_norm(_rows(h, keep), a, self.post_attention_layernorm.weight, eps, compile=c)
+        return fused.add_norm(h, self.mlp(x, shared, kernels), final_norm.weight, final_norm.eps, compile=c)
 
 
 class Eagle3Drafter(nn.Module):
@@ -446,3 +513,23 @@ class Eagle3Drafter(nn.Module):
         return self.midlayer(emb.to(hidden.dtype), hidden, cos.to(hidden.dtype), sin.to(hidden.dtype),
                              None if mask is None else mask.to(hidden.dtype), ttt, cache, final_norm=self.norm,
                              shared=shared, kernels=kernels)
+
+    def emb_proj(self, tokens: torch.Tensor, shared: TTTWeights, kernels: KernelOptions = DEFAULT) -> dict:
+        """input_layernorm(embed(tokens)) @ W_e.T for q, k and v, W_e their embedding columns: the part
+        of every TTT step's q/k/v that depends on its token alone (KernelOptions.shared_emb). tokens
+        (B, S) -> {q_proj, k_proj, v_proj: (B, S, out)}; their gradients, summed over the steps that
+        read them, reach W_e and the norm's weight through one GEMM each."""
+        e = self.embed_tokens(tokens).to(shared.dtype)  # (B, S, H), frozen
+        en = fused.norm(e, self.midlayer.input_layernorm.weight, self.midlayer.input_layernorm.eps,
+                        compile=kernels.compile)
+        return {name: shared.linear(name, en, 0) for name in ("q_proj", "k_proj", "v_proj")}
+
+    def ttt_step(self, hidden, pe: dict, positions, ttt: list, shared: TTTWeights, kernels: KernelOptions,
+                 keep=None):
+        """step() with the embedding's share of q/k/v given: pe at hidden's positions (emb_proj's, shifted
+        by the caller); keep: step 0's query rows (DecoderLayer.forward_ttt) -> (h, norm(h)) there."""
+        if hidden.shape[-1] != self.cfg.hidden_size:
+            hidden = shared.linear("fc", hidden)  # (B, L, H)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        return self.midlayer.forward_ttt(hidden, pe, cos.to(hidden.dtype), sin.to(hidden.dtype), ttt, self.norm,
+                                         shared, kernels, keep)

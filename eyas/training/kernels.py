@@ -67,6 +67,12 @@ class KernelOptions:
     #: scale per row and column (training.fp8_gemms; needs shared_weights): not the same function,
     #: FP8 rounds each operand to 3 mantissa bits. The head, the teacher and attention stay bf16.
     fp8_gemms: bool = False
+    #: the embedding's share of q/k/v computed once per unroll (with shared_weights, not with fp8_gemms):
+    #: step k at position t reads the token step 0 reads at t + k, so its input_layernorm(embed) @ W_e
+    #: is step 0's, shifted; and its gradients summed first, then one input and one weight GEMM.
+    #: Also, with skip_unscored, step 0's queries, o_proj and MLP only where a later step or the head
+    #: reads them (its keys and values everywhere). False: every step projects its own concatenation.
+    shared_emb: bool = True
 
     def __post_init__(self):
         if self.attention not in ("cudnn", "flash"):
@@ -220,6 +226,12 @@ def norm_cat(emb, h, w_emb, w_h, eps: float):
 
 
 @_fused
+def norm(x, w, eps: float):
+    """rms_norm(x) * w."""
+    return _rms(x, w, eps)
+
+
+@_fused
 def add_norm(h, delta, w, eps: float):
     """(h + delta, rms_norm(h + delta) * w): a residual add and the norm that reads it."""
     h = h + delta
@@ -238,6 +250,16 @@ def rope_qk(q, k, cos, sin):
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
     return rot(q), rot(k)
+
+
+@_fused
+def add_rope(x, p, cos, sin):
+    """Rotate-half RoPE of x + p, both (B, T, n, hd) position-major; cos/sin (T, hd) or (B, T, hd): a
+    projection of the hidden state plus the embedding's share of it (KernelOptions.shared_emb)."""
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    x = x + p
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 @_fused

@@ -231,7 +231,22 @@ class TTTObjective(nn.Module):
         if not kn.shared_weights:
             return None
         return TTTWeights(m, compute_dtype(device, m.fc.weight.dtype), self.gemm_dtype, kn.grad_acc_fp32,
-                          fp8=kn.fp8_gemms, compile=kn.compile)
+                          fp8=kn.fp8_gemms, compile=kn.compile, halves=self._share_emb())
+
+    def _share_emb(self) -> bool:
+        kn = self.kernels
+        return kn.shared_emb and kn.shared_weights and not kn.fp8_gemms
+
+    def _emb(self, ids, K: int, shared: TTTWeights | None):
+        """The embedding's share of q/k/v at every position a step reads (KernelOptions.shared_emb), or
+        None. Step k at position t reads token t+1+k (0 past the end), which is ext[t+k] below, so step
+        k's share at t is row t+k of one projection: {q_proj, k_proj, v_proj: (B, T+K-1, out)}."""
+        if shared is None or not self._share_emb():
+            return None
+        B, T = ids.shape
+        ext = ids.new_zeros(B, T + K - 1)
+        ext[:, :T - 1] = ids[:, 1:]
+        return self.drafter.emb_proj(ext, shared, self.kernels)
 
     def forward(self, ids, aux, labels: Labels, ttt_steps: int, decay: float, counts: torch.Tensor | None = None):
         """ids (B, T), aux (B, T, 3H) -> (loss, correct (K,), scored (K,)); counts (K,) the denominators."""
@@ -244,7 +259,16 @@ class TTTObjective(nn.Module):
         pos = torch.arange(T, device=ids.device)
         kv, normed = [], []
         shared = self._weights(ids.device)
+        pe = self._emb(ids, K, shared)
         for k in range(K):
+            if pe is not None:  # the embedding's share of q/k/v from pe, shifted by k
+                if k == 0:  # keys and values on [0, e), the rest only on [s, e): the later steps read no more
+                    h, hn = m.ttt_step(aux[:, :e], {n: p[:, :e] for n, p in pe.items()}, pos[:e], kv, shared, kn,
+                                       slice(s, None) if s else None)  # (B, e - s, H)
+                else:
+                    h, hn = m.ttt_step(h, {n: p[:, s + k:e + k] for n, p in pe.items()}, pos[s:e] + k, kv, shared, kn)
+                normed.append(hn)
+                continue
             nxt = torch.zeros_like(ids)
             nxt[:, :T - 1 - k] = ids[:, 1 + k:]  # step k at t reads token t+1+k
             if k == 0:  # all positions: step 0's keys are every later step's causal keys
@@ -273,8 +297,18 @@ class TTTObjective(nn.Module):
         later step's causal keys; the attention scatters the gathered queries back for its causal part."""
         m, (B, T), kn = self.drafter, ids.shape, self.kernels
         shared = self._weights(ids.device)
+        pe = self._emb(ids, K, shared)
         kv, normed = TTTKeys(), []
         for k in range(K):
+            if pe is not None:  # the embedding's share of q/k/v from pe, shifted by k
+                if k == 0:  # keys and values everywhere, queries and the rest at the gathered rows only
+                    h, hn = m.ttt_step(aux, {n: p[:, :T] for n, p in pe.items()}, torch.arange(T, device=ids.device),
+                                       kv, shared, kn, (b, t))  # (1, N, H)
+                    kv.where = (b, t)
+                else:
+                    h, hn = m.ttt_step(h, {n: p[b, t + k][None] for n, p in pe.items()}, t + k, kv, shared, kn)
+                normed.append(hn[0])
+                continue
             nxt = torch.zeros_like(ids)
             nxt[:, :T - 1 - k] = ids[:, 1 + k:]  # step k at t reads token t+1+k
             if k == 0:

@@ -67,13 +67,37 @@ def test_shared_weights_or_linear_modules_give_the_same_loss_and_gradients():
                      atol=1e-6, rtol=1e-4)
 
 
+def test_shared_embedding_projection_gives_the_same_loss_and_gradients():
+    """q/k/v's embedding columns applied once per unroll and shifted per step (with step 0's queries, o_proj
+    and MLP only where read), against every step projecting its own concatenation: the span, the gathered
+    rows and no skipping, in fp32 and in the CPU's bf16 GEMMs."""
+    for kw in ({}, {"skip_rows": False}, {"skip_unscored": False}):
+        assert_same_step(loss_and_grads(KernelOptions(**kw)), loss_and_grads(KernelOptions(shared_emb=False, **kw)),
+                         atol=1e-6, rtol=1e-4)
+    a = loss_and_grads(KernelOptions(), torch.bfloat16)
+    b = loss_and_grads(KernelOptions(shared_emb=False), torch.bfloat16)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-2, atol=0)
+    for ga, gb in zip(a[1], b[1]):
+        assert float((ga - gb).norm() / gb.norm()) < 3e-2
+    # the halves reach one gradient per weight, the embedding's columns first
+    m, ids, aux, labels = case(KernelOptions())
+    w = TTTWeights(m, torch.float32, halves=True)
+    assert [t.shape for t in w.w["q_proj"]] == [(m.cfg.num_attention_heads * m.cfg.head_dim, m.cfg.hidden_size)] * 2
+    sink = _GradSink()
+    x0, x1, dy = torch.randn(5, 3), torch.randn(5, 3), torch.randn(5, 4)
+    sink.add(dy.T, x0, 0)
+    sink.add(dy.T, x1, 1)
+    sink.add(dy.T, x1, 1)
+    torch.testing.assert_close(sink.take(torch.float32), torch.cat([dy.T @ x0, 2 * dy.T @ x1], 1))
+
+
 def test_grad_acc_fp32_sums_in_fp32_and_stays_close_to_the_bf16_sums():
     x, dy = torch.randn(6, 4, dtype=torch.bfloat16), torch.randn(6, 5, dtype=torch.bfloat16)
     for fp32, dtype in ((False, torch.bfloat16), (True, torch.float32)):
         sink = _GradSink(fp32)
         sink.add(dy.T, x)
         sink.add(dy.T, x)
-        assert sink.buf.dtype == dtype  # the option reaches the sink
+        assert sink.bufs[None].dtype == dtype  # the option reaches the sink
         torch.testing.assert_close(sink.take(torch.float32), 2 * (dy.float().T @ x.float()), rtol=2e-2, atol=2e-2)
     m = make()
     assert all(s.fp32 for s in TTTWeights(m, torch.float32, torch.bfloat16, grad_acc_fp32=True).sink.values())
@@ -143,8 +167,13 @@ def test_compile_routes_every_region_through_torch_compile(monkeypatch):
     assert not seen
     compiled = loss_and_grads(KernelOptions(compile=True, triton_ce=False))
     assert_same_step(compiled, eager, atol=1e-7, rtol=1e-6)
-    assert {"norm_cat", "add_norm", "rope_qk", "swiglu", "diag_forward", "diag_backward",
+    assert {"norm", "add_norm", "add_rope", "swiglu", "diag_forward", "diag_backward",
             "_soft_ce_torch"} <= set(seen)
+    seen.clear()  # every step projecting its own concatenation (KernelOptions.shared_emb off)
+    fused._compiled.clear()
+    assert_same_step(loss_and_grads(KernelOptions(compile=True, triton_ce=False, shared_emb=False)),
+                     loss_and_grads(KernelOptions(shared_emb=False)), atol=1e-7, rtol=1e-6)
+    assert {"norm_cat", "add_norm", "rope_qk", "swiglu"} <= set(seen)
 
 
 def test_kernel_options_follow_training_compile(tmp_path):

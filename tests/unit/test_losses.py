@@ -29,7 +29,28 @@ def test_ttt_attention_matches_the_masked_softmax_with_gradients(K):
     torch.testing.assert_close(y, want, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("K", [1, 3])
+@pytest.mark.parametrize("K", [0, 2])
+def test_ttt_attention_of_the_last_query_rows_matches_the_masked_softmax_with_gradients(K):
+    """Queries the last L of S key positions (bottom-right causal): the later steps on a span, and with
+    K = 0 step 0 itself when only its last rows are read (KernelOptions.shared_emb): no merge then, and
+    the output and dq laid out like q."""
+    g = torch.Generator().manual_seed(20 + K)
+    B, nh, S, L, hd = 2, 3, 29, 11, 16
+    q, *kd = (torch.randn(B, S, nh, hd, generator=g)[:, S - L:].transpose(1, 2).requires_grad_() for _ in range(1 + 2 * K))
+    kd, vd = kd[:K], kd[K:]
+    k0, v0 = (torch.randn(B, nh, S, hd, generator=g, requires_grad=True) for _ in range(2))
+    ins = [q, k0, v0, *kd, *vd]
+    y, want = ttt_attention(q, k0, v0, kd, vd, 0.25), reference_ttt_attention(q, k0, v0, kd, vd, 0.25)
+    torch.testing.assert_close(y, want, atol=2e-6, rtol=1e-5)
+    dy = torch.randn(y.shape, generator=g)
+    got = torch.autograd.grad(y, ins, dy)
+    for a, c in zip(got, torch.autograd.grad(want, ins, dy)):
+        torch.testing.assert_close(a, c, atol=2e-6, rtol=1e-5)
+    if K == 0:
+        assert y.transpose(1, 2).is_contiguous() and got[0].stride() == torch.empty_like(q).stride()
+
+
+@pytest.mark.parametrize("K", [0, 1, 3])
 def test_ttt_attention_on_gathered_rows_matches_the_whole_batch_with_gradients(K):
     """Queries gathered from a (B, T) batch (uneven per sequence, first and last positions among them): the
     kernel path and the gathered reference equal the whole batch's attention at those rows, gradients too."""
