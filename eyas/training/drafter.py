@@ -4,6 +4,7 @@
     drafter = Eagle3Drafter(cfg)
     logits, h = drafter(input_ids, aux, positions, causal_mask(T))              # one step
     h, hn = drafter.step(next_ids, h, positions + 1, None, ttt=kv, kernels=k)   # a TTT step (training)
+    h, hn = drafter.ttt_step(h, pe, positions + 1, kv, shared, k)               # ... its embedding's share given
 
 One step: fc(concat of the target's 3 aux hidden states) -> one Llama decoder layer whose q/k/v read
 concat(input_layernorm(embed(token)), hidden_norm(h)) -> final norm -> lm_head over the draft vocab.

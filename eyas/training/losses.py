@@ -22,6 +22,9 @@ position (`ttt_rows`: chat data's user turns between replies drop out, as do pro
 or, where that would skip little, on the one span from the batch's first to its last scored position
 (`ttt_span`). KernelOptions.skip_rows off: always the span; skip_unscored off: everywhere. The loss
 and its gradients are the same function; a position is never dropped for its label's content.
+
+The embedding's share of every step's q/k/v is one projection per unroll (KernelOptions.shared_emb):
+step k at position t reads the token step 0 reads at t+k, so it takes row t+k of it (TTTObjective._emb).
 """
 
 from __future__ import annotations

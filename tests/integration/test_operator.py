@@ -26,7 +26,7 @@ DOCS = ("README.md", "docs/operations.md")
 #: Every command line of the docs' bash blocks, and what runs it. "here": this module, against its
 #: server. The others need what a test machine lacks, or are run elsewhere as named.
 COMMANDS = {
-    "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 && .venv/bin/pip install -q -e '.[test]' && .venv/bin/eyas run configs/local-tiny.yaml":
+    "python3 -m venv .venv && .venv/bin/pip install -q --no-compile torch==2.13.0 -e . && .venv/bin/eyas run configs/local-tiny.yaml":
         "the install: .ci/run; `eyas run` of this config: tests/integration/test_eyas_run_output.py (reduced)",
     "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 && .venv/bin/pip install -q -e '.[test]' && .venv/bin/python -m pytest -q":
         ".ci/run, exactly (tests/unit/test_readme.py)",
