@@ -360,7 +360,8 @@ class BenchmarkConfig(StrictModel):
     interleave: bool = False
     #: with interleave (alone it changes nothing): the two servers' passes run at the same time
     #: instead of in turn, each server on its own cores (give each its share through server_env,
-    #: e.g. OMP_NUM_THREADS); half the stage's time where one server cannot use the machine
+    #: e.g. OMP_NUM_THREADS); half the stage's time where one server cannot use the machine. The
+    #: plain and the first chain's servers are launched at the same time too
     concurrent: bool = False
     #: environment of the serving launches over server.env (e.g. {OMP_NUM_THREADS: "1"} when two
     #: CPU servers share the cores); shown and stored: no secrets

@@ -78,11 +78,13 @@ def launches(cfg: PipelineConfig, drafter_dir: str | Path | None = None) -> list
 def _open(stack: ExitStack, host: Host, c: PipelineConfig, out: dict, key: str, warm: list[list[int]],
           log, owner) -> Meter:
     """Launch (stopped when the stack closes), warm up, and note the launch under out[key]."""
+    launched_at = time.time()
     handle, ready_s = stack.enter_context(running(host, c, log, owner))
+    window = {"launched_at": round(launched_at, 3), "ready_at": round(time.time(), 3)}  # when, in epoch seconds
     meter = Meter(handle.url, c.benchmark, launch.auth_headers(c))
     stack.callback(meter.close)
     meter.warm_up(warm)
-    out[key] = {"command": handle.command, "ready_seconds": ready_s, "sets": {}, "speed": None}
+    out[key] = {"command": handle.command, "ready_seconds": ready_s, **window, "sets": {}, "speed": None}
     return meter
 
 
@@ -119,15 +121,24 @@ def _one_at_a_time(cfg: PipelineConfig, host: Host, sets: dict, speed_prompts: l
 def _interleaved(cfg: PipelineConfig, host: Host, sets: dict, speed_prompts: list[list[int]], configs: dict,
                  bench: str | None, log, owner=None) -> dict[str, dict]:
     """The plain server up throughout; each chain's beside it in turn, their passes alternating (or,
-    with benchmark.concurrent, running at the same time: each server on its own cores)."""
+    with benchmark.concurrent, running at the same time: each server on its own cores, and the plain
+    and the first chain's servers launched at the same time too)."""
     out: dict[str, dict] = {}
     (_, plain_cfg), *chain_configs = configs.items()
     together, max_new = cfg.benchmark.concurrent, cfg.evaluation.max_new_tokens
     with ExitStack() as stack:
-        plain = _open(stack, host, plain_cfg, out, "plain", speed_prompts, log, owner)
-        for key, c in chain_configs:
-            with ExitStack() as inner:
-                spec = _open(inner, host, c, out, key, speed_prompts, log, owner)
+        inners = [stack.enter_context(ExitStack()) for _ in chain_configs]  # a chain's server, stopped after its turn
+        first = None
+        if together and chain_configs:  # separate workdirs, ports and records: nothing shared but the host
+            plain, first = _together(partial(_open, stack, host, plain_cfg, out, "plain", speed_prompts, log, owner),
+                                     partial(_open, inners[0], host, chain_configs[0][1], out, chain_configs[0][0],
+                                             speed_prompts, log, owner))
+        else:
+            plain = _open(stack, host, plain_cfg, out, "plain", speed_prompts, log, owner)
+        for i, (key, c) in enumerate(chain_configs):
+            with inners[i] as inner:
+                spec = first if i == 0 and first is not None else _open(inner, host, c, out, key, speed_prompts,
+                                                                         log, owner)
                 for name, s in sets.items():
                     calls = [partial(spec.serve_set, s["prompts"], max_new)]
                     if name not in out["plain"]["sets"]:  # the first chain's turn
@@ -194,8 +205,8 @@ def run_serve_bench(cfg: PipelineConfig, drafter_dir: str | Path, sets: dict[str
 
 def _assemble(cfg, drafter_dir, sets, num_speed_prompts, served, bench, runs, seconds) -> dict[str, Any]:
     b, plain = cfg.benchmark, runs["plain"]
-    result_chains = {c.name: {"command": runs[c.name]["command"], "ready_seconds": runs[c.name]["ready_seconds"],
-                              "sets": _set_figures(sets, runs[c.name]["sets"], plain["sets"])} for c in served}
+    result_chains = {c.name: {**_launch(runs[c.name]), "sets": _set_figures(sets, runs[c.name]["sets"], plain["sets"])}
+                     for c in served}
     headline = result_chains[served[0].name]["sets"]["heldout"]
     result = {
         "acceptance_length": headline["acceptance_length"],  # the first chain's, held-out prompts
@@ -205,7 +216,7 @@ def _assemble(cfg, drafter_dir, sets, num_speed_prompts, served, bench, runs, se
         "identical_to_target": all(s["identical_to_target"] is not False
                                    for c in result_chains.values() for s in c["sets"].values()),
         "sets": {name: {"source": s.get("source"), "num_prompts": len(s["prompts"])} for name, s in sets.items()},
-        "plain": {"command": plain["command"], "ready_seconds": plain["ready_seconds"],
+        "plain": {**_launch(plain),
                   "sets": {n: {k: r[k] for k in ("tokens_per_s", "seconds")} for n, r in plain["sets"].items()}},
         "benchmark_chain": bench.name if bench else None,
         "speculative": None, "speedup": None, "identical_outputs": None,
@@ -223,8 +234,13 @@ def _assemble(cfg, drafter_dir, sets, num_speed_prompts, served, bench, runs, se
     return result
 
 
+def _launch(run: dict) -> dict[str, Any]:
+    """What the report keeps of a launch: its command, seconds to ready, and when it started and was ready."""
+    return {k: run[k] for k in ("command", "ready_seconds", "launched_at", "ready_at")}
+
+
 def _speed_figures(plain: dict, spec_run: dict, temperature: float) -> dict[str, Any]:
-    spec = {**spec_run["speed"], "command": spec_run["command"], "ready_seconds": spec_run["ready_seconds"]}
+    spec = {**spec_run["speed"], **_launch(spec_run)}
     identical = plain.pop("outputs") == spec.pop("outputs")
     speedup = {k: _ratio(spec[k], plain[k]) for k in ("single_stream_tokens_per_s", "concurrent_tokens_per_s")}
     speedup["ttft"] = _ratio(plain["ttft_s"], spec["ttft_s"])  # > 1: the drafter made it faster

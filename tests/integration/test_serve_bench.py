@@ -116,6 +116,10 @@ def test_subflow_measures_both_servers_on_the_same_prompts(prefect_harness, expo
     ports = {side["command"].split("--port ")[1].split()[0] for side in (plain, spec)}
     assert len(ports) == (2 if interleave else 1)
     assert result["settings"]["concurrent"] is concurrent
+    for side in (plain, spec, result["chains"]["3/1/4"]):
+        assert side["launched_at"] < side["ready_at"]
+    # concurrent: both servers launched together; else the chain's once the plain one is ready (and warm)
+    assert (spec["launched_at"] < plain["ready_at"]) is concurrent
     assert result["settings"]["server_env"] == {**cfg.server.env, "EYAS_BENCH_MARK": "served"}  # as launched
 
 
