@@ -136,6 +136,7 @@ def main() -> None:
                    help="training seeds to measure (the config's own seed is the first run)")
     args = p.parse_args()
     from eyas.config import load_config
+    from eyas.extraction.locks import unlock_output_dir
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,6 +148,7 @@ def main() -> None:
         else:
             config, clone = Path(args.config), None
             report, flow_s = run_flow(config, {**run_dirs(tmp), "extraction.output_dir": str(tmp / "shards")})
+            unlock_output_dir(tmp / "shards")  # this process's run is over: the seeds' runs read the shards
             eyas, env = [sys.executable, "-m", "eyas"], {**os.environ, "PYTHONPATH": str(ROOT)}
         cfg = load_config(config)
         shards = tmp / "shards" if clone is None else cfg.extraction.output_dir
