@@ -178,7 +178,7 @@ def check_compiled(device, dtype) -> dict:
     return res
 
 
-def check_fp8(model, head, c, T, K, device, dtype, compile_on: bool, variants=("default", "fp8")) -> dict:
+def check_step(model, head, c, T, K, device, dtype, compile_on: bool, variants=("default", "fp8")) -> dict:
     """One batch-1 step's loss and gradients with each variant (bf16 autocast on a GPU; `fp8`: the layer's
     GEMMs in FP8) and fp32 throughout (the reference, the default's kernels): relative error of the loss and
     of each trainable weight's gradient, each variant against the reference, and the second against the first."""
@@ -692,7 +692,7 @@ def main() -> None:
         try:
             figures["fp8_gemm_rel_err"] = fp8_gemm_errors(device, compile_on)
             log(f"FP8 GEMMs alone (relative error against fp32): {figures['fp8_gemm_rel_err']}")
-            figures["fp8_step_rel_err"] = check_fp8(model, head, c, T, K, device, dtype, compile_on)
+            figures["fp8_step_rel_err"] = check_step(model, head, c, T, K, device, dtype, compile_on)
         except Exception as e:  # noqa: BLE001 - report, measure the rest
             figures["fp8_step_rel_err"] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
         log(f"a step's loss and gradients, FP8 / default / fp32 (relative error): {figures['fp8_step_rel_err']}")
@@ -701,7 +701,7 @@ def main() -> None:
 
     if args.step_check:
         try:
-            figures["step_rel_err"] = check_fp8(model, head, c, T, K, device, dtype, compile_on, args.step_check)
+            figures["step_rel_err"] = check_step(model, head, c, T, K, device, dtype, compile_on, args.step_check)
         except Exception as e:  # noqa: BLE001 - report, measure the rest
             figures["step_rel_err"] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
         log(f"a step's loss and gradients against fp32 (relative error): {figures['step_rel_err']}")

@@ -164,9 +164,7 @@ class _GradSink:
             return None
         if None in bufs:
             return bufs[None].to(dtype)
-        parts = [bufs.get(0), bufs.get(1)]  # a part no gradient reached (nothing read it) adds zeros
-        ref = next(p for p in parts if p is not None)
-        return torch.cat([(p if p is not None else torch.zeros_like(ref)).to(dtype) for p in parts], dim=1)
+        return torch.cat([bufs[0].to(dtype), bufs[1].to(dtype)], dim=1)  # (out, in_0 + in_1): both halves run every unroll
 
 
 class _Collect(torch.autograd.Function):

@@ -238,6 +238,11 @@ def add_norm(h, delta, w, eps: float):
     return h, _rms(h, w, eps)
 
 
+def _rotate(x, cos, sin):  # rotate-half RoPE; cos/sin broadcast over x's heads
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
 @_fused
 def rope_qk(q, k, cos, sin):
     """Rotate-half RoPE on q (B, T, nh, hd) and k (B, T, nkv, hd); cos/sin (T, hd) or (B, T, hd).
@@ -245,21 +250,14 @@ def rope_qk(q, k, cos, sin):
     Position-major, as the projections write them: the attention reads them through a transpose, and
     the gradients come back in this layout, so no copy sits between the GEMMs and the attention."""
     cos, sin = cos[..., None, :], sin[..., None, :]
-
-    def rot(x):
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-    return rot(q), rot(k)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 @_fused
 def add_rope(x, p, cos, sin):
     """Rotate-half RoPE of x + p, both (B, T, n, hd) position-major; cos/sin (T, hd) or (B, T, hd): a
     projection of the hidden state plus the embedding's share of it (KernelOptions.shared_emb)."""
-    cos, sin = cos[..., None, :], sin[..., None, :]
-    x = x + p
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return _rotate(x + p, cos[..., None, :], sin[..., None, :])
 
 
 @_fused
