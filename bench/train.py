@@ -61,8 +61,8 @@ from eyas.training import attention, kernels as fused  # noqa: E402
 from eyas.training.attention import reference_ttt_attention, reference_ttt_attention_rows, ttt_attention  # noqa: E402
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eyas.training.kernels import KernelOptions  # noqa: E402
-from eyas.training.losses import (Labels, TTTObjective, draft_first_order, head_soft_ce, scored_counts,  # noqa: E402
-                                  teacher_labels, ttt_rows)
+from eyas.training.losses import (HEAD_CHUNK_ROWS, Labels, TTTObjective, draft_first_order, head_soft_ce,  # noqa: E402
+                                  scored_counts, teacher_labels, ttt_rows)
 from eyas.training.optim import clip_and_step, lr_factor, make_optimizer  # noqa: E402
 from eyas.training.target_head import TargetHead  # noqa: E402
 from eyas.training.train import optimizer_step  # noqa: E402
@@ -191,8 +191,8 @@ def check_step(model, head, c, T, K, device, dtype, compile_on: bool, variants=(
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and mixed)
         aux = d["aux"] if mixed else d["aux"].float()
         with autocast:
-            loss, _, _ = TTTObjective(model, kernels=variant("default" if v == "fp32" else v, compile_on))(
-                d["ids"], aux, labels, K, 0.8)
+            name = "default" if v == "fp32" else v
+            loss, _, _ = objective(model, variant(name, compile_on), name)(d["ids"], aux, labels, K, 0.8)
         out[v] = [loss.detach().float()] + [g.float() for g in torch.autograd.grad(loss, params)]
     res = {}
     for a, b in [(v, "fp32") for v in variants] + [(variants[1], variants[0])] * (len(variants) > 1):
@@ -299,8 +299,8 @@ def labeller(head, c: DrafterConfig, dtype, kernels: KernelOptions):
 
 
 def run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args, kernels: KernelOptions,
-              mask_fn=None) -> dict:
-    objective = TTTObjective(model, kernels=kernels)
+              mask_fn=None, name: str = "default") -> dict:
+    obj = objective(model, kernels, name)
     data = [batch(c, B, T, device, dtype, seed=s, mask_fn=mask_fn) for s in range(2)]
     counts = [scored_counts(list(d["loss_mask"].cpu()), K) for d in data]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -309,7 +309,7 @@ def run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args, kernels:
 
     def step():
         j = i[0] % 2
-        stats = optimizer_step(objective, objective, opt, sched, [data[j]], make_labels, ttt_steps=K, decay=0.8,
+        stats = optimizer_step(obj, obj, opt, sched, [data[j]], make_labels, ttt_steps=K, decay=0.8,
                                counts=counts[j], grad_clip=0.5, autocast=autocast)
         losses.append(float(stats[0]))
         i[0] += 1
@@ -340,7 +340,7 @@ def rows_share(data: list, K: int) -> float:
 
 def breakdown(model, head, opt, c, T, K, device, dtype, args, kernels: KernelOptions) -> dict:
     """Batch 1, the parts of a step timed alone: teacher, forward+backward, clip+AdamW."""
-    objective = TTTObjective(model, kernels=kernels)
+    obj = TTTObjective(model, kernels=kernels)
     d = batch(c, 1, T, device, dtype, seed=7)
     counts = scored_counts(list(d["loss_mask"].cpu()), K)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -350,12 +350,12 @@ def breakdown(model, head, opt, c, T, K, device, dtype, args, kernels: KernelOpt
 
     def fwd_bwd():
         with autocast:
-            loss, _, _ = objective(d["ids"], d["aux"], labels[-1], K, 0.8, counts)
+            loss, _, _ = obj(d["ids"], d["aux"], labels[-1], K, 0.8, counts)
         loss.backward()
 
     def fwd():
         with torch.no_grad(), autocast:
-            objective(d["ids"], d["aux"], labels[-1], K, 0.8, counts)
+            obj(d["ids"], d["aux"], labels[-1], K, 0.8, counts)
 
     def opt_step():
         clip_and_step(params, opt, 0.5, kernels.fused_clip)
@@ -380,11 +380,23 @@ VARIANTS = {"default": {},
             "flash": dict(attention="flash"),
             "span": dict(skip_rows=False),  # skipping by the batch's one scored span (before 2026-12-03, session 6)
             "fp8": dict(fp8_gemms=True),  # the layer's GEMMs in FP8 (opt-in: training.fp8_gemms)
-            "noemb": dict(shared_emb=False)}  # every TTT step projects its own embedding (before 2026-12-04)  # the layer's GEMMs in FP8 (opt-in: training.fp8_gemms)
+            "noemb": dict(shared_emb=False),  # every TTT step projects its own embedding (before 2026-12-04)
+            # 2026-12-05: each measured against its absence, and all three together
+            "noinplace": dict(emb_grad_inplace=False),  # autograd sums the embedding share's slices
+            "nogroup": dict(grouped_gemms=False),  # q/k/v and gate/up one node each, input gradients added
+            "noteacherlt": dict(teacher_lt=False),  # the teacher's GEMMs under cuBLAS
+            "before": dict(emb_grad_inplace=False, grouped_gemms=False, teacher_lt=False),
+            # the fused head's rows per chunk (TTTObjective.head_chunk; losses.HEAD_CHUNK_ROWS otherwise)
+            "chunk4k": dict(head_chunk=4096), "chunk16k": dict(head_chunk=16384), "chunk32k": dict(head_chunk=32768)}
 
 
 def variant(name: str, compile_on: bool) -> KernelOptions:
-    return KernelOptions(compile=compile_on, **VARIANTS[name])
+    return KernelOptions(compile=compile_on, **{k: v for k, v in VARIANTS[name].items() if k != "head_chunk"})
+
+
+def objective(model, kernels: KernelOptions, name: str = "default") -> TTTObjective:
+    """The training objective of a variant: its KernelOptions and its head chunk."""
+    return TTTObjective(model, VARIANTS[name].get("head_chunk", HEAD_CHUNK_ROWS), kernels=kernels)
 
 
 def run_variants(names, model, head, opt, sched, c, B, T, K, device, dtype, rounds: int, per_round: int,
@@ -395,7 +407,7 @@ def run_variants(names, model, head, opt, sched, c, B, T, K, device, dtype, roun
     data = batch(c, B, T, device, dtype, seed=0, mask_fn=mask_fn)
     counts = scored_counts(list(data["loss_mask"].cpu()), K)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    objectives = {n: TTTObjective(model, kernels=variant(n, compile_on)) for n in names}
+    objectives = {n: objective(model, variant(n, compile_on), n) for n in names}
 
     def step(n):
         o = objectives[n]
@@ -455,14 +467,14 @@ def kernel_summary(prof, top: int = 40) -> dict:
             "top": [[round(t, 2), n, name[:120]] for t, n, name in rows[:top]]}
 
 
-def profile_batch(model, head, opt, sched, c, B, T, K, device, dtype, kernels: KernelOptions) -> dict:
+def profile_batch(model, head, opt, sched, c, B, T, K, device, dtype, kernels: KernelOptions, mask_fn=None) -> dict:
     from torch.profiler import ProfilerActivity, profile
-    objective = TTTObjective(model, kernels=kernels)
-    d = batch(c, B, T, device, dtype, seed=9)
+    obj = TTTObjective(model, kernels=kernels)
+    d = batch(c, B, T, device, dtype, seed=9, mask_fn=mask_fn)
     counts = scored_counts(list(d["loss_mask"].cpu()), K)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
     make_labels = labeller(head, c, dtype, kernels)
-    step = lambda: optimizer_step(objective, objective, opt, sched, [d], make_labels, ttt_steps=K, decay=0.8,  # noqa: E731
+    step = lambda: optimizer_step(obj, obj, opt, sched, [d], make_labels, ttt_steps=K, decay=0.8,  # noqa: E731
                                   counts=counts, grad_clip=0.5, autocast=autocast)
     step()
     sync(device)
@@ -634,6 +646,8 @@ def main() -> None:
                     help="one step's loss and gradients with FP8 GEMMs against the default's (relative error)")
     ap.add_argument("--step-check", nargs="+", default=None, choices=list(VARIANTS),
                     help="one step's loss and gradients with these variants against fp32 (relative error)")
+    ap.add_argument("--profile-mask", choices=["main", "masks-from", "prompt", "all-scored"], default="main",
+                    help="the loss masks of the profiled step (default: the main rows')")
     ap.add_argument("--profile-batches", type=int, nargs="*", default=[1],
                     help="profile one step at these batches (GPU time by kernel class)")
     args = ap.parse_args()
@@ -756,7 +770,7 @@ def main() -> None:
         fn = mask_source(kind, T, args.masks_from)
         try:
             r = run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args, variant(v, compile_on),
-                          mask_fn=fn)
+                          mask_fn=fn, name=v)
         except Exception as e:  # noqa: BLE001 - keep measuring the other masks
             r = {"batch": B, "error": f"{type(e).__name__}: {str(e)[:1500]}"}
             opt.zero_grad(set_to_none=True)
@@ -780,7 +794,9 @@ def main() -> None:
         figures["profiles"] = {}
         for B in args.profile_batches:
             try:
-                prof = profile_batch(model, head, opt, sched, c, B, T, K, device, dtype, kernels)
+                pmask = None if args.profile_mask == "main" else mask_source(known[args.profile_mask][1], T,
+                                                                              args.masks_from)
+                prof = profile_batch(model, head, opt, sched, c, B, T, K, device, dtype, kernels, pmask)
                 figures["profiles"][B] = prof
                 log(f"profile batch {B}: {prof['total_ms']:.1f} ms GPU, {prof['by_kind_ms']}")
                 for row in prof["top"][:25]:

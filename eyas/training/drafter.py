@@ -4,7 +4,7 @@
     drafter = Eagle3Drafter(cfg)
     logits, h = drafter(input_ids, aux, positions, causal_mask(T))              # one step
     h, hn = drafter.step(next_ids, h, positions + 1, None, ttt=kv, kernels=k)   # a TTT step (training)
-    h, hn = drafter.ttt_step(h, pe, positions + 1, kv, shared, k)               # ... its embedding's share given
+    h, hn = drafter.ttt_step(h, emb.step(q_rows, rows), positions + 1, kv, shared, k)   # ... its embedding's share given
 
 One step: fc(concat of the target's 3 aux hidden states) -> one Llama decoder layer whose q/k/v read
 concat(input_layernorm(embed(token)), hidden_norm(h)) -> final norm -> lm_head over the draft vocab.
@@ -207,6 +207,34 @@ class _SharedLinear(torch.autograd.Function):
         return dx, dy.new_zeros((), dtype=torch.float32), None, None, None, None
 
 
+class _SharedLinears(torch.autograd.Function):
+    """_SharedLinear for weights that read one x (q/k/v, gate/up; KernelOptions.grouped_gemms): x saved
+    once, and its gradient summed inside the input-gradient GEMMs (beta = 1) instead of one GEMM per
+    weight and autograd's adds of their (M, in) results. Only where x is already in the GEMM dtype (a
+    GPU under autocast, or fp32 throughout): the CPU's bf16 GEMMs over fp32 activations keep one node
+    per weight and their sums in fp32 (TTTWeights.linears)."""
+
+    @staticmethod
+    def forward(ctx, x, ws, sinks, out_dtype, part, *tokens):
+        # x (..., in); ws: the weights (out_i, in), detached, in x's dtype -> one output (..., out_i) each
+        x2 = x.reshape(-1, x.shape[-1])  # (M, in)
+        ctx.save_for_backward(x2)
+        ctx.ws, ctx.sinks, ctx.x_shape, ctx.part = ws, sinks, x.shape, part
+        return tuple((x2 @ w.T).to(out_dtype).view(*x.shape[:-1], w.shape[0]) for w in ws)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x2, = ctx.saved_tensors
+        dx = None
+        for dy, w, sink in zip(dys, ctx.ws, ctx.sinks):
+            dy2 = dy.reshape(-1, dy.shape[-1]).to(w.dtype)  # (M, out_i)
+            if ctx.needs_input_grad[0]:
+                dx = dy2 @ w if dx is None else dx.addmm_(dy2, w)  # (M, in): the sum in the GEMM's epilogue
+            sink.add(dy2.T, x2, ctx.part)
+        dx = None if dx is None else dx.view(ctx.x_shape)
+        return (dx, None, None, None, None, *(dy.new_zeros((), dtype=torch.float32) for dy in dys))
+
+
 class _SharedLinearFP8(torch.autograd.Function):
     """_SharedLinear with its three GEMMs in FP8 (KernelOptions.fp8_gemms): x quantized per token for the
     forward and per channel (transposed) for the weight gradient, dy likewise in the backward, the weight
@@ -291,6 +319,17 @@ class TTTWeights:
             else:
                 self.w[name] = w.detach().to(gemm_dtype or dtype)
 
+    def linears(self, names: tuple[str, ...], x: torch.Tensor, part: int | None = None,
+                grouped: bool = True) -> list[torch.Tensor]:
+        """[linear(name, x, part) for name in names], as one _SharedLinears where it applies (grouped,
+        x in the GEMM dtype, gradients wanted, no FP8): the same function, x's gradient summed in the GEMMs."""
+        ws = [self.w.get(n) if part is None else self.w[n][part] for n in names]
+        if (not grouped or len(names) < 2 or any(n in self.q8 or self.token[n] is None for n in names)
+                or any(w.dtype != x.dtype for w in ws)):
+            return [self.linear(n, x, part) for n in names]
+        return list(_SharedLinears.apply(x, tuple(ws), tuple(self.sink[n] for n in names), self.dtype, part,
+                                         *(self.token[n] for n in names)))
+
     def linear(self, name: str, x: torch.Tensor, part: int | None = None) -> torch.Tensor:
         """x @ W.T for the weight `name`; part 0 / 1: x @ W[:, :H].T / x @ W[:, H:].T (q/k/v with halves)."""
         if name in self.q8:
@@ -306,6 +345,97 @@ class TTTWeights:
         if self.token[name] is None:
             return (x.to(w.dtype) @ w.T).to(self.dtype)
         return _SharedLinear.apply(x, self.token[name], w, self.sink[name], self.dtype, part)
+
+
+class _EmbSums:
+    """The gradients of an unroll's embedding projections (SharedEmb), one (B, S, out) buffer each, made
+    by the first step's backward that reaches it. Holds no graph tensor: the autograd nodes hold it."""
+
+    def __init__(self, like: dict):
+        self.like = {n: (p.shape, p.dtype, p.device) for n, p in like.items()}
+        self.bufs: dict = {}
+
+    def add(self, name: str, rows, dy):  # the buffer's rows `rows` (rows_of's forms) += dy
+        buf = self.bufs.get(name)
+        if buf is None:
+            shape, dtype, device = self.like[name]
+            buf = self.bufs[name] = torch.zeros(shape, dtype=dtype, device=device)
+        if isinstance(rows, slice):
+            buf[:, rows].add_(dy)
+        else:  # gathered (b, t), distinct: one indexed add into the flat (B * S, out) rows
+            b, t = rows
+            buf.view(-1, buf.shape[-1]).index_add_(0, b * buf.shape[1] + t, dy.reshape(-1, buf.shape[-1]))
+
+    def take(self, name: str):
+        return self.bufs.pop(name, None)
+
+
+class _CollectEmb(torch.autograd.Function):
+    """A 0-dim token every step's share of one embedding projection depends on; its backward, which
+    autograd runs after all of theirs, hands the summed buffer to the projection (as _Collect does for
+    weights)."""
+
+    @staticmethod
+    def forward(ctx, sums, name, p):
+        ctx.sums, ctx.name = sums, name
+        return p.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return None, None, ctx.sums.take(ctx.name)
+
+
+class _EmbRows(torch.autograd.Function):
+    """One step's rows of an embedding projection: the forward a view (or gather) of it, the backward
+    an in-place add into the unroll's sum (_EmbSums) instead of a zero-padded copy for autograd to sum."""
+
+    @staticmethod
+    def forward(ctx, token, data, sums, name, rows):
+        ctx.sums, ctx.name, ctx.rows = sums, name, rows
+        return rows_of(data, rows)
+
+    @staticmethod
+    def backward(ctx, dy):
+        ctx.sums.add(ctx.name, ctx.rows, dy)
+        return dy.new_zeros(()), None, None, None, None
+
+
+def rows_of(x, rows):
+    """x (B, S, ...) at `rows`: a slice of S (a view), or gathered (b, t) -> (1, N, ...)."""
+    if isinstance(rows, slice):
+        return x[:, rows]
+    return x[rows][None]
+
+
+class SharedEmb:
+    """input_layernorm(embed(tokens)) @ W_e.T for q, k and v over an unroll's S = T + K - 1 tokens
+    (Eagle3Drafter.emb_proj, KernelOptions.shared_emb), handed to each TTT step at its rows (at()).
+
+    in_place (KernelOptions.emb_grad_inplace): each step's gradient is added into one (B, S, out) buffer
+    per projection (_EmbRows); without it autograd slices, which costs every step a zero-filled (B, S,
+    out) tensor, a strided copy into it and an add. `start`: the first token a projection holds (q's
+    may start where the first query does); rows are given in token positions."""
+
+    def __init__(self, pe: dict, start: dict | None = None, in_place: bool = True):
+        self.pe, self.start = pe, start or {}
+        grad = in_place and any(p.requires_grad for p in pe.values())
+        self.data = {n: p.detach() for n, p in pe.items()} if grad else None
+        self.sums = _EmbSums(pe) if grad else None
+        self.token = {n: _CollectEmb.apply(self.sums, n, p) for n, p in pe.items()} if grad else None
+
+    def at(self, name: str, rows):
+        """The projection `name` at token positions `rows` (a slice, or gathered (b, t))."""
+        off = self.start.get(name, 0)
+        if off:
+            rows = slice(rows.start - off, rows.stop - off) if isinstance(rows, slice) else (rows[0], rows[1] - off)
+        if self.token is None:
+            return rows_of(self.pe[name], rows)
+        return _EmbRows.apply(self.token[name], self.data[name], self.sums, name, rows)
+
+    def step(self, q_rows, kv_rows) -> dict:
+        """{q_proj: at q_rows, k_proj and v_proj: at kv_rows}: one TTT step's inputs."""
+        return {"q_proj": self.at("q_proj", q_rows), "k_proj": self.at("k_proj", kv_rows),
+                "v_proj": self.at("v_proj", kv_rows)}
 
 
 def compute_dtype(device: torch.device, default: torch.dtype) -> torch.dtype:
@@ -362,20 +492,24 @@ class Attention(nn.Module):
     def forward_ttt(self, x, pe: dict, cos, sin, ttt: list, shared: TTTWeights, kernels: KernelOptions, keep=None):
         """A TTT step's attention with the embedding's share of q/k/v given (KernelOptions.shared_emb).
 
-        x (B, L, H) hidden_norm(h); pe {q_proj, k_proj, v_proj: (B, L, out)} input_layernorm(embed) @ W_e.T
-        at the same positions (Eagle3Drafter.emb_proj, shifted by the caller); cos/sin (L, hd) or
+        x (B, L, H) hidden_norm(h); pe {k_proj, v_proj: (B, L, out), q_proj: the same at the query rows}
+        input_layernorm(embed) @ W_e.T at the same positions (SharedEmb.step); cos/sin (L, hd) or
         (L', hd) matching the rows. keep (step 0 of a skipping unroll): the queries only at these rows,
         a slice of L (the last rows: bottom-right causal) or gathered (b, t) -> (1, N); keys and values
         at every row, since they are every later step's causal keys. -> o_proj's output at the query rows."""
         B, L, _ = x.shape
-        c = kernels.compile
-        k = fused.add_rope(shared.linear("k_proj", x, 1).view(B, L, self.nkv, self.hd),
-                           pe["k_proj"].view(B, L, self.nkv, self.hd), cos, sin, compile=c).transpose(1, 2)
-        v = (shared.linear("v_proj", x, 1) + pe["v_proj"]).view(B, L, self.nkv, self.hd).transpose(1, 2)
-        xq, pq, cq, sq = (_rows(x, keep), _rows(pe["q_proj"], keep), _pos_rows(cos, keep), _pos_rows(sin, keep))
-        Bq, Lq = xq.shape[:2]
-        q = fused.add_rope(shared.linear("q_proj", xq, 1).view(Bq, Lq, self.nh, self.hd),
-                           pq.view(Bq, Lq, self.nh, self.hd), cq, sq, compile=c).transpose(1, 2)  # (Bq, nh, Lq, hd)
+        c, g = kernels.compile, kernels.grouped_gemms
+        if keep is None:
+            yq, yk, yv = shared.linears(("q_proj", "k_proj", "v_proj"), x, 1, g)
+        else:
+            yk, yv = shared.linears(("k_proj", "v_proj"), x, 1, g)
+            yq = shared.linear("q_proj", _rows(x, keep), 1)
+        k = fused.add_rope(yk.view(B, L, self.nkv, self.hd), pe["k_proj"].view(B, L, self.nkv, self.hd), cos, sin,
+                           compile=c).transpose(1, 2)
+        v = (yv + pe["v_proj"]).view(B, L, self.nkv, self.hd).transpose(1, 2)
+        Bq, Lq = yq.shape[:2]
+        q = fused.add_rope(yq.view(Bq, Lq, self.nh, self.hd), pe["q_proj"].view(Bq, Lq, self.nh, self.hd),
+                           _pos_rows(cos, keep), _pos_rows(sin, keep), compile=c).transpose(1, 2)  # (Bq, nh, Lq, hd)
         ttt.append((k, v))
         (k0, v0), diag = ttt[0], ttt[1:]
         where = getattr(ttt, "where", None) if diag else (keep if isinstance(keep, tuple) else None)
@@ -386,11 +520,7 @@ class Attention(nn.Module):
 
 def _rows(x, keep):
     """x (B, L, ...) at the rows `keep` names: None all, a slice of L, or gathered (b, t) -> (1, N, ...)."""
-    if keep is None:
-        return x
-    if isinstance(keep, slice):
-        return x[:, keep]
-    return x[keep][None]
+    return x if keep is None else rows_of(x, keep)
 
 
 def _pos_rows(x, keep):
@@ -423,7 +553,10 @@ class MLP(nn.Module):
 
     def forward(self, x, shared: TTTWeights | None = None, kernels: KernelOptions = DEFAULT):
         lin = (lambda name, t: getattr(self, name)(t)) if shared is None else shared.linear
-        g, u = lin("gate_proj", x), lin("up_proj", x)  # (B, T, I)
+        if shared is None:
+            g, u = lin("gate_proj", x), lin("up_proj", x)  # (B, T, I)
+        else:
+            g, u = shared.linears(("gate_proj", "up_proj"), x, grouped=kernels.grouped_gemms)
         return lin("down_proj", fused.swiglu(g, u, compile=True) if kernels.compile else _SwiGLU.apply(g, u))
 
 
@@ -515,20 +648,28 @@ class Eagle3Drafter(nn.Module):
                              None if mask is None else mask.to(hidden.dtype), ttt, cache, final_norm=self.norm,
                              shared=shared, kernels=kernels)
 
-    def emb_proj(self, tokens: torch.Tensor, shared: TTTWeights, kernels: KernelOptions = DEFAULT) -> dict:
+    def emb_proj(self, tokens: torch.Tensor, shared: TTTWeights, kernels: KernelOptions = DEFAULT,
+                 q_from: int = 0) -> SharedEmb:
         """input_layernorm(embed(tokens)) @ W_e.T for q, k and v, W_e their embedding columns: the part
         of every TTT step's q/k/v that depends on its token alone (KernelOptions.shared_emb). tokens
-        (B, S) -> {q_proj, k_proj, v_proj: (B, S, out)}; their gradients, summed over the steps that
-        read them, reach W_e and the norm's weight through one GEMM each."""
+        (B, S) -> SharedEmb of {q_proj, k_proj, v_proj: (B, S, out)} (q_proj from token q_from on: no
+        step queries the tokens before); their gradients, summed over the steps that read them, reach W_e
+        and the norm's weight through one GEMM each."""
         e = self.embed_tokens(tokens).to(shared.dtype)  # (B, S, H), frozen
         en = fused.norm(e, self.midlayer.input_layernorm.weight, self.midlayer.input_layernorm.eps,
                         compile=kernels.compile)
-        return {name: shared.linear(name, en, 0) for name in ("q_proj", "k_proj", "v_proj")}
+        g = kernels.grouped_gemms
+        if q_from:
+            pe = dict(zip(("k_proj", "v_proj"), shared.linears(("k_proj", "v_proj"), en, 0, g)))
+            pe["q_proj"] = shared.linear("q_proj", en[:, q_from:], 0)
+        else:
+            pe = dict(zip(("q_proj", "k_proj", "v_proj"), shared.linears(("q_proj", "k_proj", "v_proj"), en, 0, g)))
+        return SharedEmb(pe, {"q_proj": q_from}, kernels.emb_grad_inplace)
 
     def ttt_step(self, hidden, pe: dict, positions, ttt: list, shared: TTTWeights, kernels: KernelOptions,
                  keep=None):
-        """step() with the embedding's share of q/k/v given: pe at hidden's positions (emb_proj's, shifted
-        by the caller); keep: step 0's query rows (DecoderLayer.forward_ttt) -> (h, norm(h)) there."""
+        """step() with the embedding's share of q/k/v given: pe at hidden's positions, q's at the query
+        rows (SharedEmb.step); keep: step 0's query rows (DecoderLayer.forward_ttt) -> (h, norm(h)) there."""
         if hidden.shape[-1] != self.cfg.hidden_size:
             hidden = shared.linear("fc", hidden)  # (B, L, H)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)

@@ -20,6 +20,7 @@ The soft cross-entropy over the draft vocabulary is a hand-written Triton kernel
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -34,7 +35,9 @@ if TYPE_CHECKING:  # eyas.config needs pydantic; the GPU benchmark imports this 
 class KernelOptions:
     """Which kernels and fusions a training step uses. Every setting computes the same loss and
     gradients (up to rounding; tests/unit/test_kernels.py); the defaults are the fastest measured on the
-    H200 (docs/performance.md), except `compile`, which kernel_options turns on for a GPU. Only
+    H200 (docs/performance.md), except `compile`, which kernel_options turns on for a GPU, and the three
+    added on 2026-12-05 (emb_grad_inplace, grouped_gemms, teacher_lt), which remove work the H200's
+    profile showed but are not yet measured there (docs/performance.md says what to run). Only
     `compile` has a config setting; the others exist so that bench/train.py can measure each
     optimisation against its absence.
 
@@ -73,6 +76,16 @@ class KernelOptions:
     #: Also, with skip_unscored, step 0's queries, o_proj and MLP only where a later step or the head
     #: reads them (its keys and values everywhere). False: every step projects its own concatenation.
     shared_emb: bool = True
+    #: with shared_emb: each step's gradient of the embedding's share added in place into one buffer
+    #: per projection (drafter.SharedEmb); False: autograd sums zero-padded slices of it
+    emb_grad_inplace: bool = True
+    #: projections that read one input (q/k/v, gate/up) as one autograd node whose input gradient is
+    #: summed inside the GEMMs (drafter._SharedLinears; with shared_weights, where the input is in the
+    #: GEMM dtype: a GPU); False: one node each, their input gradients summed by autograd's adds
+    grouped_gemms: bool = True
+    #: the teacher's fp32-output GEMMs through cuBLASLt (CUDA), which ran them ~7% faster than cuBLAS
+    #: on the H200 (docs/performance.md); False: the default BLAS
+    teacher_lt: bool = True
 
     def __post_init__(self):
         if self.attention not in ("cudnn", "flash"):
@@ -104,6 +117,20 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         except (RuntimeError, TypeError):
             FP32_OUT["mm"] = False
     return (a @ b).float()
+
+
+@contextmanager
+def teacher_blas(kernels: KernelOptions, device: torch.device):
+    """The BLAS the teacher's GEMMs run under: cuBLASLt on CUDA with kernels.teacher_lt, else as it is."""
+    if not (kernels.teacher_lt and device.type == "cuda"):
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

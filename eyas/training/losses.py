@@ -24,7 +24,8 @@ or, where that would skip little, on the one span from the batch's first to its 
 and its gradients are the same function; a position is never dropped for its label's content.
 
 The embedding's share of every step's q/k/v is one projection per unroll (KernelOptions.shared_emb):
-step k at position t reads the token step 0 reads at t+k, so it takes row t+k of it (TTTObjective._emb).
+step k at position t reads the token step 0 reads at t+k, so it takes row t+k of it (TTTObjective._emb),
+through drafter.SharedEmb, which adds each step's gradient into one buffer per projection.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from eyas.training import kernels as fused
-from eyas.training.drafter import Eagle3Drafter, TTTKeys, TTTWeights, compute_dtype
+from eyas.training.drafter import Eagle3Drafter, SharedEmb, TTTKeys, TTTWeights, compute_dtype
 from eyas.training.kernels import DEFAULT, KernelOptions
 from eyas.training.target_head import TargetHead
 
@@ -81,6 +82,16 @@ def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor
     first, end = label_span(scored, kernels)
     probs = torch.zeros(B, T, num_draft, dtype=probs_dtype, device=last.device)
     top = torch.full((B, T), num_draft, dtype=torch.long, device=last.device)  # outside the draft vocab
+    with fused.teacher_blas(kernels, last.device):
+        _teacher(head, last, scored, probs, top, num_draft, probs_dtype, chunk, kernels, first, end)
+    target = torch.where(top < num_draft, top, -1)
+    return Labels(probs.view(B * T, num_draft), target, scored & (target >= 0), scored, (first, end))
+
+
+def _teacher(head: TargetHead, last, scored, probs, top, num_draft: int, probs_dtype, chunk: int,
+             kernels: KernelOptions, first: int, end: int) -> None:
+    """teacher_labels' GEMMs and softmax, written into probs (B, T, V_d) and top (B, T)."""
+    B, T, H = last.shape
     if kernels.skip_unscored and kernels.skip_rows:  # the scored positions only, gathered
         at = scored.view(-1).nonzero().flatten()  # (n,) flat positions
         flat_last, flat_probs, flat_top = last.view(B * T, H), probs.view(B * T, -1), top.view(-1)
@@ -89,16 +100,13 @@ def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor
             z = fused.mm_f32(head.prepare(flat_last[r]), head.weight.T)  # (n, V) draft ids first
             flat_top[r] = z.argmax(-1)
             flat_probs[r] = torch.softmax(z[:, :num_draft], dim=-1).to(probs_dtype)
-        target = torch.where(top < num_draft, top, -1)
-        return Labels(probs.view(B * T, num_draft), target, scored & (target >= 0), scored, (first, end))
+        return
     for b in range(B):
         for s in range(first, end, chunk):
             e = min(s + chunk, end)
             z = fused.mm_f32(head.prepare(last[b, s:e]), head.weight.T)  # (n, V) draft ids first
             top[b, s:e] = z.argmax(-1)
             probs[b, s:e] = torch.softmax(z[:, :num_draft], dim=-1).to(probs_dtype)
-    target = torch.where(top < num_draft, top, -1)
-    return Labels(probs.view(B * T, num_draft), target, scored & (target >= 0), scored, (first, end))
 
 
 def label_span(scored: torch.Tensor, kernels: KernelOptions) -> tuple[int, int]:
@@ -240,16 +248,17 @@ class TTTObjective(nn.Module):
         kn = self.kernels
         return kn.shared_emb and kn.shared_weights and not kn.fp8_gemms
 
-    def _emb(self, ids, K: int, shared: TTTWeights | None):
+    def _emb(self, ids, K: int, shared: TTTWeights | None, q_from: int = 0) -> SharedEmb | None:
         """The embedding's share of q/k/v at every position a step reads (KernelOptions.shared_emb), or
         None. Step k at position t reads token t+1+k (0 past the end), which is ext[t+k] below, so step
-        k's share at t is row t+k of one projection: {q_proj, k_proj, v_proj: (B, T+K-1, out)}."""
+        k's share at t is row t+k of one projection over the T+K-1 tokens (q's from q_from, the first
+        query's position)."""
         if shared is None or not self._share_emb():
             return None
         B, T = ids.shape
         ext = ids.new_zeros(B, T + K - 1)
         ext[:, :T - 1] = ids[:, 1:]
-        return self.drafter.emb_proj(ext, shared, self.kernels)
+        return self.drafter.emb_proj(ext, shared, self.kernels, q_from)
 
     def forward(self, ids, aux, labels: Labels, ttt_steps: int, decay: float, counts: torch.Tensor | None = None):
         """ids (B, T), aux (B, T, 3H) -> (loss, correct (K,), scored (K,)); counts (K,) the denominators."""
@@ -262,14 +271,15 @@ class TTTObjective(nn.Module):
         pos = torch.arange(T, device=ids.device)
         kv, normed = [], []
         shared = self._weights(ids.device)
-        pe = self._emb(ids, K, shared)
+        pe = self._emb(ids, K, shared, s)
         for k in range(K):
             if pe is not None:  # the embedding's share of q/k/v from pe, shifted by k
                 if k == 0:  # keys and values on [0, e), the rest only on [s, e): the later steps read no more
-                    h, hn = m.ttt_step(aux[:, :e], {n: p[:, :e] for n, p in pe.items()}, pos[:e], kv, shared, kn,
+                    h, hn = m.ttt_step(aux[:, :e], pe.step(slice(s, e), slice(0, e)), pos[:e], kv, shared, kn,
                                        slice(s, None) if s else None)  # (B, e - s, H)
                 else:
-                    h, hn = m.ttt_step(h, {n: p[:, s + k:e + k] for n, p in pe.items()}, pos[s:e] + k, kv, shared, kn)
+                    rows = slice(s + k, e + k)
+                    h, hn = m.ttt_step(h, pe.step(rows, rows), pos[s:e] + k, kv, shared, kn)
                 normed.append(hn)
                 continue
             nxt = torch.zeros_like(ids)
@@ -282,6 +292,7 @@ class TTTObjective(nn.Module):
                 h, hn = m.step(nxt[:, s:e], h, pos[s:e] + k, None, ttt=kv, shared=shared, kernels=kn)  # (B, L, H)
             normed.append(hn)
         hn = torch.stack(normed)  # (K, B, L, H)
+        normed.clear()  # the steps' own copies go before the head's chunks are allocated (peak memory)
         rows, inside = label_rows(B, T, K, ids.device, (s, e))
         valid = labels.valid.view(-1)[rows] & inside  # (K, B, L)
         scored = labels.scored.view(-1)[rows] & inside
@@ -305,11 +316,11 @@ class TTTObjective(nn.Module):
         for k in range(K):
             if pe is not None:  # the embedding's share of q/k/v from pe, shifted by k
                 if k == 0:  # keys and values everywhere, queries and the rest at the gathered rows only
-                    h, hn = m.ttt_step(aux, {n: p[:, :T] for n, p in pe.items()}, torch.arange(T, device=ids.device),
+                    h, hn = m.ttt_step(aux, pe.step((b, t), slice(0, T)), torch.arange(T, device=ids.device),
                                        kv, shared, kn, (b, t))  # (1, N, H)
                     kv.where = (b, t)
                 else:
-                    h, hn = m.ttt_step(h, {n: p[b, t + k][None] for n, p in pe.items()}, t + k, kv, shared, kn)
+                    h, hn = m.ttt_step(h, pe.step((b, t + k), (b, t + k)), t + k, kv, shared, kn)
                 normed.append(hn[0])
                 continue
             nxt = torch.zeros_like(ids)
@@ -321,6 +332,7 @@ class TTTObjective(nn.Module):
                 h, hn = m.step(nxt[b, t][None], h, t + k, None, ttt=kv, shared=shared, kernels=kn)  # (1, N, H)
             normed.append(hn[0])
         hn = torch.stack(normed)  # (K, N, H)
+        normed.clear()
         src = t[None] + 1 + torch.arange(K, device=ids.device)[:, None]  # (K, N) row (k, i) labelled at t+1+k
         inside = src < T
         rows = b[None] * T + src.clamp(max=T - 1)  # (K, N) flat teacher rows

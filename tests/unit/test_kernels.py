@@ -91,6 +91,68 @@ def test_shared_embedding_projection_gives_the_same_loss_and_gradients():
     torch.testing.assert_close(sink.take(torch.float32), torch.cat([dy.T @ x0, 2 * dy.T @ x1], 1))
 
 
+def test_embedding_share_gradients_summed_in_place_equal_autograds_sums():
+    """SharedEmb's in-place sums (KernelOptions.emb_grad_inplace) against autograd summing zero-padded
+    slices: bit for bit (same adds, same order) on the span, the gathered rows and no skipping, fp32 and
+    the CPU's bf16 GEMMs; and one buffer per projection, rows shifted where q's starts later."""
+    for gemm_dtype in (None, torch.bfloat16):
+        for kw in ({}, {"skip_rows": False}, {"skip_unscored": False}):
+            a = loss_and_grads(KernelOptions(**kw), gemm_dtype)
+            b = loss_and_grads(KernelOptions(emb_grad_inplace=False, **kw), gemm_dtype)
+            assert_same_step(a, b, atol=0, rtol=0)
+    g = torch.Generator().manual_seed(0)
+    pe = {n: torch.randn(2, 9, 4, generator=g, requires_grad=True) for n in ("q_proj", "k_proj", "v_proj")}
+    q_late = pe["q_proj"][:, 3:].detach().requires_grad_()
+    emb = drafter.SharedEmb({**pe, "q_proj": q_late}, {"q_proj": 3})
+    b, t = torch.tensor([0, 1, 1]), torch.tensor([4, 2, 7])
+    parts = [emb.step(slice(3, 8), slice(0, 8)), emb.step(slice(4, 9), slice(4, 9)), emb.step((b, t + 1), (b, t + 1))]
+    torch.testing.assert_close(parts[0]["q_proj"], pe["q_proj"][:, 3:8])  # token positions, not q's own rows
+    torch.testing.assert_close(parts[2]["k_proj"], pe["k_proj"][b, t + 1][None])
+    ws = {n: torch.randn(2, 9, 4, generator=g) for n in pe}
+    q_rows, kv_rows = [slice(3, 8), slice(4, 9), (b, t + 1)], [slice(0, 8), slice(4, 9), (b, t + 1)]
+    loss = sum((p[n] * drafter.rows_of(ws[n], r)).sum() for p, r in zip(parts, kv_rows) for n in ("k_proj", "v_proj"))
+    loss = loss + sum((p["q_proj"] * drafter.rows_of(ws["q_proj"], r)).sum() for p, r in zip(parts, q_rows))
+    got = torch.autograd.grad(loss, [pe["k_proj"], q_late])
+    want = torch.zeros(2, 9, 4)
+    want[:, 0:8] += ws["k_proj"][:, 0:8]
+    want[:, 4:9] += ws["k_proj"][:, 4:9]
+    want[b, t + 1] += ws["k_proj"][b, t + 1]
+    torch.testing.assert_close(got[0], want)
+    want_q = torch.zeros(2, 9, 4)
+    want_q[:, 3:8] += ws["q_proj"][:, 3:8]
+    want_q[:, 4:9] += ws["q_proj"][:, 4:9]
+    want_q[b, t + 1] += ws["q_proj"][b, t + 1]
+    torch.testing.assert_close(got[1], want_q[:, 3:])
+    assert emb.sums.bufs == {}  # each buffer handed on and dropped
+
+
+def test_grouped_gemms_sum_the_input_gradient_in_the_gemms_and_give_the_same_step(monkeypatch):
+    """q/k/v and gate/up as one node (KernelOptions.grouped_gemms) where x is in the GEMM dtype (fp32
+    here), the same step as one node each; not used where x and the GEMMs differ (the CPU's bf16 GEMMs)."""
+    calls = []
+    apply = drafter._SharedLinears.apply
+    monkeypatch.setattr(drafter._SharedLinears, "apply", lambda *a: calls.append(len(a[1])) or apply(*a))
+    for kw in ({}, {"skip_rows": False}, {"shared_emb": False}):
+        calls.clear()
+        a = loss_and_grads(KernelOptions(**kw))
+        # q/k/v's two halves (all three, or k/v beside step 0's fewer queries) and gate/up; without
+        # shared_emb q/k/v read one concatenation per step, gate/up alone are grouped
+        assert set(calls) == ({2} if kw.get("shared_emb") is False else {2, 3})
+        n = len(calls)
+        calls.clear()
+        assert_same_step(a, loss_and_grads(KernelOptions(grouped_gemms=False, **kw)), atol=1e-6, rtol=1e-5)
+        assert calls == [] and n >= K
+    loss_and_grads(KernelOptions(), torch.bfloat16)
+    assert calls == []  # fp32 activations, bf16 GEMMs: one node each, the sums in fp32 as before
+
+
+def test_teacher_blas_is_left_alone_off_cuda():
+    before = torch.backends.cuda.preferred_blas_library()
+    with fused.teacher_blas(KernelOptions(), torch.device("cpu")):
+        assert torch.backends.cuda.preferred_blas_library() == before
+    assert torch.backends.cuda.preferred_blas_library() == before
+
+
 def test_grad_acc_fp32_sums_in_fp32_and_stays_close_to_the_bf16_sums():
     x, dy = torch.randn(6, 4, dtype=torch.bfloat16), torch.randn(6, 5, dtype=torch.bfloat16)
     for fp32, dtype in ((False, torch.bfloat16), (True, torch.float32)):
