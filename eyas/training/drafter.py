@@ -323,9 +323,10 @@ class TTTWeights:
                 grouped: bool = True) -> list[torch.Tensor]:
         """[linear(name, x, part) for name in names], as one _SharedLinears where it applies (grouped,
         x in the GEMM dtype, gradients wanted, no FP8): the same function, x's gradient summed in the GEMMs."""
-        ws = [self.w.get(n) if part is None else self.w[n][part] for n in names]
-        if (not grouped or len(names) < 2 or any(n in self.q8 or self.token[n] is None for n in names)
-                or any(w.dtype != x.dtype for w in ws)):
+        if not grouped or len(names) < 2 or any(n in self.q8 or self.token[n] is None for n in names):
+            return [self.linear(n, x, part) for n in names]
+        ws = [self.w[n] if part is None else self.w[n][part] for n in names]
+        if any(w.dtype != x.dtype for w in ws):
             return [self.linear(n, x, part) for n in names]
         return list(_SharedLinears.apply(x, tuple(ws), tuple(self.sink[n] for n in names), self.dtype, part,
                                          *(self.token[n] for n in names)))
