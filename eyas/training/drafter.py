@@ -349,18 +349,18 @@ class TTTWeights:
 
 
 class _EmbSums:
-    """The gradients of an unroll's embedding projections (SharedEmb), one (B, S, out) buffer each, made
-    by the first step's backward that reaches it. Holds no graph tensor: the autograd nodes hold it."""
+    """An unroll's embedding projections, detached (`data`), and their gradients, one (B, S, out) buffer
+    each, made by the first step's backward that reaches it. Holds no graph tensor: the autograd nodes
+    hold it."""
 
-    def __init__(self, like: dict):
-        self.like = {n: (p.shape, p.dtype, p.device) for n, p in like.items()}
+    def __init__(self, pe: dict):
+        self.data = {n: p.detach() for n, p in pe.items()}
         self.bufs: dict = {}
 
     def add(self, name: str, rows, dy):  # the buffer's rows `rows` (rows_of's forms) += dy
         buf = self.bufs.get(name)
         if buf is None:
-            shape, dtype, device = self.like[name]
-            buf = self.bufs[name] = torch.zeros(shape, dtype=dtype, device=device)
+            buf = self.bufs[name] = torch.zeros_like(self.data[name])
         if isinstance(rows, slice):
             buf[:, rows].add_(dy)
         else:  # gathered (b, t), distinct: one indexed add into the flat (B * S, out) rows
@@ -391,14 +391,14 @@ class _EmbRows(torch.autograd.Function):
     an in-place add into the unroll's sum (_EmbSums) instead of a zero-padded copy for autograd to sum."""
 
     @staticmethod
-    def forward(ctx, token, data, sums, name, rows):
+    def forward(ctx, token, sums, name, rows):
         ctx.sums, ctx.name, ctx.rows = sums, name, rows
-        return rows_of(data, rows)
+        return rows_of(sums.data[name], rows)
 
     @staticmethod
     def backward(ctx, dy):
         ctx.sums.add(ctx.name, ctx.rows, dy)
-        return dy.new_zeros(()), None, None, None, None
+        return dy.new_zeros(()), None, None, None
 
 
 def rows_of(x, rows):
@@ -420,7 +420,6 @@ class SharedEmb:
     def __init__(self, pe: dict, start: dict | None = None, in_place: bool = True):
         self.pe, self.start = pe, start or {}
         grad = in_place and any(p.requires_grad for p in pe.values())
-        self.data = {n: p.detach() for n, p in pe.items()} if grad else None
         self.sums = _EmbSums(pe) if grad else None
         self.token = {n: _CollectEmb.apply(self.sums, n, p) for n, p in pe.items()} if grad else None
 
@@ -431,7 +430,7 @@ class SharedEmb:
             rows = slice(rows.start - off, rows.stop - off) if isinstance(rows, slice) else (rows[0], rows[1] - off)
         if self.token is None:
             return rows_of(self.pe[name], rows)
-        return _EmbRows.apply(self.token[name], self.data[name], self.sums, name, rows)
+        return _EmbRows.apply(self.token[name], self.sums, name, rows)
 
     def step(self, q_rows, kv_rows) -> dict:
         """{q_proj: at q_rows, k_proj and v_proj: at kv_rows}: one TTT step's inputs."""
@@ -553,12 +552,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, shared: TTTWeights | None = None, kernels: KernelOptions = DEFAULT):
-        lin = (lambda name, t: getattr(self, name)(t)) if shared is None else shared.linear
         if shared is None:
-            g, u = lin("gate_proj", x), lin("up_proj", x)  # (B, T, I)
+            g, u, down = self.gate_proj(x), self.up_proj(x), self.down_proj  # (B, T, I)
         else:
             g, u = shared.linears(("gate_proj", "up_proj"), x, grouped=kernels.grouped_gemms)
-        return lin("down_proj", fused.swiglu(g, u, compile=True) if kernels.compile else _SwiGLU.apply(g, u))
+            down = lambda t: shared.linear("down_proj", t)  # noqa: E731
+        return down(fused.swiglu(g, u, compile=True) if kernels.compile else _SwiGLU.apply(g, u))
 
 
 class DecoderLayer(nn.Module):
@@ -659,12 +658,10 @@ class Eagle3Drafter(nn.Module):
         e = self.embed_tokens(tokens).to(shared.dtype)  # (B, S, H), frozen
         en = fused.norm(e, self.midlayer.input_layernorm.weight, self.midlayer.input_layernorm.eps,
                         compile=kernels.compile)
-        g = kernels.grouped_gemms
+        names = ("k_proj", "v_proj") if q_from else ("q_proj", "k_proj", "v_proj")  # q apart where it starts later
+        pe = dict(zip(names, shared.linears(names, en, 0, kernels.grouped_gemms)))
         if q_from:
-            pe = dict(zip(("k_proj", "v_proj"), shared.linears(("k_proj", "v_proj"), en, 0, g)))
             pe["q_proj"] = shared.linear("q_proj", en[:, q_from:], 0)
-        else:
-            pe = dict(zip(("q_proj", "k_proj", "v_proj"), shared.linears(("q_proj", "k_proj", "v_proj"), en, 0, g)))
         return SharedEmb(pe, {"q_proj": q_from}, kernels.emb_grad_inplace)
 
     def ttt_step(self, hidden, pe: dict, positions, ttt: list, shared: TTTWeights, kernels: KernelOptions,

@@ -83,30 +83,23 @@ def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor
     probs = torch.zeros(B, T, num_draft, dtype=probs_dtype, device=last.device)
     top = torch.full((B, T), num_draft, dtype=torch.long, device=last.device)  # outside the draft vocab
     with fused.teacher_blas(kernels, last.device):
-        _teacher(head, last, scored, probs, top, num_draft, probs_dtype, chunk, kernels, first, end)
+        if kernels.skip_unscored and kernels.skip_rows:  # the scored positions only, gathered
+            at = scored.view(-1).nonzero().flatten()  # (n,) flat positions
+            flat_last, flat_probs, flat_top = last.view(B * T, H), probs.view(B * T, -1), top.view(-1)
+            for s in range(0, at.numel(), chunk):
+                r = at[s:s + chunk]
+                z = fused.mm_f32(head.prepare(flat_last[r]), head.weight.T)  # (n, V) draft ids first
+                flat_top[r] = z.argmax(-1)
+                flat_probs[r] = torch.softmax(z[:, :num_draft], dim=-1).to(probs_dtype)
+        else:
+            for b in range(B):
+                for s in range(first, end, chunk):
+                    e = min(s + chunk, end)
+                    z = fused.mm_f32(head.prepare(last[b, s:e]), head.weight.T)  # (n, V) draft ids first
+                    top[b, s:e] = z.argmax(-1)
+                    probs[b, s:e] = torch.softmax(z[:, :num_draft], dim=-1).to(probs_dtype)
     target = torch.where(top < num_draft, top, -1)
     return Labels(probs.view(B * T, num_draft), target, scored & (target >= 0), scored, (first, end))
-
-
-def _teacher(head: TargetHead, last, scored, probs, top, num_draft: int, probs_dtype, chunk: int,
-             kernels: KernelOptions, first: int, end: int) -> None:
-    """teacher_labels' GEMMs and softmax, written into probs (B, T, V_d) and top (B, T)."""
-    B, T, H = last.shape
-    if kernels.skip_unscored and kernels.skip_rows:  # the scored positions only, gathered
-        at = scored.view(-1).nonzero().flatten()  # (n,) flat positions
-        flat_last, flat_probs, flat_top = last.view(B * T, H), probs.view(B * T, -1), top.view(-1)
-        for s in range(0, at.numel(), chunk):
-            r = at[s:s + chunk]
-            z = fused.mm_f32(head.prepare(flat_last[r]), head.weight.T)  # (n, V) draft ids first
-            flat_top[r] = z.argmax(-1)
-            flat_probs[r] = torch.softmax(z[:, :num_draft], dim=-1).to(probs_dtype)
-        return
-    for b in range(B):
-        for s in range(first, end, chunk):
-            e = min(s + chunk, end)
-            z = fused.mm_f32(head.prepare(last[b, s:e]), head.weight.T)  # (n, V) draft ids first
-            top[b, s:e] = z.argmax(-1)
-            probs[b, s:e] = torch.softmax(z[:, :num_draft], dim=-1).to(probs_dtype)
 
 
 def label_span(scored: torch.Tensor, kernels: KernelOptions) -> tuple[int, int]:
