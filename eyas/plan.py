@@ -23,7 +23,8 @@ regenerate = assistant turns x data.regenerate.max_new_tokens / (plan.decode_tok
 train = max_steps x global batch x mean sequence tokens / (plan.train_tokens_per_s x processes).
 
 **Memory** of one training process (training_memory): fp32 master weights, gradients and AdamW
-moments of the trainable parameters (16 B each; FSDP shards all but the weights over the processes),
+moments of the trainable parameters (16 B each; FSDP shards all but the weights over the processes;
+4 B more, sharded alike, for training.ema_decay's weight average),
 the frozen embedding and target head, the teacher's and the fused head's transient chunks, and
 activations per token: the batch's hidden states and teacher distribution once, and each TTT step's
 saved layer activations. For the Kimi-K2.5 drafter it is within 6% of the peaks measured on an H200
@@ -169,13 +170,14 @@ def _estimate_large(path: Path, size: int, data: DataConfig, tokenizer) -> DataC
 # ----------------------------------------------------------------------------- memory
 
 def training_memory(dcfg, *, vocab_size: int, batch_size: int, seq_len: int, ttt_steps: int,
-                    bf16: bool, processes: int = 1, fsdp: bool = False) -> tuple[tuple[str, float], ...]:
+                    bf16: bool, processes: int = 1, fsdp: bool = False,
+                    ema: bool = False) -> tuple[tuple[str, float], ...]:
     """GB per training process, by part (see the module docstring); `dcfg` an eyas DrafterConfig."""
     from eyas.training.losses import HEAD_CHUNK_ROWS, TEACHER_CHUNK_ROWS
 
     params = trainable_params(dcfg)
     H, e = dcfg.hidden_size, 2 if bf16 else 4
-    states = (4 + 12 / processes if fsdp else 16) * params  # fp32 weights, grads, AdamW m and v
+    states = (4 + (12 + 4 * ema) / processes if fsdp else 16 + 4 * ema) * params  # fp32 weights, grads, m, v, EMA
     frozen = vocab_size * dcfg.target_hidden_size * (2 + e)  # embedding (bf16 on GPU) + target head
     chunks = TEACHER_CHUNK_ROWS * vocab_size * 4 + HEAD_CHUNK_ROWS * dcfg.draft_vocab_size * 4
     once = ((dcfg.num_aux + 1) * dcfg.target_hidden_size + dcfg.draft_vocab_size + H) * e
@@ -241,7 +243,7 @@ def make_plan(cfg: PipelineConfig, tcfg: dict | None, count: DataCount | None, *
         plan["memory_gb"] = training_memory(
             dcfg, vocab_size=int(tcfg["vocab_size"]), batch_size=t.batch_size, seq_len=cfg.data.max_length,
             ttt_steps=t.ttt_steps, bf16=on_gpu(cfg) and t.precision == "bf16", processes=processes(cfg),
-            fsdp=t.distributed.strategy == "fsdp")
+            fsdp=t.distributed.strategy == "fsdp", ema=t.ema_decay > 0)
     return Plan(**plan)
 
 

@@ -267,6 +267,9 @@ class TrainingConfig(StrictModel):
     warmup_steps: int = Field(20, ge=0)  #: linear warmup, then cosine decay to 10% of the peak
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(0.5, gt=0)  #: max global gradient norm
+    #: the final weights are an exponential moving average of the trained ones, this decay per step
+    #: (eyas/training/ema.py; ~1/(1-decay) steps averaged); 0 = off, the last step's weights
+    ema_decay: float = Field(0.0, ge=0, lt=1)
     #: training-only augmentation (as EAGLE did): Gaussian noise on the target's captured states, this
     #: many times each token's RMS per layer; 0 = off. Evaluation and export never see it.
     aux_noise: float = Field(0.0, ge=0)

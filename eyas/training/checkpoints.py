@@ -5,7 +5,8 @@
 
 `output_dir/checkpoints/step-NNNNNN/` holds `model.safetensors` (the trainable weights with d2t and
 t2d, SGLang's names, fp32), `drafter.json` (sizes, the run's fingerprint, provenance) and
-`trainer_state.pt` (optimizer, scheduler, TrainState, RNG). Model and optimizer state go through
+`trainer_state.pt` (optimizer, scheduler, TrainState, RNG, and with training.ema_decay the weight
+average, eyas/training/ema.py). Model and optimizer state go through
 torch.distributed.checkpoint's full state dicts, so a checkpoint written under FSDP (gathered for
 rank 0) loads on one process and the other way round.
 """
@@ -81,9 +82,10 @@ def _state_dicts(objective, opt):
 
 
 def save_checkpoint(output_dir: Path, objective, opt, sched, state: TrainState, info: dict, *,
-                    rank: int = 0, keep: int = 2) -> Path:
+                    rank: int = 0, keep: int = 2, ema=None) -> Path:
     """Write checkpoints/step-NNNNNN whole in a temp folder, then rename it into place (rank 0 writes)."""
     model_sd, opt_sd = _state_dicts(objective, opt)
+    ema_sd = ema.state_dict() if ema is not None else None  # collective under FSDP, like the two above
     root = output_dir / "checkpoints"
     final = root / f"step-{state.step:06d}"
     if rank == 0:
@@ -96,7 +98,7 @@ def save_checkpoint(output_dir: Path, objective, opt, sched, state: TrainState, 
         rng = {"torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
         torch.save({"optimizer": opt_sd, "scheduler": sched.state_dict(), "state": asdict(state),
-                    "rng": rng, "fingerprint": info["fingerprint"]}, tmp / "trainer_state.pt")
+                    "rng": rng, "fingerprint": info["fingerprint"], "ema": ema_sd}, tmp / "trainer_state.pt")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -107,7 +109,7 @@ def save_checkpoint(output_dir: Path, objective, opt, sched, state: TrainState, 
     return final
 
 
-def load_checkpoint(path: Path, objective, opt, sched, fingerprint: dict, log) -> TrainState:
+def load_checkpoint(path: Path, objective, opt, sched, fingerprint: dict, log, ema=None) -> TrainState:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
     ckpt = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
@@ -126,6 +128,10 @@ def load_checkpoint(path: Path, objective, opt, sched, fingerprint: dict, log) -
                          f"unexpected {result.unexpected_keys})")
     set_optimizer_state_dict(objective, opt, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
     sched.load_state_dict(ckpt["scheduler"])
+    if ema is not None:
+        if ckpt.get("ema") is None:
+            raise ValueError(f"{path}: checkpoint holds no weight average, but training.ema_decay is set")
+        ema.load_state_dict(ckpt["ema"], str(path))
     torch.set_rng_state(ckpt["rng"]["torch"])
     if ckpt["rng"]["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])

@@ -48,6 +48,7 @@ from eyas.training.checkpoints import (TrainState, checkpoint_differs, latest_ch
                                        save_checkpoint)
 from eyas.training.draft_vocab import build_draft_vocab, count_tokens
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter
+from eyas.training.ema import WeightEMA
 from eyas.training.losses import HEAD_CHUNK_ROWS, HEAD_CHUNK_ROWS_CPU, TTTObjective, draft_first_order, teacher_labels
 from eyas.training.teacher_cache import TeacherCache
 from eyas.training.optim import clip_and_step, lr_factor, make_optimizer, resolve_device
@@ -177,6 +178,8 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
                    "global_batch": G, "shards": [[Path(r.path).name, r.num_tokens] for r in data.readers],
                    "data_sha256": data_digest(data.readers), "capture_ids": target.capture_ids(),
                    "last_hidden_norm": meta["last_hidden_norm"]}
+    if not cfg.ema_decay:  # off (the default): checkpoints written before the field existed still resume
+        fingerprint.pop("ema_decay")
     # 2. where the weights start: this run's newest checkpoint, else init_from's drafter, else the target's
     ckpt = latest_checkpoint(out_dir)
     differ = checkpoint_differs(ckpt, fingerprint, can_warm_start=cfg.init_from is not None) if ckpt else []
@@ -214,6 +217,8 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     head.reorder(draft_first_order(t2d)).to(device)
     params = [p for p in objective.parameters() if p.requires_grad]
     opt = make_optimizer(params, cfg.lr, cfg.weight_decay)
+    ema = WeightEMA({n: p for n, p in objective.named_parameters() if p.requires_grad},
+                    cfg.ema_decay) if cfg.ema_decay else None
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps))
     info = {"drafter": asdict(dcfg), "fingerprint": fingerprint, "shard_meta": meta,
             "target": {"checkpoint": str(target.checkpoint), "revision": target.revision,
@@ -221,8 +226,10 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
                        "capture_ids": target.capture_ids()}}
     state = TrainState(init_from=init and {"path": str(init.path), "kind": init.kind})
     if resume is not None:
-        state = load_checkpoint(resume, objective, opt, sched, fingerprint, log)
+        state = load_checkpoint(resume, objective, opt, sched, fingerprint, log, ema)
         log(f"resumed from {resume} at step {state.step}")
+        if ema is not None and ema.swapped and state.step < min(cfg.max_steps, stop_at_step or cfg.max_steps):
+            ema.swap()  # a finished run trained on past its old max_steps: from the raw weights again
     info["init_from"] = state.init_from
     resumed_from, tokens_from, t_run = state.step, state.tokens, time.monotonic()
     t_log = t_loop = t_run
@@ -261,9 +268,13 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
         stats = optimizer_step(objective, wrapped, opt, sched, mine, make_labels, ttt_steps=cfg.ttt_steps,
                                decay=cfg.loss_decay, counts=counts, grad_clip=cfg.grad_clip, autocast=autocast,
                                world=world)
+        if ema is not None:
+            ema.update(state.step)
         stats = _all_reduce(stats, device)
         state.batch_pos += 1
         state.step += 1
+        if ema is not None and state.step == cfg.max_steps:
+            ema.swap()  # the average is what is evaluated, checkpointed and exported from here on
         state.tokens += sum(data.lengths[i] for m in micro for i in m)
         K = cfg.ttt_steps
         state.losses.append(float(stats[0]))
@@ -294,7 +305,7 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
         if state.step % cfg.checkpoint_every == 0 or state.step == stop:
             state.seconds += time.monotonic() - t_run
             t_run = time.monotonic()
-            ckpt = save_checkpoint(out_dir, objective, opt, sched, state, info, rank=rank)
+            ckpt = save_checkpoint(out_dir, objective, opt, sched, state, info, rank=rank, ema=ema)
 
     # 5. held-out accuracy per TTT step -> simulated acceptance length (a finished run resumed: again)
     if final_held is None and state.step >= cfg.max_steps:

@@ -17,8 +17,10 @@ torch.set_num_threads(1)
 def setup(random_target, tmp_path_factory):
     target = sharpen_target(random_target, tmp_path_factory.mktemp("sharp"))
     shards = write_shards(target, tmp_path_factory.mktemp("shards"), num_shards=2, per_shard=10, length=24)
+    # ema_decay: the weight average is kept per rank (sharded under FSDP) and gathered for the checkpoint
     one = train_drafter(training_config(tmp_path_factory.mktemp("one"), max_steps=5, batch_size=2, grad_accum=2,
-                                        checkpoint_every=100), target_config(target), shards, log=lambda _: None)
+                                        checkpoint_every=100, ema_decay=0.8), target_config(target), shards,
+                        log=lambda _: None)
     return target, shards, one
 
 
@@ -26,6 +28,7 @@ def setup(random_target, tmp_path_factory):
 def test_two_processes_give_the_losses_of_one_with_the_same_global_batch(setup, tmp_path, free_port, strategy):
     target, shards, one = setup
     cfg = training_config(tmp_path / "two", max_steps=5, batch_size=2, grad_accum=1, checkpoint_every=100,
+                          ema_decay=0.8,
                           distributed={"nproc_per_node": 2, "master_port": free_port, "strategy": strategy})
     logs, steps = [], []
     two = launch_training(cfg, target_config(target), shards, log=logs.append, poll_s=0.2, on_step=steps.append)
@@ -41,8 +44,12 @@ def test_two_processes_give_the_losses_of_one_with_the_same_global_batch(setup, 
     wa = load_file(f"{one.checkpoint_dir}/model.safetensors")
     wb = load_file(f"{two.checkpoint_dir}/model.safetensors")
     assert set(wa) == set(wb)
-    for k in wa:
+    for k in wa:  # the averages
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
+    ra, rb = (torch.load(f"{r.checkpoint_dir}/trainer_state.pt", weights_only=False)["ema"] for r in (one, two))
+    assert ra["swapped"] and rb["swapped"] and set(ra["average"]) == set(rb["average"])
+    for k in ra["average"]:  # the raw weights, gathered from the ranks' shards
+        torch.testing.assert_close(rb["average"][k], ra["average"][k], rtol=1e-4, atol=1e-6)
     job = json.loads((tmp_path / "two" / "launch" / "job.json").read_text())
     assert job["training"]["distributed"]["strategy"] == strategy
 

@@ -11,7 +11,7 @@ import pytest
 from eyas.cli import main as cli
 from eyas.config import load_config
 from eyas.extraction import data
-from eyas.plan import count_tokens, training_memory
+from eyas.plan import count_tokens, trainable_params, training_memory
 from eyas.preflight import has_chat_template, layer_id_problems, preflight
 from eyas.target import load_tokenizer
 from tests.stage_config import ROOT
@@ -161,6 +161,9 @@ def test_training_memory_matches_the_h200_measurements():
     for batch, measured_gb in [(1, 34.1), (2, 43.2), (4, 61.4), (8, 97.9)]:  # docs/performance.md
         parts = training_memory(kimi, vocab_size=163840, batch_size=batch, seq_len=4096, ttt_steps=7, bf16=True)
         assert abs(sum(v for _, v in parts) / measured_gb - 1) < 0.07, (batch, parts)
+    plain, ema = (dict(training_memory(kimi, vocab_size=163840, batch_size=1, seq_len=4096, ttt_steps=7, bf16=True,
+                                       ema=e)) for e in (False, True))  # training.ema_decay: 4 B a weight more
+    assert ema["weights+Adam"] - plain["weights+Adam"] == pytest.approx(4 * trainable_params(kimi) / 1e9, abs=2e-3)
 
 
 def test_memory_over_the_gpu_is_refused_naming_the_batch_size(tmp_path):
