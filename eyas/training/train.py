@@ -22,8 +22,10 @@ of one global batch (accumulation, ranks) gives the same loss and gradient. How 
 Checkpoints (eyas/training/checkpoints.py: cfg.output_dir/checkpoints/step-NNNNNN/, each written whole then
 renamed into place) hold the trainable weights with d2t/t2d, drafter.json, and trainer_state.pt
 (optimizer, scheduler, step, data position, RNG, loss history). A later call with the same config
-resumes from the latest one and reproduces the uninterrupted run's losses exactly. A run on other
-data starts from an earlier drafter's weights with training.init_from (eyas/training/warm_start.py).
+resumes from the latest one and reproduces the uninterrupted run's losses exactly. With
+training.ema_decay the final checkpoint's weights are the trained ones' moving average
+(eyas/training/ema.py). A run on other data starts from an earlier drafter's weights with
+training.init_from (eyas/training/warm_start.py).
 
 Progress: `on_step(StepStats)` after every step on rank 0 (eyas/training/progress.py); the caller
 throttles. The steps StepStats.in_history marks make the bounded loss table TrainResult.history.
