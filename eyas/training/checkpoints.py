@@ -85,7 +85,7 @@ def save_checkpoint(output_dir: Path, objective, opt, sched, state: TrainState, 
                     rank: int = 0, keep: int = 2, ema=None) -> Path:
     """Write checkpoints/step-NNNNNN whole in a temp folder, then rename it into place (rank 0 writes)."""
     model_sd, opt_sd = _state_dicts(objective, opt)
-    ema_sd = ema.state_dict() if ema is not None else None  # collective under FSDP, like the two above
+    ema_sd = ema.state_dict(keep=rank == 0) if ema is not None else None  # collective under FSDP, as above
     root = output_dir / "checkpoints"
     final = root / f"step-{state.step:06d}"
     if rank == 0:

@@ -16,7 +16,8 @@ pulled back to its initialisation, and a long one is the plain moving average.
 
 `swap()` exchanges the weights and the average, so it is its own inverse: the final checkpoint holds the
 average as its weights (what export reads) and the raw weights in its trainer state; a run resumed
-past its old max_steps swaps back and trains on from the raw weights. Under FSDP the weights are
+past its old max_steps swaps back and trains on from the raw weights (and a mid-run checkpoint
+resumed with a max_steps at or below its step is swapped and written again). Under FSDP the weights are
 DTensors: the average is sharded like them, and state_dict() gathers it (a collective: every rank calls it).
 """
 
@@ -53,11 +54,15 @@ class WeightEMA:
             self.average[n] = raw
         self.swapped = not self.swapped
 
-    def state_dict(self) -> dict:
-        """Full (gathered) tensors on the CPU; collective under FSDP."""
-        full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 - DTensor or not
-        return {"decay": self.decay, "swapped": self.swapped,
-                "average": {n: full(t).detach().cpu() for n, t in self.average.items()}}
+    def state_dict(self, keep: bool = True) -> dict | None:
+        """Full (gathered) tensors on the CPU; collective under FSDP. keep=False (the ranks that do not
+        write the checkpoint): gathered, as every rank must, and dropped at once -> None."""
+        average = {}
+        for n, t in self.average.items():
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor shard, or a whole tensor
+            if keep:
+                average[n] = t.detach().cpu()
+        return {"decay": self.decay, "swapped": self.swapped, "average": average} if keep else None
 
     def load_state_dict(self, sd: dict, where: str) -> None:
         names = set(sd["average"])

@@ -227,11 +227,15 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
                        "layer_ids": target.layer_ids, "layer_convention": target.layer_convention,
                        "capture_ids": target.capture_ids()}}
     state = TrainState(init_from=init and {"path": str(init.path), "kind": init.kind})
+    stop = min(cfg.max_steps, stop_at_step or cfg.max_steps)
     if resume is not None:
         state = load_checkpoint(resume, objective, opt, sched, fingerprint, log, ema)
         log(f"resumed from {resume} at step {state.step}")
-        if ema is not None and ema.swapped and state.step < min(cfg.max_steps, stop_at_step or cfg.max_steps):
+        if ema is not None and ema.swapped and state.step < stop:
             ema.swap()  # a finished run trained on past its old max_steps: from the raw weights again
+        elif ema is not None and not ema.swapped and state.step >= cfg.max_steps:
+            ema.swap()  # a mid-run checkpoint finished by a lower max_steps: its final checkpoint is the average
+            ckpt = save_checkpoint(out_dir, objective, opt, sched, state, info, rank=rank, ema=ema)
     info["init_from"] = state.init_from
     resumed_from, tokens_from, t_run = state.step, state.tokens, time.monotonic()
     t_log = t_loop = t_run
@@ -255,7 +259,6 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     num_micro = cfg.grad_accum * world
     plan = epoch_plan(data.lengths, data.train_ids, cfg.batch_size, num_micro, cfg.seed, state.epoch,
                       cfg.length_grouping)
-    stop = min(cfg.max_steps, stop_at_step or cfg.max_steps)
     final_held = None  # per-TTT-step held-out accuracy at max_steps
     while state.step < stop:
         if state.batch_pos >= len(plan):

@@ -99,3 +99,16 @@ def test_a_finished_ema_run_trains_on_from_its_raw_weights(sharp_target, shards,
     assert more.resumed_from_step == 5 and more.losses == plain.losses
     wa, raw = _weights(plain), _raw(more)
     assert all(torch.equal(raw[k], wa[k]) for k in raw)
+
+
+def test_a_mid_run_checkpoint_finished_by_a_lower_max_steps_exports_the_average(sharp_target, shards, tmp_path):
+    tgt = target_config(sharp_target)
+    full = train_drafter(training_config(tmp_path / "a", max_steps=3, checkpoint_every=100, ema_decay=0.8), tgt,
+                         shards, log=quiet)
+    cfg = lambda m: training_config(tmp_path / "b", max_steps=m, checkpoint_every=3, ema_decay=0.8)  # noqa: E731
+    train_drafter(cfg(7), tgt, shards, log=quiet, stop_at_step=3)  # not swapped: the run was to go on
+    done = train_drafter(cfg(3), tgt, shards, log=quiet)  # ... and is ended there instead
+    assert done.resumed_from_step == 3 and done.checkpoint_dir.endswith("step-000003")
+    # steps 1-3 take the same lr under either max_steps (warmup 2, then the peak): the same average as a run of 3
+    wa, wb, ra, rb = _weights(full), _weights(done), _raw(full), _raw(done)
+    assert all(torch.allclose(wa[k], wb[k]) for k in ra) and all(torch.allclose(ra[k], rb[k]) for k in ra)
