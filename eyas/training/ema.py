@@ -62,7 +62,7 @@ class WeightEMA:
             t = t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor shard, or a whole tensor
             if keep:
                 average[n] = t.detach().cpu()
-        return {"decay": self.decay, "swapped": self.swapped, "average": average} if keep else None
+        return {"swapped": self.swapped, "average": average} if keep else None
 
     def load_state_dict(self, sd: dict, where: str) -> None:
         names = set(sd["average"])

@@ -231,12 +231,13 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     if resume is not None:
         state = load_checkpoint(resume, objective, opt, sched, fingerprint, log, ema)
         log(f"resumed from {resume} at step {state.step}")
-        if ema is not None and ema.swapped and state.step < stop:
+    info["init_from"] = state.init_from
+    if resume is not None and ema is not None:
+        if ema.swapped and state.step < stop:
             ema.swap()  # a finished run trained on past its old max_steps: from the raw weights again
-        elif ema is not None and not ema.swapped and state.step >= cfg.max_steps:
+        elif not ema.swapped and state.step >= cfg.max_steps:
             ema.swap()  # a mid-run checkpoint finished by a lower max_steps: its final checkpoint is the average
             ckpt = save_checkpoint(out_dir, objective, opt, sched, state, info, rank=rank, ema=ema)
-    info["init_from"] = state.init_from
     resumed_from, tokens_from, t_run = state.step, state.tokens, time.monotonic()
     t_log = t_loop = t_run
     log_every = log_every or max(1, cfg.max_steps // 20)
