@@ -27,7 +27,9 @@ def prepare_data(cfg: PipelineConfig, data_path: str | None = None, take_output_
                          holder=f"flow run {flow_run.id}" if flow_run.id else "")
 
 
-@task(task_run_name="regenerate-data@{cfg.server.host.name}", cache_policy=NO_CACHE)
+# Resumable by part: a retry answers only the parts not yet on disk (as extract_shard retries a shard)
+@task(task_run_name="regenerate-data@{cfg.server.host.name}", cache_policy=NO_CACHE, retries=2,
+      retry_delay_seconds=[5, 30])
 def regenerate_data(cfg: PipelineConfig) -> str:
     """Answer the training conversations again with the target (resumable by part); returns the new file.
 

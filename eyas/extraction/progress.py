@@ -60,9 +60,11 @@ class ExtractionRun:
         self._notify("progress")
 
     def shard_done(self, plan: ShardPlan, manifest: dict[str, Any], *, reused: bool) -> dict | None:
+        """Count the shard; the dataset manifest to the one call whose shard completed it, else None
+        (read inside the lock: a shard finishing beside this one must not make both report it)."""
         with self._lock:
             if plan.name in self.manifests:
-                return self.dataset
+                return None
             self._live.pop(plan.name, None)
             self.manifests[plan.name] = manifest
             secs = manifest.get("seconds")
@@ -73,12 +75,12 @@ class ExtractionRun:
             if not reused:
                 self._extracted_tokens += manifest["num_tokens"]
                 self._extracted_bytes += manifest["bytes"]
-            complete = len(self.manifests) == len(self.plans)
-            if complete:
+            complete = None
+            if len(self.manifests) == len(self.plans):
                 ordered = [self.manifests[n] for n in sorted(self.plans, key=lambda n: self.plans[n].index)]
-                self.dataset = write_dataset_manifest(self.output_dir, ordered, self.plan_info)
+                self.dataset = complete = write_dataset_manifest(self.output_dir, ordered, self.plan_info)
         self._notify("complete" if complete else "shard")
-        return self.dataset
+        return complete
 
     def shard_failed(self, shard: str, error: str) -> None:
         with self._lock:

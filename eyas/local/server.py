@@ -411,6 +411,14 @@ def _warmup_then_ready(state: ServerState, url: str, skip_warmup: bool) -> None:
     log(READY_LINE)
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    # socketserver listens with a backlog of 5, SGLang's uvicorn with 2048: with tens of requests in
+    # flight (regeneration keeps 32, several clients share a server) a full accept queue drops their
+    # connections' SYNs, each then retried a second or more later by the client's kernel
+    request_queue_size = 2048
+    daemon_threads = True
+
+
 def main(argv: list[str] | None = None) -> int:
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw_argv)
@@ -468,8 +476,7 @@ def main(argv: list[str] | None = None) -> int:
                    "layer_convention": "capture-before", "hidden_size": model.config.hidden_size,
                    "num_hidden_layers": num_layers, "vocab_size": model.config.vocab_size,
                    "context_length": engine.context_len, "internal_states": [{}]}
-    httpd = ThreadingHTTPServer((args.host, args.port), Handler)
-    httpd.daemon_threads = True
+    httpd = _HTTPServer((args.host, args.port), Handler)
     httpd.state = ServerState(engine, args, model_info, server_info, workers)  # type: ignore[attr-defined]
     url = f"http://{args.host}:{args.port}"
     log(f"INFO:     Uvicorn running on {url} (Press CTRL+C to quit)")

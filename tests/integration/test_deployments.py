@@ -73,6 +73,17 @@ def wait_flow_run(server, run_id: str, timeout: float = 240) -> dict:
                          + (server.home / "worker.log").read_text()[-4000:])
 
 
+def why(server, run: dict) -> str:
+    """A run's state message, then its own and its subflows' WARNING+ log lines: an assertion's message
+    (the state dict alone reached CI's report cut short, without the exception)."""
+    subs = server.post("/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [run["id"]]}}})
+    logs = server.post("/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"], *(r["id"] for r in subs)]},
+                                                 "level": {"ge_": 30}}, "limit": 50, "sort": "TIMESTAMP_ASC"})
+    lines = [f"{l['timestamp']} {l['message']}"[:2000] for l in logs
+             if not l["message"].startswith("Timeout of ")]  # Prefect's worker-thread notice
+    return "\n".join([f"{run['state']['type']}: {run['state'].get('message')}", *lines])
+
+
 def runs_named(server, pattern: str) -> list[dict]:
     return server.post("/flow_runs/filter", {"flow_runs": {"name": {"like_": pattern}}})
 
@@ -138,7 +149,7 @@ def test_rerun_serves_extraction_from_cache_and_automation_starts_training(serve
                    cwd=ROOT, env=server.env, check=True, capture_output=True)
     t0 = time.time()
     run = wait_flow_run(server, deployment_run(server, "eyas-extract/extract", overrides))
-    assert run["state"]["type"] == "COMPLETED", run["state"]
+    assert run["state"]["type"] == "COMPLETED", why(server, run)
     states = task_runs(server, [run["id"]])
     shards = {n: s["name"] for n, s in states.items() if n.startswith("extract-shard-")}
     assert len(shards) == 4 and set(shards.values()) == {"Cached"}, shards
@@ -152,7 +163,7 @@ def test_rerun_serves_extraction_from_cache_and_automation_starts_training(serve
             break
         time.sleep(1)
     assert trains, "the automation did not start a train run"
-    assert trains[0]["state"]["type"] == "COMPLETED", trains[0]["state"]
+    assert trains[0]["state"]["type"] == "COMPLETED", why(server, trains[0])
     assert time.time() - t0 < 200
     # The automation matches standalone extractions only: the pipeline's own extract subflow says
     # "false" (its pipeline trains anyway), the deployment run of eyas-extract "true".
@@ -185,19 +196,20 @@ def test_extraction_spreads_over_several_servers_then_teardown_stops_them(server
     from eyas.config import load_config
 
     second = small("dep-ep2")
-    up = wait_flow_run(server, deployment_run(server, "eyas-serve/serve", second))
-    assert up["state"]["type"] == "COMPLETED", up["state"]
-    url = f"http://127.0.0.1:{second['server.port']}"
-    overrides = small("dep-multi", **{"extraction.endpoints": [
-        {"url": url, "dump_dir": second["server.dump_dir"]}]})
-    run = wait_flow_run(server, deployment_run(server, "eyas-extract/extract", overrides))
-    assert run["state"]["type"] == "COMPLETED", run["state"]
-    with urllib.request.urlopen(url + "/server_info", timeout=10) as r:
-        served = json.loads(r.read())["internal_states"][0]["num_completion_tokens"]
-    assert served > 0, "the second server got no extraction requests"
-
-    down = wait_flow_run(server, deployment_run(server, "eyas-teardown/teardown", second))
-    assert down["state"]["type"] == "COMPLETED", down["state"]
+    try:
+        up = wait_flow_run(server, deployment_run(server, "eyas-serve/serve", second))
+        assert up["state"]["type"] == "COMPLETED", why(server, up)
+        url = f"http://127.0.0.1:{second['server.port']}"
+        overrides = small("dep-multi", **{"extraction.endpoints": [
+            {"url": url, "dump_dir": second["server.dump_dir"]}]})
+        run = wait_flow_run(server, deployment_run(server, "eyas-extract/extract", overrides))
+        assert run["state"]["type"] == "COMPLETED", why(server, run)
+        with urllib.request.urlopen(url + "/server_info", timeout=10) as r:
+            served = json.loads(r.read())["internal_states"][0]["num_completion_tokens"]
+        assert served > 0, "the second server got no extraction requests"
+    finally:  # a failure above must not leave the second server running past the suite
+        down = wait_flow_run(server, deployment_run(server, "eyas-teardown/teardown", second))
+    assert down["state"]["type"] == "COMPLETED", why(server, down)
     cfg = load_config(ROOT / "configs" / "local-tiny.yaml", second)
     assert not cfg.server.pid_path.exists()
     with pytest.raises(OSError):

@@ -18,7 +18,7 @@ from eyas.dump import assemble, read_records
 from eyas.server.readiness import READY_LINE
 from eyas.local.engine import (BAR_FORMAT, Engine, fuse_experts, load_model,
                                resolve_capture_ids, shard_files)
-from eyas.local.server import parse_args
+from eyas.local.server import _HTTPServer, parse_args
 
 CAPTURE = [2, 4, 6]
 CHUNK = 16
@@ -248,6 +248,24 @@ def test_a_bad_content_length_is_answered_at_once(client, server, header, status
 
 
 # --- in-process pieces -----------------------------------------------------------------------
+
+def test_tens_of_clients_connecting_at_once_wait_in_the_accept_queue():
+    """64 connections complete their handshake before the server accepts any: socketserver's own backlog
+    of 5 drops the seventh's SYN, which its kernel retries a second or more later (regeneration keeps
+    32 requests in flight per server, and several clients may share one)."""
+    from http.server import BaseHTTPRequestHandler
+
+    httpd = _HTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    socks = []
+    try:
+        for _ in range(64):
+            socks.append(socket.create_connection(httpd.server_address, timeout=0.5))
+    finally:
+        for s in socks:
+            s.close()
+        httpd.server_close()
+    assert len(socks) == 64
+
 
 def test_shard_loader_matches_from_pretrained(random_target, reference, tmp_path):
     model = load_model(random_target)

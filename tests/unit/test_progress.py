@@ -53,6 +53,23 @@ def test_progress_figures_and_dataset_json_when_the_last_shard_is_done(tmp_path)
     assert [r["status"] for r in run.table()] == ["reused", "done", "done"]
 
 
+def test_only_the_shard_that_completes_the_dataset_reports_it(tmp_path):
+    """Two shards finishing together: the one whose count completed the dataset gets the manifest, the
+    other None, also when the second finishes between the first's count and its return (here: inside
+    the first's change event); a shard counted again gets None."""
+    plans = write_shard_plans([TokenizedSample([3] * n, [1] * n) for n in (10, 20)], 2, tmp_path / "plan")
+    shards = [_shard(tmp_path, p) for p in plans]
+    got = {}
+
+    def on_change(run, event):
+        if event == "shard" and "last" not in got:
+            got["last"] = run.shard_done(plans[1], shards[1], reused=False)
+    run = ExtractionRun(tmp_path, plans, plan_info={}, on_change=on_change)
+    first = run.shard_done(plans[0], shards[0], reused=False)
+    assert first is None and got["last"] == run.dataset and run.dataset["num_shards"] == 2
+    assert run.shard_done(plans[1], shards[1], reused=True) is None
+
+
 def test_shards_that_disagree_make_no_dataset(tmp_path):
     plans = write_shard_plans([TokenizedSample([3] * n, [1] * n) for n in (10, 20)], 2, tmp_path / "plan")
     a = _shard(tmp_path, plans[0])
