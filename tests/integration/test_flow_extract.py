@@ -13,7 +13,23 @@ from tests.stage_config import ROOT, stage_config
 pytestmark = pytest.mark.slow
 
 
-def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(prefect_harness, tmp_path):
+def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(prefect_harness, tmp_path,
+                                                                               monkeypatch):
+    """Also: regeneration dies after its first part (any error), and its task's retry answers only the
+    second, in the same flow run."""
+    from eyas.extraction import regenerate as regen
+
+    real, calls = regen.regenerate, []
+
+    def dies_after_the_first_part(*args, on_part=None, **kw):
+        calls.append(1)
+
+        def part_done(k, n, m):
+            on_part(k, n, m)
+            if len(calls) == 1:
+                raise ConnectionResetError("injected: the first attempt loses its server after part 1")
+        return real(*args, on_part=part_done, **kw)
+    monkeypatch.setattr(regen, "regenerate", dies_after_the_first_part)
     data = tmp_path / "conversations.jsonl"
     data.write_text("\n".join((ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:10]) + "\n")
     cfg = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{
@@ -26,6 +42,7 @@ def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(p
     regenerated = tmp_path / "shards" / "regenerated" / "regenerated.jsonl"
     summary = json.loads((regenerated.parent / "regenerate.json").read_text())
     assert summary["conversations"] == 8 and summary["regenerated_turns"] >= 8 and summary["passed_through"] == 2
+    assert len(calls) == 2 and summary["parts_reused"] == 1  # the retry kept the first attempt's part
     assert json.loads(dataset_path(cfg.extraction.output_dir).read_text())["data"]["data_path"] == str(regenerated)
     # The shards hold the regenerated conversations, token for token.
     from eyas.extraction.data import load_records, prepare
@@ -43,7 +60,7 @@ def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(p
     from tests.integration.test_progress_artifacts import artifacts
 
     bar = artifacts(f"regenerate-{cfg.name}")[-1]
-    assert bar.data == 100.0 and "2/2 parts, 8/8 conversations (0 reused)" in bar.description
+    assert bar.data == 100.0 and "2/2 parts, 8/8 conversations (4 reused)" in bar.description
 
     second = extract(cfg)
     assert "regenerate" not in second.stages and "stop" not in second.stages  # no server launched
