@@ -86,6 +86,11 @@ class KernelOptions:
     #: the teacher's fp32-output GEMMs through cuBLASLt (CUDA), which ran them ~7% faster than cuBLAS
     #: on the H200 (docs/performance.md); False: the default BLAS
     teacher_lt: bool = True
+    #: where the teacher's labels are not cached whole (a GPU): remember per position whether its
+    #: full-vocabulary argmax lies outside the draft vocabulary (teacher_cache.ArgmaxMemo), so that a
+    #: sequence's later epochs run the teacher on the draft vocabulary's rows only; False: every epoch
+    #: runs the whole vocabulary (as the first does)
+    teacher_memo: bool = True
 
     def __post_init__(self):
         if self.attention not in ("cudnn", "flash"):

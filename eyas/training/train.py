@@ -52,7 +52,7 @@ from eyas.training.draft_vocab import build_draft_vocab, count_tokens
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter
 from eyas.training.ema import WeightEMA
 from eyas.training.losses import HEAD_CHUNK_ROWS, HEAD_CHUNK_ROWS_CPU, TTTObjective, draft_first_order, teacher_labels
-from eyas.training.teacher_cache import TeacherCache
+from eyas.training.teacher_cache import ArgmaxMemo, TeacherCache
 from eyas.training.optim import clip_and_step, lr_factor, make_optimizer, resolve_device
 from eyas.training.progress import StepStats, keeps_row
 from eyas.training.target_head import TargetHead, load_target_tensors, read_target_config
@@ -243,8 +243,9 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     log_every = log_every or max(1, cfg.max_steps // 20)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16)
     dtype = torch.bfloat16 if bf16 else torch.float32
-    make_labels = lambda b: teacher_labels(head, b["last"], b["loss_mask"], cfg.draft_vocab_size, dtype,  # noqa: E731
-                                           kernels=kernels)
+    teacher = lambda b, outside=None: teacher_labels(head, b["last"], b["loss_mask"], cfg.draft_vocab_size,  # noqa: E731
+                                                     dtype, kernels=kernels, outside=outside)
+    make_labels, memo = teacher, None
     log(f"training drafter: {sum(p.numel() for p in params) / 1e6:.2f}M params, {len(data.train_ids)} train / "
         f"{data.num_heldout} held-out sequences, global batch {G} ({world} rank(s) x {cfg.grad_accum} x "
         f"{cfg.batch_size}), draft vocab {cfg.draft_vocab_size}, device {device}{' (bf16 GEMMs)' * cpu_bf16}")
@@ -255,6 +256,11 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
             make_labels = cache.labels
             log(f"teacher labels of all {len(data.lengths)} sequences computed once "
                 f"({TeacherCache.nbytes(data, cfg.draft_vocab_size, dtype) / 2**30:.2f} GB)")
+    # Labels per batch (a GPU, or too many to cache): each position's full-vocabulary argmax bit is
+    # remembered from its sequence's first epoch, and later epochs run the draft vocabulary's rows only
+    if make_labels is teacher and kernels.teacher_memo:
+        memo = ArgmaxMemo(data.lengths, device)
+        make_labels = lambda b: memo.labels(b, teacher)  # noqa: E731
 
     # 4. the loop
     num_micro = cfg.grad_accum * world
@@ -263,7 +269,13 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     final_held = None  # per-TTT-step held-out accuracy at max_steps
     while state.step < stop:
         if state.batch_pos >= len(plan):
+            if memo is not None:
+                memo.share()  # the next epoch deals the sequences out anew
             state.epoch, state.batch_pos = state.epoch + 1, 0
+            if memo is not None:
+                log(f"epoch {state.epoch + 1}: the teacher's full-vocabulary argmax remembered for "
+                    f"{int(memo.known.sum())} of {len(data.lengths)} sequences (their teacher: the draft "
+                    f"vocabulary's rows only)")
             plan = epoch_plan(data.lengths, data.train_ids, cfg.batch_size, num_micro, cfg.seed, state.epoch,
                               cfg.length_grouping)
         micro = plan[state.batch_pos]

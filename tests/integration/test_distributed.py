@@ -27,8 +27,9 @@ def setup(random_target, tmp_path_factory):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_give_the_losses_of_one_with_the_same_global_batch(setup, tmp_path, free_port, strategy):
     target, shards, one = setup
+    # teacher_cache_gb: no whole labels cached, so the ranks remember the argmax's bit and share it
     cfg = training_config(tmp_path / "two", max_steps=5, batch_size=2, grad_accum=1, checkpoint_every=100,
-                          ema_decay=0.8,
+                          ema_decay=0.8, teacher_cache_gb=1e-6,
                           distributed={"nproc_per_node": 2, "master_port": free_port, "strategy": strategy})
     logs, steps = [], []
     two = launch_training(cfg, target_config(target), shards, log=logs.append, poll_s=0.2, on_step=steps.append)
@@ -41,6 +42,9 @@ def test_two_processes_give_the_losses_of_one_with_the_same_global_batch(setup, 
     assert sum(two.accuracies, []) == pytest.approx(sum(one.accuracies, []), abs=1e-6)
     assert two.heldout_accuracies == pytest.approx(one.heldout_accuracies, abs=1e-6)
     assert any("global batch 4 (2 rank(s) x 1 x 2)" in line for line in logs), logs[:5]
+    # rank 0 labelled half of the first epoch's sequences; after the epoch it knows every one of them
+    assert any("epoch 2: the teacher's full-vocabulary argmax remembered for 16 of 20 sequences" in line
+               for line in logs), [line for line in logs if "epoch" in line]
     wa = load_file(f"{one.checkpoint_dir}/model.safetensors")
     wb = load_file(f"{two.checkpoint_dir}/model.safetensors")
     assert set(wa) == set(wb)

@@ -69,9 +69,35 @@ def test_goal_json_is_well_formed(tmp_path):
         assert g["goal"].split()[0] in (">=", "<=", "fits"), name
     for key in ("chat_masks_b1_2x_specforge", "chat_masks_b4_2x_specforge", "all_scored_b4_1.5x_specforge"):
         assert line["goals"][key]["met"] is False  # the tiny drafter meets no Kimi-size goal
-    rows = {(r["mask"], r["batch"]): r for r in line["figures"]["mask_rows"]}
-    assert set(rows) == {(k, b) for k in ("all-scored", "prompt-0.3", "masks-from") for b in (1, 2)}
+    rows = {(r["mask"], r["batch"], r["variant"]): r for r in line["figures"]["mask_rows"]}
+    assert set(rows) == {(k, b, v) for k in ("all-scored", "prompt-0.3", "masks-from") for b in (1, 2)
+                         for v in ("default", "nomemo")}  # later epochs, and a first
+    rows = {(m, b): r for (m, b, v), r in rows.items() if v == "default"}
     assert rows[("all-scored", 1)]["unscored_share"] == 0
     assert rows[("prompt-0.3", 2)]["unscored_share"] == pytest.approx(0.3, abs=0.02)
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
     assert line["figures"]["batches"][0]["unscored_share"] == pytest.approx(0.125)
+
+
+def test_goals_judge_a_whole_run_from_its_first_and_later_epochs():
+    """The default's goals average a run of --epochs: one first epoch (the `nomemo` row) and the rest
+    (the default's row, the teacher's argmax bit remembered); without the first epoch's row, no value."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "bench" / "train.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.run_average(20000.0, 21000.0, 10) == pytest.approx(10 / (1 / 20000 + 9 / 21000))
+    assert bench.run_average(20000.0, 21000.0, 1) == pytest.approx(20000.0)
+    rows = [{"mask": "prompt-0.3", "batch": 4, "variant": "default", "tokens_per_s": 21000.0},
+            {"mask": "prompt-0.3", "batch": 4, "variant": "nomemo", "tokens_per_s": 20000.0},
+            {"mask": "all-scored", "batch": 4, "variant": "default", "tokens_per_s": 16000.0}]
+    goals = bench.specforge_goals(rows, tiny=False, epochs=10)
+    g = goals["prompt30_b4_2x_specforge"]
+    assert g["value"] == pytest.approx(20895.5, abs=0.1) and g["met"]  # 20,800 needed: the run meets it
+    assert (g["first_epoch"], g["later_epochs"], g["epochs"]) == (20000.0, 21000.0, 10)
+    assert not bench.specforge_goals(rows, tiny=False, epochs=2)["prompt30_b4_2x_specforge"]["met"]  # 20,488
+    a = goals["all_scored_b4_1.5x_specforge"]
+    assert a["value"] is None and not a["met"] and a["later_epochs"] == 16000.0  # no first epoch measured
+    first = bench.specforge_goals(rows, tiny=False, variant_name="nomemo")
+    assert first["prompt30_b4_2x_specforge_nomemo"]["value"] == 20000.0
+    assert not first["prompt30_b4_2x_specforge_nomemo"]["met"]

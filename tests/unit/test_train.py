@@ -149,7 +149,8 @@ def test_training_and_evaluation_config_sections():
 
 def test_teacher_labels_once_per_sequence_train_as_labels_per_batch(sharp_target, shards, tmp_path):
     """A CPU run computes the teacher's labels once per sequence where they fit (teacher_cache_gb):
-    the same losses and weights as computing them for every batch, bit for bit."""
+    the same losses and weights as computing them for every batch (from the second epoch on with the
+    argmax's bit remembered), bit for bit."""
     tgt, logs = target_config(sharp_target), []
     cached = train_drafter(training_config(tmp_path / "a", max_steps=8, checkpoint_every=100), tgt, shards,
                            log=logs.append)
@@ -158,6 +159,8 @@ def test_teacher_labels_once_per_sequence_train_as_labels_per_batch(sharp_target
     per_batch = train_drafter(training_config(tmp_path / "b", max_steps=8, checkpoint_every=100,
                                               teacher_cache_gb=1e-6), tgt, shards, log=logs.append)
     assert not any("teacher labels of all" in line for line in logs)  # over the budget: per batch
+    # ... whose second epoch reads each position's argmax bit from the memo (ArgmaxMemo)
+    assert any(line.startswith("epoch 2: the teacher's full-vocabulary argmax remembered for") for line in logs)
     assert cached.losses == per_batch.losses and cached.heldout_accuracies == per_batch.heldout_accuracies
     wa, wb = (load_file(f"{r.checkpoint_dir}/model.safetensors") for r in (cached, per_batch))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
