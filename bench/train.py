@@ -176,6 +176,12 @@ def check_compiled(device, dtype) -> dict:
                 loss, _, _ = TTTObjective(model, kernels=KernelOptions(compile=on))(d["ids"], d["aux"], labels, K, 0.8)
             out.append([loss] + list(torch.autograd.grad(loss, params)))
         res[name] = max(rel(a, b) for a, b in zip(out[1], out[0]))
+    # the teacher's compiled softmax region against eager: its probabilities, and argmaxes that differ
+    eager, compiled = (teacher_labels(head, d["last"], d["loss_mask"], c.draft_vocab_size, dtype,
+                                      kernels=KernelOptions(compile=on)) for on in (False, True))
+    s = eager.scored
+    res["teacher_compiled_vs_eager"] = rel(compiled.probs[s.view(-1)].float(), eager.probs[s.view(-1)].float())
+    res["teacher_compiled_argmax_differs"] = float((compiled.target[s] != eager.target[s]).float().mean())
     return res
 
 

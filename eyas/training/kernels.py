@@ -299,6 +299,14 @@ def swiglu(g, u):
 
 
 
+@_fused
+def teacher_softmax(z, dtype: torch.dtype):
+    """The teacher's draft-vocabulary logits (n, V_d) fp32 -> argmax (n,) (the first maximum), max (n,),
+    softmax (n, V_d) in dtype: compiled, one pass that reads z and writes the probabilities once (eager:
+    five passes over the 0.5 GB of a 4096-row chunk at Kimi size)."""
+    return z.argmax(-1), z.amax(-1), torch.softmax(z, dim=-1).to(dtype)
+
+
 def _tr(x):  # (B, nh, T, hd) <-> (B, T, nh, hd), and (B, nh, T) <-> (B, T, nh)
     return x.transpose(1, 2)
 

@@ -94,12 +94,13 @@ def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor
     def label(x: torch.Tensor, known: torch.Tensor | None):  # (n, H) last states, (n,) bool or None
         x = head.prepare(x)
         z = fused.mm_f32(x, W_draft.T)  # (n, V_d) fp32
-        best = z.argmax(-1)  # (n,) the first maximum: draft ids come first, so a tie stays inside
+        # best: the first maximum (draft ids come first, so a tie with the rest stays inside)
+        best, top, p = fused.teacher_softmax(z, probs_dtype, compile=kernels.compile)
         if known is None and not len(W_rest):  # the draft vocabulary is the whole vocabulary
             known = torch.zeros_like(best, dtype=torch.bool)
         elif known is None:  # the full argmax lies outside where the rest holds a strictly larger logit
-            known = fused.mm_f32(x, W_rest.T).amax(-1) > z.gather(1, best[:, None])[:, 0]
-        return torch.where(known, num_draft, best), torch.softmax(z, dim=-1).to(probs_dtype)
+            known = fused.mm_f32(x, W_rest.T).amax(-1) > top
+        return torch.where(known, num_draft, best), p
 
     with fused.teacher_blas(kernels, last.device):
         if kernels.skip_unscored and kernels.skip_rows:  # the scored positions only, gathered

@@ -238,6 +238,22 @@ def test_compile_routes_every_region_through_torch_compile(monkeypatch):
     assert {"norm_cat", "add_norm", "rope_qk", "swiglu"} <= set(seen)
 
 
+def test_compile_routes_the_teachers_softmax_through_torch_compile(monkeypatch):
+    """The teacher's argmax, max and softmax are one compiled region (stubbed as above): same labels."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(fn.__name__) or fn)
+    monkeypatch.setattr(fused, "_compiled", {})
+    g = torch.Generator().manual_seed(5)
+    t2d = torch.zeros(64, dtype=torch.bool)
+    t2d[torch.randperm(64, generator=g)[:40]] = True
+    head = TargetHead(torch.randn(64, 32, generator=g), None, 1e-6).reorder(draft_first_order(t2d))
+    last, mask = torch.randn(2, 9, 32, generator=g), torch.rand(2, 9, generator=g) > 0.2
+    eager = teacher_labels(head, last, mask, 40, chunk=5)
+    compiled = teacher_labels(head, last, mask, 40, chunk=5, kernels=KernelOptions(compile=True))
+    assert seen == ["teacher_softmax"]
+    assert torch.equal(compiled.target, eager.target) and torch.equal(compiled.probs, eager.probs)
+
+
 def test_kernel_options_follow_training_compile(tmp_path):
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert kernel_options(training_config(tmp_path), cpu) == KernelOptions()  # compile: None = on a GPU only
