@@ -35,11 +35,9 @@ if TYPE_CHECKING:  # eyas.config needs pydantic; the GPU benchmark imports this 
 class KernelOptions:
     """Which kernels and fusions a training step uses. Every setting computes the same loss and
     gradients (up to rounding; tests/unit/test_kernels.py); the defaults are the fastest measured on the
-    H200 (docs/performance.md), except `compile`, which kernel_options turns on for a GPU, and the three
-    added on 2026-12-05 (emb_grad_inplace, grouped_gemms, teacher_lt), which remove work the H200's
-    profile showed but are not yet measured there (docs/performance.md says what to run). Only
-    `compile` has a config setting; the others exist so that bench/train.py can measure each
-    optimisation against its absence.
+    H200 and H100 (docs/performance.md), except `compile`, which kernel_options turns on for a GPU (and
+    fp8_gemms, which training.fp8_gemms sets: not the same arithmetic). The others exist so that
+    bench/train.py can measure each optimisation against its absence.
 
     Built once per run and passed down, never read from a global: TTTObjective(..., kernels=k) hands it
     to the drafter (norms, RoPE, SwiGLU, TTTWeights), the TTT attention and the fused head loss, and
@@ -86,10 +84,10 @@ class KernelOptions:
     #: the teacher's fp32-output GEMMs through cuBLASLt (CUDA), which ran them ~7% faster than cuBLAS
     #: on the H200 (docs/performance.md); False: the default BLAS
     teacher_lt: bool = True
-    #: where the teacher's labels are not cached whole (a GPU): remember per position whether its
-    #: full-vocabulary argmax lies outside the draft vocabulary (teacher_cache.ArgmaxMemo), so that a
-    #: sequence's later epochs run the teacher on the draft vocabulary's rows only; False: every epoch
-    #: runs the whole vocabulary (as the first does)
+    #: where the teacher's labels are not cached whole (a GPU, or more than training.teacher_cache_gb):
+    #: remember per position whether its full-vocabulary argmax lies outside the draft vocabulary
+    #: (teacher_cache.ArgmaxMemo), so that a sequence's later epochs run the teacher on the draft
+    #: vocabulary's rows only; False: every epoch runs the whole vocabulary (as the first does)
     teacher_memo: bool = True
 
     def __post_init__(self):

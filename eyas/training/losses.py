@@ -95,11 +95,11 @@ def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor
         x = head.prepare(x)
         z = fused.mm_f32(x, W_draft.T)  # (n, V_d) fp32
         # best: the first maximum (draft ids come first, so a tie with the rest stays inside)
-        best, top, p = fused.teacher_softmax(z, probs_dtype, compile=kernels.compile)
+        best, best_logit, p = fused.teacher_softmax(z, probs_dtype, compile=kernels.compile)
         if known is None and not len(W_rest):  # the draft vocabulary is the whole vocabulary
             known = torch.zeros_like(best, dtype=torch.bool)
         elif known is None:  # the full argmax lies outside where the rest holds a strictly larger logit
-            known = fused.mm_f32(x, W_rest.T).amax(-1) > top
+            known = fused.mm_f32(x, W_rest.T).amax(-1) > best_logit
         return torch.where(known, num_draft, best), p
 
     with fused.teacher_blas(kernels, last.device):

@@ -81,8 +81,8 @@ class ArgmaxMemo:
     training step, every epoch. The stored last hidden states, the loss mask and the target's head do
     not change between epochs, so neither does the bit: a sequence's later epochs read it here
     (losses.teacher_labels(outside=...)) and get the same labels, bit for bit, wherever a position is
-    scored (no other label is read). 1 byte a token on the
-    device (17 MB for 17.3M tokens). Empty after a resume: the next epoch computes and remembers again.
+    scored (no other label is read). 1 byte a token on the device (17 MB for 17.3M tokens). Empty
+    after a resume: the rest of that epoch computes and remembers again.
     """
 
     def __init__(self, lengths: list[int], device):
