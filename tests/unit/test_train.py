@@ -55,10 +55,14 @@ def test_aux_noise_is_relative_per_layer_and_off_at_zero():
         assert 0.07 * scale < float(d.std()) < 0.13 * scale
 
 
-def test_interrupted_and_resumed_equals_uninterrupted(sharp_target, shards, tmp_path):
+@pytest.mark.parametrize("cache_gb", [2.0, 1e-6], ids=["labels-cached", "argmax-memo"])
+def test_interrupted_and_resumed_equals_uninterrupted(sharp_target, shards, tmp_path, cache_gb):
+    """argmax-memo: the resumed run starts with an empty memo (the steps from 4 on remember again,
+    the second epoch's from 6 on read what they can): the same steps all the same."""
     tgt = target_config(sharp_target)
-    full = train_drafter(training_config(tmp_path / "a", max_steps=9, checkpoint_every=3), tgt, shards, log=quiet)
-    cfg_b = training_config(tmp_path / "b", max_steps=9, checkpoint_every=3)
+    full = train_drafter(training_config(tmp_path / "a", max_steps=9, checkpoint_every=3, teacher_cache_gb=cache_gb),
+                         tgt, shards, log=quiet)
+    cfg_b = training_config(tmp_path / "b", max_steps=9, checkpoint_every=3, teacher_cache_gb=cache_gb)
     part = train_drafter(cfg_b, tgt, shards, log=quiet, stop_at_step=5)
     assert part.steps == 5 and part.heldout_accuracies is None
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-000005")  # "crashed" after step 5's work was lost
@@ -66,6 +70,9 @@ def test_interrupted_and_resumed_equals_uninterrupted(sharp_target, shards, tmp_
     resumed = train_drafter(cfg_b, tgt, shards, log=logs.append)
     assert resumed.resumed_from_step == 3 and any("resumed from" in line for line in logs)
     assert resumed.losses == full.losses  # bit-for-bit: data order, optimizer, schedule, RNG
+    if cache_gb < 1:  # the first epoch's steps 4 and 5 ran after the resume: 8 sequences remembered
+        assert any(line.startswith("epoch 2: the teacher's full-vocabulary argmax remembered for 8 of 24 ")
+                   for line in logs), [line for line in logs if line.startswith("epoch")]
     wa, wb = load_file(f"{full.checkpoint_dir}/model.safetensors"), load_file(f"{resumed.checkpoint_dir}/model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     again = train_drafter(cfg_b, tgt, shards, log=quiet)  # finished: nothing left to train
