@@ -284,7 +284,8 @@ class TrainingConfig(StrictModel):
     fp8_gemms: bool = False
     #: on a CPU: the teacher's labels of every sequence computed once (not once per batch) when they
     #: fit in this much memory (tokens x draft_vocab_size x 4 bytes; eyas/training/teacher_cache.py);
-    #: 0 = per batch, as on a GPU always
+    #: 0 = per batch, as on a GPU always (then each position's full-vocabulary argmax bit is remembered
+    #: from its sequence's first epoch: teacher_cache.ArgmaxMemo)
     teacher_cache_gb: float = Field(2.0, ge=0)
     seed: int = 0
     device: str = "auto"  #: "auto" = cuda if available else cpu
