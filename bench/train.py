@@ -414,6 +414,8 @@ VARIANTS = {"default": {},
             # 2026-12-06: a training run's first epoch (the teacher over the whole vocabulary); the
             # default's timed steps are the later epochs' (the argmax's bit remembered: ArgmaxMemo)
             "nomemo": dict(teacher_memo=False),
+            # the span path's shorter queries on cuDNN as zero rows in front (before 2026-12-05's third session)
+            "nosplit": dict(span_split=False),
             "before": dict(emb_grad_inplace=False, grouped_gemms=False, teacher_lt=False),
             # the fused head's rows per chunk (TTTObjective.head_chunk; losses.HEAD_CHUNK_ROWS otherwise)
             "chunk4k": dict(head_chunk=4096), "chunk16k": dict(head_chunk=16384), "chunk32k": dict(head_chunk=32768)}

@@ -44,7 +44,8 @@ aten = torch.ops.aten
 # below needs. Queries shorter than the keys (the last rows of the key range): flash aligns its causal
 # mask bottom-right itself; cuDNN (whose alignment is not promised) and the CPU kernel (top-left) get
 # the missing leading queries as zero rows, which cost a copy of q and a sliver of the causal work,
-# and add nothing to the gradients.
+# and add nothing to the gradients; or, on cuDNN with KernelOptions.span_split, two calls without
+# padding (_split_fwd: the keys before the first query unmasked, the rest causal), merged by lse.
 #
 # Not a setting but a memo of what this process's cuDNN accepted: once it refuses a call (a shape or
 # dtype its build does not support), every later call goes to flash instead of failing (and paying a
@@ -72,14 +73,61 @@ def _pad_front(t, n: int):
     return out
 
 
-def _flash_fwd(q, k, v, scale, backend: str):
+def _cudnn_fwd(q, k, v, scale, causal: bool):
+    out = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return out[0], out[1], tuple(out[2:8])
+
+
+def _cudnn_bwd(dy, q, k, v, y, lse, state, scale, causal: bool):
+    cum_q, cum_k, max_q, max_k, seed, offset = state
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        dy, q, k, v, y, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale)
+
+
+def _cpu_fwd(q, k, v, scale, causal: bool):
+    y, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return y, lse, None
+
+
+def _cpu_bwd(dy, q, k, v, y, lse, state, scale, causal: bool):
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dy, q, k, v, y, lse, 0.0, causal, scale=scale)
+
+
+def _split_fwd(q, k, v, scale, fwd, compile: bool = False):
+    """Causal attention of queries that are the last L of the S keys, as two kernel calls and no padding:
+    the first S - L keys, which every query sees (unmasked), and the last L, causal and square (top-left
+    and bottom-right alike), merged by their log-sum-exps. fwd: (q, k, v, scale, causal) -> (y, lse, state)."""
+    off = k.shape[2] - q.shape[2]
+    ya, la, sa = fwd(q, k[:, :, :off], v[:, :, :off], scale, False)
+    yb, lb, sb = fwd(q, k[:, :, off:], v[:, :, off:], scale, True)
+    y, lse = fused.lse_merge(ya, la, yb, lb, compile=compile)
+    return y, lse, (sa, sb)
+
+
+def _split_bwd(dy, q, k, v, y, lse, states, scale, bwd):
+    """_split_fwd's gradients: each part's backward with the merged y and lse (it forms P = exp(S - lse)
+    and D = rowsum(dy * y) itself, as for the diagonal keys below) gives that part's share."""
+    off = k.shape[2] - q.shape[2]
+    dqa, dka, dva = bwd(dy, q, k[:, :, :off], v[:, :, :off], y, lse, states[0], scale, False)
+    dqb, dkb, dvb = bwd(dy, q, k[:, :, off:], v[:, :, off:], y, lse, states[1], scale, True)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)  # laid out like k and v (position-major stays so)
+    dk[:, :, :off], dk[:, :, off:] = dka, dkb
+    dv[:, :, :off], dv[:, :, off:] = dva, dvb
+    return dqa + dqb, dk, dv
+
+
+def _flash_fwd(q, k, v, scale, kernels: KernelOptions, split: bool = False):
     """Causal attention -> (y (B, nh, L, hd), lse (fp32, (B, nh, L) or (B, nh, L, 1)), state for the backward).
 
-    backend: "cudnn" or "flash" on CUDA (KernelOptions.attention); the CPU has one kernel."""
+    kernels.attention: "cudnn" or "flash" on CUDA; the CPU has one kernel. split: queries shorter than
+    the keys through _split_fwd (cuDNN only, with kernels.span_split) instead of zero rows in front."""
     off = k.shape[2] - q.shape[2]  # q's rows are the last L of the S key positions
     if q.device.type == "cuda":
-        if backend == "cudnn" and "cudnn" not in _refused:
+        if kernels.attention == "cudnn" and "cudnn" not in _refused:
             try:
+                if off and split and kernels.span_split:
+                    y, lse, states = _split_fwd(q, k, v, scale, _cudnn_fwd, kernels.compile)
+                    return y, lse, ("cudnn_split", states)
                 out = aten._scaled_dot_product_cudnn_attention(_pad_front(q, off), k, v, None, True, 0.0, True, False,
                                                                scale=scale)
                 return out[0][:, :, off:], out[1][:, :, off:], ("cudnn", *out[2:8])
@@ -95,6 +143,8 @@ def _flash_fwd(q, k, v, scale, backend: str):
 def _flash_bwd(dy, q, k, v, y, lse, state, scale):
     if q.device.type == "cuda":
         kind, *state = state
+        if kind == "cudnn_split":
+            return _split_bwd(dy, q, k, v, y, lse, state[0], scale, _cudnn_bwd)
         if kind == "cudnn":  # zero rows in front, as in _flash_fwd: with dy = 0 there they add nothing to dk, dv
             cum_q, cum_k, max_q, max_k, seed, offset = state
             off = k.shape[2] - q.shape[2]
@@ -116,7 +166,7 @@ def _flash_bwd(dy, q, k, v, y, lse, state, scale):
 class _TTTAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k0, v0, scale, n, kernels, *kv):  # kv: n diagonal keys, then n values, (B, nh, T, hd) each
-        y0, lse0, state = _flash_fwd(q, k0, v0, scale, kernels.attention)  # (B, nh, T, hd), (B, nh, T[, 1])
+        y0, lse0, state = _flash_fwd(q, k0, v0, scale, kernels, split=True)  # (B, nh, T, hd), (B, nh, T[, 1])
         if n == 0:  # step 0's queries shorter than its keys: the causal part alone, nothing to merge;
             # y dense and laid out like q, as the merge lays it (the kernels' backward wants dy like y)
             y, lse, a = torch.empty_like(q).copy_(y0), lse0, None
@@ -166,7 +216,7 @@ class _TTTAttentionRows(torch.autograd.Function):
     def forward(ctx, q, k0, v0, b, t, scale, n, kernels, *kv):  # q, kv (1, nh, N, hd); k0, v0 (B, nh, T, hd)
         B, nh, T, hd = k0.shape
         qf = _scatter(q, b, t, B, T)  # (B, nh, T, hd)
-        y0, raw, state = _flash_fwd(qf, k0, v0, scale, kernels.attention)
+        y0, raw, state = _flash_fwd(qf, k0, v0, scale, kernels)
         lse0 = raw.view(B, nh, T).float()
         if n == 0:  # step 0's queries at the gathered rows: the causal part alone, nothing to merge
             y, lse, a = _gather_rows(y0, b, t), lse0[b, :, t].T[None], None

@@ -81,6 +81,10 @@ class KernelOptions:
     #: summed inside the GEMMs (drafter._SharedLinears; with shared_weights, where the input is in the
     #: GEMM dtype: a GPU); False: one node each, their input gradients summed by autograd's adds
     grouped_gemms: bool = True
+    #: queries that are the last rows of the keys (the span path's TTT steps) on cuDNN as two calls,
+    #: the keys before the first query unmasked and the rest causal, merged by log-sum-exp
+    #: (attention._split_fwd); False: the missing leading queries as zero rows in one causal call
+    span_split: bool = True
     #: the teacher's fp32-output GEMMs through cuBLASLt (CUDA), which ran them ~7% faster than cuBLAS
     #: on the H200 (docs/performance.md); False: the default BLAS
     teacher_lt: bool = True
@@ -303,6 +307,15 @@ def teacher_softmax(z, dtype: torch.dtype):
     softmax (n, V_d) in dtype: compiled, one pass that reads z and writes the probabilities once (eager:
     five passes over the 0.5 GB of a 4096-row chunk at Kimi size)."""
     return z.argmax(-1), z.amax(-1), torch.softmax(z, dim=-1).to(dtype)
+
+
+@_fused
+def lse_merge(ya, la, yb, lb):
+    """Two attentions of the same queries over disjoint keys -> the attention over both: y (B, nh, L, hd)
+    in ya's dtype, lse (fp32) shaped like la ((B, nh, L) or (B, nh, L, 1))."""
+    lse = torch.logaddexp(la, lb)
+    wa, wb = (torch.exp(x - lse).reshape(*ya.shape[:3], 1) for x in (la, lb))
+    return (wa * ya.float() + wb * yb.float()).to(ya.dtype), lse
 
 
 def _tr(x):  # (B, nh, T, hd) <-> (B, T, nh, hd), and (B, nh, T) <-> (B, T, nh)

@@ -50,6 +50,27 @@ def test_ttt_attention_of_the_last_query_rows_matches_the_masked_softmax_with_gr
         assert y.transpose(1, 2).is_contiguous() and got[0].stride() == torch.empty_like(q).stride()
 
 
+@pytest.mark.parametrize("L", [1, 11, 28])  # 28: a single key before the first query
+def test_split_attention_of_the_last_query_rows_matches_the_masked_softmax_with_gradients(L):
+    """KernelOptions.span_split's two calls (the keys before the first query unmasked, the rest causal,
+    merged by log-sum-exp; cuDNN's on a GPU) here through the CPU's kernel: the bottom-right causal
+    attention and its gradients, dk and dv laid out like k and v (position-major)."""
+    from eyas.training import attention
+    g = torch.Generator().manual_seed(30 + L)
+    B, nh, S, hd = 2, 3, 29, 16
+    q, k, v = (torch.randn(B, S, nh, hd, generator=g).transpose(1, 2) for _ in range(3))  # position-major
+    q = q[:, :, S - L:].detach().requires_grad_()
+    k, v = k.detach().requires_grad_(), v.detach().requires_grad_()
+    y, lse, states = attention._split_fwd(q, k, v, 0.25, attention._cpu_fwd)
+    want = reference_ttt_attention(q, k, v, [], [], 0.25)
+    torch.testing.assert_close(y, want, atol=2e-6, rtol=1e-5)
+    dy = torch.randn(y.shape, generator=g)
+    dq, dk, dv = attention._split_bwd(dy, q.detach(), k.detach(), v.detach(), y, lse, states, 0.25, attention._cpu_bwd)
+    for a, c in zip((dq, dk, dv), torch.autograd.grad(want, (q, k, v), dy)):
+        torch.testing.assert_close(a, c, atol=2e-6, rtol=1e-5)
+    assert dk.stride() == k.stride() and dv.stride() == v.stride()
+
+
 @pytest.mark.parametrize("K", [0, 1, 3])
 def test_ttt_attention_on_gathered_rows_matches_the_whole_batch_with_gradients(K):
     """Queries gathered from a (B, T) batch (uneven per sequence, first and last positions among them): the
