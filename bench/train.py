@@ -414,8 +414,8 @@ VARIANTS = {"default": {},
             # 2026-12-06: a training run's first epoch (the teacher over the whole vocabulary); the
             # default's timed steps are the later epochs' (the argmax's bit remembered: ArgmaxMemo)
             "nomemo": dict(teacher_memo=False),
-            # the span path's shorter queries on cuDNN as zero rows in front (before 2026-12-05's third session)
-            "nosplit": dict(span_split=False),
+            # the span path's shorter queries on cuDNN as two calls without padding (built 2026-12-05, not measured)
+            "split": dict(span_split=True),
             "before": dict(emb_grad_inplace=False, grouped_gemms=False, teacher_lt=False),
             # the fused head's rows per chunk (TTTObjective.head_chunk; losses.HEAD_CHUNK_ROWS otherwise)
             "chunk4k": dict(head_chunk=4096), "chunk16k": dict(head_chunk=16384), "chunk32k": dict(head_chunk=32768)}
@@ -727,6 +727,8 @@ def main() -> None:
     if device.type == "cuda":
         flash = check_kernels(device, dtype, KernelOptions(attention="flash"))
         figures["checks_rel_err"].update({f"{k}_flash": v for k, v in flash.items() if k.startswith("ttt")})
+        split = check_kernels(device, dtype, KernelOptions(span_split=True))  # the last-rows cases take it
+        figures["checks_rel_err"].update({f"{k}_split": v for k, v in split.items() if "_last" in k})
         figures["checks_rel_err"]["fused_clip_adamw"] = check_fused_clip(device)
     if compile_on:
         t0 = time.perf_counter()
@@ -873,6 +875,7 @@ def main() -> None:
                             "met": "tokens_per_s" in by.get(8, {})}
     for v in args.mask_variants:
         goals.update(specforge_goals(figures["mask_rows"], args.tiny, v, args.epochs))
+    figures["refused"] = sorted(attention._refused)  # kernels a call refused: their rows ran the fallback
     line = clean({"bench": "train", "figures": figures, "goals": goals})
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -44,8 +44,9 @@ aten = torch.ops.aten
 # below needs. Queries shorter than the keys (the last rows of the key range): flash aligns its causal
 # mask bottom-right itself; cuDNN (whose alignment is not promised) and the CPU kernel (top-left) get
 # the missing leading queries as zero rows, which cost a copy of q and a sliver of the causal work,
-# and add nothing to the gradients; or, on cuDNN with KernelOptions.span_split, two calls without
-# padding (_split_fwd: the keys before the first query unmasked, the rest causal), merged by lse.
+# and add nothing to the gradients; or, on cuDNN with KernelOptions.span_split (off: not yet measured
+# on a GPU), two calls without padding (_split_fwd: the keys before the first query unmasked, the rest
+# causal), merged by lse.
 #
 # Not a setting but a memo of what this process's cuDNN accepted: once it refuses a call (a shape or
 # dtype its build does not support), every later call goes to flash instead of failing (and paying a
@@ -124,10 +125,13 @@ def _flash_fwd(q, k, v, scale, kernels: KernelOptions, split: bool = False):
     off = k.shape[2] - q.shape[2]  # q's rows are the last L of the S key positions
     if q.device.type == "cuda":
         if kernels.attention == "cudnn" and "cudnn" not in _refused:
-            try:
-                if off and split and kernels.span_split:
+            if off and split and kernels.span_split and "cudnn_split" not in _refused:
+                try:
                     y, lse, states = _split_fwd(q, k, v, scale, _cudnn_fwd, kernels.compile)
                     return y, lse, ("cudnn_split", states)
+                except RuntimeError:  # refused: the zero rows in front, below (cuDNN itself stays on)
+                    _refused.add("cudnn_split")
+            try:
                 out = aten._scaled_dot_product_cudnn_attention(_pad_front(q, off), k, v, None, True, 0.0, True, False,
                                                                scale=scale)
                 return out[0][:, :, off:], out[1][:, :, off:], ("cudnn", *out[2:8])

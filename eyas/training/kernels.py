@@ -83,8 +83,10 @@ class KernelOptions:
     grouped_gemms: bool = True
     #: queries that are the last rows of the keys (the span path's TTT steps) on cuDNN as two calls,
     #: the keys before the first query unmasked and the rest causal, merged by log-sum-exp
-    #: (attention._split_fwd); False: the missing leading queries as zero rows in one causal call
-    span_split: bool = True
+    #: (attention._split_fwd: no padding copies, none of the causal work of the missing rows; tested
+    #: on the CPU's kernel). Off until measured on a GPU (docs/performance.md says what to run);
+    #: False: the missing leading queries as zero rows in one causal call
+    span_split: bool = False
     #: the teacher's fp32-output GEMMs through cuBLASLt (CUDA), which ran them ~7% faster than cuBLAS
     #: on the H200 (docs/performance.md); False: the default BLAS
     teacher_lt: bool = True
