@@ -411,7 +411,7 @@ VARIANTS = {"default": {},
             "noinplace": dict(emb_grad_inplace=False),  # autograd sums the embedding share's slices
             "nogroup": dict(grouped_gemms=False),  # q/k/v and gate/up one node each, input gradients added
             "noteacherlt": dict(teacher_lt=False),  # the teacher's GEMMs under cuBLAS
-            # 2026-12-06: a training run's first epoch (the teacher over the whole vocabulary); the
+            # 2026-12-05: a training run's first epoch (the teacher over the whole vocabulary); the
             # default's timed steps are the later epochs' (the argmax's bit remembered: ArgmaxMemo)
             "nomemo": dict(teacher_memo=False),
             # the span path's shorter queries on cuDNN as two calls without padding (built 2026-12-05, not measured)
