@@ -94,6 +94,22 @@ def _cpu_bwd(dy, q, k, v, y, lse, state, scale, causal: bool):
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(dy, q, k, v, y, lse, 0.0, causal, scale=scale)
 
 
+def _padded_fwd(q, k, v, scale, fwd):
+    """Causal attention of queries that are the last L of the S keys, in one top-left-aligned causal call:
+    the missing S - L leading queries as zero rows, their outputs dropped."""
+    off = k.shape[2] - q.shape[2]
+    y, lse, state = fwd(_pad_front(q, off), k, v, scale, True)
+    return y[:, :, off:], lse[:, :, off:], state
+
+
+def _padded_bwd(dy, q, k, v, y, lse, state, scale, bwd):
+    """_padded_fwd's gradients: with dy = 0 on the zero rows, they add nothing to dk, dv."""
+    off = k.shape[2] - q.shape[2]
+    dq, dk, dv = bwd(_pad_front(dy, off), _pad_front(q, off), k, v, _pad_front(y, off), _pad_front(lse, off),
+                     state, scale, True)
+    return dq[:, :, off:], dk, dv
+
+
 def _split_fwd(q, k, v, scale, fwd, compile: bool = False):
     """Causal attention of queries that are the last L of the S keys, as two kernel calls and no padding:
     the first S - L keys, which every query sees (unmasked), and the last L, causal and square (top-left
@@ -132,16 +148,13 @@ def _flash_fwd(q, k, v, scale, kernels: KernelOptions, split: bool = False):
                 except RuntimeError:  # refused: the zero rows in front, below (cuDNN itself stays on)
                     _refused.add("cudnn_split")
             try:
-                out = aten._scaled_dot_product_cudnn_attention(_pad_front(q, off), k, v, None, True, 0.0, True, False,
-                                                               scale=scale)
-                return out[0][:, :, off:], out[1][:, :, off:], ("cudnn", *out[2:8])
+                y, lse, state = _padded_fwd(q, k, v, scale, _cudnn_fwd)
+                return y, lse, ("cudnn", state)
             except RuntimeError:
                 _refused.add("cudnn")
         out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
         return out[0], out[1], ("flash", *out[2:8])
-    # the CPU kernel aligns the mask top-left: the skipped leading queries run as zeros, then are dropped
-    y, lse = aten._scaled_dot_product_flash_attention_for_cpu(_pad_front(q, off), k, v, 0.0, True, scale=scale)
-    return y[:, :, off:], lse[:, :, off:], None
+    return _padded_fwd(q, k, v, scale, _cpu_fwd)  # the CPU kernel aligns the mask top-left
 
 
 def _flash_bwd(dy, q, k, v, y, lse, state, scale):
@@ -149,22 +162,12 @@ def _flash_bwd(dy, q, k, v, y, lse, state, scale):
         kind, *state = state
         if kind == "cudnn_split":
             return _split_bwd(dy, q, k, v, y, lse, state[0], scale, _cudnn_bwd)
-        if kind == "cudnn":  # zero rows in front, as in _flash_fwd: with dy = 0 there they add nothing to dk, dv
-            cum_q, cum_k, max_q, max_k, seed, offset = state
-            off = k.shape[2] - q.shape[2]
-            dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-                _pad_front(dy, off), _pad_front(q, off), k, v, _pad_front(y, off), _pad_front(lse, off), seed, offset,
-                None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
-            return dq[:, :, off:], dk, dv
+        if kind == "cudnn":
+            return _padded_bwd(dy, q, k, v, y, lse, state[0], scale, _cudnn_bwd)
         cum_q, cum_k, max_q, max_k, rng, unused = state
         return aten._scaled_dot_product_flash_attention_backward(
             dy, q, k, v, y, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng, unused, scale=scale)
-    # zero rows in front (see _flash_fwd): with dy = 0 there they add nothing to dk, dv
-    off = k.shape[2] - q.shape[2]
-    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _pad_front(dy, off), _pad_front(q, off), k, v, _pad_front(y, off), _pad_front(lse, off), 0.0, True,
-        scale=scale)
-    return dq[:, :, off:], dk, dv
+    return _padded_bwd(dy, q, k, v, y, lse, state, scale, _cpu_bwd)
 
 
 class _TTTAttention(torch.autograd.Function):

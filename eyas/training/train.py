@@ -269,10 +269,9 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     final_held = None  # per-TTT-step held-out accuracy at max_steps
     while state.step < stop:
         if state.batch_pos >= len(plan):
-            if memo is not None:
-                memo.share()  # the next epoch deals the sequences out anew
             state.epoch, state.batch_pos = state.epoch + 1, 0
             if memo is not None:
+                memo.share()  # the next epoch deals the sequences out anew
                 log(f"epoch {state.epoch + 1}: the teacher's full-vocabulary argmax remembered for "
                     f"{int(memo.known.sum())} of {len(data.lengths)} sequences (their teacher: the draft "
                     f"vocabulary's rows only)")
