@@ -45,11 +45,11 @@ def build_shards(data_pt, out_dirs, device):
     t = AutoModelForCausalLM.from_pretrained(str(ROOT / "fixtures/tiny-target"), dtype=torch.float32).eval().to(device)
     manifests = {enc: [] for enc in todo}
     for si, sh in enumerate(d["shards"]):
-        samples = []
+        samples, capture = [], sh["meta"]["capture_ids"]  # the layers the pipeline's shards hold
         for ids, mask in sh["samples"]:
             with torch.no_grad():
                 o = t(ids.long()[None].to(device), output_hidden_states=True)
-            aux = torch.cat([o.hidden_states[i] for i in (2, 4, 5)], -1)[0].bfloat16().cpu()  # the default's layers
+            aux = torch.cat([o.hidden_states[i] for i in capture], -1)[0].bfloat16().cpu()
             samples.append(Sample(input_ids=ids.int(), loss_mask=mask.bool(), aux_hidden_states=aux,
                                   last_hidden_state=o.hidden_states[-1][0].bfloat16().cpu()))
         meta = {**sh["meta"], "target_checkpoint": str(ROOT / "fixtures/tiny-target")}

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3ForCausalLM
 
+from eyas.config import load_config
 from eyas.local import hf_folder
 from eyas.local import tiny_corpus as tc
 from eyas.local import tiny_target as tt
@@ -21,7 +22,7 @@ from eyas.local import tiny_target as tt
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "fixtures" / "tiny-target"
 CONVERSATIONS = REPO / "fixtures" / "data" / "conversations.jsonl"
-CAPTURE_IDS = [2, 4, 5]  # configs/local-tiny.yaml, capture-before convention
+CAPTURE_IDS = load_config(REPO / "configs" / "local-tiny.yaml").target.capture_ids()  # capture-before ids
 
 #: Code in the standard library's style that is in no file of it, so the fixture never saw it.
 HELD_OUT_CODE = '''import os
