@@ -114,7 +114,7 @@ def test_kill_9_mid_extraction_then_rerun_keeps_finished_shards(tmp_path, prefec
     ds = json.loads((shards / "dataset.json").read_text())
     assert ds["num_shards"] == 8 and [s["file"] for s in ds["shards"]] == [p.name for p in files]
     assert ds["num_tokens"] == sum(ShardReader(p).num_tokens for p in files)
-    assert ds["layer_ids_capture_before"] == [2, 4, 7] and ds["layer_ids_output_of"] == [1, 3, 6]
+    assert ds["layer_ids_capture_before"] == [2, 4, 5] and ds["layer_ids_output_of"] == [1, 3, 4]
     assert ds["last_hidden_norm"] == "post" and ds["target_revision"] == "fixture-v1"
     assert len(ds["tokenizer_sha256"]) == 64 and len(ds["chat_template_sha256"]) == 64
     assert ds["eyas_version"] and ds["data"]["stats"]["sequences"] == 32
