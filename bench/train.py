@@ -416,6 +416,7 @@ VARIANTS = {"default": {},
             "nomemo": dict(teacher_memo=False),
             # the span path's shorter queries on cuDNN as two calls without padding (built 2026-12-05, not measured)
             "split": dict(span_split=True),
+            "split_nomemo": dict(span_split=True, teacher_memo=False),  # the split's first epoch
             "before": dict(emb_grad_inplace=False, grouped_gemms=False, teacher_lt=False),
             # the fused head's rows per chunk (TTTObjective.head_chunk; losses.HEAD_CHUNK_ROWS otherwise)
             "chunk4k": dict(head_chunk=4096), "chunk16k": dict(head_chunk=16384), "chunk32k": dict(head_chunk=32768)}
@@ -613,6 +614,10 @@ def soft_ce_timing(device, kernels: KernelOptions) -> dict:
     return out
 
 
+# A variant whose rows time the later epochs (the memo on), and the variant timing its first epoch
+FIRST_EPOCH = {"default": "nomemo", "split": "split_nomemo"}
+
+
 def run_average(first: float, later: float, epochs: int) -> float:
     """Tokens/s of a run of `epochs` epochs: the first at `first`, the rest at `later` (equal tokens each)."""
     return epochs / (1 / first + (epochs - 1) / later)
@@ -624,12 +629,12 @@ def specforge_goals(mask_rows: list, tiny: bool, variant_name: str = "default", 
 
     The default's rows time a training run's later epochs (the teacher's argmax bit remembered:
     ArgmaxMemo); its goals are judged on a whole run of `epochs` epochs, its first timed by the
-    `nomemo` rows of the same mask and batch (no value, not met, without them). Another variant's
-    are its rows as they are."""
+    `nomemo` rows of the same mask and batch (no value, not met, without them); `split` likewise with
+    `split_nomemo` (FIRST_EPOCH). Another variant's are its rows as they are."""
     by = {(r.get("mask"), r.get("batch")): r.get("tokens_per_s") for r in mask_rows
           if r.get("variant", "default") == variant_name}
     first = {(r.get("mask"), r.get("batch")): r.get("tokens_per_s") for r in mask_rows
-             if r.get("variant") == "nomemo"}
+             if r.get("variant") == FIRST_EPOCH.get(variant_name)}
     out = {}
     for key, (mask, b, need) in SPECFORGE_GOALS.items():
         if variant_name != "default":
@@ -638,7 +643,7 @@ def specforge_goals(mask_rows: list, tiny: bool, variant_name: str = "default", 
             key = f"{key}_{variant_name}"
         v = None if tiny else by.get((mask, b))
         row = {}
-        if variant_name == "default":
+        if variant_name in FIRST_EPOCH:
             f = first.get((mask, b))
             row = {"later_epochs": None if v is None else round(v, 1), "first_epoch": None if f is None else round(f, 1),
                    "epochs": epochs}

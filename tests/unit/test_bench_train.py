@@ -101,3 +101,8 @@ def test_goals_judge_a_whole_run_from_its_first_and_later_epochs():
     first = bench.specforge_goals(rows, tiny=False, variant_name="nomemo")
     assert first["prompt30_b4_2x_specforge_nomemo"]["value"] == 20000.0
     assert not first["prompt30_b4_2x_specforge_nomemo"]["met"]
+    rows += [{"mask": "prompt-0.3", "batch": 4, "variant": "split", "tokens_per_s": 21500.0},
+             {"mask": "prompt-0.3", "batch": 4, "variant": "split_nomemo", "tokens_per_s": 20400.0}]
+    s = bench.specforge_goals(rows, tiny=False, variant_name="split")["prompt30_b4_2x_specforge_split"]
+    assert s["value"] == pytest.approx(bench.run_average(20400.0, 21500.0, 10), abs=0.1)  # its own first epoch
+    assert (s["first_epoch"], s["later_epochs"]) == (20400.0, 21500.0)
