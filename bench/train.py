@@ -414,7 +414,7 @@ VARIANTS = {"default": {},
             # 2026-12-05: a training run's first epoch (the teacher over the whole vocabulary); the
             # default's timed steps are the later epochs' (the argmax's bit remembered: ArgmaxMemo)
             "nomemo": dict(teacher_memo=False),
-            # the span path's shorter queries on cuDNN as two calls without padding (built 2026-12-05, not measured)
+            # the span path's shorter queries on cuDNN as two calls without padding (off: no gain measured, 2026-12-05)
             "split": dict(span_split=True),
             "split_nomemo": dict(span_split=True, teacher_memo=False),  # the split's first epoch
             "before": dict(emb_grad_inplace=False, grouped_gemms=False, teacher_lt=False),
