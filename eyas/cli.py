@@ -50,7 +50,13 @@ def cmd_run(args) -> int:
     from flows.process import run_in_process
 
     # SIGTERM / SIGINT: the run's servers stopped, its flow runs final, exit within seconds.
-    report = run_in_process(eagle3_pipeline, cfg)
+    state = run_in_process(eagle3_pipeline, cfg, return_state=True)
+    if not state.is_completed():  # the reason was logged once, as `failed at TASK: reason`: no traceback
+        from flows.failures import printed
+
+        raise SystemExit(f"eyas: run {state.name}" + (f": {state.message}" if not printed(state.message or "")
+                                                      else f" ({(state.message or '').split(': ', 1)[0]})"))
+    report = state.result()
     per_set = {name: {chain: c["acceptance_length"] for chain, c in s["chains"].items()}
                for name, s in (report["benchmarks"] or {}).items()}  # acceptance per prompt set and chain
     print(json.dumps({**{k: report[k] for k in ("acceptance_length", "speedup", "extraction", "stages_seconds")},

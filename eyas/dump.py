@@ -9,6 +9,9 @@ records back after the HTTP response and reassembles them:
     sample = assemble(read_records("/data/dump", "req-0"), expected_token_ids=ids)
     remove_records("/data/dump", "req-0")
 
+A dump folder on another machine is read as bytes through the Host seam (eyas/extraction/
+records.py) and parsed here with the same checks: `records_from_bytes(rid, [(path, data), ...])`.
+
 The writer only writes; the reader owns all validation (coverage, token ids, shapes, finiteness),
 because a radix-cache hit or a lost chunk shows up only when the pieces are put back together.
 
@@ -38,6 +41,31 @@ FORMAT_NAME = "eyas-dump"
 FORMAT_VERSION = 1
 
 LAYER_CONVENTIONS = ("capture-before", "output-of")
+
+# How an SGLang 0.5.23 model class turns --return-aux-hidden-state-layer-ids into the layers it
+# captures (its set_eagle3_layers_to_capture): DeepSeek-V2's family shifts a list starting with 1
+# by +1 and takes any other as capture-before ids; Llama's (llama.py) always shifts by +1. The
+# launch asks for ids that the class maps to the wanted capture-before ids, and the hook checks it.
+PLUS_ONE_ARCHITECTURES = ("LlamaForCausalLM", "Phi3ForCausalLM", "InternLM3ForCausalLM",
+                          "IQuestCoderForCausalLM")
+
+
+def captured_layer_ids(server_ids: list[int], architecture: str | None = None) -> list[int]:
+    """The capture-before layers `architecture` captures for --return-aux-hidden-state-layer-ids."""
+    ids = [int(i) for i in server_ids]
+    if architecture in PLUS_ONE_ARCHITECTURES or (ids and ids[0] == 1):
+        return [i + 1 for i in ids]
+    return ids
+
+
+def server_layer_ids(capture_ids: list[int], architecture: str | None = None) -> list[int]:
+    """The --return-aux-hidden-state-layer-ids that make `architecture` capture `capture_ids`."""
+    ids = [int(i) for i in capture_ids]
+    asked = [i - 1 for i in ids] if architecture in PLUS_ONE_ARCHITECTURES else ids
+    if any(i < 0 for i in asked) or captured_layer_ids(asked, architecture) != ids:
+        raise ValueError(f"capture-before layers {ids} cannot be asked of {architecture or 'DeepSeek-V2'}'s "
+                         f"rule (a list starting with 1 is shifted by +1{'; every id by +1' if asked != ids else ''})")
+    return asked
 LAST_HIDDEN_NORMS = ("post", "pre")  # whether last_hidden_state went through the final norm
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -228,6 +256,25 @@ def _read_record(path: Path, rid: str) -> DumpRecord:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except Exception as e:  # noqa: BLE001 - a corrupt file is reported with its path
         raise DumpError(rid, f"cannot read {path}: {type(e).__name__}: {e}") from e
+    return _record(raw, tensors, str(path), rid)
+
+
+def _parse_record(data: bytes, where: str, rid: str) -> DumpRecord:
+    """A record from its file's bytes (fetched from another machine): the same checks as a file."""
+    from safetensors.torch import load
+
+    try:
+        (n,) = struct.unpack("<Q", data[:8])
+        if n > len(data) - 8:
+            raise ValueError(f"header of {n} bytes in a file of {len(data)}")
+        raw = json.loads(bytes(data[8:8 + n])).get("__metadata__") or {}
+        tensors = load(bytes(data))
+    except Exception as e:  # noqa: BLE001 - a corrupt or truncated file is reported with its path
+        raise DumpError(rid, f"cannot read {where}: {type(e).__name__}: {e}") from e
+    return _record(raw, tensors, where, rid)
+
+
+def _record(raw: dict, tensors: dict[str, torch.Tensor], path: str, rid: str) -> DumpRecord:
     if raw.get("format") != FORMAT_NAME:
         raise DumpError(rid, f"{path} is not an eyas dump record (format={raw.get('format')!r})")
     missing = [k for k in ("token_ids", "aux_hidden_states", "last_hidden_state") if k not in tensors]
@@ -248,20 +295,34 @@ def _read_record(path: Path, rid: str) -> DumpRecord:
                       last_hidden_state=tensors["last_hidden_state"], meta=meta)
 
 
+def is_record_name(name: str) -> bool:
+    """A finished record's file name; temp files start with "." (half-written or abandoned)."""
+    return name.endswith(".safetensors") and not name.startswith(".")
+
+
+def _matching(rid: str, named: list[tuple[str, DumpRecord]]) -> list[DumpRecord]:
+    for where, rec in named:
+        if Path(where).name != f"{rec.prefix_offset:010d}.safetensors" or rec.rid != rid:
+            raise DumpError(rid, f"{where} holds rid {rec.rid!r} at offset {rec.prefix_offset}, "
+                                 f"which does not match its path")
+    return sorted((rec for _, rec in named), key=lambda r: r.prefix_offset)
+
+
 def read_records(dump_dir: str | Path, rid: str) -> list[DumpRecord]:
     """All records of one request, sorted by prefix_offset ([] if none were written yet)."""
     folder = Path(dump_dir) / check_rid(rid)
     if not folder.is_dir():
         return []
-    # Temp files start with "." and are skipped: they are half-written or abandoned.
-    paths = sorted(p for p in folder.iterdir()
-                   if p.suffix == ".safetensors" and not p.name.startswith("."))
-    records = [_read_record(p, rid) for p in paths]
-    for path, rec in zip(paths, records):
-        if path.name != f"{rec.prefix_offset:010d}.safetensors" or rec.rid != rid:
-            raise DumpError(rid, f"{path} holds rid {rec.rid!r} at offset {rec.prefix_offset}, "
-                                 f"which does not match its path")
-    return sorted(records, key=lambda r: r.prefix_offset)
+    paths = sorted(p for p in folder.iterdir() if is_record_name(p.name))
+    return _matching(rid, [(str(p), _read_record(p, rid)) for p in paths])
+
+
+def records_from_bytes(rid: str, files: list[tuple[str, bytes]]) -> list[DumpRecord]:
+    """read_records for records fetched as bytes (a dump folder on another machine): `files` are
+    (where, data) pairs, `where` the file's path (its name is checked against its content)."""
+    check_rid(rid)
+    return _matching(rid, [(where, _parse_record(data, where, rid)) for where, data in files
+                           if is_record_name(Path(where).name)])
 
 
 def remove_records(dump_dir: str | Path, rid: str) -> int:

@@ -28,7 +28,10 @@ moments of the trainable parameters (16 B each; FSDP shards all but the weights 
 the frozen embedding and target head, the teacher's and the fused head's transient chunks, and
 activations per token: the batch's hidden states and teacher distribution once, and each TTT step's
 saved layer activations. For the Kimi-K2.5 drafter it is within 6% of the peaks measured on an H200
-(docs/performance.md: 34.1, 43.2, 61.4 and 97.9 GB at batch 1, 2, 4, 8).
+(docs/performance.md: 34.1, 43.2, 61.4 and 97.9 GB at batch 1, 2, 4, 8). The plan also gives it at
+PLAN_LENGTHS (8k and 16k tokens) and data.max_length for 1, 2 and 4 sequences per micro-batch, to choose
+the training length against plan.gpu_memory_gb (activations grow linearly with tokens: the drafter's
+attention never forms the T x T scores, eyas/training/attention.py).
 """
 
 from __future__ import annotations
@@ -51,6 +54,13 @@ BYTES_PER_TOKEN_TEXT = 3.5
 #: pre-tokenized JSONL: a 5-6 digit id and ", " in input_ids plus "1, " in loss_mask per token
 BYTES_PER_TOKEN_IDS = 10.0
 GB = 1e9
+#: sequence lengths whose training memory the plan also prints (besides data.max_length), at
+#: PLAN_BATCHES sequences per micro-batch: long-context choices weighed against one GPU's memory
+PLAN_LENGTHS = (8192, 16384)
+PLAN_BATCHES = (1, 2, 4)
+#: the memory model's error against the peaks measured (module docstring): a figure within this
+#: share of plan.gpu_memory_gb is marked as not fitting in the by-length line
+MEMORY_MARGIN = 0.06
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,7 @@ class DataCount:
     assistant_turns: int  #: assistant turns of those conversations (regeneration's work)
     conversations: bool  #: some records are conversations (they need the chat template)
     source: str  #: how the tokens were found
+    bad_lines: tuple[str, ...] = ()  #: every bad line read, "file:line[:column]: reason"
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,8 @@ class Plan:
     trainable_params: int | None = None
     memory_gb: tuple[tuple[str, float], ...] = ()  #: per training process, by part
     gpu_memory_gb: float | None = None
+    #: (sequence length, GB per training process at each of PLAN_BATCHES) for PLAN_LENGTHS and data.max_length
+    memory_by_length: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
     @property
     def train_memory_gb(self) -> float | None:
@@ -118,14 +131,14 @@ def count_tokens(data: DataConfig, tokenizer=None, *, vocab_size: int | None = N
         raise DataError(f"{path}: data file not found")
     size = path.stat().st_size
     if size <= small_bytes:
-        records, _ = load_records(path, vocab_size=vocab_size, bad_lines=data.bad_lines)
+        records, bad = load_records(path, vocab_size=vocab_size, bad_lines="skip")  # all of them, named
         train = records[:len(records) - min(data.num_heldout, len(records) - 1)]
         lengths = _length_policy([_record_tokens(r, tokenizer) for r in train], data)
         convs = any(r.messages is not None for r in records)
         how = ("tokenized with the chat template" if tokenizer is not None and convs else
                f"conversations at {BYTES_PER_TOKEN_TEXT} B/token of JSON" if convs else "pre-tokenized")
         return DataCount(len(lengths), sum(lengths), _turns(train), convs,
-                         f"{len(records)} records read, {how}")
+                         f"{len(records)} records read, {how}", tuple(bad))
     return _estimate_large(path, size, data, tokenizer)
 
 
@@ -240,10 +253,17 @@ def make_plan(cfg: PipelineConfig, tcfg: dict | None, count: DataCount | None, *
         plan["stages"] = tuple(stages)
     if dcfg is not None and tcfg is not None:
         plan["trainable_params"] = trainable_params(dcfg)
-        plan["memory_gb"] = training_memory(
-            dcfg, vocab_size=int(tcfg["vocab_size"]), batch_size=t.batch_size, seq_len=cfg.data.max_length,
-            ttt_steps=t.ttt_steps, bf16=on_gpu(cfg) and t.precision == "bf16", processes=processes(cfg),
-            fsdp=t.distributed.strategy == "fsdp", ema=t.ema_decay > 0)
+
+        def memory(batch_size: int, seq_len: int) -> tuple[tuple[str, float], ...]:
+            return training_memory(
+                dcfg, vocab_size=int(tcfg["vocab_size"]), batch_size=batch_size, seq_len=seq_len,
+                ttt_steps=t.ttt_steps, bf16=on_gpu(cfg) and t.precision == "bf16", processes=processes(cfg),
+                fsdp=t.distributed.strategy == "fsdp", ema=t.ema_decay > 0)
+
+        plan["memory_gb"] = memory(t.batch_size, cfg.data.max_length)
+        lengths = sorted({*PLAN_LENGTHS, cfg.data.max_length})
+        plan["memory_by_length"] = tuple(
+            (n, tuple(round(sum(v for _, v in memory(b, n)), 1) for b in PLAN_BATCHES)) for n in lengths)
     return Plan(**plan)
 
 
@@ -274,4 +294,15 @@ def plan_lines(plan: Plan, cfg: PipelineConfig) -> list[str]:
         out.append(f"  memory     {plan.train_memory_gb:,.1f} GB per training process {limit} at training.batch_size="
                    f"{t.batch_size} x data.max_length={cfg.data.max_length}, TTT {t.ttt_steps}: {parts} "
                    f"({plan.trainable_params / 1e6:,.1f} M trainable parameters)")
+    if plan.memory_by_length:
+        limit = plan.gpu_memory_gb
+
+        def gb(v: float) -> str:
+            return f"{v:,.1f}" + ("!" if limit and v > limit * (1 - MEMORY_MARGIN) else "")
+
+        rows = "; ".join(f"{n:,}: {'/'.join(gb(v) for v in row)}" for n, row in plan.memory_by_length)
+        over = (f" (! = more than plan.gpu_memory_gb={limit:g} less the estimate's {MEMORY_MARGIN:.0%} error)"
+                if limit else "")
+        out.append(f"  by length  GB per training process at batch {'/'.join(map(str, PLAN_BATCHES))} "
+                   f"by data.max_length: {rows}{over}")
     return out

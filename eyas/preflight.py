@@ -6,23 +6,36 @@
 Every check runs whatever the others found, so one run lists everything to fix, and every problem
 starts with the config field it is about and its value ("target.layer_ids=[2, 4, 50]: ..."):
 
-- the target's config.json (its `text_config` when nested, as Kimi-K2.5's is) against
-  target.layer_ids: three capture ids, strictly increasing, each the input of a decoder layer
-  (capture-before id i = the input of layer i, 1 .. num_layers - 1: the last layer's output is the
-  final norm's input, which SGLang cannot capture), not starting with 1 (SGLang would shift them);
+- the target's config.json (its `text_config` when nested, as Kimi-K2.5's is), read from this
+  machine's copy of the target (target.local_dir, else target.checkpoint), against target.layer_ids:
+  three capture ids, strictly increasing, each the input of a decoder layer (capture-before id i =
+  the input of layer i, 1 .. num_layers - 1: the last layer's output is the final norm's input,
+  which SGLang cannot capture), not starting with 1 (SGLang would shift them);
 - the drafter against the target: training.draft_vocab_size within the vocabulary, the sizes
   training.drafter leaves to the target present, data.max_length within its positions; a warm
   start's training.init_from there and of the same sizes and capture layers;
 - the architecture against what server.backend serves: the patch set's "architectures" for SGLang
   (the patch stage's own check), DeepSeek-V3 for eyas's local server;
 - the chat template (tokenizer_config.json's chat_template or chat_template.jinja) when the data
-  has conversations, and that the tokenizer loads the way prepare-data loads it (check_tokenizer);
+  has conversations, and that the tokenizer loads the way prepare-data loads it (check_tokenizer),
+  its code run only with target.trust_remote_code (a refusal names that field);
 - the data file (every line when it is small, with prepare's own reader);
 - on an SSH server host (check_hosts): reachability, credentials and host key, and the sglang
-  version importable by server.python (it needs a patch set), through the Host seam; reachability
+  version importable by server.python (it needs a patch set), through the Host seam; the local
+  copy's config.json against the checkpoint's there (node_config_problems); reachability
   of SSH training hosts. A local host is not checked (a note says so);
+- server.dump_dir on the server host (over SSH through the Host seam; a local host here): the free
+  space and size of the filesystem holding it against the dump records extraction keeps there at
+  once (dump_bytes_needed; a container's /dev/shm is 64 MB unless it was started with --shm-size);
+  and whether this machine sees that folder (a probe written through the SSH host, as the
+  collector's own: eyas/extraction/records.py): a note says whether records are read here or come
+  through SSH, with the record rate the plan's prefill makes;
+- SGLang launch arguments that would silently turn capture off: a prefill CUDA-graph backend or a
+  --cuda-graph-config prefill backend other than disabled in server.launch_args or
+  server.capture_launch_args (capture_flag_problems);
 - free disk at extraction.output_dir against the estimated shard bytes (eyas/plan.py);
-- the drafter's training memory per process against plan.gpu_memory_gb when set, and the global
+- the drafter's training memory per process against plan.gpu_memory_gb when set (less the memory
+  model's MEMORY_MARGIN), and the global
   batch against the training sequences.
 
 Prefect-free: a task can call preflight() and publish the result.
@@ -32,18 +45,26 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shlex
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyas.config import HostConfig, PipelineConfig, TargetConfig
-from eyas.plan import SMALL_DATA_BYTES, DataCount, Plan, count_tokens, make_plan, on_gpu, plan_lines, processes
+from eyas.plan import GB, MEMORY_MARGIN, SMALL_DATA_BYTES, DataCount, Plan, count_tokens, make_plan, on_gpu, plan_lines, processes
 
 # eyas/local/engine.py builds the model with transformers' AutoModelForCausalLM and captures the
 # states of DeepSeek-V3's decoder layers (its expert weights fused the DeepSeek-V3 way).
 LOCAL_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SGLANG_VERSION_CODE = 'import importlib.metadata as m; print(m.version("sglang"))'
+#: shards the extract flow works on at once (flows/extract.py, ThreadPoolTaskRunner(max_workers=2)):
+#: each keeps up to extraction.collect_workers answered sequences' dump records while writing them
+SHARDS_AT_ONCE = 2
+#: SGLang 0.5.23 flags that choose the prefill CUDA graph (arg_groups/fields/exec_.py), with the
+#: shortest prefix argparse takes for each (its parser allows abbreviations; nothing else starts so)
+PREFILL_GRAPH_BACKEND = ("--cuda-graph-backend-prefill", "--cuda-graph-backend-p")
+GRAPH_CONFIG = ("--cuda-graph-config", "--cuda-graph-c")
 
 
 @dataclass(frozen=True)
@@ -68,10 +89,18 @@ def preflight(cfg: PipelineConfig, *, check_hosts: bool = True, check_tokenizer:
     patches_dir = Path(patches_dir or PATCHES_DIR)
     problems: list[str] = []
     notes: list[str] = []
-    raw, tcfg = _read_target(cfg, problems)
+    raw, tcfg = _read_target(cfg, problems, notes)
     if tcfg is not None:
         problems += layer_id_problems(cfg.target, int(tcfg["num_hidden_layers"]))
+    before = len(problems)
     version = _check_hosts(cfg, problems, notes, check_hosts, patches_dir)
+    if check_hosts and cfg.server.host.kind == "ssh" and len(problems) == before:
+        _check_dump_route(cfg, tcfg, problems, notes)
+    if raw is not None and check_hosts and cfg.server.host.kind == "ssh" and len(problems) == before:
+        problems += node_config_problems(cfg, raw)
+    problems += capture_flag_problems(cfg)
+    if tcfg is not None:
+        _check_dump_dir(cfg, tcfg, problems, notes, check_hosts)
     if raw is not None:
         problems += architecture_problems(cfg, raw, version, patches_dir)
     dcfg = _drafter(cfg, tcfg, problems) if tcfg is not None else None
@@ -79,6 +108,8 @@ def preflight(cfg: PipelineConfig, *, check_hosts: bool = True, check_tokenizer:
         problems += _warm_start(cfg, dcfg)
     tokenizer, pending = _tokenizer(cfg, notes, check_tokenizer)
     count = _count(cfg, tokenizer, tcfg, problems, pending, small_data_bytes)
+    if count is not None and count.bad_lines and cfg.data.bad_lines == "skip":
+        notes.append(bad_lines_message(cfg, count.bad_lines))
     if count is not None and not count.conversations:
         notes.append("data.path holds pre-tokenized records only: the chat template is not used")
     if count is not None and cfg.data.regenerate.enabled:
@@ -101,24 +132,74 @@ def format_preflight(result: Preflight, cfg: PipelineConfig) -> str:
 
 # ----------------------------------------------------------------------------- the target
 
-def _read_target(cfg: PipelineConfig, problems: list[str]) -> tuple[dict | None, dict | None]:
-    """(config.json as written, the text config eyas reads) or Nones, with the problem recorded."""
-    from eyas.target import read_config
+def target_field(cfg: PipelineConfig) -> str:
+    """The field naming this machine's copy of the target: target.local_dir, else target.checkpoint."""
+    t = cfg.target
+    return f"target.local_dir={t.local_dir}" if t.local_dir is not None else f"target.checkpoint={t.checkpoint}"
 
-    ckpt = cfg.target.checkpoint
+
+def _read_target(cfg: PipelineConfig, problems: list[str], notes: list[str]) -> tuple[dict | None, dict | None]:
+    """(config.json as written, the text config eyas reads) from the target's local copy
+    (target.local_dir, else target.checkpoint), or Nones with the problem recorded."""
+    from eyas.target import local_copy, read_config
+
+    folder, where = local_copy(cfg.target), target_field(cfg)
+    remote = cfg.server.host.kind == "ssh" and cfg.target.local_dir is None
     try:
-        tcfg = read_config(ckpt)
-        raw = json.loads((Path(ckpt) / "config.json").read_text())
+        tcfg = read_config(folder)
+        raw = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
-        problems.append(f"target.checkpoint={ckpt}: {e} (prepare-data reads the target's config.json and "
-                        f"tokenizer on this machine)")
+        hint = (f"; the server host {cfg.server.host.hostname} is reached over SSH: set target.local_dir to this "
+                f"machine's copy of the target's config.json, tokenizer files and chat template (no weights)"
+                if remote else "")
+        problems.append(f"{where}: {e} (prepare-data, preflight and the export read the target's config.json "
+                        f"and tokenizer on this machine{hint})")
         return None, None
+    if remote:
+        notes.append(f"target.local_dir=None: the target's config and tokenizer are read at target.checkpoint="
+                     f"{cfg.target.checkpoint} on this machine (the same path as on {cfg.server.host.hostname})")
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not isinstance(tcfg.get(k), int)]
     if missing:
-        where = "text_config" if "text_config" in raw else "config.json"
-        problems.append(f"target.checkpoint={ckpt}: its {where} has no integer {', '.join(missing)}")
+        where_in = "text_config" if "text_config" in raw else "config.json"
+        problems.append(f"{where}: its {where_in} has no integer {', '.join(missing)}")
         return raw, None
     return raw, tcfg
+
+
+#: what the orchestrator's copy of the target must agree on with the checkpoint the server loads
+NODE_CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size")
+
+
+def node_config_problems(cfg: PipelineConfig, raw: dict) -> list[str]:
+    """This machine's copy of config.json (raw) against the checkpoint's on the SSH server host:
+    architectures, hidden size, layers and vocabulary (the text config's when nested)."""
+    ckpt = cfg.target.checkpoint
+    problems: list[str] = []
+    r = _run_on(cfg.server.host, "server.host", f"cat {shlex.quote(str(ckpt).rstrip('/') + '/config.json')}",
+                problems)
+    if r is None:
+        return problems
+    host = cfg.server.host.hostname
+    if not r.ok:
+        return [f"target.checkpoint={ckpt}: no config.json there on {host} (exit {r.exit_code}): "
+                f"{r.stderr.strip()[-300:]}"]
+    try:
+        theirs = json.loads(r.stdout)
+    except ValueError as e:
+        return [f"target.checkpoint={ckpt}: its config.json on {host} is not JSON ({e})"]
+
+    def summary(c: dict) -> dict:
+        text = c.get("text_config", c) if "hidden_size" not in c else c
+        archs = c.get("architectures") or text.get("architectures")
+        return {"architectures": archs, **{k: text.get(k) for k in NODE_CONFIG_KEYS}}
+
+    ours, node = summary(raw), summary(theirs)
+    differ = [f"{k} {ours[k]} here, {node[k]} there" for k in ours if ours[k] != node[k]]
+    if differ:
+        problems.append(f"{target_field(cfg)}: its config.json is not the target's: target.checkpoint={ckpt} on "
+                        f"{host} has another ({'; '.join(differ)}); copy the checkpoint's config.json, tokenizer "
+                        f"files and chat template here again")
+    return problems
 
 
 def layer_id_problems(target: TargetConfig, num_layers: int) -> list[str]:
@@ -149,7 +230,7 @@ def architecture_problems(cfg: PipelineConfig, raw: dict, version: str | None, p
     from eyas.server.sglang_patch import PatchError, available_versions, check_architecture
 
     archs = raw.get("architectures") or (raw.get("text_config") or {}).get("architectures") or []
-    source = f"target.checkpoint={cfg.target.checkpoint} (config.json)"
+    source = f"{target_field(cfg)} (config.json)"
     if cfg.server.backend == "local":
         if archs and archs[0] in LOCAL_ARCHITECTURES:
             return []
@@ -159,7 +240,7 @@ def architecture_problems(cfg: PipelineConfig, raw: dict, version: str | None, p
     problems = []
     for v in versions:  # without the host's version: every patch set eyas ships must take it
         try:
-            check_architecture(v, archs, source, patches_dir)
+            check_architecture(v, archs, source, patches_dir, capture=cfg.server.capture)
         except PatchError as e:
             problems.append(f"{e} (server.backend=sglang)")
         except (OSError, ValueError):
@@ -203,8 +284,9 @@ def _warm_start(cfg: PipelineConfig, dcfg) -> list[str]:
 # ----------------------------------------------------------------------------- data
 
 def _tokenizer_field(cfg: PipelineConfig) -> str:
-    return (f"data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer
-            else f"data.tokenizer=None (target.checkpoint={cfg.target.checkpoint})")
+    t = cfg.target
+    return (f"target.local_dir={t.local_dir}" if t.local_dir is not None
+            else f"target.local_dir=None (target.checkpoint={t.checkpoint})")
 
 
 def has_chat_template(folder: Path) -> bool:
@@ -220,7 +302,9 @@ def has_chat_template(folder: Path) -> bool:
 def _tokenizer(cfg: PipelineConfig, notes: list[str], check: bool) -> tuple[object | None, list[str]]:
     """(the tokenizer loaded as prepare loads it or None, its problems): the problems count only when
     the data has conversations (a pre-tokenized file needs neither tokenizer nor template)."""
-    folder = Path(cfg.data.tokenizer or cfg.target.checkpoint)
+    from eyas.target import local_copy
+
+    folder = local_copy(cfg.target)
     where = _tokenizer_field(cfg)
     pending = []
     if not (folder / "tokenizer_config.json").is_file() and not (folder / "tokenizer.json").is_file():
@@ -230,10 +314,14 @@ def _tokenizer(cfg: PipelineConfig, notes: list[str], check: bool) -> tuple[obje
                        f"chat_template.jinja); conversations cannot be rendered or masked without one")
     tok = None
     if not pending and check:
-        from eyas.target import load_tokenizer
+        from eyas.target import RemoteCodeRefused, load_tokenizer, trust_remote_code
 
+        trust = trust_remote_code(cfg)
         try:
-            tok = load_tokenizer(folder)
+            tok = load_tokenizer(folder, trust_remote_code=trust)
+        except RemoteCodeRefused as e:
+            pending.append(f"target.trust_remote_code={cfg.target.trust_remote_code} (server.backend="
+                           f"{cfg.server.backend}): {e}")
         except Exception as e:  # noqa: BLE001 - whatever transformers raises, prepare-data would too
             pending.append(f"{where}: the tokenizer does not load as prepare-data loads it "
                            f"(eyas/target.py load_tokenizer): {type(e).__name__}: {' '.join(str(e).split())[:400]}")
@@ -254,7 +342,21 @@ def _count(cfg: PipelineConfig, tokenizer, tcfg: dict | None, problems: list[str
         return None
     if count.conversations:
         problems += pending
+    if count.bad_lines and cfg.data.bad_lines == "error":
+        problems.append(bad_lines_message(cfg, count.bad_lines))
     return count
+
+
+MAX_LISTED_BAD_LINES = 20
+
+
+def bad_lines_message(cfg: PipelineConfig, bad: tuple[str, ...] | list[str]) -> str:
+    """Every bad line of data.path counted, the first MAX_LISTED_BAD_LINES named, and what eyas does."""
+    shown = "\n    ".join(bad[:MAX_LISTED_BAD_LINES])
+    more = f"\n    ... and {len(bad) - MAX_LISTED_BAD_LINES} more" if len(bad) > MAX_LISTED_BAD_LINES else ""
+    what = ("data.bad_lines: error stops at the first; fix them, or set data.bad_lines: skip to drop them"
+            if cfg.data.bad_lines == "error" else "data.bad_lines: skip drops them, counted in report.json's data")
+    return f"data.path={cfg.data.path}: {len(bad)} bad line(s) ({what}):\n    {shown}{more}"
 
 
 # ----------------------------------------------------------------------------- hosts
@@ -316,7 +418,144 @@ def _check_hosts(cfg: PipelineConfig, problems: list[str], notes: list[str], che
     return version
 
 
+# ----------------------------------------------------------------------------- capture
+
+def _is_flag(name: str, flag: tuple[str, str]) -> bool:
+    """name (before any "=") is the flag or an abbreviation argparse would take for it."""
+    full, shortest = flag
+    return full.startswith(name) and len(name) >= len(shortest)
+
+
+def capture_flag_problems(cfg: PipelineConfig) -> list[str]:
+    """Arguments of the capture launch (server.launch_args, server.capture_launch_args) that turn
+    SGLang's prefill CUDA graph back on. The capture launch passes --disable-prefill-cuda-graph
+    because eyas's dump hook (and a source-patched model file) run only in eager forwards: a replayed
+    graph skips the Python code, so its requests come back without dump records. In 0.5.23 an
+    explicit --cuda-graph-backend-prefill, and a --cuda-graph-config JSON naming a prefill backend,
+    both win over --disable-prefill-cuda-graph whatever their order (model_executor/
+    cuda_graph_config.py, arg_groups/cuda_graph_hook.py _parse_cuda_graph_config)."""
+    s = cfg.server
+    if s.backend != "sglang":
+        return []
+    out = []
+    for where, args in (("server.launch_args", s.launch_args), ("server.capture_launch_args", s.capture_launch_args)):
+        fix = ("move it to benchmark.launch_args, which only the serving launches get" if where == "server.launch_args"
+               else "remove it")
+        for i, token in enumerate(args):
+            if not token.startswith("--"):
+                continue
+            name, eq, value = token.partition("=")
+            if not eq:
+                value = args[i + 1] if i + 1 < len(args) else ""
+            if _is_flag(name, PREFILL_GRAPH_BACKEND):
+                backend = value
+            elif _is_flag(name, GRAPH_CONFIG):
+                try:
+                    phase = json.loads(value).get("prefill")
+                except (ValueError, AttributeError):
+                    out.append(f"{where}: {name} {value!r} is not a JSON object, so whether it turns SGLang's "
+                               f"prefill CUDA graph on (and capture off) cannot be told; {fix}")
+                    continue
+                backend = phase.get("backend", "disabled") if isinstance(phase, dict) else "disabled"
+            else:
+                continue
+            if backend != "disabled":
+                out.append(f"{where}: {name} {value} sets SGLang's prefill CUDA graph backend to {backend!r}, over the "
+                           f"capture launch's --disable-prefill-cuda-graph; eyas's dump hook (and a source-patched "
+                           f"model) run only in eager forwards, so graph-replayed prefills would write no dump "
+                           f"records and every extraction request would time out; {fix}")
+    return out
+
+
+#: bytes per element of each extraction.dtype (the dump records' dtype)
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+#: prints the nearest existing folder at or above the path, then its filesystem's `df -P` row
+_DF_SCRIPT = ('p={path}; while [ ! -e "$p" ] && [ "$p" != / ]; do p=$(dirname "$p"); done; '
+              'printf "%s\\n" "$p"; df -Pk "$p" | tail -n 1')
+_DF_ROW = re.compile(r"\s(\d+)\s+(\d+)\s+(\d+)\s+\d+%\s")  # 1024-blocks, used, available, capacity
+
+
+def dump_bytes_needed(cfg: PipelineConfig, hidden_size: int) -> tuple[int, int, int]:
+    """(bytes, sequences, bytes per token): the most dump records server.dump_dir holds at once during
+    extraction. Every sequence in flight (extraction.concurrency) writes one record per prefill
+    chunk, and an answered one keeps them until its shard has written it (extraction.collect_workers
+    per shard, SHARDS_AT_ONCE shards); each record holds the aux layers and the last hidden state in
+    extraction.dtype plus an int32 id per token (eyas/dump.py): ~235 MB for 4,096 tokens at H=7168."""
+    x = cfg.extraction
+    per_token = (len(cfg.target.layer_ids) + 1) * hidden_size * _ITEMSIZE[x.dtype] + 4
+    sequences = x.concurrency + SHARDS_AT_ONCE * x.collect_workers
+    return sequences * cfg.data.max_length * per_token, sequences, per_token
+
+
+def _check_dump_dir(cfg: PipelineConfig, tcfg: dict, problems: list[str], notes: list[str], check: bool) -> None:
+    """server.dump_dir's filesystem on the server host against dump_bytes_needed."""
+    s, x = cfg.server, cfg.extraction
+    if s.host.kind == "ssh" and not check:
+        notes.append(f"server.dump_dir={s.dump_dir}: free space on {s.host.hostname} not checked (check_hosts=False)")
+        return
+    hidden = int(tcfg["hidden_size"])
+    need, sequences, per_token = dump_bytes_needed(cfg, hidden)
+    unreached: list[str] = []
+    r = _run_on(s.host, "server.host", _DF_SCRIPT.format(path=shlex.quote(str(s.dump_dir))), unreached)
+    if r is None:  # an SSH host's version check has reported the same failure already
+        problems += unreached if s.host.kind != "ssh" else []
+        return
+    lines = r.stdout.strip().splitlines()
+    row = _DF_ROW.search(f" {lines[-1]} ") if r.ok and len(lines) >= 2 else None
+    if row is None:
+        notes.append(f"server.dump_dir={s.dump_dir}: its free space could not be read on {s.host.name} "
+                     f"(df -Pk, exit {r.exit_code}: {(r.stderr or r.stdout).strip()[-200:]})")
+        return
+    folder, size, free = lines[0], int(row[1]) * 1024, int(row[3]) * 1024
+    if free >= need:
+        return
+    why = (f"server.dump_dir={s.dump_dir}: {folder} on {s.host.name} has {free:,} bytes ({free / GB:,.2f} GB) free "
+           f"of {size / GB:,.2f} GB, but extraction keeps up to {need:,} bytes ({need / GB:,.2f} GB) of dump records "
+           f"there: {sequences} sequences (extraction.concurrency={x.concurrency} + {SHARDS_AT_ONCE} shards x "
+           f"extraction.collect_workers={x.collect_workers}) of up to data.max_length={cfg.data.max_length} tokens "
+           f"x {per_token:,} B per token ({len(cfg.target.layer_ids)} aux layers + the last, hidden {hidden}, "
+           f"extraction.dtype={x.dtype}); ")
+    if size < need:
+        why += ("the filesystem itself is smaller than that (a container's /dev/shm is 64 MB unless it was started "
+                "with --shm-size): enlarge it (docker run --shm-size, or mount -o remount,size=... on the host), "
+                "point server.dump_dir at a larger tmpfs, or lower extraction.concurrency")
+    else:
+        why += "free space there (an earlier run's dump folders?) or lower extraction.concurrency"
+    problems.append(why)
+
+
 # ----------------------------------------------------------------------------- disk and memory
+
+def _check_dump_route(cfg: PipelineConfig, tcfg: dict | None, problems: list[str], notes: list[str]) -> None:
+    """How extraction will read server.dump_dir's records from this machine: a probe file written
+    through the SSH host, looked for here (eyas/extraction/records.py, the collector's own probe)."""
+    from eyas.extraction.records import probe_visible
+    from eyas.server.hosts import HostError, make_host
+
+    s = cfg.server
+    host = make_host(s.host)
+    try:
+        visible, folder = probe_visible(host, s.dump_dir)
+    except HostError as e:
+        problems.append(f"server.dump_dir={s.dump_dir}: cannot write a file in it (or its nearest existing "
+                        f"folder) on {s.host.name}: {e}")
+        return
+    finally:
+        host.close()
+    if visible:
+        notes.append(f"server.dump_dir={s.dump_dir}: {folder} on {s.host.name} is the same folder here: "
+                     f"extraction reads the dump records on this machine")
+        return
+    rate = ""
+    if tcfg is not None:
+        per_token = dump_bytes_needed(cfg, int(tcfg["hidden_size"]))[2]
+        rate = (f"; plan.prefill_tokens_per_s={cfg.plan.prefill_tokens_per_s:g} makes "
+                f"{per_token * cfg.plan.prefill_tokens_per_s / 1e6:,.0f} MB/s of records per server")
+    notes.append(f"server.dump_dir={s.dump_dir}: not visible on this machine, so extraction reads the dump "
+                 f"records through SSH from {s.host.name} (100-180 MB/s per connection on loopback, "
+                 f"{cfg.extraction.collect_workers + 1} connections{rate}); a Prefect worker on the node reads "
+                 f"them at file speed (docs/production.md)")
+
 
 def _existing_parent(path: Path) -> Path:
     while not path.exists() and path != path.parent:
@@ -334,11 +573,14 @@ def _budget_problems(cfg: PipelineConfig, plan: Plan) -> list[str]:
                        f"{_existing_parent(Path(x.output_dir))} has {plan.free_bytes / 1e9:,.2f} GB free; free space, "
                        f"point it elsewhere, or set extraction.encoding=fp8_e4m3 (about half the bytes)")
     used, limit = plan.train_memory_gb, plan.gpu_memory_gb
-    if used is not None and limit is not None and on_gpu(cfg) and used > limit:
+    # the estimate is within MEMORY_MARGIN of the measured peaks, either way: keep that much free
+    usable = limit * (1 - MEMORY_MARGIN) if limit is not None else None
+    if used is not None and usable is not None and on_gpu(cfg) and used > usable:
         per_seq = dict(plan.memory_gb)["activations"] / t.batch_size
-        fits = int((limit - (used - per_seq * t.batch_size)) // per_seq) if per_seq else 0
+        fits = int((usable - (used - per_seq * t.batch_size)) // per_seq) if per_seq else 0
         out.append(f"training.batch_size={t.batch_size}: the drafter's training needs about {used:,.1f} GB per GPU "
-                   f"at data.max_length={cfg.data.max_length} (estimate), more than plan.gpu_memory_gb={limit:g}; "
+                   f"at data.max_length={cfg.data.max_length} (estimate, within {MEMORY_MARGIN:.0%} of measured "
+                   f"peaks), more than the {usable:,.1f} GB plan.gpu_memory_gb={limit:g} leaves after that margin; "
                    f"about {max(fits, 0)} sequence(s) per micro-batch fit (raise training.grad_accum instead)")
     if plan.data is not None:
         n = plan.data.sequences

@@ -45,6 +45,22 @@ def served_evaluation(serving: dict) -> dict[str, Any]:
             "settings": settings}
 
 
+def regeneration_section(data_stats: dict) -> dict[str, Any] | None:
+    """report.json's `regeneration`: what data.regenerate made of the training data (None: not regenerated).
+
+    `reasoning_tokens` are the tokens of the target's replies inside their <think> spans, counted from
+    the token ids the server returned (0 for a target served without thinking); `output_tokens` all of
+    the replies' tokens, so reasoning_tokens / output_tokens is the share of training replies that is
+    reasoning. `server_reasoning_tokens`: SGLang's own count where its responses carried one."""
+    regen = (data_stats or {}).get("regeneration")
+    if not regen:
+        return None
+    keys = ("thinking", "conversations", "regenerated_turns", "kept_original_turns", "dropped_turns", "sequences",
+            "output_tokens", "reasoning_tokens", "unfinished_reasoning_turns", "server_reasoning_tokens",
+            "parts", "parts_reused")
+    return {k: regen.get(k) for k in keys if k in regen}
+
+
 def build_report(*, name: str, config_source: str | None, extracted: Extracted, trained: Trained,
                  serving: dict | None, stages: dict[str, float]) -> dict[str, Any]:
     """report.json from the stages' results; `stages` are the seconds of every stage of this run.
@@ -56,6 +72,8 @@ def build_report(*, name: str, config_source: str | None, extracted: Extracted, 
 
     manifests, ready = extracted.manifests, extracted.ready or {}
     tokens = extracted.num_tokens
+    reused = [m for m in manifests if m.get("reused")]
+    new_tokens = tokens - sum(m["num_tokens"] for m in reused)
     extract_s = stages.get("extract") or 0.0
     evaluation = trained.evaluation or served_evaluation(serving)
     return {
@@ -71,23 +89,42 @@ def build_report(*, name: str, config_source: str | None, extracted: Extracted, 
         "patch": extracted.patch,
         "server": {"ready_seconds": ready.get("seconds"), "shards_total": ready.get("shards_total")},
         "data": extracted.data_stats,
+        # data.regenerate: turns the target answered, and of their tokens the reasoning (<think>) ones
+        "regeneration": regeneration_section(extracted.data_stats),
         "extraction": {
             "shards": len(manifests),
+            "shards_reused": len(reused),  # intact on disk from an earlier run: not extracted again
+            "summary": extraction_summary(manifests),
             "sequences": sum(m["num_samples"] for m in manifests),
             "tokens": tokens,
             "bytes": sum(m["bytes"] for m in manifests),
-            "tokens_per_s": round(tokens / extract_s, 1) if extract_s else None,
+            # over the shards this run extracted; None when it extracted none
+            "tokens_per_s": round(new_tokens / extract_s, 1) if extract_s and new_tokens else None,
             "dtype": manifests[0]["dtype"] if manifests else None,
         },
         # history: the loss table (~100 rows: step, loss, acc per TTT step, lr, tokens/s, held-out)
         "training": {k: trained.result.get(k) for k in
                      ("final_loss", "first_loss", "steps", "tokens", "seconds", "draft_vocab_size",
-                      "simulated_acceptance_length", "init_from", "history")},
+                      "simulated_acceptance_length", "init_from", "resumed_from_step", "history")},
         "evaluation": evaluation,  # method, the headline chain, every chain's figures
         "drafter_dir": trained.drafter_dir,
         "stages_seconds": stages,
         "total_seconds": round(sum(stages.values()), 3),
     }
+
+
+def extraction_summary(manifests: list[dict]) -> str:
+    """What this run did of the extraction: "4/4 shards reused", "3 extracted, 1 reused"."""
+    reused = sum(1 for m in manifests if m.get("reused"))
+    if reused == len(manifests):
+        return f"{reused}/{len(manifests)} shards reused"
+    return f"{len(manifests) - reused} shards extracted" + (f", {reused} reused" if reused else "")
+
+
+def training_summary(training: dict) -> str:
+    """"1400 steps", or "training resumed from step 600, 1400 steps"."""
+    steps, resumed = training.get("steps"), training.get("resumed_from_step") or 0
+    return f"training resumed from step {resumed}, {steps} steps" if resumed else f"{steps} steps"
 
 
 def write_report(run_dir: str | Path, report: dict[str, Any]) -> Path:

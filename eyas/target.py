@@ -1,11 +1,21 @@
 """The one reader of a target folder's small parts on this machine: its config and its tokenizer.
 
-    cfg = read_config(checkpoint)                 # config.json, the text config when nested
-    hidden, vocab = target_dims(tokenizer_dir, checkpoint)
-    tok = load_tokenizer(checkpoint)              # with its chat template
+    folder = local_copy(cfg.target)               # target.local_dir, else target.checkpoint
+    tcfg = read_config(folder)                    # config.json, the text config when nested
+    hidden, vocab = target_dims(folder)
+    tok = target_tokenizer(cfg)                   # with its chat template, trust_remote_code as configured
+
+The orchestrator (prepare-data, preflight, the held-out prompts, the export's checks, the evaluation
+suites) reads the target from its local copy (`target.local_dir`: config.json, tokenizer files and
+chat template, no weights), never from the server host's checkpoint; a local server host's
+checkpoint is that copy by default.
 
 Multimodal wrappers (Kimi-K2.5's KimiK25ForConditionalGeneration) nest the language model's
 config under `text_config`; every eyas stage wants that one, so it is flattened here, once.
+
+Some targets ship their tokenizer as Python code named by tokenizer_config.json's `auto_map`
+(Kimi-K2.5's TikTokenTokenizer); transformers runs it only with trust_remote_code, which
+`target.trust_remote_code` sets (None = on for server.backend sglang, whose launch trusts it too).
 """
 
 from __future__ import annotations
@@ -41,14 +51,60 @@ def target_dims(*folders: str | Path | None) -> tuple[int, int]:
                      f"disk estimate need hidden_size and vocab_size")
 
 
-def load_tokenizer(path: str | Path):
-    """The target's tokenizer with its chat template (Hugging Face layout)."""
+class RemoteCodeRefused(ValueError):
+    """The tokenizer is code the folder ships (auto_map) and trust_remote_code is off."""
+
+
+def local_copy(target) -> Path:
+    """This machine's copy of the target's small files: target.local_dir, else target.checkpoint."""
+    return Path(target.local_dir if target.local_dir is not None else target.checkpoint)
+
+
+def trust_remote_code(cfg) -> bool:
+    """target.trust_remote_code; None = on for server.backend sglang (SGLang loads the same code)."""
+    setting = cfg.target.trust_remote_code
+    return cfg.server.backend == "sglang" if setting is None else setting
+
+
+def target_tokenizer(cfg):
+    """The target's tokenizer from its local copy, loaded as every eyas stage loads it."""
+    return load_tokenizer(local_copy(cfg.target), trust_remote_code=trust_remote_code(cfg))
+
+
+def remote_tokenizer_class(path: str | Path) -> str | None:
+    """The class tokenizer_config.json's auto_map names for AutoTokenizer (remote code), or None."""
+    try:
+        auto = json.loads((Path(path) / "tokenizer_config.json").read_text()).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    named = auto.get("AutoTokenizer") if isinstance(auto, dict) else None
+    if isinstance(named, (list, tuple)):
+        named = next((n for n in named if n), None)
+    return named if isinstance(named, str) else None
+
+
+def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
+    """The target's tokenizer with its chat template (Hugging Face layout). trust_remote_code runs
+    the tokenizer code the folder ships, if any; without it such a folder raises RemoteCodeRefused."""
     from transformers import AutoTokenizer
 
     path = Path(path)
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
         raise ValueError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json) here")
-    tok = AutoTokenizer.from_pretrained(str(path))
+    try:
+        # Always an explicit bool: None would make transformers ask on the terminal.
+        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=bool(trust_remote_code))
+    except ValueError as e:
+        remote = remote_tokenizer_class(path)
+        if trust_remote_code or remote is None:
+            raise
+        raise RemoteCodeRefused(
+            f"{path}: the tokenizer is code the folder ships ({remote}, named by tokenizer_config.json's "
+            f"auto_map), which eyas runs only with target.trust_remote_code: true (it is off: set it, or "
+            f"leave it unset with server.backend sglang)") from e
     if not tok.chat_template:
         raise ValueError(f"{path}: the tokenizer has no chat_template; the loss mask needs one")
+    # transformers' "sequence length is longer than the specified maximum" names no line: eyas's data
+    # checks report an over-long record with its file:line and the fix (eyas/extraction/data.py).
+    getattr(tok, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
     return tok

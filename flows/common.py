@@ -1,5 +1,5 @@
 """What every eyas flow shares: the config parameter, the per-host GPU lock (flows/host_lock.py), the
-stop-on-failure hook.
+stop-on-failure hook, the one-line failure reason (flows/failures.py).
 
 A flow's `config` parameter is either a path to a YAML config (relative paths are taken from the
 repository root, so deployments work from any working directory), an inline mapping with the same
@@ -19,15 +19,20 @@ from pathlib import Path
 from typing import Any, Union
 
 import prefect
+from prefect.artifacts import create_markdown_artifact
 from prefect.logging import get_run_logger
 from prefect.states import Failed
 
 from eyas.config import ConfigError, PipelineConfig, config_from_dict, load_config
+from eyas.report import artifact_key
 from eyas.secrets import MASK, PYDANTIC_MASK, secret_flag_values
 from eyas.resources import shipped_root
 from eyas.server.hosts import make_host
 from eyas.server.launch import stop_server
+from flows import failures
 from flows.host_lock import ensure_host_limit, gpu_host, host_limit_name  # noqa: F401 - the flows' lock
+
+failures.install()  # Prefect's run loggers: the reason once, no traceback for eyas's own errors
 
 ROOT = shipped_root()  # relative config paths: the checkout, or the wheel's shipped copy
 DEFAULT_CONFIG = "configs/local-tiny.yaml"
@@ -41,7 +46,7 @@ def one_line(error: Exception) -> str:
     """A ConfigError's message on one line (a flow run's state message): `file: invalid config: a; b`."""
     head, *problems = str(error).splitlines()
     head = head.split(" (", 1)[0] if problems and head.endswith("problem(s))") else head
-    return "; ".join([head, *(p.strip().removeprefix("- ") for p in problems)]) if problems else head
+    return f"{head}: " + "; ".join(p.strip().removeprefix("- ") for p in problems) if problems else head
 
 
 def config_label(config: Any, overrides: dict | None = None) -> str:
@@ -61,24 +66,67 @@ def run_tags(cfg: PipelineConfig) -> list[str]:
 
 
 def checked_flow(fn):
-    """Between @flow and the function: validate `config` + `overrides` before anything runs. A bad
-    config ends the run Failed, its state message the ConfigError on one line; a good one tags the flow
-    run and every task and subflow run inside it (run_tags)."""
+    """Between @flow and the function: validate `config` + `overrides` before anything runs, and end
+    a failed run with its reason first. A bad config ends the run Failed, its state message the
+    ConfigError on one line; a good one tags the flow run and every task and subflow run inside it
+    (run_tags). Whatever the body raises ends the run Failed("failed at TASK: reason") carrying the
+    exception (flows/failures.py); the top-level run also writes the artifact `failure-NAME`."""
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
+        config, overrides = bound.arguments["config"], bound.arguments.get("overrides")
         try:
-            cfg = resolve_config(bound.arguments["config"], bound.arguments.get("overrides"))
+            cfg = resolve_config(config, overrides)
         except ConfigError as e:
-            return Failed(message=one_line(e))
+            return _failed(e, "config", config_label(config, overrides))
         tags = run_tags(cfg)
         _tag_flow_run(tags)
         with prefect.tags(*tags):
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - every failure ends as one line; BaseException (signals) passes
+                return _failed(e, _flow_name(fn), cfg.name)
     return wrapper
+
+
+def _flow_name(fn) -> str:
+    from prefect.runtime import flow_run
+
+    return flow_run.flow_name or fn.__name__
+
+
+def _failed(error: Exception, where: str, name: str):
+    """The run's final state: Failed, its message `failed at TASK: reason`, its data the exception (so
+    a caller's `state.result()` raises it as before). An error no task reported (raised by the flow
+    body itself) is logged here: one line for eyas's own, with its traceback for anything else."""
+    from prefect.runtime import flow_run
+
+    line = failures.failure_line(error, where)
+    if not failures.printed(line) and not getattr(error, "eyas_failed_task", None):
+        try:
+            log = get_run_logger()
+            if failures.eyas_raised(error):
+                log.error("%s", line)
+            else:
+                log.error("%s", line, exc_info=error)
+            failures.remember(line)  # the run's "Finished in state Failed" line then names the task only
+        except Exception:  # noqa: BLE001 - outside a run context
+            pass
+    try:
+        error.eyas_reported = True  # a worker's "Engine execution exited ..." traceback is then not logged
+    except Exception:  # noqa: BLE001 - an exception type without a __dict__
+        pass
+    if not flow_run.parent_flow_run_id:
+        try:
+            create_markdown_artifact(key=artifact_key("failure", name), description=line[:500],
+                                     markdown=failures.failure_markdown(flow_run.name or name, line,
+                                                                        failures.recent_lines()))
+        except Exception:  # noqa: BLE001 - the artifact is a view; the state message has the reason
+            pass
+    return Failed(message=line, data=error)
 
 
 def _tag_flow_run(tags: list[str]) -> None:
@@ -141,16 +189,17 @@ def stop_server_hook(flow, flow_run, state) -> None:
     because another one holds the config (OutputBusy) launched nothing and stops nothing."""
     try:
         cfg = resolve_config(flow_run.parameters["config"], flow_run.parameters.get("overrides"))
-    except Exception as e:  # noqa: BLE001 - a bad config never launched anything
-        print(f"stop-server hook: config unreadable ({e}); nothing to stop")
+    except Exception:  # noqa: BLE001 - a bad config never launched anything (the run's message says why)
+        print("stop-server hook: the config did not load, so nothing was launched: nothing to stop")
         return
     host = make_host(cfg.server.host)
     try:
         outcome = stop_server(host, cfg, runs={str(flow_run.id)})
     finally:
         host.close()
-    try:
-        get_run_logger().warning("run %s: the server this run launched on %s: %s", state.name,
-                                 cfg.server.host.name, outcome)
+    try:  # a run that launched nothing (a refusal, a bad input) says so quietly: its reason is elsewhere
+        level = 20 if str(outcome.get("outcome", "")).startswith("not running") else 30
+        get_run_logger().log(level, "run %s: the server this run launched on %s: %s", state.name,
+                             cfg.server.host.name, outcome)
     except Exception:  # noqa: BLE001 - hooks may run without a run context
         print(f"stop-server hook ({state.name}): {outcome}")

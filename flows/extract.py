@@ -9,7 +9,7 @@ stop, so two runs never start two servers on the same GPUs; the second waits in 
 from __future__ import annotations
 
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.events import emit_event
 from prefect.futures import as_completed
 from prefect.runtime import flow_run
@@ -17,6 +17,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from eyas.extraction.stage import regeneration_pending, shards_intact
 from eyas.report import Stopwatch
+from eyas.server.launch import ServerDied
 from eyas.results import Extracted
 from flows.common import (DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, gpu_host, resolve_config,
                           stop_server_hook)
@@ -24,7 +25,7 @@ from flows.serve import run_name, serve
 from tasks.extract import extract_shard_for, prepare_data, regenerate_data, shard_cached
 from tasks.patch import patch_host
 from tasks.preflight import preflight_check
-from tasks.server import stop
+from tasks.server import server_gone, stop
 
 
 @flow(name="eyas-extract", flow_run_name=run_name("extract"), log_prints=True,
@@ -61,17 +62,25 @@ def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = 
         with stage("extract"):
             manifests = _extract_all(cfg, prepared.plans, patch_version, resource)
     else:
-        # 4. Launch, wait until ready, (regenerate,) extract, stop: the host is ours meanwhile.
+        # 4. Launch, wait until ready, (regenerate,) extract, stop: the host is ours meanwhile. A server
+        #    that dies is relaunched once; finished parts and shards stay, the rest resume.
         with gpu_host(cfg):
             up = serve(cfg)
+            deaths: list[str] = []
             try:
-                if regen:  # the target answers the training conversations; shards come from its answers
-                    with stage("regenerate"):
-                        regenerated = regenerate_data(cfg)
-                    with stage("prepare"):
-                        prepared = prepare_data(cfg, regenerated, take_output_dir=False)
-                with stage("extract"):
-                    manifests = _extract_all(cfg, prepared.plans, patch_version, resource)
+                while True:
+                    try:
+                        if regen:  # the target answers the training conversations; shards come from its answers
+                            with stage("regenerate"):
+                                regenerated = regenerate_data(cfg)
+                            with stage("prepare"):
+                                prepared = prepare_data(cfg, regenerated, take_output_dir=False)
+                            regen = False
+                        with stage("extract"):
+                            manifests = _extract_all(cfg, prepared.plans, patch_version, resource)
+                        break
+                    except Exception:
+                        up = _relaunch_if_dead(cfg, up, deaths, stage)
             finally:
                 with stage("stop"):
                     stop(cfg, up.handle)
@@ -81,6 +90,23 @@ def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = 
                      ready=up.ready if up else None, stages={**(up.stages if up else {}), **stage.seconds})
 
 
+def _relaunch_if_dead(cfg, up, deaths: list[str], stage: Stopwatch):
+    """After a failure: re-raise it unless the server died; relaunch a dead server once (returns the
+    new one); a second death fails with both reasons. Call inside an `except` block."""
+    reason = server_gone(cfg, up.handle)
+    if reason is None:
+        raise
+    deaths.append(reason)
+    if len(deaths) > 1:
+        raise ServerDied(f"the target server died during extraction ({deaths[0]}), was relaunched, and died "
+                         f"again ({deaths[1]})") from None
+    get_run_logger().warning("the target server died (%s): relaunching it once; finished shards stay, "
+                             "the others resume", reason)
+    with stage("stop"):
+        stop(cfg, up.handle)  # its record and dump folder
+    return serve(cfg)
+
+
 def _extract_all(cfg, plans, patch_version: str, resource: dict) -> list[dict]:
     """One task per shard (bounded by the task runner), an `eyas.shard.done` event as each ends.
 
@@ -88,11 +114,13 @@ def _extract_all(cfg, plans, patch_version: str, resource: dict) -> list[dict]:
     """
     futures = [extract_shard_for(cfg, plan, patch_version).submit(cfg, plan, patch_version) for plan in plans]
     plan_of = {id(f): plan for f, plan in zip(futures, plans)}
+    cached = set()
     for done, future in enumerate(as_completed(futures), 1):
         m = future.result()
         if future.state.name == "Cached":  # answered from Prefect's cache: no task body counted it
             shard_cached(cfg, plan_of[id(future)], m)
+            cached.add(id(future))
         emit_event(event="eyas.shard.done", resource=resource,
                    payload={"file": m.get("file"), "tokens": m["num_tokens"], "done": done,
                             "total": len(plans)})
-    return [f.result() for f in futures]
+    return [{**f.result(), "reused": True} if id(f) in cached else f.result() for f in futures]

@@ -20,7 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from eyas.evaluation import suites
 from eyas.evaluation.serve_bench import benchmarks_markdown
-from eyas.report import Stopwatch, artifact_key, build_report, write_report
+from eyas.report import Stopwatch, artifact_key, build_report, training_summary, write_report
 from flows.common import DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, resolve_config, stop_server_hook
 from flows.extract import extract
 from flows.serve import run_name
@@ -65,9 +65,9 @@ def _markdown(report: dict, path) -> str:
             f"**Acceptance length: {report['acceptance_length']:.3f}** at {e['setting']} on "
             f"{e['num_prompts']} held-out prompts ({e['method'].replace('_', '-')})\n\n"
             f"Single-stream speed-up with the drafter: **{report['speedup']}x**\n\n{per_set}\n"
-            f"- extraction: {x['tokens']} tokens, {x['bytes'] / 1e6:.1f} MB in {x['shards']} shards"
-            f" ({x['tokens_per_s']} tokens/s)\n"
-            f"- training: loss {t['first_loss']:.3f} -> {t['final_loss']:.3f} in {t['steps']} steps\n"
+            f"- extraction: {x['summary']}: {x['tokens']} tokens, {x['bytes'] / 1e6:.1f} MB"
+            + (f" ({x['tokens_per_s']} tokens/s extracted)" if x["tokens_per_s"] else "") + "\n"
+            f"- training: loss {t['first_loss']:.3f} -> {t['final_loss']:.3f}, {training_summary(t)}\n"
             f"- drafter: `{report['drafter_dir']}`; report: `{path}`\n\n"
             f"| stage | seconds |\n|---|---|\n{rows}\n")
 

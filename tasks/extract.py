@@ -12,10 +12,23 @@ from prefect.cache_policies import NO_CACHE
 from eyas.config import PipelineConfig
 from eyas.extraction import stage
 from eyas.extraction.data import ShardPlan
+from eyas.extraction.client import gone_or_stalled
+from eyas.extraction.shards import find_disk_full
 from eyas.extraction.stage import Prepared
+from tasks.dead_runs import crash_dead_runs
 from tasks.progress import ExtractionPublisher, RegenerationPublisher, logger
 
 stage.runs.make_on_change = ExtractionPublisher
+
+
+def _worth_retrying(task, task_run, state) -> bool:
+    """Retry a failure that may pass; never a full disk (DiskFull or ENOSPC, however wrapped): it stays
+    full; nor a server whose process is gone or stalled: the extract flow relaunches it instead."""
+    try:
+        state.result()
+    except Exception as e:  # noqa: BLE001 - the task's own failure, judged by its kind
+        return find_disk_full(e) is None and gone_or_stalled(e) is None
+    return False
 
 
 @task(task_run_name="prepare-data", cache_policy=NO_CACHE, timeout_seconds=6 * 3600)
@@ -24,17 +37,18 @@ def prepare_data(cfg: PipelineConfig, data_path: str | None = None, take_output_
     from prefect.runtime import flow_run
 
     return stage.prepare(cfg, data_path, take_dir=take_output_dir, log=logger().info,
-                         holder=f"flow run {flow_run.id}" if flow_run.id else "")
+                         holder=f"flow run {flow_run.id}" if flow_run.id else "", on_reclaim=crash_dead_runs)
 
 
 # Resumable by part: a retry answers only the parts not yet on disk (as extract_shard retries a shard)
 @task(task_run_name="regenerate-data@{cfg.server.host.name}", cache_policy=NO_CACHE, retries=2,
-      retry_delay_seconds=[5, 30])
+      retry_delay_seconds=[5, 30], retry_condition_fn=_worth_retrying)
 def regenerate_data(cfg: PipelineConfig) -> str:
     """Answer the training conversations again with the target (resumable by part); returns the new file.
 
     Its progress: the artifact `regenerate-NAME` (conversations done, tokens/s, ETA)."""
-    return stage.regenerate_data(cfg, log=logger().info, on_progress=RegenerationPublisher(cfg.name))
+    return stage.regenerate_data(cfg, log=logger().info, warn=logger().warning,
+                                 on_progress=RegenerationPublisher(cfg.name))
 
 
 def _shard_cache_key(context, parameters) -> str:
@@ -60,10 +74,10 @@ def shard_cached(cfg: PipelineConfig, plan: ShardPlan, manifest: dict) -> None:
 
 @task(task_run_name="extract-{plan.name}-of-{plan.num_shards:05d}@{cfg.server.host.name}",
       cache_key_fn=_shard_cache_key, persist_result=True, retries=2, retry_delay_seconds=[5, 30],
-      timeout_seconds=4 * 3600)
+      retry_condition_fn=_worth_retrying)
 def extract_shard(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> dict:
     """Extract one shard (or reuse an intact one); returns its manifest, never tensors.
 
     Submit it through `extract_shard_for`, which refreshes the cache when the file is not intact.
     """
-    return stage.run_shard(cfg, plan, patch_version, log=logger().info)
+    return stage.run_shard(cfg, plan, patch_version, log=logger().info, warn=logger().warning)

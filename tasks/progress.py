@@ -116,7 +116,8 @@ class RegenerationPublisher:
 
 class TrainingPublisher:
     """StepStats (every step) -> `train-NAME` (step/total, tokens/s, ETA) and `train-losses-NAME` (the
-    loss table: loss, accuracy per TTT step, lr, tokens/s, held-out acceptance). The core logs the steps."""
+    loss table, newest step first: loss, accuracy per TTT step, lr, tokens/s, held-out acceptance). The
+    core logs the steps."""
 
     def __init__(self, name: str, max_steps: int):
         self.out, self.max_steps = Publisher("train", name, "training", table="train-losses"), max_steps
@@ -126,7 +127,7 @@ class TrainingPublisher:
     def __call__(self, s) -> None:
         if s.in_history:
             self.rows.append(s.row())
-        self.out.publish(lambda: (s.percent, s.describe()), lambda: list(self.rows))
+        self.out.publish(lambda: (s.percent, s.describe()), lambda: self.rows[::-1])  # newest first
 
     def finish(self, result: dict) -> None:
         """The end: the result's figures and its whole loss table (steps before a resume included)."""
@@ -135,4 +136,23 @@ class TrainingPublisher:
                 + (f", held-out simulated acceptance {sal:.3f}" if sal is not None else "")
                 + f", {result['tokens']:,} tokens in {result['seconds']:.0f}s")
         self.out.publish(lambda: (round(100.0 * result["steps"] / self.max_steps, 2), text),
-                         lambda: result["history"], force=True, table=True)
+                         lambda: result["history"][::-1], force=True, table=True)
+
+
+class ServeBenchPublisher:
+    """The serve-bench stage's launches -> `serve-launches-NAME` (`serve-bench-NAME` holds its results):
+    which server is up, k of n. Made in the task, which it shows at 0 at once; told each launch's key
+    as it is up (run_serve_bench on_launch)."""
+
+    def __init__(self, name: str, keys: list[str]):
+        self.out, self.keys, self.up = Publisher("serve-launches", name, "serve-bench", log_every_s=0.0), keys, []
+        self.out.start(f"launching the {keys[0]} server (1 of {len(keys)} launches)")
+
+    def __call__(self, key: str) -> None:
+        self.up.append(key)
+        done, total = len(self.up), len(self.keys)
+        text = f"{key} server up and serving ({done} of {total} launches)"
+        self.out.publish(lambda: (round(100.0 * (done - 0.5) / total, 2), text), force=True)
+
+    def finish(self) -> None:
+        self.out.publish(lambda: (100.0, f"{len(self.keys)} of {len(self.keys)} launches measured"), force=True)

@@ -7,6 +7,7 @@ from eyas.config import PipelineConfig
 from eyas.evaluation.export import drafter_digest
 from eyas.evaluation.serve_bench import chains, run_serve_bench
 from eyas.secrets import redact_args
+from tasks.progress import ServeBenchPublisher
 from tasks.server import run_owner
 from tasks.train import result_key
 
@@ -37,7 +38,9 @@ def benchmark_serving(cfg: PipelineConfig, drafter_dir: str, sets: dict[str, dic
     prompts reports the figures measured before (`refresh: [serve_bench]` measures again).
     """
     logger = get_run_logger()
-    result = run_serve_bench(cfg, drafter_dir, sets, log=logger.info, owner=run_owner())
+    progress = ServeBenchPublisher(cfg.name, ["plain", *(c.name for c in chains(cfg)[0])])
+    result = run_serve_bench(cfg, drafter_dir, sets, log=logger.info, owner=run_owner(), on_launch=progress)
+    progress.finish()
     for chain, c in result["chains"].items():
         for name, s in c["sets"].items():
             logger.info("acceptance length %.3f at %s on %s (%d prompts), speed-up %sx", s["acceptance_length"],

@@ -53,7 +53,9 @@ def launch_server(cfg: PipelineConfig) -> dict:
     """Start the server detached; returns its handle (pid, url, log path and offset)."""
     host = make_host(cfg.server.host)
     try:
-        handle = launch.start_server(host, cfg, run_owner())
+        owner = run_owner()
+        # a top-level `serve` run leaves its server up on purpose; inside a pipeline it ends with the run
+        handle = launch.start_server(host, cfg, owner, leave_up=len(owner.runs) <= 1)
     finally:
         host.close()
     get_run_logger().info("launched pid %s on %s: %s", handle.pid, handle.host, handle.command)
@@ -105,6 +107,19 @@ def stop(cfg: PipelineConfig, handle: dict | None = None) -> dict:
     only ever a process eyas launched (launch.stop_server)."""
     host = make_host(cfg.server.host)
     try:
-        return launch.stop_server(host, cfg, handle)
+        out = launch.stop_server(host, cfg, handle)
+    finally:
+        host.close()
+    get_run_logger().info("server pid %s: %s; dump folder: %s", out.get("pid"), out["outcome"], out.get("dump_dir"))
+    return out
+
+
+@task(task_run_name="server-gone@{cfg.server.host.name}", cache_policy=NO_CACHE, retries=2,
+      retry_delay_seconds=5, retry_condition_fn=_transient)
+def server_gone(cfg: PipelineConfig, handle: dict) -> str | None:
+    """Why the launched server has died (its log's fatal line), or None while it runs."""
+    host = make_host(cfg.server.host)
+    try:
+        return launch.gone_reason(host, cfg, handle)
     finally:
         host.close()

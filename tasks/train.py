@@ -44,6 +44,7 @@ def export(cfg: PipelineConfig, trained: dict, shard_meta: dict) -> str:
     """Write the drafter folder SGLang loads (config.json, model.safetensors with d2t/t2d)."""
     out = export_drafter(Path(trained["checkpoint_dir"]), Path(cfg.run_dir) / "drafter",
                          target=cfg.target, export=cfg.export, shard_meta=shard_meta)
+    get_run_logger().info("drafter exported to %s (SGLang's LlamaForCausalLMEagle3 format)", out)
     return str(out)
 
 

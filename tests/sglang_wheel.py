@@ -44,10 +44,13 @@ TARGET_ARCH = "KimiK25ForConditionalGeneration"
 
 
 def sglang_config(tmp: Path, site: Path, host: dict | None = None,
-                  architectures: list[str] | None = (TARGET_ARCH,)):
-    """A config serving `<tmp>/checkpoint`, whose config.json names `architectures` (None: no file)."""
+                  architectures: list[str] | None = (TARGET_ARCH,), capture: str = "source_patch"):
+    """A config serving `<tmp>/checkpoint`, whose config.json names `architectures` (None: no file).
+
+    `capture` is server.capture: these tests exercise the source patch unless they ask for the
+    forward hook alone (the config default)."""
     overrides = {"server.backend": "sglang", "server.python": sys.executable,
-                 "server.env": {"PYTHONPATH": str(site)}}
+                 "server.env": {"PYTHONPATH": str(site)}, "server.capture": capture}
     if host is not None:
         overrides["server.host"] = host
     checkpoint = tmp / "checkpoint"

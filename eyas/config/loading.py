@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from eyas.config.models import ConfigError, PipelineConfig
 
 
-_LOCAL_PATHS = ["run_dir", "data.path", "data.tokenizer", "data.regenerate.output_dir", "extraction.output_dir",
+_LOCAL_PATHS = ["run_dir", "data.path", "target.local_dir", "data.regenerate.output_dir", "extraction.output_dir",
                 "training.output_dir", "training.init_from"]
 _SERVER_PATHS = ["target.checkpoint", "server.workdir", "server.dump_dir"]
 

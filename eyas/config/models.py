@@ -31,6 +31,15 @@ class TargetConfig(StrictModel):
     """The target model whose hidden states train the drafter."""
 
     checkpoint: Path  #: Hugging Face folder (config.json, *.safetensors, index) on the server host
+    #: this machine's copy of the target's small files (config.json, tokenizer files and any tokenizer
+    #: code, chat template; no weights): all the orchestrator reads of the target (preflight, data
+    #: preparation, held-out prompts, export, suites). None = target.checkpoint, read on this machine
+    #: (a local server host; with an ssh host only where that path is here too). `data.tokenizer` is
+    #: its older name, still accepted
+    local_dir: Path | None = None
+    #: run the tokenizer code the target folder ships (tokenizer_config.json auto_map, e.g. Kimi-K2.5's
+    #: TikTokenTokenizer) when loading it; None = on for server.backend sglang, whose launch trusts it too
+    trust_remote_code: bool | None = None
     revision: str | None = None  #: recorded in manifests; e.g. a hub commit or a local tag
     layer_ids: list[int] = Field(min_length=1)  #: the aux layers, in `layer_convention`
     #: "capture-before": id i is the input of decoder layer i (SGLang's capture index, HF
@@ -85,8 +94,19 @@ class ServerConfig(StrictModel):
     port: int = Field(30000, ge=1, le=65535)
     #: interpreter on the server host; None = this interpreter (local host) or python3 (ssh)
     python: str | None = None
-    launch_args: list[str] = []  #: extra flags appended to the launch command (an --api-key value is never shown)
-    env: dict[EnvName, str] = {}  #: e.g. NCCL_PROTO, NCCL_ALGO, CUDA_VISIBLE_DEVICES; shown and stored: no secrets
+    #: extra flags appended to every launch command, capture and serving (an --api-key value is never shown)
+    launch_args: list[str] = []
+    #: every launch's environment, e.g. CUDA_VISIBLE_DEVICES, NCCL_ALGO; shown and stored: no secrets
+    env: dict[EnvName, str] = {}
+    #: flags for the capture (extraction) launch only, after launch_args: e.g. --disable-cuda-graph;
+    #: the serving benchmark's launches take benchmark.launch_args instead
+    capture_launch_args: list[str] = []
+    #: the capture launch's environment over env (EYAS_DUMP_DIR is set there and nowhere else)
+    capture_env: dict[EnvName, str] = {}
+    #: how SGLang writes dump records: "forward_hook" registers eyas's hook through --forward-hooks
+    #: and changes no SGLang file; "source_patch" also patches models/deepseek_v2.py, for SGLang builds
+    #: without --forward-hooks (the capture launch then passes none). The local backend ignores it.
+    capture: Literal["forward_hook", "source_patch"] = "forward_hook"
     #: secret values for the server's environment, from a config file on the worker: never printed,
     #: stored with a run, nor put on a command line (docs/operations.md, "Secrets")
     secret_env: dict[EnvName, SecretStr] = {}
@@ -119,12 +139,17 @@ class ServerConfig(StrictModel):
             if looks_secret(name):
                 raise ValueError(f"server.env.{name} looks like a secret, and env values are shown and stored: "
                                  f"use server.env_from (copied from the worker's environment) or server.secret_env")
-        plain, secret, copied = set(self.env), set(self.secret_env), set(self.env_from)
+        for name in self.capture_env:
+            if looks_secret(name):
+                raise ValueError(f"server.capture_env.{name} looks like a secret, and env values are shown and "
+                                 f"stored: use server.env_from or server.secret_env")
+        plain, secret, copied = set(self.env) | set(self.capture_env), set(self.secret_env), set(self.env_from)
         if twice := (plain & secret) | (plain & copied) | (secret & copied):
-            raise ValueError(f"server: {sorted(twice)} set in more than one of env, secret_env, env_from")
+            raise ValueError(f"server: {sorted(twice)} set in more than one of env, secret_env, env_from "
+                             f"(capture_env counts as env)")
         return self
 
-    @field_serializer("launch_args", when_used="json")
+    @field_serializer("launch_args", "capture_launch_args", when_used="json")
     def _hide_secret_flags(self, v: list[str]) -> list[str]:
         return redact_args(v)  # what Prefect stores as a run's parameters, and check-config prints
 
@@ -160,14 +185,18 @@ class RegenerateConfig(StrictModel):
     seed: int = 0
     num_parts: int = Field(8, ge=1)  #: resumable units: a finished part is never asked again
     output_dir: Path | None = None  #: None = <extraction.output_dir>/regenerated
+    #: a thinking (reasoning) target as it is served: true/false pass the chat template's switch
+    #: (`thinking_kwarg`) on/off and keep every reply's token ids exactly as the server emitted them,
+    #: <think> span included; null = not a thinking model (template default, replies kept as text)
+    thinking: bool | None = None
+    #: the chat template's name for that switch: Kimi-K2.5 and DeepSeek-V3.1 `thinking`, Qwen3 `enable_thinking`
+    thinking_kwarg: str = Field("thinking", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class DataConfig(StrictModel):
     """The conversations the drafter is trained on."""
 
     path: Path  #: JSONL, one {"messages": [{"role", "content"}, ...]} per line
-    #: tokenizer + chat template folder on this machine; None = target.checkpoint (local host)
-    tokenizer: Path | None = None
     max_length: int = Field(512, gt=1)  #: tokens per sequence
     overlong: Literal["truncate", "drop"] = "truncate"
     num_heldout: int = Field(8, ge=0)  #: last N conversations: evaluation prompts, never trained on
@@ -181,7 +210,11 @@ class EndpointConfig(StrictModel):
     """A further target server that extraction sends requests to (started outside this flow)."""
 
     url: str = Field(pattern=r"^https?://")  #: e.g. http://gpu-node-2:30000
-    dump_dir: Path  #: where that server writes dump records, as seen from the pipeline machine
+    #: where that server writes dump records: a path on `host` when it is set, else on this machine
+    dump_dir: Path
+    #: the machine that server dumps on (an ssh host, as server.host): its records are read here
+    #: when dump_dir is visible here at the same path, else through SSH; None = this machine
+    host: HostConfig | None = None
     concurrency: int | None = Field(None, ge=1)  #: requests in flight there; None = extraction.concurrency
 
     @model_validator(mode="after")
@@ -207,6 +240,10 @@ class ExtractionConfig(StrictModel):
     #: with exponential backoff from retry_backoff_s, on any server not backing off
     request_retries: int = Field(5, ge=0)
     retry_backoff_s: float = Field(2.0, gt=0)
+    #: no request completed for this long while some are in flight, and no server answers /health:
+    #: extraction and regeneration fail at once with "server stalled" (a slow server that answers /health
+    #: only restarts the clock)
+    stall_timeout_s: float = Field(600.0, gt=0)
     collect_workers: int = Field(2, ge=1)  #: sequences validated and written at once (bounds memory)
     #: refuse to start when the output disk would have less than this left after extraction
     keep_free_gb: float = Field(1.0, ge=0)
@@ -350,6 +387,9 @@ class BenchmarkConfig(StrictModel):
     speculative_num_steps: int = Field(3, ge=1)  #: SGLang --speculative-num-steps
     speculative_eagle_topk: int = Field(1, ge=1)  #: --speculative-eagle-topk (eyas-local: 1 only)
     speculative_num_draft_tokens: int = Field(4, ge=2)  #: --speculative-num-draft-tokens
+    #: flags for both serving launches (plain and speculative), after server.launch_args: how the
+    #: target is served in production, e.g. ["--num-continuous-decode-steps", "4"]
+    launch_args: list[str] = []
     #: extra flags for the speculative launch only, e.g. ["--cuda-graph-max-bs", "8"]
     speculative_launch_args: list[str] = []
     num_prompts: int = Field(8, ge=1)  #: held-out prompts, the same for both servers
@@ -371,6 +411,10 @@ class BenchmarkConfig(StrictModel):
     #: CPU servers share the cores); shown and stored: no secrets
     server_env: dict[EnvName, str] = {}
     request_timeout_s: float = Field(300.0, gt=0)
+
+    @field_serializer("launch_args", "speculative_launch_args", when_used="json")
+    def _hide_secret_flags(self, v: list[str]) -> list[str]:
+        return redact_args(v)
 
     @field_validator("suites", mode="before")
     @classmethod
@@ -424,6 +468,23 @@ class PipelineConfig(StrictModel):
     #: cached stages to recompute although their inputs did not change (to re-measure, say); the
     #: cache record is overwritten. Shards: delete the file (a missing or damaged one is redone).
     refresh: list[Literal["evaluate", "serve_bench"]] = []
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tokenizer_is_the_local_copy(cls, raw):
+        """data.tokenizer, the older name of target.local_dir (its tokenizer and chat template)."""
+        data, target = (raw.get("data"), raw.get("target")) if isinstance(raw, dict) else (None, None)
+        if not isinstance(data, dict) or "tokenizer" not in data or not isinstance(target, dict):
+            return raw
+        data, target = dict(data), dict(target)
+        old = data.pop("tokenizer")
+        if old is not None and target.get("local_dir") not in (None, old):
+            raise ValueError(f"data.tokenizer={old} and target.local_dir={target['local_dir']}: data.tokenizer is "
+                             f"the older name of target.local_dir (the target's config and tokenizer on this "
+                             f"machine); keep target.local_dir")
+        if old is not None:
+            target["local_dir"] = old
+        return {**raw, "data": data, "target": target}
 
     @model_validator(mode="after")
     def _target_stays_in_sglang(self) -> "PipelineConfig":

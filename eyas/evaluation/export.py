@@ -32,6 +32,7 @@ from eyas.config import ExportConfig, TargetConfig
 from eyas.dump import DTYPES
 from eyas.extraction.shards import sha256_file
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter
+from eyas.target import local_copy
 from eyas.training.target_head import load_target_tensors, read_target_config
 from eyas.training.warm_start import drafter_config_from_sglang
 
@@ -118,13 +119,13 @@ def export_drafter(checkpoint, out_dir: str | Path, *, target: TargetConfig, exp
     info = json.loads((ckpt / "drafter.json").read_text())
     dcfg = DrafterConfig(**info["drafter"])
     try:
-        tcfg = read_target_config(target.checkpoint)
+        tcfg = read_target_config(local_copy(target))  # target.local_dir: this machine's copy
     except ValueError:
-        tcfg = {}  # a checkpoint path on a remote server host: skip the target-side checks
+        tcfg = {}  # no copy of the target's config here: skip the target-side checks
     capture = check_layer_ids(target, shard_meta, info.get("target"), tcfg.get("num_hidden_layers"))
     if tcfg and (tcfg["hidden_size"], tcfg["vocab_size"]) != (dcfg.target_hidden_size, dcfg.vocab_size):
         raise ValueError(f"refusing to export: the drafter was trained for hidden/vocab "
-                         f"{dcfg.target_hidden_size}/{dcfg.vocab_size}, {target.checkpoint} has "
+                         f"{dcfg.target_hidden_size}/{dcfg.vocab_size}, {local_copy(target)} has "
                          f"{tcfg['hidden_size']}/{tcfg['vocab_size']}")
     dtype = DTYPES[export.dtype]
     weights = load_file(str(ckpt / "model.safetensors"))

@@ -45,12 +45,11 @@ from eyas.server.hosts import Host, make_host
 def heldout_prompts(cfg: PipelineConfig) -> list[list[int]]:
     """The evaluation prompts, prepared exactly as the pipeline's prepare stage does (no files written)."""
     from eyas.extraction import data
-    from eyas.target import load_tokenizer, target_dims
+    from eyas.target import local_copy, target_dims, target_tokenizer
 
-    folder = cfg.data.tokenizer or cfg.target.checkpoint
-    _, vocab = target_dims(folder, cfg.target.checkpoint)
+    _, vocab = target_dims(local_copy(cfg.target))
     records, skipped = data.load_records(cfg.data.path, vocab_size=vocab, bad_lines=cfg.data.bad_lines)
-    return data.prepare(records, load_tokenizer(folder), cfg.data, vocab_size=vocab,
+    return data.prepare(records, target_tokenizer(cfg), cfg.data, vocab_size=vocab,
                         skipped=skipped).heldout_prompts
 
 
@@ -76,8 +75,9 @@ def launches(cfg: PipelineConfig, drafter_dir: str | Path | None = None) -> list
 # ---------------------------------------------------------------------------------------------
 
 def _open(stack: ExitStack, host: Host, c: PipelineConfig, out: dict, key: str, warm: list[list[int]],
-          log, owner) -> Meter:
-    """Launch (stopped when the stack closes), warm up, and note the launch under out[key]."""
+          log, owner, on_launch=None) -> Meter:
+    """Launch (stopped when the stack closes), warm up, and note the launch under out[key]; tell
+    on_launch(key) that it is up."""
     launched_at = time.time()
     handle, ready_s = stack.enter_context(running(host, c, log, owner))
     window = {"launched_at": round(launched_at, 3), "ready_at": round(time.time(), 3)}  # when, in epoch seconds
@@ -85,6 +85,8 @@ def _open(stack: ExitStack, host: Host, c: PipelineConfig, out: dict, key: str, 
     stack.callback(meter.close)
     meter.warm_up(warm)
     out[key] = {"command": handle.command, "ready_seconds": ready_s, **window, "sets": {}, "speed": None}
+    if on_launch is not None:
+        on_launch(key)
     return meter
 
 
@@ -105,12 +107,12 @@ def _speed(meters: list[Meter], prompts: list[list[int]], repeats: int, concurre
 
 
 def _one_at_a_time(cfg: PipelineConfig, host: Host, sets: dict, speed_prompts: list[list[int]], configs: dict,
-                   bench: str | None, log, owner=None) -> dict[str, dict]:
+                   bench: str | None, log, owner=None, on_launch=None) -> dict[str, dict]:
     """Plain, then each chain: launch, every set, the speed passes (plain and bench), stop."""
     out: dict[str, dict] = {}
     for key, c in configs.items():
         with ExitStack() as stack:
-            meter = _open(stack, host, c, out, key, speed_prompts, log, owner)
+            meter = _open(stack, host, c, out, key, speed_prompts, log, owner, on_launch)
             for name, s in sets.items():
                 out[key]["sets"][name] = meter.serve_set(s["prompts"], cfg.evaluation.max_new_tokens)
             if bench is not None and key in ("plain", bench):
@@ -119,7 +121,7 @@ def _one_at_a_time(cfg: PipelineConfig, host: Host, sets: dict, speed_prompts: l
 
 
 def _interleaved(cfg: PipelineConfig, host: Host, sets: dict, speed_prompts: list[list[int]], configs: dict,
-                 bench: str | None, log, owner=None) -> dict[str, dict]:
+                 bench: str | None, log, owner=None, on_launch=None) -> dict[str, dict]:
     """The plain server up throughout; each chain's beside it in turn, their passes alternating (or,
     with benchmark.concurrent, running at the same time: each server on its own cores, and the plain
     and the first chain's servers launched at the same time too)."""
@@ -130,15 +132,16 @@ def _interleaved(cfg: PipelineConfig, host: Host, sets: dict, speed_prompts: lis
         inners = [stack.enter_context(ExitStack()) for _ in chain_configs]  # a chain's server, stopped after its turn
         first = None
         if together and chain_configs:  # separate workdirs, ports and records: nothing shared but the host
-            plain, first = _together(partial(_open, stack, host, plain_cfg, out, "plain", speed_prompts, log, owner),
-                                     partial(_open, inners[0], host, chain_configs[0][1], out, chain_configs[0][0],
-                                             speed_prompts, log, owner))
+            plain, first = _together(
+                partial(_open, stack, host, plain_cfg, out, "plain", speed_prompts, log, owner, on_launch),
+                partial(_open, inners[0], host, chain_configs[0][1], out, chain_configs[0][0], speed_prompts, log,
+                        owner, on_launch))
         else:
-            plain = _open(stack, host, plain_cfg, out, "plain", speed_prompts, log, owner)
+            plain = _open(stack, host, plain_cfg, out, "plain", speed_prompts, log, owner, on_launch)
         for i, (key, c) in enumerate(chain_configs):
             with inners[i] as inner:
                 spec = first if i == 0 and first is not None else _open(inner, host, c, out, key, speed_prompts,
-                                                                         log, owner)
+                                                                         log, owner, on_launch)
                 for name, s in sets.items():
                     calls = [partial(spec.serve_set, s["prompts"], max_new)]
                     if name not in out["plain"]["sets"]:  # the first chain's turn
@@ -175,12 +178,13 @@ def _set_figures(sets: dict, spec: dict, plain: dict) -> dict[str, dict]:
 
 
 def run_serve_bench(cfg: PipelineConfig, drafter_dir: str | Path, sets: dict[str, dict],
-                    host: Host | None = None, log=print, owner=None) -> dict[str, Any]:
+                    host: Host | None = None, log=print, owner=None, on_launch=None) -> dict[str, Any]:
     """Every launch, side by side -> per-chain acceptance per set, speed-up ratios, machine, settings.
 
     `sets` maps a name to {"prompts": token ids, "source": where they came from}; "heldout" (the
     data's held-out prompts) is required and cut to evaluation.num_prompts here. `owner`
-    (ownership.Owner): who launches the servers, recorded with each launch.
+    (ownership.Owner): who launches the servers, recorded with each launch. `on_launch(key)` is told
+    as each launch ("plain", "3/1/4", ...) is up and warmed, in the order of `launches`.
     """
     b, ev = cfg.benchmark, cfg.evaluation
     if not sets.get("heldout", {}).get("prompts"):
@@ -196,7 +200,8 @@ def run_serve_bench(cfg: PipelineConfig, drafter_dir: str | Path, sets: dict[str
             log(f"drafter uploaded to {cfg.server.host.name}:{where}")
         configs = dict(zip(["plain", *(c.name for c in served)], launches(cfg, where)))
         measure = _interleaved if b.interleave else _one_at_a_time
-        runs = measure(cfg, host, sets, speed_prompts, configs, bench.name if bench else None, log, owner)
+        runs = measure(cfg, host, sets, speed_prompts, configs, bench.name if bench else None, log, owner,
+                       on_launch)
     finally:
         if own_host:
             host.close()

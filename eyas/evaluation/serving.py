@@ -64,9 +64,11 @@ class Chain:
 
 def server_config(cfg: PipelineConfig, label: str, drafter_dir: str | Path | None, *,
                   chain: Chain | None = None, port_offset: int = 0) -> PipelineConfig:
-    """A copy of cfg whose server serves plainly (no capture), with the drafter if one is given."""
+    """A copy of cfg whose server serves plainly (no capture), with the drafter if one is given:
+    server.launch_args and benchmark.launch_args (server.capture_launch_args are the capture's only)."""
     s = cfg.server
-    extra = ["--disable-radix-cache"]  # repeats of the same prompts must not skip their prefill
+    # repeats of the same prompts must not skip their prefill
+    extra = ["--disable-radix-cache", *cfg.benchmark.launch_args]
     if drafter_dir is not None:
         extra += chain.args(drafter_dir, cfg.benchmark.speculative_launch_args)
     server = s.model_copy(update={"capture_aux": False, "port": s.port + port_offset,

@@ -81,12 +81,12 @@ def questions(name: str, num: int) -> tuple[list[str], dict]:
     return [SUITES[name].user_turn(r) for r in records[:num]], source
 
 
-def tokenize(texts: list[str], tokenizer, max_length: int) -> list[list[int]]:
+def tokenize(texts: list[str], tokenizer, max_length: int, **template_kwargs) -> list[list[int]]:
     """Each text as one user turn through the chat template, ready for the assistant's reply."""
     from eyas.extraction.data import _render
 
-    return [_render(tokenizer, [{"role": "user", "content": t}], add_generation_prompt=True)[-max_length:]
-            for t in texts]
+    return [_render(tokenizer, [{"role": "user", "content": t}], add_generation_prompt=True,
+                    **template_kwargs)[-max_length:] for t in texts]
 
 
 def check_available(cfg: PipelineConfig) -> None:
@@ -99,11 +99,13 @@ def load_suites(cfg: PipelineConfig) -> dict[str, dict]:
     """Every configured suite, tokenized for the target: {name: {"prompts": ..., "source": ...}}."""
     if not cfg.benchmark.suites:
         return {}
-    from eyas.target import load_tokenizer
+    from eyas.extraction.data import prompt_kwargs
+    from eyas.target import target_tokenizer
 
-    tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.target.checkpoint)
+    tokenizer = target_tokenizer(cfg)
     sets = {}
     for s in cfg.benchmark.suites:
         texts, source = questions(s.name, s.num_prompts)
-        sets[s.name] = {"prompts": tokenize(texts, tokenizer, cfg.data.max_length), "source": source}
+        prompts = tokenize(texts, tokenizer, cfg.data.max_length, **prompt_kwargs(cfg.data))
+        sets[s.name] = {"prompts": prompts, "source": source}
     return sets

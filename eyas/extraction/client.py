@@ -4,7 +4,7 @@
                      Endpoint("http://gpu-2:30000", "/dev/shm/eyas-dump", 8)],
                     request_timeout_s=900, retries=5, backoff_s=2.0) as pool:
         reply = pool.generate(ids, "eyas-shard-00003-000017-ab12", {"max_new_tokens": 1}).result()
-        reply.endpoint.dump_dir, reply.rid     # where and under which rid the records were dumped
+        reply.endpoint.records.read(reply.rid) # the records dumped for it (eyas/extraction/records.py)
 
 One event loop runs in a daemon thread; callers in any thread get a concurrent.futures.Future.
 Each endpoint has a bounded number of requests in flight, across every shard task that shares the
@@ -17,13 +17,21 @@ go to the others, or fail at once when none is left, instead of backing off for 
 
 Every attempt gets its own rid (`<rid>-a<k>`), so records a dying server half-wrote for an earlier
 attempt can never be mixed into the sample: the collector reads only the attempt that answered,
-and removes the others (`attempt_rids`).
+and removes the others (`attempt_rids`). Every retry is a WARNING naming the rid, the attempt and
+the error.
+
+A watchdog bounds a stall: when requests are in flight and none has completed for
+`stall_timeout_s`, every endpoint's /health is asked; one that answers is slow, not stalled (the
+clock restarts, with a warning), and when none answers every pending and later request fails with
+ServerStalled ("server stalled: no reply for N s ...") instead of waiting out its timeouts and
+retries (a stopped process accepts connections and never answers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import random
 import threading
 import time
@@ -32,6 +40,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import httpx
+
+from eyas.config import HostConfig
+from eyas.extraction.records import DumpStore
+
+
+log = logging.getLogger(__name__)
 
 
 class RequestFailed(RuntimeError):
@@ -42,20 +56,53 @@ class RequestFailed(RuntimeError):
         super().__init__(f"rid {rid}: {message}")
 
 
+class ServerStalled(RequestFailed):
+    """No request completed for stall_timeout_s and no server answered /health."""
+
+
+class ServersGone(RequestFailed):
+    """Every server's process is gone: retrying the request cannot help; relaunching the server can."""
+
+
+def gone_or_stalled(e: BaseException | None) -> RequestFailed | None:
+    """The ServersGone or ServerStalled behind e (itself or in its chain of causes), if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (ServersGone, ServerStalled)):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 @dataclass(frozen=True)
 class Endpoint:
     url: str
-    dump_dir: Path  # where this server writes dump records, as seen from this machine
+    dump_dir: Path  # where this server writes dump records: on dump_host when given, else here
     max_in_flight: int = 4
     #: asked after a transient failure: False means the server process is gone, so its requests go
     #: to the other endpoints at once (or fail at once if none is left) instead of backing off
     alive: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
+    #: the host the server dumps on; None = this machine. Its records are read here when the folder
+    #: is visible here, else through the host (eyas/extraction/records.py)
+    dump_host: HostConfig | None = field(default=None, compare=False, repr=False)
+    #: SSH connections the collector may open to dump_host at once
+    dump_connections: int = field(default=2, compare=False, repr=False)
+    #: the dump host's config section, named in configuration errors
+    dump_field: str = field(default="server.host", compare=False, repr=False)
+    #: the host an endpoint dumps on, as part of its identity (two endpoints differ by it)
+    dump_key: str | None = field(init=False, default=None, repr=False)
+    records: DumpStore = field(init=False, compare=False, repr=False)  #: where its records are read
 
     def __post_init__(self):
         object.__setattr__(self, "url", self.url.rstrip("/"))
         object.__setattr__(self, "dump_dir", Path(self.dump_dir))
         if self.max_in_flight < 1:
             raise ValueError(f"endpoint {self.url}: max_in_flight must be >= 1, got {self.max_in_flight}")
+        remote = self.dump_host is not None and self.dump_host.kind == "ssh"
+        object.__setattr__(self, "dump_key", self.dump_host.model_dump_json() if remote else None)
+        object.__setattr__(self, "records", DumpStore(self.dump_dir, self.dump_host,
+                                                      connections=self.dump_connections, field=self.dump_field))
 
 
 @dataclass
@@ -95,7 +142,8 @@ class ServerPool:
 
     def __init__(self, endpoints: list[Endpoint], *, request_timeout_s: float = 300.0, retries: int = 5,
                  backoff_s: float = 2.0, backoff_max_s: float = 60.0, connect_timeout_s: float = 10.0,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, stall_timeout_s: float | None = None,
+                 health_timeout_s: float = 30.0):
         if not endpoints:
             raise ValueError("ServerPool needs at least one endpoint")
         urls = [e.url for e in endpoints]
@@ -107,6 +155,11 @@ class ServerPool:
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
         self._timeout = httpx.Timeout(request_timeout_s, connect=min(connect_timeout_s, request_timeout_s))
         self._state = {e.url: _State() for e in endpoints}
+        self.stall_timeout_s, self.health_timeout_s = stall_timeout_s, health_timeout_s
+        self._last_progress = time.monotonic()  # a reply, or the moment requests began after a pause
+        self.completed = 0
+        self._stalled: str | None = None  # the stall's reason, once the watchdog found one
+        self._tasks: dict[asyncio.Task, Callable[..., None]] = {}  # in flight -> its caller's warn
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="eyas-client", daemon=True)
         self._thread.start()
@@ -119,6 +172,18 @@ class ServerPool:
         self._client = httpx.AsyncClient(timeout=self._timeout, headers=self._headers, limits=httpx.Limits(
             max_connections=slots + 4, max_keepalive_connections=slots + 4))
         self._changed = asyncio.Condition()
+        if self.stall_timeout_s is not None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    @property
+    def lost_a_server(self) -> bool:
+        """An endpoint whose process was found gone: the pool never sends to it again."""
+        return any(s.dead for s in self._state.values())
+
+    @property
+    def stalled(self) -> str | None:
+        """The watchdog's reason once it found every server stalled (the pool then fails every request)."""
+        return self._stalled
 
     @property
     def capacity(self) -> int:
@@ -131,20 +196,38 @@ class ServerPool:
 
     # ------------------------------------------------------------------ public, any thread
 
-    def generate(self, input_ids: list[int], rid: str, sampling_params: dict[str, Any]) -> concurrent.futures.Future:
-        """Submit one /generate; the future's result is a Reply, or it raises RequestFailed."""
+    def generate(self, input_ids: list[int], rid: str, sampling_params: dict[str, Any], *,
+                 warn: Callable[..., None] | None = None) -> concurrent.futures.Future:
+        """Submit one /generate; the future's result is a Reply, or it raises RequestFailed.
+
+        `warn(fmt, *args)` gets this request's retry warnings and the watchdog's, e.g. the calling
+        task's logger.warning: the pool's own thread runs in no flow run, so its module logger
+        reaches the console only."""
         if self._closed:
             raise RuntimeError("ServerPool is closed")
         body = {"input_ids": input_ids, "sampling_params": sampling_params}
-        return asyncio.run_coroutine_threadsafe(self._generate(body, rid), self._loop)
+        return asyncio.run_coroutine_threadsafe(self._generate(body, rid, warn or log.warning), self._loop)
+
+    def calling(self, warn: Callable[..., None] | None) -> "ServerPool":
+        """This pool, with `warn` given to every generate (a task's logger.warning): for callers that
+        only take a pool."""
+        return _Caller(self, warn) if warn is not None else self
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result(10)
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        for ep in self.endpoints:
+            ep.records.close()  # SSH connections the collector opened to a dump host
+
+    async def _shutdown(self) -> None:
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.cancel()
+        await self._client.aclose()
 
     def __enter__(self) -> "ServerPool":
         return self
@@ -164,11 +247,13 @@ class ServerPool:
 
     async def _acquire(self, rid: str) -> Endpoint:
         async with self._changed:
+            if not any(s.in_flight for s in self._state.values()):
+                self._last_progress = max(self._last_progress, time.monotonic())  # idle time is no stall
             while True:
                 if all(s.dead for s in self._state.values()):
-                    raise RequestFailed(rid, "every server's process is gone: "
-                                             f"{[s.errors[-1] for s in self._state.values() if s.errors]}",
-                                        transient=False)
+                    raise ServersGone(rid, "every server's process is gone: "
+                                           f"{[s.errors[-1] for s in self._state.values() if s.errors]}",
+                                      transient=False)
                 ep = self._pick()
                 if ep is not None:
                     self._state[ep.url].in_flight += 1
@@ -196,7 +281,23 @@ class ServerPool:
                 s.backoff_until = max(s.backoff_until, time.monotonic() + delay * (0.75 + 0.5 * random.random()))
             self._changed.notify_all()
 
-    async def _generate(self, body: dict[str, Any], rid: str) -> Reply:
+    async def _generate(self, body: dict[str, Any], rid: str, warn: Callable[..., None]) -> Reply:
+        if self._stalled is not None:
+            raise ServerStalled(rid, self._stalled, transient=False)
+        task = asyncio.current_task()
+        self._tasks[task] = warn
+        try:
+            reply = await self._attempts(body, rid, warn)
+        except asyncio.CancelledError:
+            if self._stalled is None:
+                raise
+            raise ServerStalled(rid, self._stalled, transient=False) from None
+        finally:
+            self._tasks.pop(task, None)
+        self._last_progress, self.completed = time.monotonic(), self.completed + 1
+        return reply
+
+    async def _attempts(self, body: dict[str, Any], rid: str, warn: Callable[..., None]) -> Reply:
         t0, tried = time.monotonic(), []
         for attempt in range(self.retries + 1):
             ep = await self._acquire(rid)
@@ -215,6 +316,8 @@ class ServerPool:
             finally:
                 await self._release(ep, error)
             tried.append(error)
+            if attempt < self.retries:
+                warn("rid %s: attempt %d of %d failed (%s); retrying", rid, attempt + 1, self.retries + 1, error)
             if ep.alive is not None and not self._state[ep.url].dead:
                 alive = await asyncio.get_running_loop().run_in_executor(None, ep.alive)
                 if not alive:
@@ -225,3 +328,52 @@ class ServerPool:
                         self._changed.notify_all()
         raise RequestFailed(rid, f"failed after {self.retries + 1} attempts in {time.monotonic() - t0:.1f}s; "
                                  f"last errors: {tried[-3:]}", transient=True)
+
+    # ------------------------------------------------------------------ the stall watchdog
+
+    async def _watch(self) -> None:
+        tick = min(5.0, self.stall_timeout_s / 4)
+        while True:
+            await asyncio.sleep(tick)
+            busy = any(s.in_flight for s in self._state.values())
+            quiet = time.monotonic() - self._last_progress
+            if not busy or quiet < self.stall_timeout_s:
+                continue
+            health = await asyncio.gather(*(self._health(e) for e in self.endpoints if not self._state[e.url].dead))
+            if any(ok for ok, _ in health):
+                self._warn_callers("no request completed for %.0f s, but %s: slow, not stalled; waiting on",
+                                   quiet, "; ".join(why for _, why in health))
+                self._last_progress = time.monotonic()
+                continue
+            self._stalled = (f"server stalled: no reply for {quiet:.0f} s (extraction.stall_timeout_s="
+                             f"{self.stall_timeout_s:g}; {self.completed} request(s) completed before; "
+                             f"{'; '.join(why for _, why in health)})")
+            self._warn_callers("%s: failing the %d request(s) in flight", self._stalled, len(self._tasks))
+            for task in list(self._tasks):
+                task.cancel()
+            return
+
+    def _warn_callers(self, fmt: str, *args) -> None:
+        """Once per distinct caller's warn among the requests in flight (each task's own log)."""
+        for warn in {id(w): w for w in self._tasks.values()}.values() or [log.warning]:
+            warn(fmt, *args)
+
+    async def _health(self, ep: Endpoint) -> tuple[bool, str]:
+        try:
+            r = await self._client.get(f"{ep.url}/health", timeout=self.health_timeout_s)
+        except httpx.TransportError as e:
+            return False, f"{ep.url}/health: {type(e).__name__} after {self.health_timeout_s:g} s"
+        return r.status_code == 200, f"{ep.url}/health answered {r.status_code}"
+
+
+class _Caller:
+    """A ServerPool whose generate passes one caller's warn (ServerPool.calling)."""
+
+    def __init__(self, pool: ServerPool, warn: Callable[..., None]):
+        self._pool, self._warn = pool, warn
+
+    def generate(self, input_ids, rid, sampling_params, *, warn=None):
+        return self._pool.generate(input_ids, rid, sampling_params, warn=warn or self._warn)
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)

@@ -127,7 +127,9 @@ def load_records(path: str | Path, *, vocab_size: int | None = None,
                 try:
                     raw = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: malformed JSON ({e.msg})") from None
+                    # json's own message ends "... at" for some faults ("Invalid control character at")
+                    raise DataError(f"{where}:{e.colno}: malformed JSON ({e.msg.removesuffix(' at')} at column "
+                                    f"{e.colno})") from None
                 if isinstance(raw, dict) and "input_ids" in raw and "messages" not in raw:
                     records.append(Record(where, tokens=_check_tokenized(raw, where, vocab_size)))
                 else:
@@ -148,7 +150,7 @@ def _decode_line(raw: bytes, where: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}: "
+        raise DataError(f"{where}:{e.start + 1}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}: "
                         f"{e.reason}); data files are UTF-8 JSONL") from None
 
 
@@ -161,9 +163,17 @@ def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
     return [r.messages for r in records]
 
 
-def _render(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer, messages, add_generation_prompt: bool, **template_kwargs) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                        **template_kwargs)
     return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+def prompt_kwargs(cfg: DataConfig) -> dict[str, bool]:
+    """The chat template's keywords for a prompt the target answers as it is served: a thinking
+    target's switch (data.regenerate.thinking, by its thinking_kwarg); none for other targets."""
+    r = cfg.regenerate
+    return {} if r.thinking is None else {r.thinking_kwarg: r.thinking}
 
 
 def tokenize_conversation(tokenizer, messages: list[dict[str, str]]) -> TokenizedSample:
@@ -259,7 +269,7 @@ def prepare(records: list, tokenizer, cfg: DataConfig, *, vocab_size: int | None
         if r.messages is not None:
             first = next(j for j, m in enumerate(r.messages) if m["role"] == "assistant")
             try:
-                prompt = _render(tokenizer, r.messages[:first], add_generation_prompt=True)
+                prompt = _render(tokenizer, r.messages[:first], add_generation_prompt=True, **prompt_kwargs(cfg))
             except Exception as e:  # noqa: BLE001 - as for training records: name the line and message
                 skip(_render_error(tokenizer, r.messages[:first], r.where, e) + " (a held-out prompt)")
                 continue

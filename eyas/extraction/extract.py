@@ -7,11 +7,12 @@
 Each sequence is one /generate request with its own rid and max_new_tokens=1 (the prefill is what
 we want), sent through a ServerPool (eyas.extraction.client: async, bounded in flight per server, retried with
 backoff on transient errors). The server's hook writes one dump record per prefill chunk before it
-answers; the collector then checks the chunks against the ids we sent (eyas.dump.validate: coverage
-without gap or overlap, token ids, shapes, finite values, the captured layers) and writes them
-chunk by chunk into their place in the shard file, a few sequences at a time (`collect_workers`), so
-memory stays bounded by those sequences. A shard that fails leaves no file behind; a shard on disk
-is reused only if it matches its manifest and cache key.
+answers; the collector then reads them (from this machine, or through the server's host when its
+dump folder is not visible here: eyas.extraction.records), checks the chunks against the ids we
+sent (eyas.dump.validate: coverage without gap or overlap, token ids, shapes, finite values, the
+captured layers) and writes them chunk by chunk into their place in the shard file, a few
+sequences at a time (`collect_workers`), so memory stays bounded by those sequences. A shard that
+fails leaves no file behind; a shard on disk is reused only if it matches its manifest and cache key.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ import torch
 
 from eyas.extraction.client import Endpoint, RequestFailed, ServerPool, attempt_rids
 from eyas.extraction.data import ShardPlan, plan_file_hash, read_shard_plan
-from eyas.dump import DumpError, read_records, remove_records, validate
+from eyas.dump import DumpError, validate
 from eyas.dump import DTYPES
+from eyas.extraction.records import DumpStore
 from eyas.extraction.shards import ShardError, ShardWriter, bytes_per_token, partial_path, verify_shard
+from eyas.server.hosts import HostError
 
 SAMPLING = {"max_new_tokens": 1, "temperature": 0}
 
@@ -73,23 +76,35 @@ _verified_lock = threading.Lock()
 
 def existing_shard(out_dir: str | Path, plan: ShardPlan, cache_key: str, *, full: bool = True) -> dict[str, Any] | None:
     """The manifest of an already extracted, intact shard for this exact key, else None."""
+    return shard_on_disk(out_dir, plan, cache_key, full=full)[0]
+
+
+def shard_on_disk(out_dir: str | Path, plan: ShardPlan, cache_key: str, *,
+                  full: bool = True) -> tuple[dict[str, Any] | None, str | None]:
+    """(the intact shard's manifest, None), or (None, why it cannot be reused: "missing", "damaged:
+    ...", "from other inputs ...")."""
     path = shard_path(out_dir, plan)
     try:
         st = path.stat()
-        ident = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
-        with _verified_lock:
-            known = _verified.get(ident)
+    except FileNotFoundError:
+        return None, "missing"
+    except OSError as e:
+        return None, f"unreadable: {e}"
+    ident = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    with _verified_lock:
+        known = _verified.get(ident)
+    try:
         manifest = verify_shard(path, full=full and known is None)
-    except (ValueError, OSError, KeyError):
-        return None
+    except (ValueError, OSError, KeyError) as e:
+        return None, f"damaged: {type(e).__name__}: {e}"
     if known is not None and known != manifest.get("sha256"):
-        return None
+        return None, "damaged: its sha256 differs from the one verified earlier"
     if full and known is None:
         with _verified_lock:
             _verified[ident] = manifest["sha256"]
     if manifest.get("cache_key") != cache_key or manifest.get("content_hash", plan.content_hash) != plan.content_hash:
-        return None
-    return manifest
+        return None, "from other inputs (its cache key or plan differs: another target, layers, dtype or data)"
+    return manifest, None
 
 
 def ensure_shard(plan: ShardPlan, out_dir: str | Path, cache_key: str, **kwargs) -> tuple[dict[str, Any], bool]:
@@ -167,7 +182,7 @@ def extract_shard(plan: ShardPlan, out_dir: str | Path, *, capture_ids: list[int
             with collect:
                 if cancel.is_set():
                     raise _Cancelled()
-                records = _wait_records(reply.endpoint.dump_dir, reply.rid, len(s.input_ids), record_timeout_s)
+                records = _wait_records(reply.endpoint.records, reply.rid, len(s.input_ids), record_timeout_s)
                 got = validate(records, s.input_ids)
                 captured = _capture_ids(got)
                 if captured != list(capture_ids):
@@ -184,10 +199,11 @@ def extract_shard(plan: ShardPlan, out_dir: str | Path, *, capture_ids: list[int
             raise ExtractionError(f"{where}: {e}") from e
         except (DumpError, ShardError) as e:
             raise ExtractionError(f"{where} from {reply.endpoint.url}: {e}") from e
+        except HostError as e:
+            raise ExtractionError(f"{where}: reading its records in {reply.endpoint.records.where}: {e}") from e
         finally:
             for ep in pool.endpoints:
-                for r in attempt_rids(rid, pool.retries):
-                    remove_records(ep.dump_dir, r)
+                ep.records.remove(attempt_rids(rid, pool.retries))
         return len(s.input_ids)
 
     window = pool.capacity + collect_workers  # keep every server busy while a few are collected
@@ -220,11 +236,12 @@ def extract_shard(plan: ShardPlan, out_dir: str | Path, *, capture_ids: list[int
     return state["writer"].close({"seconds": round(time.monotonic() - t0, 3)})
 
 
-def _wait_records(dump_dir: Path, rid: str, num_tokens: int, timeout: float):
+def _wait_records(store: DumpStore, rid: str, num_tokens: int, timeout: float):
     """Wait briefly for the records (a network filesystem may lag), then return them sorted."""
     deadline = time.monotonic() + timeout
+    have: dict = {}  # records already fetched through a host are not fetched again
     while True:
-        records = read_records(dump_dir, rid)
+        records = store.read(rid, have)
         covered = sum(r.token_ids.shape[0] for r in records)
         if covered >= num_tokens or time.monotonic() > deadline:
             return records

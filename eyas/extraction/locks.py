@@ -78,6 +78,16 @@ def hold_lock(path: str | Path, *, wait_s: float = 0.0, what: str = "it", holder
     return path
 
 
+def read_holder(path: str | Path) -> str | None:
+    """What a lock file says of its last holder ("<pid> <holder>"), or None (no file, or this process's)."""
+    try:
+        text = Path(path).read_text(errors="replace").strip()
+    except OSError:
+        return None
+    pid = text.split(" ", 1)[0]
+    return None if not text or pid == str(os.getpid()) else text
+
+
 def release_lock(path: str | Path) -> None:
     with _held_lock:
         fd = _held.pop(str(Path(path).resolve()), None)
@@ -122,12 +132,13 @@ def reclaim_stale_server(host: Host, cfg: PipelineConfig) -> dict | None:
     what was done, or None when there was nothing to reclaim.
     """
     from eyas.secrets import redact
-    from eyas.server.launch import _check, launch_command, read_record, stop_server
+    from eyas.server.launch import _check, host_launch_command, read_record, stop_server
 
     record = read_record(host, cfg)
     if record is None or _check(host, cfg, record) != "alive":
         return None
-    if record.get("command", redact(launch_command(cfg))) != redact(launch_command(cfg)):
+    command = redact(host_launch_command(host, cfg))
+    if record.get("command", command) != command:
         return {"pid": record["pid"], "outcome": "left alone: not this config's server",
                 "command": redact(record.get("command") or "")}
     return {**stop_server(host, cfg, record), "reason": "stale server of a killed run of this config"}

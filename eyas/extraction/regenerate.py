@@ -12,6 +12,18 @@ the target's answer to the conversation so far (earlier turns already regenerate
 sampling, so a rerun asks the same). Requests are never dumped (rid prefix `WARMUP_regen-`: the
 dump hook skips it), so a server launched for extraction serves them as they are.
 
+A thinking (reasoning) target (`data.regenerate.thinking` true or false): the chat template's
+switch (`thinking_kwarg`, Kimi-K2.5's `thinking`) is passed on or off as the target is served, and
+each reply is kept as the token ids the server emitted, its `<think>...</think>` span included:
+the output is pre-tokenized records `{"input_ids", "loss_mask"}`, the prompt sent (loss 0) then the
+reply (loss 1), never decoded and encoded again. Later turns are asked with the earlier answers in
+the history, rendered by the template as it renders history (Kimi-K2.5 keeps an earlier turn's
+answer and drops its reasoning to an empty `<think></think>`), so a turn whose prompt no longer
+starts with the ids of the turn before starts a new record: every generated token is trained once,
+after exactly the ids the target saw. Where the history does extend the earlier record (thinking
+off: the answer renders as it was emitted), the turns share one record, as a conversation does
+without thinking. `thinking: null` (a model that does not think) keeps replies as text.
+
 Sharded and resumable: the conversations are split into contiguous parts; each part is written to
 `part-{k:05d}.jsonl` with a manifest naming its input hash, target and sampling, and a part whose
 manifest matches is never regenerated again. `regenerated.jsonl` (all parts, in order) is written
@@ -39,6 +51,9 @@ from eyas.extraction.shards import write_json_atomic
 
 FORMAT = "eyas-regen/1"
 RID_PREFIX = "WARMUP_regen-"  # the dump writer skips WARMUP* rids: nothing is dumped for these
+# A thinking target's reasoning span, as Kimi-K2.5, DeepSeek-R1/V3.1 and Qwen3 spell it; each must be
+# one token (SGLang's reasoning parser finds the end by its single id too).
+THINK_START, THINK_END = "<think>", "</think>"
 
 
 class RegenerationError(RuntimeError):
@@ -67,8 +82,8 @@ class RegenerationProgress:
 
     @property
     def eta_s(self) -> float | None:
-        new = self.done - self.reused
-        return round((self.total - self.done) * self.seconds / new, 1) if new > 0 else None
+        new = self.done - self.reused  # none before a rate is known (the tokens' rate, as shown beside it)
+        return round((self.total - self.done) * self.seconds / new, 1) if new > 0 and self.tokens_per_s else None
 
     def describe(self) -> str:
         rate = f"{self.tokens_per_s:,.0f} tok/s" if self.tokens_per_s else "- tok/s"
@@ -139,6 +154,151 @@ def _seed(conv_index: int, turn: int, base: int) -> int:
     return int(hashlib.sha256(f"{base}:{conv_index}:{turn}".encode()).hexdigest()[:8], 16)
 
 
+# ---------------------------------------------------------------------------------------------
+# A thinking target: the template's switch, the reasoning span, records of the server's own ids
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Thinking:
+    """How a thinking target is asked: the template keyword and its value, and the span's token ids."""
+
+    kwargs: dict[str, bool]  # passed to the chat template, e.g. {"thinking": False}
+    start_id: int            # <think>
+    end_id: int              # </think>
+
+
+def thinking_for(tokenizer, cfg: RegenerateConfig) -> Thinking | None:
+    """The thinking switch as `cfg` sets it, checked against the template; None for `thinking: null`.
+
+    Refused with a RegenerationError naming the setting: a template that renders the same generation
+    prompt with the switch on and off (it has no such switch: the wrong `thinking_kwarg`, or not a
+    thinking model), or a tokenizer without <think> and </think> as single tokens.
+    """
+    if cfg.thinking is None:
+        return None
+    name = cfg.thinking_kwarg
+    probe = [{"role": "user", "content": "a"}]
+    try:
+        on = _render_kw(tokenizer, probe, True, {name: True})
+        off = _render_kw(tokenizer, probe, True, {name: False})
+    except Exception as e:  # noqa: BLE001 - the template's own error, with the setting that led to it
+        raise RegenerationError(f"data.regenerate.thinking: the chat template fails with {name}=True/False "
+                                f"({type(e).__name__}: {e})") from e
+    if on == off:
+        raise RegenerationError(
+            f"data.regenerate.thinking is {cfg.thinking}, but the chat template renders the same generation "
+            f"prompt with {name}=True and {name}=False: it has no switch named {name!r} (set "
+            f"data.regenerate.thinking_kwarg to the template's name for it, or thinking to null for a target "
+            f"that does not think)")
+    ids = []
+    for tag in (THINK_START, THINK_END):
+        encoded = tokenizer.encode(tag, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise RegenerationError(f"data.regenerate.thinking: the tokenizer spells {tag} as {len(encoded)} "
+                                    f"tokens {encoded}, not one: eyas finds the reasoning span by its tags' ids")
+        ids.append(int(encoded[0]))
+    return Thinking({name: bool(cfg.thinking)}, ids[0], ids[1])
+
+
+def _render_kw(tokenizer, messages, add_generation_prompt: bool, kwargs: dict) -> list[int]:
+    """eyas.extraction.data._render with the template keywords (the thinking switch) passed on."""
+    if not kwargs:
+        return _render(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                        **kwargs)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+def split_reasoning(prompt: list[int], output: list[int], th: Thinking) -> tuple[list[int] | None, list[int], bool]:
+    """(reasoning ids or None, answer ids, reasoning finished) of one reply.
+
+    The reply reasons when the prompt ends inside an open <think> (the template opened it, as
+    Kimi-K2.5's does with thinking on) or the reply opens one itself; the reasoning runs to the
+    first </think>, and the tags belong to neither part. A reply cut before </think> is all
+    reasoning, unfinished. A prompt ending in </think> (thinking off) is answered without reasoning.
+    """
+    last = max((i for i, t in enumerate(prompt) if t in (th.start_id, th.end_id)), default=-1)
+    start = 0
+    if not (last >= 0 and prompt[last] == th.start_id):
+        if not output or output[0] != th.start_id:
+            return None, list(output), True
+        start = 1
+    if th.end_id not in output[start:]:
+        return list(output[start:]), [], False
+    end = output.index(th.end_id, start)
+    return list(output[start:end]), list(output[end + 1:]), True
+
+
+def regenerate_conversation_ids(messages: list[dict], conv_index: int, tokenizer, pool: ServerPool,
+                                cfg: RegenerateConfig, th: Thinking, stop_ids: list[int], max_length: int,
+                                where: str) -> tuple[list[dict], dict[str, int]]:
+    """Each assistant turn answered again by a thinking target, kept as the server's token ids.
+
+    Returns the records ({"input_ids", "loss_mask"}: the prompt sent, loss 0, then the reply as
+    emitted, loss 1) and the counts. A turn whose prompt starts with the current record's ids
+    extends that record; otherwise the record is closed and the turn starts the next one.
+    """
+    history: list[dict] = []
+    records: list[dict] = []
+    ids: list[int] = []
+    mask: list[int] = []
+    counts = {"regenerated_turns": 0, "kept_original_turns": 0, "dropped_turns": 0, "generated_tokens": 0,
+              "reasoning_tokens": 0, "unfinished_reasoning_turns": 0, "server_reasoning_tokens": 0,
+              "server_reasoning_replies": 0}
+
+    def close() -> None:
+        if any(mask):
+            records.append({"input_ids": list(ids), "loss_mask": list(mask)})
+
+    for j, m in enumerate(messages):
+        if m["role"] != "assistant":
+            history.append(dict(m))
+            continue
+        prompt = _render_kw(tokenizer, history, True, th.kwargs)
+        if len(prompt) >= max_length:  # nothing of this turn would fit
+            counts["dropped_turns"] += sum(x["role"] == "assistant" for x in messages[j:])
+            break
+        params = {"max_new_tokens": min(cfg.max_new_tokens, max_length - len(prompt)),
+                  "temperature": cfg.temperature, "stop_token_ids": stop_ids}
+        if cfg.temperature > 0:
+            params["sampling_seed"] = _seed(conv_index, j, cfg.seed)
+        try:
+            reply = pool.generate(prompt, f"{RID_PREFIX}{conv_index:07d}-{j:03d}", params).result()
+        except Exception as e:  # noqa: BLE001 - named with the line it came from
+            raise RegenerationError(f"{where}: turn {j}: {e}") from e
+        output = [int(t) for t in reply.body.get("output_ids") or []]
+        served = (reply.body.get("meta_info") or {}).get("reasoning_tokens")
+        if isinstance(served, int) and not isinstance(served, bool):  # SGLang with a reasoning parser
+            counts["server_reasoning_tokens"] += served
+            counts["server_reasoning_replies"] += 1
+        if not output:  # nothing to train on; the dataset's answer stands in the history
+            history.append(dict(m))
+            counts["kept_original_turns"] += 1
+            continue
+        if ids and prompt[:len(ids)] == ids:  # the history renders the record so far as it was emitted
+            mask += [0] * (len(prompt) - len(ids))
+        else:
+            close()
+            mask = [0] * len(prompt)
+        ids = prompt + output
+        mask += [1] * len(output)
+        counts["regenerated_turns"] += 1
+        counts["generated_tokens"] += len(output)
+        reasoning, answer, finished = split_reasoning(prompt, output, th)
+        counts["reasoning_tokens"] += len(reasoning or [])
+        counts["unfinished_reasoning_turns"] += not finished
+        text = tokenizer.decode(answer, skip_special_tokens=True)
+        if not text.strip():  # cut inside its reasoning: the dataset's answer stands in later turns' history
+            history.append(dict(m))
+            continue
+        turn = {"role": "assistant", "content": text}
+        if reasoning is not None:  # as a chat client sends it back; the template decides what to keep
+            turn["reasoning_content"] = tokenizer.decode(reasoning, skip_special_tokens=True)
+        history.append(turn)
+    close()
+    return records, counts
+
+
 def regenerate_conversation(messages: list[dict], conv_index: int, tokenizer, pool: ServerPool,
                             cfg: RegenerateConfig, stop_ids: list[int], max_length: int,
                             where: str) -> tuple[list[dict], dict[str, int]]:
@@ -188,6 +348,7 @@ def regenerate(records: list[Record], tokenizer, pool: ServerPool, out_dir: str 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stop_ids = turn_end_ids(tokenizer)
+    th = thinking_for(tokenizer, cfg)  # a wrong switch is refused before the first request
     params = _params(cfg, stop_ids, max_length, target)
     bounds = part_bounds(len(records), cfg.num_parts)
     progress = _Progress(len(bounds), len(records), on_progress)
@@ -203,7 +364,7 @@ def regenerate(records: list[Record], tokenizer, pool: ServerPool, out_dir: str 
                 on_part(k, len(bounds), manifests[-1])
             continue
         manifests.append(_regenerate_part(records, a, b, k, len(bounds), tokenizer, pool, cfg, stop_ids, max_length,
-                                          params, input_hash, path, mpath, progress))
+                                          params, input_hash, path, mpath, progress, th))
         progress.part(b - a, reused=False)
         if on_part:
             on_part(k, len(bounds), manifests[-1])
@@ -219,22 +380,43 @@ def regenerate(records: list[Record], tokenizer, pool: ServerPool, out_dir: str 
                **{key: sum(m[key] for m in manifests) for key in
                   ("records", "conversations", "regenerated_turns", "kept_original_turns", "dropped_turns",
                    "output_tokens")},
-               "parts_reused": sum(bool(m.get("reused")) for m in manifests), "passed_through": len(passthrough)}
+               "parts_reused": sum(bool(m.get("reused")) for m in manifests), "passed_through": len(passthrough),
+               **_thinking_summary(cfg, manifests)}
     write_json_atomic(out_dir / "regenerate.json", summary)
     return combined, summary
 
 
 def pending_parts(records: list[Record], tokenizer, out_dir: str | Path, cfg: RegenerateConfig, *, target: str,
                   max_length: int) -> list[int]:
-    """The parts `regenerate` would still ask the target for (empty: no server needed)."""
+    """The parts `regenerate` would still ask the target for (empty: no server needed).
+
+    A thinking switch the template does not have is refused here, before a server is launched."""
+    thinking_for(tokenizer, cfg)
     params = _params(cfg, turn_end_ids(tokenizer), max_length, target)
     return [k for k, (a, b) in enumerate(part_bounds(len(records), cfg.num_parts))
             if _finished_part(Path(out_dir), k, _input_hash(records[a:b]), params) is None]
 
 
 def _params(cfg: RegenerateConfig, stop_ids: list[int], max_length: int, target: str) -> dict:
-    return {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
-            "stop_token_ids": stop_ids, "max_length": max_length, "target": target}
+    params = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
+              "stop_token_ids": stop_ids, "max_length": max_length, "target": target}
+    if cfg.thinking is not None:  # only then: parts a target without thinking finished stay reusable
+        params["thinking"] = {cfg.thinking_kwarg: cfg.thinking}
+    return params
+
+
+def _thinking_summary(cfg: RegenerateConfig, manifests: list[dict]) -> dict[str, Any]:
+    """The reasoning figures of a regeneration (report.json's `regeneration`): reasoning tokens are
+    counted from the replies' ids (between <think> and </think>); server_reasoning_tokens is SGLang's own
+    meta_info figure where the server reported one (a --reasoning-parser launch), else None."""
+    if cfg.thinking is None:
+        return {"thinking": None, "reasoning_tokens": 0}
+    total = {key: sum(m.get(key, 0) for m in manifests) for key in
+             ("sequences", "reasoning_tokens", "unfinished_reasoning_turns", "server_reasoning_tokens",
+              "server_reasoning_replies")}
+    return {"thinking": cfg.thinking, "sequences": total["sequences"], "reasoning_tokens": total["reasoning_tokens"],
+            "unfinished_reasoning_turns": total["unfinished_reasoning_turns"],
+            "server_reasoning_tokens": total["server_reasoning_tokens"] if total["server_reasoning_replies"] else None}
 
 
 def _input_hash(records: list[Record]) -> str:
@@ -251,36 +433,52 @@ def _finished_part(out_dir: Path, k: int, input_hash: str, params: dict) -> dict
 
 
 def _regenerate_part(records, a, b, k, num_parts, tokenizer, pool, cfg, stop_ids, max_length, params, input_hash,
-                     path: Path, mpath: Path, progress: _Progress) -> dict:
+                     path: Path, mpath: Path, progress: _Progress, th: Thinking | None = None) -> dict:
     t0 = time.monotonic()
     counts = {"regenerated_turns": 0, "kept_original_turns": 0, "dropped_turns": 0}
+    if th is not None:
+        counts.update(reasoning_tokens=0, unfinished_reasoning_turns=0, server_reasoning_tokens=0,
+                      server_reasoning_replies=0)
     lock = threading.Lock()
+    generated = [0]  # thinking: the replies' tokens written (the loss-1 ids of the records)
 
-    def one(i: int) -> str:
+    def one(i: int) -> list[str]:
         r = records[i]
         if r.messages is None:
             progress.conversation(0)
-            return _record_json(r)
-        messages, c = regenerate_conversation(r.messages, i, tokenizer, pool, cfg, stop_ids, max_length,
-                                              f"part {k} ({r.where})")
-        progress.conversation(c.pop("generated_tokens"))
+            return [_record_json(r)]
+        if th is not None:
+            out, c = regenerate_conversation_ids(r.messages, i, tokenizer, pool, cfg, th, stop_ids, max_length,
+                                                 f"part {k} ({r.where})")
+            lines = [json.dumps(x, separators=(",", ":")) for x in out]
+        else:
+            messages, c = regenerate_conversation(r.messages, i, tokenizer, pool, cfg, stop_ids, max_length,
+                                                  f"part {k} ({r.where})")
+            lines = [json.dumps({"messages": messages}, ensure_ascii=False, separators=(",", ":"))]
+        made = c.pop("generated_tokens")
+        progress.conversation(made)
         with lock:
             for key, v in c.items():
                 counts[key] += v
-        return json.dumps({"messages": messages}, ensure_ascii=False, separators=(",", ":"))
+            generated[0] += made
+        return lines
 
     # Turns of one conversation are sequential; conversations run side by side up to the pool's width.
     with ThreadPoolExecutor(max(1, pool.capacity)) as ex:
-        lines = list(ex.map(one, range(a, b)))
-    text = ("\n".join(lines) + "\n").encode()
+        lines = [line for out in ex.map(one, range(a, b)) for line in out]
+    text = ("\n".join(lines) + "\n").encode() if lines else b""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_bytes(text)
     tmp.replace(path)
-    output_tokens = 0
-    for line in lines:
-        for m in json.loads(line).get("messages", []):
-            if m["role"] == "assistant":
-                output_tokens += len(tokenizer.encode(m["content"], add_special_tokens=False))
+    if th is not None:
+        output_tokens = generated[0]
+        counts["sequences"] = len(lines)
+    else:
+        output_tokens = 0
+        for line in lines:
+            for m in json.loads(line).get("messages", []):
+                if m["role"] == "assistant":
+                    output_tokens += len(tokenizer.encode(m["content"], add_special_tokens=False))
     manifest = {"format": FORMAT, "part": k, "num_parts": num_parts, "records": b - a,
                 "conversations": sum(records[i].messages is not None for i in range(a, b)),
                 "input_sha256": input_hash, "output_sha256": hashlib.sha256(text).hexdigest(), "params": params,

@@ -21,9 +21,11 @@ samples being written. The file only gets its final name once complete.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import struct
 import threading
 from dataclasses import dataclass
@@ -45,6 +47,42 @@ _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"
 
 class ShardError(ValueError):
     """A shard file that is missing, truncated, or does not match its manifest."""
+
+
+class DiskFull(OSError):
+    """No space left (ENOSPC, or a quota: EDQUOT) writing an output file. Never worth a retry: the
+    disk stays full until someone frees it. The partial file is already removed when it is raised."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def disk_full(path: str | Path, e: OSError) -> DiskFull:
+    """The DiskFull for a failed write of path: names the file, its folder and the folder's free bytes."""
+    path = Path(path)
+    try:
+        free = f"{shutil.disk_usage(path.parent).free} bytes free"
+    except OSError as why:
+        free = f"free bytes unknown: {why.strerror}"
+    return DiskFull(e.errno, f"disk full writing {path}: {free} in {path.parent} ({os.strerror(e.errno)}); "
+                             f"the partial file was removed. Free space there (or move the output) and run "
+                             f"again", str(path))
+
+
+def is_disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def find_disk_full(e: BaseException | None) -> OSError | None:
+    """The full-disk error behind e (itself or in its chain of causes: a DiskFull, or a bare ENOSPC from
+    a writer that does not name its file yet), if any: what retry conditions check."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if is_disk_full(e):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 @dataclass
@@ -102,6 +140,8 @@ class ShardWriter:
 
     `put(i, sample)` writes a whole sample, `put_rows(i, start, ...)` a chunk of one; both may be
     called from several threads at once. Every sample must be fully covered before close().
+    A full disk raises DiskFull (naming the shard, its folder and the free bytes) with the partial
+    file already removed; every later write raises it again.
     """
 
     def __init__(self, path: str | Path, lengths: list[int], *, hidden_size: int, num_aux: int,
@@ -134,19 +174,40 @@ class ShardWriter:
         self.total_bytes = self._data_start + begin
         self._tmp = partial_path(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        _pwrite_all(self._fd, struct.pack("<Q", len(blob)) + blob, 0)
-        os.ftruncate(self._fd, self.total_bytes)
-        self._write("offsets", 0, self.offsets)
+        self._failed: DiskFull | None = None
+        try:
+            self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise (disk_full(self.path, e) if is_disk_full(e) else e) from None
+        try:
+            _pwrite_all(self._fd, struct.pack("<Q", len(blob)) + blob, 0)
+            os.ftruncate(self._fd, self.total_bytes)  # sparse: the space is taken as samples arrive
+            self._write("offsets", 0, self.offsets)
+        except BaseException as e:
+            os.close(self._fd)
+            self._tmp.unlink(missing_ok=True)
+            if is_disk_full(e) and not isinstance(e, DiskFull):
+                raise disk_full(self.path, e) from e
+            raise
         self._lock = threading.Lock()
         self._covered = [0] * N
         self._closed = False
         self.fp8_error = (fp8.Fp8Error(num_aux), fp8.Fp8Error(1)) if encoding == "fp8_e4m3" else None
 
     def _write(self, name: str, row: int, t: torch.Tensor) -> None:
+        if self._failed is not None:
+            raise self._failed
         base, row_bytes = self._base[name]
         arr = t.contiguous().view(torch.uint8).numpy()
-        _pwrite_all(self._fd, arr, self._data_start + base + row * row_bytes)
+        try:
+            _pwrite_all(self._fd, arr, self._data_start + base + row * row_bytes)
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            self._failed = self._failed or disk_full(self.path, e)
+            # Unlinked now (other threads may still write to the open file); abort() closes it
+            self._tmp.unlink(missing_ok=True)
+            raise self._failed from e
 
     def put(self, i: int, s: Sample) -> None:
         """Write sample i whole (any order); its shapes must match the planned length."""
@@ -199,7 +260,11 @@ class ShardWriter:
         if missing:
             self.abort()
             raise ShardError(f"{self.path}: {len(missing)} sample(s) never written, e.g. {missing[:5]}")
-        os.fsync(self._fd)
+        try:
+            os.fsync(self._fd)  # a network filesystem may report a full disk only here
+        except OSError as e:
+            self.abort()
+            raise (disk_full(self.path, e) if is_disk_full(e) else e) from e
         os.close(self._fd)
         self._closed = True
         manifest = {
@@ -213,7 +278,11 @@ class ShardWriter:
         manifest.update(extra or {})
         os.replace(self._tmp, self.path)
         _fsync_dir(self.path.parent)
-        write_json_atomic(manifest_path(self.path), manifest)
+        try:
+            write_json_atomic(manifest_path(self.path), manifest)
+        except BaseException:
+            self.path.unlink(missing_ok=True)  # a shard without its manifest would only be extracted again
+            raise
         return manifest
 
     def abort(self) -> None:
@@ -314,10 +383,16 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(e):
+            raise disk_full(path, e) from e
+        raise
     os.replace(tmp, path)
 
 

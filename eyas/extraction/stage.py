@@ -12,6 +12,7 @@ bound on requests in flight holds across shard tasks running in threads (`pool_f
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ from eyas.extraction.progress import ExtractionRun
 from eyas.extraction.shards import sha256_file
 from eyas.server.hosts import make_host
 from eyas.server.launch import auth_headers, server_alive
-from eyas.target import load_tokenizer, target_dims
+from eyas.target import load_tokenizer, local_copy, target_dims, trust_remote_code
 
 Log = Callable[..., None]  # log(fmt, *args), as logging.Logger.info takes them
 
@@ -93,21 +94,30 @@ def close_pools() -> None:
 
 
 def endpoints(cfg: PipelineConfig) -> list[Endpoint]:
-    """The launched server (dropped at once if its process dies) plus extraction.endpoints."""
+    """The launched server (dropped at once if its process dies) plus extraction.endpoints, each with
+    the host it dumps on: its records are read here when its dump folder is visible here, else
+    through that host (eyas/extraction/records.py), with a connection per collecting worker."""
     x = cfg.extraction
-    return [Endpoint(cfg.server.url, cfg.server.dump_dir, x.concurrency, alive=partial(server_alive, cfg))] + [
-        Endpoint(e.url, e.dump_dir, e.concurrency or x.concurrency) for e in x.endpoints]
+    conns = x.collect_workers + 1  # the workers' reads, and the removals beside them
+    return [Endpoint(cfg.server.url, cfg.server.dump_dir, x.concurrency, alive=partial(server_alive, cfg),
+                     dump_host=cfg.server.host, dump_connections=conns)] + [
+        Endpoint(e.url, e.dump_dir, e.concurrency or x.concurrency, dump_host=e.host, dump_connections=conns,
+                 dump_field=f"extraction.endpoints[{i}].host") for i, e in enumerate(x.endpoints)]
 
 
 def pool_for(cfg: PipelineConfig) -> ServerPool:
     x = cfg.extraction
     headers = auth_headers(cfg)
-    key = (tuple(endpoints(cfg)), x.request_timeout_s, x.request_retries, x.retry_backoff_s, tuple(headers.items()))
+    key = (tuple(endpoints(cfg)), x.request_timeout_s, x.request_retries, x.retry_backoff_s, x.stall_timeout_s,
+           tuple(headers.items()))
     with _pools_lock:
+        if key in _pools and (_pools[key].stalled or _pools[key].lost_a_server):  # a relaunched server: a fresh pool
+            _pools.pop(key).close()
         if key not in _pools:
             logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
             _pools[key] = ServerPool(endpoints(cfg), request_timeout_s=x.request_timeout_s,
-                                     retries=x.request_retries, backoff_s=x.retry_backoff_s, headers=headers)
+                                     retries=x.request_retries, backoff_s=x.retry_backoff_s, headers=headers,
+                                     stall_timeout_s=x.stall_timeout_s)
         return _pools[key]
 
 
@@ -115,12 +125,17 @@ def pool_for(cfg: PipelineConfig) -> ServerPool:
 # Prepare: the output dir, the data, the shard plans
 # ---------------------------------------------------------------------------------------------
 
-def take_output_dir(cfg: PipelineConfig, log: Log, holder: str = "") -> None:
+def take_output_dir(cfg: PipelineConfig, log: Log, holder: str = "",
+                    on_reclaim: Callable[[str], None] | None = None) -> None:
     """One run per output dir. Holding its lock proves a killed run's partial files and server are
-    stale: discard the files, stop that server (only if it runs this config's command). Another
-    live run holding it: OutputBusy, before anything is touched."""
+    stale: discard the files, stop that server (only if it runs this config's command), and tell
+    `on_reclaim` who held the lock last (the killed run: "<pid> flow run <id>"). Another live run
+    holding it: OutputBusy, before anything is touched."""
     out = Path(cfg.extraction.output_dir)
+    previous = locks.read_holder(out / ".eyas.lock")
     locks.lock_output_dir(out, holder)
+    if previous and on_reclaim is not None:
+        on_reclaim(previous)
     removed = locks.discard_partials(out)
     if removed:
         log("discarded %d partial file(s) of a killed run: %s", len(removed), removed[:10])
@@ -134,7 +149,7 @@ def take_output_dir(cfg: PipelineConfig, log: Log, holder: str = "") -> None:
 
 
 def prepare(cfg: PipelineConfig, data_path: str | None = None, *, take_dir: bool = True,
-            log: Log, holder: str = "") -> Prepared:
+            log: Log, holder: str = "", on_reclaim: Callable[[str], None] | None = None) -> Prepared:
     """Take the output dir, clean a killed run's leftovers, tokenize, plan the shards, check disk space.
 
     `data_path` replaces data.path (the regenerated conversations, say). `take_dir=False` when this
@@ -144,14 +159,17 @@ def prepare(cfg: PipelineConfig, data_path: str | None = None, *, take_dir: bool
     x, out = cfg.extraction, Path(cfg.extraction.output_dir)
     source = Path(data_path or cfg.data.path)
     if take_dir:
-        take_output_dir(cfg, log, holder)
+        take_output_dir(cfg, log, holder, on_reclaim)
     # Tokenize and check every line (ids against the target's vocabulary).
-    folder = cfg.data.tokenizer or cfg.target.checkpoint
-    hidden, vocab = target_dims(folder, cfg.target.checkpoint)
-    tokenizer = load_tokenizer(folder)
+    folder = local_copy(cfg.target)
+    hidden, vocab = target_dims(folder)
+    tokenizer = load_tokenizer(folder, trust_remote_code=trust_remote_code(cfg))
     records, skipped = data.load_records(source, vocab_size=vocab, bad_lines=cfg.data.bad_lines)
     prepared = data.prepare(records, tokenizer, cfg.data.model_copy(update={"path": source}), vocab_size=vocab,
                             skipped=skipped)
+    regenerated = source.with_name("regenerate.json")  # regenerate()'s summary, beside regenerated.jsonl
+    if data_path is not None and regenerated.exists():  # report.json's `regeneration` (reasoning tokens)
+        prepared.stats["regeneration"] = {k: v for k, v in json.loads(regenerated.read_text()).items() if k != "params"}
     provenance = {**data.tokenizer_hashes(tokenizer, folder), "eyas_version": __version__}
     info = {"provenance": provenance, "data_path": str(source), "data_sha256": sha256_file(source),
             "stats": prepared.stats}
@@ -161,7 +179,7 @@ def prepare(cfg: PipelineConfig, data_path: str | None = None, *, take_dir: bool
     space = dataset.check_disk_space(out, needed, keep_free_gb=x.keep_free_gb)
     runs.register(cfg, plans, info)
     log("prepared %s; shards need %.3f GB more, %.1f GB free", {k: v for k, v in prepared.stats.items()
-        if k != "skipped_lines"}, needed / 1e9, space["free_bytes"] / 1e9)
+        if k not in ("skipped_lines", "regeneration")}, needed / 1e9, space["free_bytes"] / 1e9)
     for line in prepared.stats["skipped_lines"][:10]:
         log("skipped %s", line)
     return Prepared(plans, prepared.heldout_prompts, prepared.stats)
@@ -173,9 +191,9 @@ def prepare(cfg: PipelineConfig, data_path: str | None = None, *, take_dir: bool
 
 def _regeneration_inputs(cfg: PipelineConfig):
     """(training records, held-out records, tokenizer, output dir, target, skipped lines)."""
-    folder = cfg.data.tokenizer or cfg.target.checkpoint
-    _, vocab = target_dims(folder, cfg.target.checkpoint)
-    tokenizer = load_tokenizer(folder)
+    folder = local_copy(cfg.target)
+    _, vocab = target_dims(folder)
+    tokenizer = load_tokenizer(folder, trust_remote_code=trust_remote_code(cfg))
     records, skipped = data.load_records(cfg.data.path, vocab_size=vocab, bad_lines=cfg.data.bad_lines)
     num_heldout = min(cfg.data.num_heldout, len(records) - 1)  # evaluation prompts: kept as they are
     train, heldout = records[: len(records) - num_heldout], records[len(records) - num_heldout:]
@@ -192,7 +210,8 @@ def regeneration_pending(cfg: PipelineConfig) -> list[int]:
                          max_length=cfg.data.max_length)
 
 
-def regenerate_data(cfg: PipelineConfig, *, log: Log, on_progress: Callable | None = None) -> str:
+def regenerate_data(cfg: PipelineConfig, *, log: Log, on_progress: Callable | None = None,
+                    warn: Log | None = None) -> str:
     """Answer the training conversations again with the target (resumable by part); the new file.
 
     on_progress gets a RegenerationProgress after every conversation (the caller throttles)."""
@@ -207,7 +226,7 @@ def regenerate_data(cfg: PipelineConfig, *, log: Log, on_progress: Callable | No
         log("regenerate part %d/%d: %d conversations, %d turns answered by the target (%s)",
             k + 1, n, m["conversations"], m["regenerated_turns"], state)
 
-    path, summary = regenerate(train, tokenizer, pool_for(cfg), out_dir, cfg.data.regenerate,
+    path, summary = regenerate(train, tokenizer, pool_for(cfg).calling(warn), out_dir, cfg.data.regenerate,
                                max_length=cfg.data.max_length, target=target, passthrough=heldout,
                                on_part=on_part, on_progress=on_progress)
     log("regenerated %s", {k: v for k, v in summary.items() if k != "params"})
@@ -252,18 +271,22 @@ def shard_meta(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> dict
             "chat_template_sha256": plan.provenance.get("chat_template_sha256")}
 
 
-def run_shard(cfg: PipelineConfig, plan: ShardPlan, patch_version: str, *, log: Log) -> dict:
+def run_shard(cfg: PipelineConfig, plan: ShardPlan, patch_version: str, *, log: Log,
+              warn: Log | None = None) -> dict:
     """Extract one shard (or reuse an intact one), feeding the run's figures; returns its manifest."""
     x, run = cfg.extraction, runs.for_plan(cfg, plan)
 
     def on_progress(p: extract.ShardProgress) -> None:
         run.shard_progress(p.shard, p.tokens_done, p.bytes_done, p.samples_done)
 
-    if intact_shard(cfg, plan, patch_version) is None:
+    found, why = extract.shard_on_disk(x.output_dir, plan, shard_key(cfg, plan, patch_version))
+    if found is None:
+        if why != "missing":  # a shard on disk that cannot be reused: say why it is done again
+            log("%s on disk is %s: extracting it again", plan.name, why[:300])
         run.shard_started(plan.name)
     try:
         manifest, reused = extract.ensure_shard(
-            plan, x.output_dir, shard_key(cfg, plan, patch_version), pool=pool_for(cfg),
+            plan, x.output_dir, shard_key(cfg, plan, patch_version), pool=pool_for(cfg).calling(warn),
             capture_ids=cfg.target.capture_ids(), dtype=x.dtype, encoding=x.encoding,
             meta=shard_meta(cfg, plan, patch_version), record_timeout_s=x.record_timeout_s,
             collect_workers=x.collect_workers, on_progress=on_progress)
@@ -278,7 +301,7 @@ def run_shard(cfg: PipelineConfig, plan: ShardPlan, patch_version: str, *, log: 
             manifest["num_samples"], manifest["num_tokens"], manifest["bytes"] / 1e6,
             manifest["seconds"], manifest["num_tokens"] / max(manifest["seconds"], 1e-9))
     shard_finished(cfg, plan, manifest, reused=reused, log=log)
-    return manifest
+    return {**manifest, "reused": reused}  # for the run's report only: the dataset keeps the shard's own
 
 
 def shard_finished(cfg: PipelineConfig, plan: ShardPlan, manifest: dict, *, reused: bool, log: Log) -> None:

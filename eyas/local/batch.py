@@ -25,6 +25,53 @@ from transformers import DynamicCache
 
 
 @dataclass
+class Think:
+    """The reasoning span a reply carries when the server plays a thinking model (--think-tokens N).
+
+    A reply that starts inside an open <think> (the chat template opened it) reasons for `budget`
+    tokens, then </think> is forced and the answer follows, as a thinking budget ends reasoning; a
+    reply whose prompt has not just closed one (thinking off) opens its own <think> first. Inside
+    the span the stop tokens and <think> are never sampled, so every reply carries one, cut only by
+    max_new_tokens.
+    """
+
+    start_id: int
+    end_id: int
+    budget: int
+    state: str  # "open": <think> comes next; "in": reasoning; "done": answering
+    count: int = 0  # reasoning tokens emitted (between the tags)
+
+    @classmethod
+    def plan(cls, prompt: list[int], start_id: int, end_id: int, budget: int) -> "Think | None":
+        """How a reply to `prompt` reasons; None when the prompt ends in </think> (thinking off)."""
+        last = max((i for i, t in enumerate(prompt) if t in (start_id, end_id)), default=-1)
+        if last >= 0 and prompt[last] == start_id:
+            return cls(start_id, end_id, budget, "in")
+        if last == len(prompt) - 1:  # closed right before the reply: the template turned thinking off
+            return None
+        return cls(start_id, end_id, budget, "open")
+
+    def forced(self) -> int | None:
+        if self.state == "open":
+            return self.start_id
+        if self.state == "in" and self.count >= self.budget:
+            return self.end_id
+        return None
+
+    def banned(self, stop_ids: set[int]) -> list[int]:
+        return sorted(stop_ids | {self.start_id}) if self.state == "in" else []
+
+    def advance(self, token: int) -> None:
+        if self.state == "open":
+            self.state = "in"
+        elif self.state == "in":
+            if token == self.end_id:
+                self.state = "done"
+            else:
+                self.count += 1
+
+
+@dataclass
 class Sequence:
     """One request after its prefill: the logits of its last prompt token and its KV cache."""
 
@@ -39,14 +86,22 @@ class Sequence:
     finish: dict[str, Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    think: Think | None = None  # --think-tokens: the reply's reasoning span
 
     def take(self, logits: torch.Tensor) -> bool:
         """Append the token these logits choose; True when the sequence is finished."""
-        if self.temperature == 0:
-            token = int(logits.argmax())
-        else:
-            probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=self.generator))
+        token = self.think.forced() if self.think is not None else None
+        if token is None:
+            if self.think is not None and self.think.banned(self.stop_ids):
+                logits = logits.clone()
+                logits[self.think.banned(self.stop_ids)] = float("-inf")
+            if self.temperature == 0:
+                token = int(logits.argmax())
+            else:
+                probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+                token = int(torch.multinomial(probs, 1, generator=self.generator))
+        if self.think is not None:
+            self.think.advance(token)
         self.output.append(token)
         if token in self.stop_ids:
             self.finish = {"type": "stop", "matched": token}

@@ -11,6 +11,11 @@ eyas/local/server.py.
 With a drafter (`Engine(..., speculative=Speculative.load(dir, target_path, num_steps=3))`),
 greedy requests are decoded by greedy chain speculative decoding (eyas.evaluation.evaluate.speculative_greedy)
 and report SGLang's counter `spec_verify_ct`; acceptance length = completion tokens / verify steps.
+
+With `think_tokens=N` (eyas serve-local --think-tokens N) it plays a thinking model: a reply that
+starts inside the <think> the chat template opened reasons for N tokens, then closes it with
+</think> and answers (eyas.local.batch.Think); meta_info carries `reasoning_tokens`, as SGLang's
+does with a reasoning parser.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from eyas.dump import DumpWriter
-from eyas.local.batch import DecodeBatch, Sequence
+from eyas.local.batch import DecodeBatch, Sequence, Think
 
 # SGLang's exact loading bar (utils/common.py) and its default description (multithread loader).
 BAR_FORMAT = "{desc}: {percentage:3.0f}% Completed | {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
@@ -150,7 +155,8 @@ def load_model(model_path: str | Path, *, load_delay: float = 0.0, fault: str = 
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=False)  # local backend: no remote code
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     result = model.load_state_dict(fuse_experts(state, set(model.state_dict())), strict=False)
     if result.missing_keys:
         raise RuntimeError(f"{model_path}: checkpoint lacks {len(result.missing_keys)} weights, "
@@ -179,7 +185,7 @@ def optional_tokenizer(model_path: str | Path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_path))
+        return AutoTokenizer.from_pretrained(str(model_path), trust_remote_code=False)  # local backend: off
     except (OSError, ValueError, KeyError) as e:  # a bare tokenizer.json without tokenizer_config
         log(f"AutoTokenizer failed ({type(e).__name__}: {e}); using tokenizer.json directly")
         return PreTrainedTokenizerFast(tokenizer_file=str(Path(model_path) / "tokenizer.json"))
@@ -203,6 +209,20 @@ def resolve_capture_ids(ids: list[int] | None, num_layers: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 # The engine: chunked prefill with a KV cache, then greedy or sampled decode
 # ---------------------------------------------------------------------------------------------
+
+def _think_ids(tokenizer, vocab_size: int) -> tuple[int, int]:
+    """The ids of <think> and </think>: one token each, inside the model's vocabulary."""
+    if tokenizer is None:
+        raise ValueError("--think-tokens needs the model folder's tokenizer (to find <think> and </think>)")
+    ids = []
+    for tag in ("<think>", "</think>"):
+        encoded = tokenizer.encode(tag, add_special_tokens=False)
+        if len(encoded) != 1 or not 0 <= encoded[0] < vocab_size:
+            raise ValueError(f"--think-tokens: the tokenizer spells {tag} as {encoded}, not one token id below "
+                             f"the vocabulary size {vocab_size}")
+        ids.append(int(encoded[0]))
+    return ids[0], ids[1]
+
 
 class BadRequest(ValueError):
     """A /generate request that cannot be served; answered with 400 and this message."""
@@ -233,7 +253,7 @@ class Speculative:
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, *, chunk_size: int,
                  writer: DumpWriter | None, capture_ids: list[int], seed: int = 0,
-                 speculative: Speculative | None = None, max_running: int = 1):
+                 speculative: Speculative | None = None, max_running: int = 1, think_tokens: int = 0):
         self.model = model
         self.speculative = speculative
         # Totals since start, as SGLang's scheduler keeps them (for /server_info).
@@ -256,6 +276,16 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = {int(i) for i in eos if i is not None}
+        self.think_tokens, self.think_ids = think_tokens, None
+        if think_tokens < 0:
+            raise ValueError(f"--think-tokens must be >= 0 (0: off), got {think_tokens}")
+        if think_tokens:
+            self.think_ids = _think_ids(tokenizer, self.vocab_size)
+            if speculative is not None:
+                raise ValueError("--think-tokens with --speculative-draft-model-path: eyas-local plays a thinking "
+                                 "model in plain decoding only")
+            log(f"Thinking model: replies inside <think> reason for {think_tokens} tokens, then </think> "
+                f"(ids {self.think_ids})")
 
     @torch.no_grad()
     def prefill(self, ids: list[int], rid: str):
@@ -288,6 +318,7 @@ class Engine:
         if params["sampling_seed"] is not None:
             generator = torch.Generator().manual_seed(params["sampling_seed"])
 
+        think = Think.plan(ids, *self.think_ids, self.think_tokens) if self.think_ids else None
         if self.speculative is not None and temperature == 0 and max_new > 0:
             with self.lock:
                 output, verify_steps = self._speculative(ids, max_new, stop_ids)
@@ -298,10 +329,10 @@ class Engine:
                 with self.lock:
                     logits, cache = self.prefill(ids, rid)
                 output, finish = self.batch.decode(Sequence(logits, cache, len(ids), max_new, temperature,
-                                                            stop_ids, generator))
+                                                            stop_ids, generator, think=think))
             else:
                 with self.lock:
-                    output, finish = self._decode(ids, rid, max_new, temperature, stop_ids, generator)
+                    output, finish = self._decode(ids, rid, max_new, temperature, stop_ids, generator, think)
             verify_steps = max(len(output) - 1, 0)  # one target forward per token after the first
         with self.lock:
             self.num_completion_tokens += len(output)
@@ -315,6 +346,8 @@ class Engine:
                 "e2e_latency": time.monotonic() - tic}
         if self.speculative is not None:
             meta["spec_verify_ct"] = verify_steps
+        if self.think_ids is not None:  # SGLang's figure with a reasoning parser: the span's tokens
+            meta["reasoning_tokens"] = think.count if think is not None else 0
         return {"text": text, "output_ids": output, "meta_info": meta}
 
     def _speculative(self, ids: list[int], max_new: int, stop_ids: set[int]) -> tuple[list[int], int]:
@@ -331,12 +364,12 @@ class Engine:
         return self.num_completion_tokens / self.num_verify_steps
 
     @torch.no_grad()
-    def _decode(self, ids, rid, max_new, temperature, stop_ids, generator) -> tuple[list[int], dict]:
+    def _decode(self, ids, rid, max_new, temperature, stop_ids, generator, think=None) -> tuple[list[int], dict]:
         """Plain decoding: chunked prefill (dumped), then one target forward per token."""
         logits, cache = self.prefill(ids, rid)
         if max_new == 0:
             return [], {"type": "length", "length": 0}
-        seq = Sequence(logits, cache, len(ids), max_new, temperature, stop_ids, generator)
+        seq = Sequence(logits, cache, len(ids), max_new, temperature, stop_ids, generator, think=think)
         while not seq.take(logits):  # no forward for a token we will not emit
             out = self.model(input_ids=torch.tensor([seq.output[-1:]]), past_key_values=cache, use_cache=True)
             logits, cache = out.logits[0, -1], out.past_key_values

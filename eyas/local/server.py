@@ -40,6 +40,7 @@ from eyas.dump import DUMP_DIR_ENV, DumpWriter, check_rid, dtype_from_env
 from eyas.server.readiness import READY_LINE
 from eyas.local.engine import (FAULTS, BadRequest, Engine, Speculative, load_model,
                                optional_tokenizer, log, resolve_capture_ids)
+from eyas.local.launcher import exit_with_launcher
 from eyas.local.replicas import Worker, exit_with_parent, start_workers, wait_ready
 
 
@@ -104,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-delay", type=float, default=0.0, help="seconds of sleep per shard (a slow load)")
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--fault-shard", type=int, default=0, help="the fault fires after this many shards loaded")
+    p.add_argument("--think-tokens", type=int, default=0, help="play a thinking model: a reply inside the "
+                   "<think> its prompt opened reasons this many tokens, then </think> (0: off)")
     args = p.parse_args(argv)
     if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
         p.error(f"--chunked-prefill-size must be positive or -1, got {args.chunked_prefill_size}")
@@ -424,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(raw_argv)
     if args.dp_worker:
         exit_with_parent()
+    else:
+        exit_with_launcher(log)
     shown = {**vars(args), "api_key": None if args.api_key is None else "***"}
     log(f"server_args={shown}")
     if args.tp_size != 1:
@@ -456,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                                        num_steps=args.speculative_num_steps, num_target_layers=num_layers)
     engine = Engine(model, tokenizer, chunk_size=args.chunked_prefill_size, writer=writer,
                     capture_ids=capture_ids, seed=args.random_seed, speculative=speculative,
-                    max_running=args.max_running_requests)
+                    max_running=args.max_running_requests, think_tokens=args.think_tokens)
     if workers:
         wait_ready(workers, log)
         log(f"dp_size={args.dp_size}: {args.dp_size} replicas ready (pids {[w.proc.pid for w in workers]} "

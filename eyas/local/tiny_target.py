@@ -80,6 +80,13 @@ def tiny_config(vocab_size: int) -> DeepseekV3Config:
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
+        # Read by SGLang's DeepSeek model code (unguarded) but not by transformers' DeepseekV3Config;
+        # the values a real DeepSeek-V3 config has, and what transformers' routing computes: sigmoid
+        # scores with the e_score_correction_bias in the choice, every layer from first_k_dense_replace
+        # on MoE (tests/unit/test_fixtures_sglang.py scans the wheel for such reads).
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        moe_layer_freq=1,
     )
 
 
@@ -299,6 +306,16 @@ def train_from_inputs(
     return metrics
 
 
+def hf_config_dict(config: DeepseekV3Config, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """config.json's content for a model of this config stored in dtype (what save_hf_folder writes)."""
+    config = copy.deepcopy(config)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.dtype = dtype
+    config_dict = json.loads(config.to_json_string(use_diff=False))
+    config_dict["rope_theta"] = config.rope_parameters["rope_theta"]  # for readers of the older layout
+    return config_dict
+
+
 def save_hf_folder(
     model: DeepseekV3ForCausalLM,
     tokenizer: Tokenizer,
@@ -311,11 +328,8 @@ def save_hf_folder(
     """Write a Hugging Face folder that transformers' Auto classes load: config.json, num_shards
     safetensors shards with their index, tokenizer.json, tokenizer_config.json (with the chat template)
     and generation_config.json; build_info, when given, goes to eyas_build.json. Atomic."""
-    config = copy.deepcopy(model.config)
-    config.architectures = ["DeepseekV3ForCausalLM"]
-    config.dtype = dtype
-    config_dict = json.loads(config.to_json_string(use_diff=False))
-    config_dict["rope_theta"] = config.rope_parameters["rope_theta"]  # for readers of the older layout
+    config_dict = hf_config_dict(model.config, dtype)
+    config = model.config
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,

@@ -5,8 +5,9 @@
     stop_server(host, cfg, handle)           # process group TERM, wait, KILL; cleans the dump dir
 
 The same function launches SGLang on a GPU host and eyas's local server here: only the command
-differs. Both get the dump directory through EYAS_DUMP_DIR, so the hidden-state writer in either
-process writes to the place the collector reads. Every config value in a command is quoted; the
+differs. A capture launch gets the dump directory through EYAS_DUMP_DIR (and SGLang's hook also in
+its --forward-hooks config), so the hidden-state writer in either process writes to the place the
+collector reads; a serving launch gets neither. Every config value in a command is quoted; the
 server's secret variables (server.secret_env, server.env_from) are resolved here, on the worker, and
 handed to Host.start apart from the command; the command kept in the handle (logged, reported) is
 redacted (eyas/secrets.py).
@@ -30,7 +31,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from eyas.config import PipelineConfig
-from eyas.dump import DUMP_DIR_ENV
+from eyas.dump import DUMP_DIR_ENV, server_layer_ids
+from eyas.local.launcher import LAUNCHER_ENV, launcher_identity
+from eyas.target import trust_remote_code
 from eyas.secrets import PYDANTIC_MASK, redact, register, secret_flag_values
 from eyas.server.hosts import Host, HostError, make_host, wait_dead
 from eyas.server.ownership import Owner, clean_dump_dir, prepare_dump_dir, verdict
@@ -41,6 +44,10 @@ SGLANG_HOOK = "eyas_sglang_hook:make_hook"
 
 class LaunchError(RuntimeError):
     """The server cannot be started (port taken, a previous server still alive, ...)."""
+
+
+class ServerDied(RuntimeError):
+    """The launched server died again after its one relaunch; names both deaths."""
 
 
 @dataclass
@@ -64,11 +71,17 @@ class ServerHandle:
         return asdict(self)
 
 
-def launch_command(cfg: PipelineConfig) -> str:
-    """The shell command that starts the configured server backend."""
+def launch_command(cfg: PipelineConfig, architecture: str | None = None) -> str:
+    """The shell command that starts the configured server backend.
+
+    `architecture` (the target config.json's first one, read on the server host) picks how SGLang's
+    model class maps --return-aux-hidden-state-layer-ids to captured layers (eyas/dump.py); None:
+    DeepSeek-V2's rule.
+    """
     s, t = cfg.server, cfg.target
     python = s.python or (sys.executable if s.host.kind == "local" else "python3")
-    capture = [str(i) for i in t.capture_ids()]
+    ids = t.capture_ids() if s.backend == "local" else server_layer_ids(t.capture_ids(), architecture)
+    capture = [str(i) for i in ids]
     common = ["--model-path", str(t.checkpoint), "--host", s.bind, "--port", str(s.port),
               "--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids", *capture,
               "--disable-radix-cache", "--chunked-prefill-size", str(s.chunked_prefill_size)]
@@ -80,22 +93,56 @@ def launch_command(cfg: PipelineConfig) -> str:
         # A plain serving launch (the benchmark): no capture, no hook; launch_args add the rest.
         module = ["sglang.launch_server"] if s.backend == "sglang" else ["eyas", "serve-local"]
         args = [python, "-m", *module, "--model-path", str(t.checkpoint), "--host", s.bind,
-                "--port", str(s.port)]
-    elif s.backend == "sglang":
-        hook = [{"name": "eyas-dump", "target_modules": ["*logits_processor"],
-                 "hook_factory": SGLANG_HOOK,
-                 "config": {"dump_dir": str(s.dump_dir), "layer_ids": t.capture_ids(),
-                            "dtype": cfg.extraction.dtype}}]
+                "--port", str(s.port), *(_trust(cfg) if s.backend == "sglang" else [])]
+        return shlex.join([*args, *s.launch_args])
+    if s.backend == "sglang":
+        common += _trust(cfg)
         # EAGLE3 only names the layer-id convention here; SGLang loads no draft (docs/sglang-hook.md).
         args = [python, "-m", "sglang.launch_server", *common, "--speculative-algorithm", "EAGLE3",
-                "--disable-prefill-cuda-graph", "--forward-hooks", json.dumps(hook)]
+                "--disable-prefill-cuda-graph"]
+        if s.capture == "forward_hook":  # source_patch: the patched model file dumps (EYAS_DUMP_DIR)
+            config = {"dump_dir": str(s.dump_dir), "layer_ids": t.capture_ids(), "dtype": cfg.extraction.dtype}
+            if architecture:
+                config["architecture"] = architecture
+            hook = [{"name": "eyas-dump", "target_modules": ["*logits_processor"], "hook_factory": SGLANG_HOOK,
+                     "config": config}]
+            args += ["--forward-hooks", json.dumps(hook)]
     else:
         args = [python, "-m", "eyas", "serve-local", *common]
-    return " ".join(shlex.quote(a) for a in [*args, *s.launch_args])
+    return shlex.join([*args, *s.launch_args, *s.capture_launch_args])
+
+
+def _trust(cfg: PipelineConfig) -> list[str]:
+    """SGLang's --trust-remote-code when target.trust_remote_code resolves on (eyas/target.py), so the
+    server runs the tokenizer and model code the orchestrator trusts; once, if launch_args lack it."""
+    wanted = trust_remote_code(cfg) and "--trust-remote-code" not in cfg.server.launch_args
+    return ["--trust-remote-code"] if wanted else []
 
 
 def launch_env(cfg: PipelineConfig) -> dict[str, str]:
-    return {**cfg.server.env, DUMP_DIR_ENV: str(cfg.server.dump_dir), "PYTHONUNBUFFERED": "1"}
+    """The server's environment: server.env for every launch; capture_env and the dump folder for
+    the capture launch only. A serving launch must not get EYAS_DUMP_DIR: a source-patched SGLang
+    would try to dump its speculative forwards, which keep no last hidden states."""
+    s = cfg.server
+    if not s.capture_aux:
+        return {**s.env, "PYTHONUNBUFFERED": "1"}
+    return {**s.env, **s.capture_env, DUMP_DIR_ENV: str(s.dump_dir), "PYTHONUNBUFFERED": "1"}
+
+
+def target_architecture(host: Host, cfg: PipelineConfig) -> str | None:
+    """The first `architectures` entry of the target's config.json on the server host, or None."""
+    path = f"{str(cfg.target.checkpoint).rstrip('/')}/config.json"
+    r = host.run(f"cat {shlex.quote(path)}", check=False, timeout=30)
+    try:
+        names = json.loads(r.stdout).get("architectures") if r.ok else None
+    except (ValueError, AttributeError):
+        return None
+    return names[0] if isinstance(names, list) and names and isinstance(names[0], str) else None
+
+
+def host_launch_command(host: Host, cfg: PipelineConfig) -> str:
+    """launch_command for the target as the server host has it (SGLang: its architecture's id rule)."""
+    return launch_command(cfg, target_architecture(host, cfg) if cfg.server.backend == "sglang" else None)
 
 
 def launch_secrets(cfg: PipelineConfig, environ=os.environ) -> dict[str, str]:
@@ -112,7 +159,7 @@ def launch_secrets(cfg: PipelineConfig, environ=os.environ) -> dict[str, str]:
             raise LaunchError(f"server.secret_env.{name} holds {PYDANTIC_MASK}, the mask Prefect stored instead of "
                               f"the value; give the secret through server.env_from or a config file on the worker")
         out[name] = value.get_secret_value()
-    register(*out.values(), *secret_flag_values(s.launch_args))
+    register(*out.values(), *secret_flag_values([*s.launch_args, *s.capture_launch_args]))
     return out
 
 
@@ -158,8 +205,18 @@ def _check(host: Host, cfg: PipelineConfig, record: dict) -> str:
     v = verdict(host, record)
     if v == "unverified":
         found = host.process_identity(int(record["pid"]))
-        return "alive" if found and list(found.argv) == shlex.split(launch_command(cfg)) else "replaced"
+        return "alive" if found and list(found.argv) == shlex.split(host_launch_command(host, cfg)) else "replaced"
     return v
+
+
+def gone_reason(host: Host, cfg: PipelineConfig, handle: dict) -> str | None:
+    """Why the server `handle` names is gone (its log's most telling fatal line since its launch), or
+    None while it still runs."""
+    from eyas.server.readiness import death_reason
+
+    if _check(host, cfg, handle) == "alive":
+        return None
+    return f"pid {handle['pid']} exited: {death_reason(host, handle['log_path'], int(handle.get('log_offset', 0)))}"
 
 
 def server_alive(cfg: PipelineConfig) -> bool:
@@ -179,9 +236,13 @@ _launched: dict[tuple[str, int], tuple[PipelineConfig, dict]] = {}
 _launched_lock = threading.Lock()
 
 
-def start_server(host: Host, cfg: PipelineConfig, owner: Owner | None = None) -> ServerHandle:
+def start_server(host: Host, cfg: PipelineConfig, owner: Owner | None = None, *,
+                 leave_up: bool = False) -> ServerHandle:
     """Start the server detached and record who it is; refuses if its port is taken, a recorded
-    server lives, or server.dump_dir holds files eyas did not write."""
+    server lives, or server.dump_dir holds files eyas did not write.
+
+    eyas's local server on this machine exits when this process dies without stopping it
+    (eyas/local/launcher.py), unless `leave_up` (a `serve` run's server, up on purpose)."""
     s, q, owner = cfg.server, shlex.quote, owner or Owner.new()
     secrets = launch_secrets(cfg)  # a missing secret fails before anything on the host changes
     old = read_record(host, cfg)
@@ -198,8 +259,11 @@ def start_server(host: Host, cfg: PipelineConfig, owner: Owner | None = None) ->
                           f"({', '.join(dump['foreign'])}); eyas deletes that folder's contents, so point "
                           f"server.dump_dir at a new or empty folder")
     size = host.run(f"stat -c %s {q(str(s.log_path))} 2>/dev/null || echo 0", check=False).stdout.strip()
-    command = launch_command(cfg)
-    pid = host.start(command, log_path=s.log_path, env=launch_env(cfg), cwd=s.workdir, secret_env=secrets)
+    command = host_launch_command(host, cfg)
+    env = launch_env(cfg)
+    if s.backend == "local" and s.host.kind == "local" and not leave_up:
+        env[LAUNCHER_ENV] = launcher_identity() or ""
+    pid = host.start(command, log_path=s.log_path, env=env, cwd=s.workdir, secret_env=secrets)
     found = host.process_identity(pid)
     handle = ServerHandle(pid, host.name, s.url, str(s.log_path), int(size or 0), redact(command),
                           found.boot if found else None, found.start if found else None, owner.token,

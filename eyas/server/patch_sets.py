@@ -61,6 +61,9 @@ class PatchSet:
     architectures: list[str] = field(default_factory=list)
     #: known classes of the same family it does not support -> why
     unsupported_architectures: dict[str, str] = field(default_factory=dict)
+    #: further classes whose forward hands aux hidden states to the logits processor as the hook
+    #: reads them: supported with server.capture forward_hook only (the source patch is DeepSeek's)
+    hook_architectures: list[str] = field(default_factory=list)
 
 
 def available_versions(patches_dir: Path = PATCHES_DIR) -> list[str]:
@@ -93,17 +96,19 @@ def load_patch_set(version: str, patches_dir: Path = PATCHES_DIR) -> PatchSet:
     if not manifest.get("architectures"):
         raise PatchError(f"{folder}/manifest.json lists no supported architectures")
     return PatchSet(version, manifest["patch_version"], files, modules, list(manifest["architectures"]),
-                    dict(manifest.get("unsupported_architectures", {})))
+                    dict(manifest.get("unsupported_architectures", {})),
+                    list(manifest.get("hook_architectures", [])))
 
 
 def check_architecture(manifest_or_version: PatchSet | dict | str, architectures: list[str] | None,
-                       source: str, patches_dir: Path = PATCHES_DIR) -> str:
+                       source: str, patches_dir: Path = PATCHES_DIR, capture: str = "forward_hook") -> str:
     """The architecture SGLang will serve, if the patch set supports it; PatchError otherwise.
 
     `manifest_or_version`: a PatchSet, a parsed manifest.json, or an SGLang version (its patch set
     is read from patches_dir). `architectures`: the target config.json's list; SGLang's registry
     (models/registry.py:resolve_model_cls) builds the class named first. `source` names where the
-    list came from (the config file) for the message.
+    list came from (the config file) for the message. `capture` (server.capture): with
+    "forward_hook" the manifest's hook_architectures are supported too.
     """
     if isinstance(manifest_or_version, str):
         manifest_or_version = load_patch_set(manifest_or_version, patches_dir)
@@ -111,10 +116,17 @@ def check_architecture(manifest_or_version: PatchSet | dict | str, architectures
         pset = manifest_or_version
         version, patch_version = pset.sglang_version, pset.patch_version
         supported, unsupported = pset.architectures, pset.unsupported_architectures
+        hook_only = pset.hook_architectures
     else:
         version, patch_version = manifest_or_version["sglang_version"], manifest_or_version["patch_version"]
         supported = manifest_or_version.get("architectures") or []
         unsupported = manifest_or_version.get("unsupported_architectures", {})
+        hook_only = manifest_or_version.get("hook_architectures", [])
+    if capture == "forward_hook":
+        supported = [*supported, *hook_only]
+    elif hook_only:
+        unsupported = {**{a: "supported through the forward hook only (server.capture: forward_hook): "
+                          "the source patch changes DeepSeek-V2's model file" for a in hook_only}, **unsupported}
     if isinstance(architectures, str):
         architectures = [architectures]
     if not architectures:

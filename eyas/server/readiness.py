@@ -238,6 +238,20 @@ def _bare_traceback(line: str) -> bool:
     return classify_fatal(line.replace(_TRACEBACK, "")) is None
 
 
+def death_reason(host: Host, log_path: str | Path, offset: int = 0) -> str:
+    """Why a server that was up has gone, from its log since `offset`: the most telling fatal line
+    ("oom: torch.OutOfMemoryError: CUDA out of memory ..."), else its last log line."""
+    watch = _LogWatch(host, log_path, offset, time.monotonic, None)
+    watch.read()
+    fatal = [(reason, line) for reason, line in watch.fatal if not _bare_traceback(line)] or watch.fatal
+    if fatal:
+        reason, line = min(fatal, key=lambda f: _RANK[f[0]])
+        return f"{reason}: {redact(line.strip())[:300]}"
+    last = [line for line in watch.lines() if line.strip()]
+    return f"no fatal line in {log_path}; its last line: {redact(last[-1].strip())[:300]}" if last else \
+        f"{log_path} is empty"
+
+
 def wait_until_ready(host: Host, *, log_path: str | Path, pid: int, url: str,
                      poll_interval_s: float, stall_timeout_s: float, deadline_s: float,
                      http_timeout_s: float, on_progress: Callable[[Progress], None] | None = None,

@@ -12,12 +12,16 @@ forward-hook module, the source patch) plus eyas/dump.py, copied as `eyas_dump.p
 
     <site-packages>/eyas_sglang_hook.py           the --forward-hooks hook (SGLang's factory path)
     <site-packages>/eyas_dump.py                  eyas/dump.py, byte for byte (the one writer)
-    <site-packages>/sglang/srt/models/deepseek_v2.py   patched: dumps too when there is no hook
-    <site-packages>/sglang/.eyas-patch.json       what was applied: version, sha256s, the diff
+    <site-packages>/sglang/srt/models/deepseek_v2.py   server.capture source_patch only: dumps
+                                                       without --forward-hooks (EYAS_DUMP_DIR)
+    <site-packages>/sglang/.eyas-patch.json       what was applied: capture mode, version, sha256s, diffs
 
-A target file is patched only when its sha256 is the manifest's original; the patched sha256 means
-done; anything else is refused with both hashes. A target whose config.json names an architecture
-the manifest does not list (`check_architecture`) is refused too. The local backend needs nothing.
+server.capture forward_hook (the default) changes no SGLang file: a model file eyas patched before
+is restored, and one patched by hand or installed from source is accepted while it compiles and
+keeps SGLang's capture code (`CAPTURE_MARKERS`). With source_patch a target file is patched only
+when its sha256 is the manifest's original; the patched sha256 means done; anything else is
+refused with both hashes. A target whose config.json names an architecture the manifest does not
+list for the mode (`check_architecture`) is refused too. The local backend needs nothing.
 """
 
 from __future__ import annotations
@@ -209,7 +213,8 @@ def ensure_patched(host: Host, cfg: PipelineConfig, *, dry_run: bool = False,
         pset = load_patch_set(found.version, patches_dir)
     except PatchError as e:
         raise PatchError(f"[{host.name}] {e} (python {found.python}, {found.package_dir})") from None
-    architecture = _check_target(host, found, pset)
+    mode = cfg.server.capture
+    architecture = _check_target(host, found, pset, mode)
     if found.missing_modules:
         raise PatchError(f"[{host.name}] {found.python} cannot import {found.missing_modules}, "
                          f"which the hook needs")
@@ -225,7 +230,12 @@ def ensure_patched(host: Host, cfg: PipelineConfig, *, dry_run: bool = False,
     for f in pset.files:
         current = found.sha256.get(f.path)
         old = stale.pop(f.path, None)
-        if current == f.patched_sha256:
+        if mode == "forward_hook":
+            action, restored = _hook_only(host, found, f, old, dry_run)
+            actions[f.path] = action
+            if restored is not None:
+                writes[f.path] = restored
+        elif current == f.patched_sha256:
             actions[f.path] = "already patched"
         elif current == f.original_sha256 or (old and current == old["patched_sha256"]):
             actions[f.path] = ("patched" if current == f.original_sha256
@@ -248,14 +258,16 @@ def ensure_patched(host: Host, cfg: PipelineConfig, *, dry_run: bool = False,
             actions[name] = "up to date"
 
     # 2. Write: the modules first (the patched model file imports the hook), the state last.
+    patched = pset.files if mode == "source_patch" else []
     new_state = {
         "format": STATE_FORMAT, "patch_version": pset.patch_version,
-        "sglang_version": pset.sglang_version,
+        "sglang_version": pset.sglang_version, "capture": mode,
         "files": [{"path": f.path, "original_sha256": f.original_sha256,
-                   "patched_sha256": f.patched_sha256, "diff": f.diff} for f in pset.files],
+                   "patched_sha256": f.patched_sha256, "diff": f.diff} for f in patched],
         "modules": {name: _sha256(data) for name, data in pset.modules.items()},
     }
-    changed = found.state != new_state or any(a not in ("already patched", "up to date")
+    steady = ("already patched", "up to date", ORIGINAL, LEFT)
+    changed = found.state != new_state or any(a not in steady and not a.startswith("missing:")
                                               for a in actions.values())
     if not dry_run:
         for name in sorted(writes, key=lambda n: n not in pset.modules):
@@ -264,13 +276,48 @@ def ensure_patched(host: Host, cfg: PipelineConfig, *, dry_run: bool = False,
             _write(host, f"{found.package_dir}/{STATE_NAME}", json.dumps(new_state, indent=1).encode())
     status = "already patched" if not changed else ("would patch" if dry_run else "patched")
     return {"backend": "sglang", "host": host.name, "status": status, "python": found.python,
-            "sglang_version": found.version, "patch_version": pset.patch_version,
+            "sglang_version": found.version, "patch_version": pset.patch_version, "capture": mode,
             "site_packages": found.site_dir, "state_path": f"{found.package_dir}/{STATE_NAME}",
             "actions": actions, "dump_sha256": _sha256(pset.modules[DUMP_MODULE]),
             "architecture": architecture}
 
 
-def _check_target(host: Host, found: Probe, pset: PatchSet) -> str:
+ORIGINAL = "original: the forward hook needs no change"
+LEFT = "left as is: not sglang's original bytes, but its capture code is there; the forward hook needs no change"
+# What a model file must still define for SGLang's own capture (set_eagle3_layers_to_capture and the
+# aux states it hands to the logits processor), which the forward hook reads.
+CAPTURE_MARKERS = ("def set_eagle3_layers_to_capture", "capture_aux_hidden_states")
+
+
+def _hook_only(host: Host, found: Probe, f: PatchedFile, old: dict | None,
+               dry_run: bool) -> tuple[str, bytes | None]:
+    """server.capture forward_hook: a file eyas patched goes back to the original; an SGLang patched
+    by hand or installed from source is accepted while its capture code compiles and is there."""
+    current = found.sha256.get(f.path)
+    if current == f.original_sha256:
+        return ORIGINAL, None
+    if current == f.patched_sha256 or (old and current == old["patched_sha256"]):
+        diff = f.diff if current == f.patched_sha256 else old["diff"]
+        action = "restored: capture by the forward hook"
+        return action, None if dry_run else _reversed_bytes(host, found, f.path, diff, f.original_sha256)
+    where = _remote(found, f.path)
+    if current is None:
+        return f"missing: {where} (targets of that model file cannot be served)", None
+    text = _read(host, where).decode(errors="replace")
+    try:
+        compile(text, where, "exec")
+    except SyntaxError as e:
+        raise PatchError(f"[{host.name}] {where} (sha256 {current}, modified locally) does not compile: "
+                         f"{e}; reinstall sglang=={found.version}") from None
+    missing = [m for m in CAPTURE_MARKERS if m not in text]
+    if missing:
+        raise PatchError(f"[{host.name}] {where} (sha256 {current}, modified locally) no longer has "
+                         f"{missing}, SGLang's aux hidden-state capture that the forward hook reads; "
+                         f"reinstall sglang=={found.version}")
+    return LEFT, None
+
+
+def _check_target(host: Host, found: Probe, pset: PatchSet, capture: str) -> str:
     """The target's architecture, checked against the patch set (refused if unsupported).
 
     A config.json the probe could not find is reported, not refused: the server cannot start
@@ -282,7 +329,7 @@ def _check_target(host: Host, found: Probe, pset: PatchSet) -> str:
         raise PatchError(f"{where} cannot be read: {tc['error']}")
     if "architectures" not in tc:
         return f"unchecked: no config.json at {tc.get('path')}"
-    return check_architecture(pset, tc["architectures"], where)
+    return check_architecture(pset, tc["architectures"], where, capture=capture)
 
 
 def _patched_bytes(host: Host, found: Probe, f: PatchedFile, old: dict | None) -> bytes:
@@ -316,6 +363,7 @@ def reverse_patch(host: Host, cfg: PipelineConfig, *, patches_dir: Path = PATCHE
                 "reason": "eyas serve-local writes hidden-state dumps itself"}
     found = _find_install(host, cfg, patches_dir)
     state = _usable_state(found)
+    claimed = state is not None  # the state names what eyas patched: anything else there is refused
     if state is not None:
         records, modules = state["files"], list(state.get("modules", {}))
     elif found.version in available_versions(patches_dir):  # state lost: use the manifest
@@ -335,6 +383,8 @@ def reverse_patch(host: Host, cfg: PipelineConfig, *, patches_dir: Path = PATCHE
             writes[rec["path"]] = _reversed_bytes(host, found, rec["path"], rec["diff"],
                                                   rec["original_sha256"])
             actions[rec["path"]] = "restored"
+        elif not claimed and current is not None:  # patched by hand or built from source: not eyas's
+            actions[rec["path"]] = "left as is: not eyas's patch"
         else:
             raise _refuse_modified(host, found, rec["path"], current, rec["original_sha256"],
                                    rec["patched_sha256"])

@@ -1,12 +1,18 @@
 """Training checkpoints: written whole, then renamed into place; resumed exactly.
 
-    state = load_checkpoint(latest_checkpoint(out_dir), objective, opt, sched, fingerprint, log)
+    state = load_checkpoint(resumable_checkpoint(out_dir, log), objective, opt, sched, fingerprint, log)
     save_checkpoint(out_dir, objective, opt, sched, state, info, rank=rank)
 
 `output_dir/checkpoints/step-NNNNNN/` holds `model.safetensors` (the trainable weights with d2t and
-t2d, SGLang's names, fp32), `drafter.json` (sizes, the run's fingerprint, provenance) and
+t2d, SGLang's names, fp32), `drafter.json` (sizes, the run's fingerprint, provenance),
 `trainer_state.pt` (optimizer, scheduler, TrainState, RNG, and with training.ema_decay the weight
-average, eyas/training/ema.py). Model and optimizer state go through
+average, eyas/training/ema.py) and `checksums.json` (each file's size and sha256, recorded in the
+temp folder before the rename, so a checkpoint in place always has them).
+
+A resume takes the newest intact checkpoint (resumable_checkpoint). A damaged one (a file that
+differs from its checksums, truncated or overwritten; or, written before checksums existed, one that
+does not load) is named in the log, moved to `output_dir/checkpoints.quarantine/` (kept, never
+deleted) and skipped. Model and optimizer state go through
 torch.distributed.checkpoint's full state dicts, so a checkpoint written under FSDP (gathered for
 rank 0) loads on one process and the other way round.
 """
@@ -22,6 +28,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+
+from eyas.extraction.shards import sha256_file
+
+FILES = ("model.safetensors", "drafter.json", "trainer_state.pt")
+SUMS = "checksums.json"  # {"format": SUMS_FORMAT, "files": {name: {"bytes", "sha256"}}}
+SUMS_FORMAT = "eyas-checkpoint-sums/1"
 
 
 @dataclass
@@ -41,6 +53,80 @@ class TrainState:
 def latest_checkpoint(output_dir: Path) -> Path | None:
     found = sorted((output_dir / "checkpoints").glob("step-[0-9]*"))
     return found[-1] if found else None
+
+
+def quarantine_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / "checkpoints.quarantine"
+
+
+def damage(path: Path) -> str | None:
+    """Why the checkpoint at path cannot be resumed as it was written (None: intact).
+
+    With checksums.json: every file's size, then its sha256. Without (written before eyas recorded
+    checksums): trusted if it loads, as before, so each file is read as resuming reads it."""
+    missing = [name for name in FILES if not (path / name).is_file()]
+    if missing:
+        return f"{', '.join(missing)} missing"
+    if (path / SUMS).is_file():
+        try:
+            files = json.loads((path / SUMS).read_text())["files"]
+            want = {name: (int(files[name]["bytes"]), str(files[name]["sha256"])) for name in FILES}
+        except (ValueError, KeyError, TypeError) as e:
+            return f"{SUMS} unreadable ({type(e).__name__}: {e})"
+        for name, (size, _) in want.items():  # sizes first: a truncated file is found without reading it
+            if (got := (path / name).stat().st_size) != size:
+                return f"{name} is {got} bytes, {size} when written (truncated?)"
+        for name, (_, digest) in want.items():
+            if sha256_file(path / name) != digest:
+                return f"{name}: sha256 differs from the one recorded when it was written"
+        return None
+    for name, load in (("drafter.json", lambda p: json.loads(p.read_text())["fingerprint"]),
+                       ("model.safetensors", lambda p: load_file(str(p))),
+                       ("trainer_state.pt", lambda p: torch.load(p, map_location="cpu", weights_only=False))):
+        try:
+            load(path / name)
+        except Exception as e:  # noqa: BLE001 - whatever the loader says, the file is what failed
+            return f"{name} does not load ({type(e).__name__}: {e})"
+    return None
+
+
+def quarantine(path: Path) -> Path:
+    """Move a damaged checkpoint out of the way, to output_dir/checkpoints.quarantine/ (never deleted:
+    the operator may want to look at it); an earlier quarantined one of the same name stays too."""
+    root = quarantine_dir(path.parent.parent)
+    root.mkdir(parents=True, exist_ok=True)
+    dest, k = root / path.name, 1
+    while dest.exists():
+        dest, k = root / f"{path.name}.{k}", k + 1
+    os.replace(path, dest)
+    return dest
+
+
+def resumable_checkpoint(output_dir: Path, log) -> Path | None:
+    """The newest intact checkpoint of output_dir (None: none left, so training starts from step 0, as
+    with no checkpoints). Each damaged newer one is named in the log and quarantined.
+
+    Under torch.distributed rank 0 checks and moves, the others get its answer (every rank must
+    resume from the same checkpoint)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    found: Path | None = None
+    if rank == 0:
+        candidates = sorted((Path(output_dir) / "checkpoints").glob("step-[0-9]*"))
+        for path in reversed(candidates):
+            why = damage(path)
+            if why is None:
+                found = path
+                break
+            log(f"checkpoint {path} is damaged: {why}; moved to {quarantine(path)}, resuming from the newest "
+                f"intact one")
+        if candidates and found is None:
+            log(f"no intact checkpoint left in {Path(output_dir) / 'checkpoints'} (the damaged ones are in "
+                f"{quarantine_dir(output_dir)}): training starts from step 0")
+    if dist.is_initialized():
+        box = [None if found is None else str(found)]
+        dist.broadcast_object_list(box, src=0)
+        found = None if box[0] is None else Path(box[0])
+    return found
 
 
 def checkpoint_differs(path: Path, fingerprint: dict, *, can_warm_start: bool = False) -> list[str]:
@@ -99,6 +185,9 @@ def save_checkpoint(output_dir: Path, objective, opt, sched, state: TrainState, 
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
         torch.save({"optimizer": opt_sd, "scheduler": sched.state_dict(), "state": asdict(state),
                     "rng": rng, "fingerprint": info["fingerprint"], "ema": ema_sd}, tmp / "trainer_state.pt")
+        # The files as written, read back: a later truncation or overwrite is found before a resume
+        sums = {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in FILES}
+        (tmp / SUMS).write_text(json.dumps({"format": SUMS_FORMAT, "files": sums}, indent=2, sort_keys=True) + "\n")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -112,14 +201,20 @@ def save_checkpoint(output_dir: Path, objective, opt, sched, state: TrainState, 
 def load_checkpoint(path: Path, objective, opt, sched, fingerprint: dict, log, ema=None) -> TrainState:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
-    ckpt = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    try:  # resumable_checkpoint checked the bytes; a failure here is not damage (another torch, say)
+        ckpt = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise ValueError(f"{path / 'trainer_state.pt'}: checkpoint does not load ({type(e).__name__}: {e})") from e
     old = ckpt["fingerprint"]
     differ = _differ(old, fingerprint)
     if differ:
         raise ValueError(refusal(path, differ))
     if old.get("max_steps") != fingerprint.get("max_steps"):
         log(f"resuming with max_steps {fingerprint['max_steps']} (checkpoint ran with {old['max_steps']})")
-    weights = load_file(str(path / "model.safetensors"))
+    try:
+        weights = load_file(str(path / "model.safetensors"))
+    except Exception as e:
+        raise ValueError(f"{path / 'model.safetensors'}: checkpoint does not load ({type(e).__name__}: {e})") from e
     opts = StateDictOptions(full_state_dict=True, strict=False)
     result = set_model_state_dict(objective, {"drafter." + k: v for k, v in weights.items()}, options=opts)
     missing = [k for k in result.missing_keys if k != "drafter.embed_tokens.weight"]

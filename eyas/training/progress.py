@@ -42,8 +42,9 @@ class StepStats:
 
     @property
     def eta_s(self) -> float | None:
+        """None until two steps of this call ran: the first one's time is mostly set-up and compiling."""
         done = self.step - self.start_step
-        return round((self.max_steps - self.step) * self.seconds / done, 1) if done > 0 else None
+        return round((self.max_steps - self.step) * self.seconds / done, 1) if done > 1 else None
 
     def row(self) -> dict:
         """One row of the loss table: step, loss, accuracy per TTT step, lr, tokens/s, held-out."""

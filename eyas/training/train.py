@@ -46,7 +46,7 @@ import torch.distributed as dist
 from eyas.evaluation.evaluate import simulated_acceptance_length
 from eyas.training import kernels as fused
 from eyas.training.batches import ShardData, add_aux_noise, check_shard_meta, collate, data_digest, epoch_plan
-from eyas.training.checkpoints import (TrainState, checkpoint_differs, latest_checkpoint, load_checkpoint,
+from eyas.training.checkpoints import (TrainState, checkpoint_differs, load_checkpoint, resumable_checkpoint,
                                        save_checkpoint)
 from eyas.training.draft_vocab import build_draft_vocab, count_tokens
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter
@@ -183,7 +183,7 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     if not cfg.ema_decay:  # off (the default): checkpoints written before the field existed still resume
         fingerprint.pop("ema_decay")
     # 2. where the weights start: this run's newest checkpoint, else init_from's drafter, else the target's
-    ckpt = latest_checkpoint(out_dir)
+    ckpt = resumable_checkpoint(out_dir, log)  # damaged newer ones: named, quarantined, skipped
     differ = checkpoint_differs(ckpt, fingerprint, can_warm_start=cfg.init_from is not None) if ckpt else []
     resume = ckpt if ckpt is not None and not differ else None
     init = warm_start.init_source(cfg.init_from, out_dir) if cfg.init_from is not None and resume is None else None

@@ -7,7 +7,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from eyas.extraction.client import Endpoint, RequestFailed, ServerPool
+from eyas.extraction.client import Endpoint, RequestFailed, ServerPool, ServerStalled
 
 
 class Counting(ThreadingHTTPServer):
@@ -33,6 +33,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *a):
         pass
+
+    def do_GET(self):  # /health answers at once, however slow /generate is
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def do_POST(self):
         s = self.server
@@ -97,3 +102,55 @@ def test_requests_fail_over_to_the_live_server(tmp_path, free_port):
     with ServerPool([dead, Endpoint(live.url, tmp_path, 1)], retries=2, backoff_s=5) as pool:
         replies = [f.result(10) for f in [pool.generate([1], f"r{i}", {}) for i in range(6)]]
     assert {r.endpoint.url for r in replies} == {live.url} and live.requests == 6
+
+
+def test_every_retry_is_a_warning_naming_the_rid_the_attempt_and_the_error(tmp_path, caplog):
+    server = Counting(fail=1, status=503)
+    with ServerPool([Endpoint(server.url, tmp_path, 1)], retries=2, backoff_s=0.05) as pool:
+        assert pool.generate([1, 2], "eyas-w", {}).result(10).attempts == 2
+    [warning] = [r for r in caplog.records if r.levelname == "WARNING" and r.name == "eyas.extraction.client"]
+    assert "rid eyas-w: attempt 1 of 3 failed" in warning.getMessage() and "answered 503" in warning.getMessage()
+
+
+def test_a_slow_server_that_answers_health_is_not_a_stall(tmp_path, caplog):
+    server = Counting(delay=2.5)
+    with ServerPool([Endpoint(server.url, tmp_path, 1)], retries=0, stall_timeout_s=0.8,
+                    health_timeout_s=1) as pool:
+        assert pool.generate([1], "eyas-slow", {}).result(20).attempts == 1
+        assert pool.stalled is None
+    assert "slow, not stalled" in caplog.text
+
+
+def test_a_stopped_server_is_a_stall_named_in_one_line_not_hours_of_retries(tmp_path, random_target):
+    """SIGSTOP: the kernel still accepts connections, nothing answers. The watchdog fails every
+    request in flight and every later one, with the reason, within stall + health timeouts."""
+    import os
+    import signal
+
+    from eyas.server.hosts import LocalHost
+    from eyas.server.launch import start_server, stop_server
+    from eyas.server.readiness import wait_until_ready
+    from tests.stage_config import stage_config
+
+    host, cfg = LocalHost(), stage_config(tmp_path, random_target)
+    handle = start_server(host, cfg)
+    try:
+        wait_until_ready(host, log_path=handle.log_path, pid=handle.pid, url=handle.url,
+                         start_offset=handle.log_offset, poll_interval_s=0.2, stall_timeout_s=60,
+                         deadline_s=120, http_timeout_s=5)
+        os.killpg(handle.pid, signal.SIGSTOP)
+        with ServerPool([Endpoint(handle.url, cfg.server.dump_dir, 2)], request_timeout_s=600, retries=5,
+                        stall_timeout_s=2, health_timeout_s=1) as pool:
+            t0 = time.monotonic()
+            first = pool.generate([1, 2, 3], "eyas-stop-0", {"max_new_tokens": 1})
+            second = pool.generate([4, 5, 6], "eyas-stop-1", {"max_new_tokens": 1})
+            with pytest.raises(ServerStalled, match=r"server stalled: no reply for \d+ s .*health"):
+                first.result(30)
+            with pytest.raises(ServerStalled):
+                second.result(5)
+            assert time.monotonic() - t0 < 15
+            with pytest.raises(ServerStalled, match="server stalled"):  # later requests fail at once
+                pool.generate([7], "eyas-stop-2", {}).result(1)
+    finally:
+        os.killpg(handle.pid, signal.SIGCONT)
+        stop_server(host, cfg, handle)

@@ -317,3 +317,23 @@ def test_regenerated_turns_are_the_targets_answers_and_parts_resume(server, tmp_
         _, other = regenerate(records[:-1], tok, pool, tmp_path / "regen",
                               rcfg.model_copy(update={"max_new_tokens": 3}), **kw)
         assert other["parts_reused"] == 0  # other sampling: another dataset
+
+
+def test_a_damaged_shard_on_disk_is_extracted_again_saying_why(server, tmp_path):
+    from eyas.extraction import stage
+
+    cfg, _ = server
+    cfg = cfg.model_copy(update={"extraction": cfg.extraction.model_copy(update={"output_dir": tmp_path / "out"})})
+    _, plans = _plans(tmp_path, seed=2, num_shards=1)
+    lines = []
+
+    def log(fmt, *args):
+        lines.append(fmt % args)
+    first = stage.run_shard(cfg, plans[0], "local", log=log)
+    path = shard_path(tmp_path / "out", plans[0])
+    path.write_bytes(path.read_bytes()[:-64])  # damaged on disk after it was finished
+    again = stage.run_shard(cfg, plans[0], "local", log=log)
+    assert again["sha256"] == first["sha256"] and not again["reused"]
+    [why] = [line for line in lines if "on disk is damaged" in line]
+    assert why.startswith(f"{plans[0].name} on disk is damaged: ") and why.endswith(": extracting it again")
+    stage.close_pools()

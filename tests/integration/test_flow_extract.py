@@ -6,7 +6,7 @@ import json
 import pytest
 
 from eyas.extraction.dataset import dataset_path
-from eyas.extraction.shards import ShardReader
+from eyas.extraction.shards import ShardReader, verify_shard
 from flows.extract import extract
 from tests.stage_config import ROOT, stage_config
 
@@ -75,3 +75,50 @@ def test_a_layer_id_out_of_range_fails_at_preflight_before_anything_is_written(p
     with pytest.raises(ValueError, match=r"target\.layer_ids.*50"):
         state.result()
     assert not (tmp_path / "shards").exists() and not (tmp_path / "server").exists()  # no plan, no launch
+
+
+def _kill_the_server(cfg) -> int:
+    import os
+    import signal
+
+    pid = json.loads(cfg.server.pid_path.read_text())["pid"]
+    os.killpg(pid, signal.SIGKILL)
+    return pid
+
+
+def test_a_killed_server_is_relaunched_once_and_a_second_death_fails_with_both_reasons(
+        prefect_harness, tmp_path, monkeypatch):
+    """The server dies under the second shard: no request or task retry against the dead process; the
+    flow relaunches it once, the first shard stays, the second resumes. Dying on every launch fails
+    the run naming both deaths."""
+    from eyas.extraction import stage
+    from eyas.server.launch import ServerDied
+
+    real, killed = stage.run_shard, []
+
+    def kills_the_server_once(cfg, plan, patch_version, **kw):
+        if plan.index == 1 and len(killed) < limit:
+            killed.append(_kill_the_server(cfg))
+        return real(cfg, plan, patch_version, **kw)
+    monkeypatch.setattr(stage, "run_shard", kills_the_server_once)
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("\n".join((ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:8]) + "\n")
+    cfg = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{
+        "data.path": str(data), "data.num_heldout": 2, "data.max_length": 256, "extraction.num_shards": 2,
+        "extraction.request_retries": 5, "extraction.retry_backoff_s": 5.0})
+
+    limit = 1
+    done = extract(cfg)
+    assert len(killed) == 1 and len(done.manifests) == 2
+    for m in done.manifests:
+        verify_shard(tmp_path / "shards" / m["file"])  # raises on a damaged shard
+    log = cfg.server.log_path.read_text()
+    assert log.count("The server is fired up and ready to roll!") == 2  # launched, then relaunched once
+
+    limit = 3
+    for m in done.manifests:  # everything to do again, so the shard tasks talk to the server
+        (tmp_path / "shards" / m["file"]).unlink()
+    with pytest.raises(ServerDied, match=r"died during extraction \(pid \d+ exited: .*\), was relaunched, and "
+                                         r"died again \(pid \d+ exited"):
+        extract(cfg)
+    assert len(killed) == 3

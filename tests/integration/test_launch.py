@@ -78,3 +78,42 @@ def test_dp_size_goes_to_the_extraction_launch_only(tmp_path, random_target):
     assert "--dp-size 2" in launch_command(cfg)
     assert "--dp-size" not in launch_command(server_config(cfg, "plain", None))  # speed is compared per replica
     assert "--dp-size" not in launch_command(stage_config(tmp_path, random_target, **{"server.dp_size": None}))
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_only_the_capture_launch_gets_the_dump_folder_and_the_capture_settings(tmp_path, random_target):
+    """server.env/launch_args reach every launch; capture_env, capture_launch_args and EYAS_DUMP_DIR
+    only the extraction launch; benchmark.launch_args only the serving benchmark's launches."""
+    from eyas.dump import DUMP_DIR_ENV
+    from eyas.evaluation.serving import server_config
+
+    host = LocalHost()
+    cfg = stage_config(tmp_path, random_target, **{
+        "server.env": {"EYAS_T_EVERY": "1"}, "server.capture_env": {"EYAS_T_CAPTURE": "1"},
+        "server.launch_args": ["--served-model-name", "t"], "server.capture_launch_args": ["--random-seed", "7"],
+        "benchmark.launch_args": ["--dtype", "bfloat16"]})
+    serving = server_config(cfg, "plain", None)
+    for launch_cfg, capture in ((cfg, True), (serving, False)):
+        handle = start_server(host, launch_cfg)
+        try:
+            env, argv = _environ(handle.pid), host.process_identity(handle.pid).argv
+            _wait(host, launch_cfg, handle)
+        finally:
+            stop_server(host, launch_cfg, handle)
+        assert env["EYAS_T_EVERY"] == "1" and argv[argv.index("--served-model-name") + 1] == "t"
+        assert (DUMP_DIR_ENV in env) == capture and ("EYAS_T_CAPTURE" in env) == capture
+        assert ("--random-seed" in argv) == capture and ("--enable-return-aux-hidden-states" in argv) == capture
+        assert ("--dtype" in argv) != capture
+    assert env.get(DUMP_DIR_ENV) is None
+
+
+def test_the_source_patch_mode_launches_without_forward_hooks(tmp_path):
+    base = {"server.backend": "sglang"}
+    hook = launch_command(stage_config(tmp_path, tmp_path / "ckpt", **base))
+    patch = launch_command(stage_config(tmp_path, tmp_path / "ckpt", **base, **{"server.capture": "source_patch"}))
+    assert "--forward-hooks" in hook and "--forward-hooks" not in patch
+    assert "--enable-return-aux-hidden-states" in patch and "--disable-prefill-cuda-graph" in patch

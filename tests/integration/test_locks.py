@@ -1,11 +1,12 @@
 """Kill -9 a real `eyas run` mid-extraction, run it again: finished shards are kept, the rest done.
 
 The first run is a subprocess in its own session (with its temporary Prefect server), killed with
-SIGKILL as soon as the first shard file is published. The target server it launched (its own
-session) survives, as it would after a lost login node. The second run, same command, must stop
-that stale server, discard the partial file, serve the finished shards from Prefect's cache without
-rewriting them (same inode and mtime), give back the GPU-host slot the killed run kept, extract the
-rest, and complete.
+SIGKILL as soon as the first shard file is published. The local target server it launched (its own
+session) exits with it (eyas/local/launcher.py). The second run, same command, must discard the
+partial file, serve the finished shards from Prefect's cache without rewriting them (same inode and
+mtime), give back the GPU-host slot the killed run kept, extract the rest, and complete. A server
+that outlives its run (one a `serve` run left up, an SGLang server) is stopped by the next run of its
+config: test_a_stale_server_of_this_config_is_stopped_and_another_configs_left_alone.
 
 Both runs talk to the test session's Prefect server (no temporary server to start per run); the
 shard cache records live in the runs' own PREFECT_HOME, as they would on a worker.
@@ -78,8 +79,8 @@ def test_kill_9_mid_extraction_then_rerun_keeps_finished_shards(tmp_path, prefec
             if p.with_suffix(".json").exists()}
     assert 1 <= len(done) < 8, done
     host, pid = LocalHost(), json.loads((tmp_path / "server" / "server.pid").read_text())["pid"]
-    assert host.is_alive(pid)  # the killed run's server lives on
-    # ...and its GPU-host slot stays taken in Prefect: the second run must give it back itself.
+    assert wait_dead(host, pid, 15), "the killed run's local server outlived it"
+    # ...but its GPU-host slot stays taken in Prefect: the second run must give it back itself.
 
     # 2. Same command again: completes.
     with open(tmp_path / "run2.log", "w") as log:
@@ -92,9 +93,10 @@ def test_kill_9_mid_extraction_then_rerun_keeps_finished_shards(tmp_path, prefec
             second.wait(30)
     out = (tmp_path / "run2.log").read_text()
     assert second.returncode == 0, out[-4000:]
-    assert wait_dead(host, pid, 5), "the stale server was not stopped"
-    assert "stale server of a killed run of this config" in out
-    assert "took it from flow run" in out and "is gone" in out  # the killed run's hold on the GPU host
+    # the killed run's flow runs, set Crashed when this run took the output directory, and so its hold
+    # on the GPU host, taken over
+    assert "flow runs of a killed process, still shown Running, set Crashed" in out
+    assert "took it from flow run" in out and "is Crashed" in out
     assert "slot(s) of eyas-gpu-host-" in out and "kept by a killed run" in out
 
     # Finished shards untouched: served from Prefect's cache, or (published but killed before
@@ -182,3 +184,26 @@ def test_output_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
     assert discard_partials(tmp_path) == [".shard-00002.safetensors.partial"]
     assert (tmp_path / "shard-00001.json").exists()
     unlock_output_dir(tmp_path)
+
+
+def test_a_stale_server_of_this_config_is_stopped_and_another_configs_left_alone(tmp_path, random_target):
+    """A server that outlives the run that launched it (launched to stay up, as a `serve` run's, or an
+    SGLang server, which does not watch its launcher): the next run of the same config, holding the
+    output directory's lock, stops it; a server of another config (another command line) is left."""
+    from eyas.extraction.locks import lock_output_dir, reclaim_stale_server, unlock_output_dir
+    from eyas.server.launch import start_server, stop_server
+    from tests.stage_config import stage_config
+
+    host, cfg = LocalHost(), stage_config(tmp_path, random_target)
+    handle = start_server(host, cfg, leave_up=True)
+    try:
+        other = cfg.model_copy(update={"server": cfg.server.model_copy(update={"chunked_prefill_size": 32})})
+        lock_output_dir(cfg.extraction.output_dir)
+        left = reclaim_stale_server(host, other)
+        assert left["outcome"] == "left alone: not this config's server" and host.is_alive(handle.pid)
+        stopped = reclaim_stale_server(host, cfg)
+        assert stopped["reason"] == "stale server of a killed run of this config"
+        assert wait_dead(host, handle.pid, 10)
+    finally:
+        unlock_output_dir(cfg.extraction.output_dir)
+        stop_server(host, cfg, handle)

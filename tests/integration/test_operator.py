@@ -32,6 +32,7 @@ COMMANDS = {
         ".ci/run, exactly (tests/unit/test_readme.py)",
     ".venv/bin/prefect server start --host 127.0.0.1 --port 4200 &": "here (tests/prefect_server.py, on a free port)",
     "export PREFECT_API_URL=http://127.0.0.1:4200/api": "here (the server's env)",
+    "export PREFECT_SERVER_ANALYTICS_ENABLED=false": "here (the server's env: tests/prefect_server.py)",
     ".venv/bin/eyas run configs/local-tiny.yaml": "tests/integration/test_eyas_run_output.py (reduced)",
     "eyas check-config configs/kimi-k2.5-sglang.yaml": "here",
     "eyas preflight configs/kimi-k2.5-sglang.yaml": "needs the production SSH hosts",
@@ -46,14 +47,14 @@ COMMANDS = {
     ".venv/bin/prefect work-pool create eyas --type process": "here",
     ".venv/bin/prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml": "here",
     ".venv/bin/prefect worker start --pool eyas": "here, stopped by SIGTERM",
-    "prefect deployment run 'eagle3-pipeline/pipeline'": "here (pool paused)",
-    "prefect deployment run 'eagle3-pipeline/pipeline' --param config=configs/kimi-k2.5-sglang.yaml": "here (pool paused)",
-    """prefect deployment run 'eagle3-pipeline/pipeline' --params '{"overrides": {"training.max_steps": 50}}'""":
+    ".venv/bin/prefect deployment run 'eagle3-pipeline/pipeline'": "here (pool paused)",
+    ".venv/bin/prefect deployment run 'eagle3-pipeline/pipeline' --param config=configs/kimi-k2.5-sglang.yaml": "here (pool paused)",
+    """.venv/bin/prefect deployment run 'eagle3-pipeline/pipeline' --params '{"overrides": {"training.max_steps": 50}}'""":
         "here (pool paused)",
-    """prefect deployment run 'eyas-train/train' --params "$(.venv/bin/python -c 'import json, yaml; print(json.dumps({"config": yaml.safe_load(open("configs/local-tiny.yaml"))}))')\"""":
+    """.venv/bin/prefect deployment run 'eyas-train/train' --params "$(.venv/bin/python -c 'import json, yaml; print(json.dumps({"config": yaml.safe_load(open("configs/local-tiny.yaml"))}))')\"""":
         "here (pool paused)",
     """.venv/bin/python deployments/automations.py kimi-k2.5 --params '{"config": "configs/kimi-k2.5-sglang.yaml"}'""": "here",
-    "prefect deployment run 'eyas-extract/extract' --param config=configs/kimi-k2.5-sglang.yaml": "here (pool paused)",
+    ".venv/bin/prefect deployment run 'eyas-extract/extract' --param config=configs/kimi-k2.5-sglang.yaml": "here (pool paused)",
     ".venv/bin/python deployments/notifications.py https://hooks.example.com/eyas": "here (URL: a receiver on 127.0.0.1)",
 }
 
@@ -107,7 +108,8 @@ def server(tmp_path_factory, receiver):
     """The Deploy block of docs/operations.md, as written, then the notification automation."""
     srv = start_prefect_server(tmp_path_factory.mktemp("prefect-home"))
     try:
-        deploy = [c for c in doc_commands() if c.startswith(".venv/bin/prefect ") and "server start" not in c]
+        deploy = [c for c in doc_commands() if c.startswith(".venv/bin/prefect ") and "server start" not in c
+                  and " deployment run " not in c]
         for line in deploy:
             if " worker start " in line:
                 srv.spawn(shlex.split(line.replace(".venv/bin/prefect ", "")) + ["--limit", "2"], "worker.log")
@@ -176,12 +178,12 @@ def test_the_documented_runs_are_accepted_as_written(server):
     sh(server, "prefect work-pool pause eyas")
     try:
         before = {r["id"] for r in server.post("/flow_runs/filter", {})}
-        lines = [c for c in doc_commands() if c.startswith("prefect deployment run")
+        lines = [c for c in doc_commands() if c.startswith(".venv/bin/prefect deployment run")
                  or "automations.py" in c or c.startswith("eyas check-config")]
         for line in lines:
             sh(server, line.replace("eyas check-config", "python -m eyas check-config"))
         new = [r for r in server.post("/flow_runs/filter", {}) if r["id"] not in before]
-        assert len(new) == sum(c.startswith("prefect deployment run") for c in lines)
+        assert len(new) == sum(c.startswith(".venv/bin/prefect deployment run") for c in lines)
         inline = next(r for r in new if isinstance(r["parameters"].get("config"), dict))
         assert inline["parameters"]["config"]["name"] == "local-tiny"
         for r in new:

@@ -171,3 +171,19 @@ def test_report_ends_with_the_serving_speedup(run):
 
     text = _markdown(report, cfg.run_dir / "report.json")  # the run's artifact
     assert "| heldout |" in text and "Acceptance length" in text and "(server)" in text
+
+
+def test_the_serve_bench_stage_showed_its_launches_as_progress(run):
+    from tests.integration.test_progress_artifacts import artifacts
+
+    cfg, _ = run
+    bar = artifacts(f"serve-launches-{cfg.name}")[-1]
+    assert bar.data == 100.0 and bar.description == "3 of 3 launches measured"  # plain, 3/1/4, 7/1/8
+
+
+def test_the_report_says_what_this_run_extracted(run):
+    import json
+
+    cfg, _ = run
+    x = json.loads((Path(cfg.run_dir) / "report.json").read_text())["extraction"]
+    assert x["shards_reused"] == 0 and x["summary"] == f"{x['shards']} shards extracted" and x["tokens_per_s"] > 0

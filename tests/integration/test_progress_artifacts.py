@@ -81,11 +81,11 @@ def test_training_shows_its_progress_and_loss_table_at_a_bounded_rate(prefect_ha
     assert bar.type == "progress" and bar.data == 100.0 and "step 200/200" in bar.description
     tables = artifacts("train-losses-train-progress-1")
     assert len(tables) == counted["tables"] and tables[-1].type == "table"
-    rows = json.loads(tables[-1].data)
-    assert rows == result["history"] and rows[-1]["step"] == 200 and rows[-1]["loss"] == round(result["losses"][-1], 5)
+    rows = json.loads(tables[-1].data)  # newest step first
+    assert rows == result["history"][::-1] and rows[0]["step"] == 200 and rows[0]["loss"] == round(result["losses"][-1], 5)
     assert 50 <= len(rows) <= 105 and set(rows[0]) >= {"step", "loss", "acc_0", "acc_1", "acc_2", "lr", "tokens_per_s"}
-    assert [r["step"] for r in rows if r["heldout_acceptance"] is not None] == [100, 200]
-    assert rows[-1]["heldout_acceptance"] == round(result["simulated_acceptance_length"], 4)
+    assert [r["step"] for r in rows if r["heldout_acceptance"] is not None] == [200, 100]
+    assert rows[0]["heldout_acceptance"] == round(result["simulated_acceptance_length"], 4)
 
 
 def test_regeneration_progress_is_throttled_and_complete_at_the_end(prefect_harness, tmp_path, counted):

@@ -41,6 +41,61 @@ def site(tmp_path, sglang_wheel) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
+# server.capture forward_hook (the default): no SGLang file changes
+# ---------------------------------------------------------------------------------------------
+
+def test_the_forward_hook_alone_changes_no_sglang_file_and_reverses(tmp_path, site):
+    host, cfg = LocalHost(), sglang_config(tmp_path, site, capture="forward_hook")
+    assert stage_config(tmp_path, tmp_path / "c").server.capture == "forward_hook"  # the default
+    original = (site / DSV2).read_bytes()
+    done = ensure_patched(host, cfg)
+    assert done["status"] == "patched" and done["capture"] == "forward_hook"
+    assert done["actions"] == {DSV2: sglang_patch.ORIGINAL, HOOK: "installed", "eyas_dump.py": "installed"}
+    assert (site / DSV2).read_bytes() == original and (site / HOOK).is_file()
+    state = json.loads((site / "sglang" / ".eyas-patch.json").read_text())
+    assert state["capture"] == "forward_hook" and state["files"] == []
+    assert ensure_patched(host, cfg)["status"] == "already patched"
+    undone = reverse_patch(host, cfg)
+    assert undone["status"] == "reversed" and not (site / HOOK).exists()
+    assert (site / DSV2).read_bytes() == original
+
+
+def test_an_earlier_source_patch_is_restored_when_the_hook_alone_captures(tmp_path, site):
+    host, original = LocalHost(), (site / DSV2).read_bytes()
+    ensure_patched(host, sglang_config(tmp_path, site, capture="source_patch"))
+    assert (site / DSV2).read_bytes() != original
+    cfg = sglang_config(tmp_path, site, capture="forward_hook")
+    planned = ensure_patched(host, cfg, dry_run=True)
+    assert planned["actions"][DSV2].startswith("restored") and (site / DSV2).read_bytes() != original
+    done = ensure_patched(host, cfg)
+    assert done["actions"][DSV2].startswith("restored") and (site / DSV2).read_bytes() == original
+
+
+def test_an_sglang_patched_by_hand_is_accepted_while_its_capture_code_is_there(tmp_path, site):
+    """The seed's team patched deepseek_v2.py by hand: the hook alone works beside that; the source
+    patch refuses it; a file that lost SGLang's capture code is refused naming what is missing."""
+    text = (site / DSV2).read_text()
+    (site / DSV2).write_text(text + "\n_TEAM_DUMP = '/dev/shm/hs'  # the team's own patch\n")
+    hand = (site / DSV2).read_bytes()
+    with pytest.raises(PatchError, match="modified locally"):
+        ensure_patched(LocalHost(), sglang_config(tmp_path, site, capture="source_patch"))
+    done = ensure_patched(LocalHost(), sglang_config(tmp_path, site, capture="forward_hook"))
+    assert done["actions"][DSV2] == sglang_patch.LEFT and (site / DSV2).read_bytes() == hand
+    assert reverse_patch(LocalHost(), sglang_config(tmp_path, site, capture="forward_hook"))["status"] == "reversed"
+    assert (site / DSV2).read_bytes() == hand  # reverse leaves what eyas did not write
+
+    (site / DSV2).write_text(text.replace("def set_eagle3_layers_to_capture", "def _layers_off"))
+    with pytest.raises(PatchError, match="set_eagle3_layers_to_capture") as e:
+        ensure_patched(LocalHost(), sglang_config(tmp_path, site, capture="forward_hook"))
+    assert str(site / DSV2) in str(e.value) and not (site / HOOK).exists()
+
+
+def test_a_llama_target_is_captured_by_the_forward_hook_alone(tmp_path, site):
+    cfg = sglang_config(tmp_path, site, architectures=["LlamaForCausalLM"], capture="forward_hook")
+    assert ensure_patched(LocalHost(), cfg)["architecture"] == "LlamaForCausalLM"
+
+
+# ---------------------------------------------------------------------------------------------
 # The patch set itself
 # ---------------------------------------------------------------------------------------------
 
@@ -185,7 +240,7 @@ def test_an_unsupported_architecture_is_refused_naming_it_the_file_and_the_list(
     supported = manifest["architectures"]
     original = (site / DSV2).read_bytes()
     for arch, reason in (("KimiVLForConditionalGeneration", "set_eagle3_layers_to_capture"),
-                         ("LlamaForCausalLM", None)):
+                         ("LlamaForCausalLM", "forward hook only"), ("GPT2LMHeadModel", None)):
         cfg = sglang_config(tmp_path, site, architectures=[arch])
         for dry_run in (True, False):
             with pytest.raises(PatchError) as e:

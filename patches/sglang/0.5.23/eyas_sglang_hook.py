@@ -30,7 +30,12 @@ Config keys: `dump_dir` (default $EYAS_DUMP_DIR), `layer_ids` (capture-before id
 captures; default: derived from --return-aux-hidden-state-layer-ids), `rid_prefix` (default
 "eyas-": only the collector's rids are dumped, so SGLang's warmup, whose rid is a random uuid,
 is not), `dtype` (default $EYAS_DUMP_DTYPE or bfloat16), `max_pending` (default 4: chunks queued
-for the background writer; 0 writes inside the forward).
+for the background writer; 0 writes inside the forward), `architecture` (the target's model class:
+which rule maps --return-aux-hidden-state-layer-ids to captured layers; default DeepSeek-V2's).
+
+A forward without both aux and last hidden states (a server without capture-only mode, such as an
+EAGLE3 speculative launch's target) is not dumped and never fails; a hook registered through
+--forward-hooks in such a server fails at registration instead, naming the missing flag.
 
 Imports only stdlib, torch and eyas_dump (torch + safetensors): it runs in SGLang's python.
 """
@@ -52,8 +57,8 @@ import eyas_dump as dump
 
 logger = logging.getLogger("eyas_sglang_hook")
 
-PATCH_VERSION = "eyas-sglang-0.5.23-r2"
-CONFIG_KEYS = ("dump_dir", "layer_ids", "rid_prefix", "dtype", "max_pending")
+PATCH_VERSION = "eyas-sglang-0.5.23-r3"
+CONFIG_KEYS = ("dump_dir", "layer_ids", "rid_prefix", "dtype", "max_pending", "architecture")
 _MAX_TRACKED_RIDS = 65536  # rids whose prefill finished, to tell later decode rows apart
 
 # Set when a hook registered through --forward-hooks first runs, so that the patched
@@ -74,36 +79,43 @@ def forward_hook_active() -> bool:
 # Layer ids and ranks, from SGLang's runtime context (0.5.23: sglang.srt.runtime_context)
 # ---------------------------------------------------------------------------------------------
 
-def captured_layer_ids(server_ids: list[int]) -> list[int]:
-    """The layers DeepseekV2ForCausalLM captures for --return-aux-hidden-state-layer-ids.
+def captured_layer_ids(server_ids: list[int], architecture: str | None = None) -> list[int]:
+    """The layers the target's model class captures for --return-aux-hidden-state-layer-ids.
 
-    Mirrors set_eagle3_layers_to_capture in models/deepseek_v2.py: a list starting with 1 is read
-    as "output of layer" ids and shifted by +1; any other list is used as is (capture-before).
+    Mirrors set_eagle3_layers_to_capture: DeepseekV2ForCausalLM reads a list starting with 1 as
+    "output of layer" ids and shifts it by +1 (any other list is capture-before); LlamaForCausalLM
+    always shifts by +1 (eyas_dump.captured_layer_ids).
     """
-    ids = list(server_ids)
-    return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
+    return dump.captured_layer_ids(server_ids, architecture)
+
+
+def _capture_features() -> Any | None:
+    """SGLang's resolved exec features (None outside SGLang)."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+    except ImportError:
+        return None
+    return get_exec().features
 
 
 def _server_layer_ids() -> list[int] | None:
     """--return-aux-hidden-state-layer-ids as the running server resolved it.
 
-    None outside SGLang, when the ids were not given, or when capture-only mode is off (the first
-    prefill then fails in DumpHook._check_capture, naming the missing flag).
+    None outside SGLang, when the ids were not given, or when capture-only mode is off.
     """
-    try:
-        from sglang.srt.runtime_context import get_exec
-    except ImportError:
+    features = _capture_features()
+    if features is None:
         return None
-    features = get_exec().features
     ids = features.return_aux_hidden_state_layer_ids
     if features.aux_hidden_state_capture is None or ids is None:
         return None
     return [int(i) for i in ids]
 
 
-def resolve_layer_ids(config_ids: list[int] | None, server_ids: list[int] | None) -> list[int]:
+def resolve_layer_ids(config_ids: list[int] | None, server_ids: list[int] | None,
+                      architecture: str | None = None) -> list[int]:
     """The capture-before ids to record: the config's, checked against what the server captures."""
-    captured = captured_layer_ids(server_ids) if server_ids is not None else None
+    captured = captured_layer_ids(server_ids, architecture) if server_ids is not None else None
     if config_ids is None:
         if captured is None:
             raise HookError("eyas hook: no layer ids; set config.layer_ids or launch with "
@@ -111,9 +123,10 @@ def resolve_layer_ids(config_ids: list[int] | None, server_ids: list[int] | None
         return captured
     config_ids = [int(i) for i in config_ids]
     if captured is not None and captured != config_ids:
-        raise HookError(f"eyas hook: config.layer_ids={config_ids}, but SGLang captures {captured} "
-                        f"(from --return-aux-hidden-state-layer-ids {server_ids}; a list starting "
-                        f"with 1 is shifted by +1)")
+        raise HookError(f"eyas hook: config.layer_ids={config_ids}, but SGLang's "
+                        f"{architecture or 'DeepSeek-V2 rule'} captures {captured} (from "
+                        f"--return-aux-hidden-state-layer-ids {server_ids}: eyas_dump.server_layer_ids "
+                        f"gives the ids to ask for)")
     return config_ids
 
 
@@ -157,6 +170,7 @@ class DumpHook:
         self._via_forward_hooks = via_forward_hooks
         self._prefilled: OrderedDict[str, None] = OrderedDict()
         self._checked = False
+        self._told_no_states = False
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
         if max_pending > 0:
@@ -182,6 +196,12 @@ class DumpHook:
         if output.next_token_logits is None:
             return None  # an autotune dummy run or a scoring path: not a real prefill
         aux, last = output.hidden_states, output.last_hidden_states
+        if aux is None or last is None:
+            # No capture-only mode: an EAGLE3 speculative launch's target captures aux states for
+            # its draft but keeps no last states (LogitsProcessor._get_last_hidden_states_to_store),
+            # and its first prefill is SGLang's own warm-up. Nothing to dump; never a reason to fail.
+            self._tell_no_states()
+            return None
         self._check_capture(aux, last)
         if self._writes is None:
             self._writes = self._resolve_writes_here()
@@ -212,11 +232,13 @@ class DumpHook:
                             "forward_batch.input_ids is set; cannot tell the token ids")
         return ids
 
-    def _check_capture(self, aux: torch.Tensor | None, last: torch.Tensor | None) -> None:
-        if aux is None or last is None:
-            raise HookError("eyas hook: the logits processor returned no aux/last hidden states; "
-                            "launch SGLang with --enable-return-aux-hidden-states "
-                            "--speculative-algorithm EAGLE3")
+    def _tell_no_states(self) -> None:
+        if not self._told_no_states:
+            self._told_no_states = True
+            logger.warning("eyas hook: this server keeps no aux and last hidden states together (no "
+                           "--enable-return-aux-hidden-states): nothing is dumped")
+
+    def _check_capture(self, aux: torch.Tensor, last: torch.Tensor) -> None:
         if self._checked:
             return
         k, hidden = len(self.writer.layer_ids), last.shape[-1]
@@ -328,7 +350,15 @@ def make_hook(config: dict, *, parallel: Any = None, via_forward_hooks: bool = T
     dump_dir = config.get("dump_dir") or os.environ.get(dump.DUMP_DIR_ENV)
     if not dump_dir:
         raise HookError(f"eyas hook: no dump_dir in the hook config and {dump.DUMP_DIR_ENV} unset")
-    layer_ids = resolve_layer_ids(config.get("layer_ids"), _server_layer_ids())
+    features = _capture_features()
+    if via_forward_hooks and features is not None and features.aux_hidden_state_capture is None:
+        # Registered through --forward-hooks (eyas passes it to capture launches only), but the
+        # server keeps no last hidden states: every request would wait for records in vain.
+        raise HookError("eyas hook: registered through --forward-hooks, but SGLang runs without "
+                        "capture-only mode; launch with --enable-return-aux-hidden-states "
+                        "--speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids ...")
+    architecture = config.get("architecture")
+    layer_ids = resolve_layer_ids(config.get("layer_ids"), _server_layer_ids(), architecture)
     if config.get("dtype") and config["dtype"] not in dump.DTYPES:
         raise HookError(f"eyas hook: config.dtype={config['dtype']!r}, expected one of {sorted(dump.DTYPES)}")
     dtype = dump.DTYPES[config["dtype"]] if config.get("dtype") else dump.dtype_from_env()

@@ -1,0 +1,189 @@
+"""A failed run's reason, first and once: `failed at TASK: reason` in the run's state message, one
+log line, a markdown artifact; a cancel that reads as a cancel.
+
+Prefect repeats a failure at every level: the task's error line and its traceback, the task's final
+state, every enclosing flow's "Encountered exception" traceback and final state, and, under a
+worker, "Engine execution exited with unexpected exception" with the traceback once more (an
+OutputBusy was printed 14 times). Here:
+
+- `ReasonFilter`, on Prefect's task-run and flow-run loggers, turns the task's error record into the
+  one line `failed at TASK: reason` (without a traceback when eyas raised the error itself: its
+  message is the whole story; a bug keeps its traceback), remembers which task failed with which
+  exception, and shortens the later records that would repeat the reason.
+- `checked_flow` (flows/common.py) turns whatever a flow body raises into `Failed("failed at TASK:
+  reason")` carrying the exception (callers' `state.result()` still raise it); `report_failure`
+  writes the top-level run's artifact `failure-NAME`.
+- On an operator's cancel, Prefect's "Crash detected! ... termination signal" and "Finished in state
+  Running()" lines read "cancelled".
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+import threading
+
+LOGGERS = ("prefect.task_runs", "prefect.flow_runs")
+MAX_REASON = 2000  # a state message is shown whole on the run page; a preflight list can be long
+
+_lock = threading.Lock()
+_task_of: dict[tuple[str, str], str] = {}  # (exception type, message) -> the task run that raised it
+_printed: collections.OrderedDict[str, None] = collections.OrderedDict()  # lines already printed
+_recent: collections.deque[str] = collections.deque(maxlen=20)  # WARNING+ lines: the artifact's log
+
+
+def eyas_raised(exc: BaseException) -> bool:
+    """An error eyas raised itself (config, preflight, a busy output dir, a host, a launch...): its
+    message names what is wrong and what to do; a traceback would only bury it."""
+    return type(exc).__module__.split(".")[0] in ("eyas", "tasks", "flows")
+
+
+def reason_of(exc: BaseException) -> str:
+    """An exception as one line: eyas's own by its message, anything else with its type."""
+    text = str(exc).strip()
+    if type(exc).__name__ == "ConfigError":
+        from flows.common import one_line
+
+        text = one_line(exc) + " (fix the config file or the run's overrides)"
+    text = "; ".join(line.strip() for line in text.splitlines() if line.strip()) or type(exc).__name__
+    if not eyas_raised(exc):
+        text = f"{type(exc).__name__}: {text}"
+    return text[:MAX_REASON]
+
+
+def failure_line(exc: BaseException, where: str) -> str:
+    """`failed at TASK: reason`: TASK the task run that raised it (else `where`, the flow's stage)."""
+    text = str(exc)
+    if text.startswith("failed at "):  # a subflow's own line, passed up as it is
+        return text.splitlines()[0][:MAX_REASON]
+    task = getattr(exc, "eyas_failed_task", None)
+    with _lock:
+        task = task or _task_of.get((type(exc).__name__, text)) or _task_of.get((type(exc).__name__, ""))
+    return f"failed at {task or where}: {reason_of(exc)}"
+
+
+def printed(line: str) -> bool:
+    with _lock:
+        return line in _printed
+
+
+def remember(line: str) -> None:
+    with _lock:
+        _printed[line] = None
+        while len(_printed) > 100:
+            _printed.popitem(last=False)
+
+
+def _cancelling() -> bool:
+    try:
+        from prefect._internal.control_listener import get_intent
+    except ImportError:
+        return False
+    intent = get_intent()
+    return intent is not None and "cancel" in str(getattr(intent, "value", intent)).lower()
+
+
+_FINISHED = re.compile(r"^Finished in state (\w+)\((.*)\)$", re.S)
+_RAISED = re.compile(r"^Task run encountered an exception (\w+): (.*)$", re.S)
+
+
+def _eyas_names() -> set[str]:
+    """The names of the exception classes eyas defines (loaded so far)."""
+    names, todo = set(), [Exception]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if sub.__module__.split(".")[0] in ("eyas", "tasks", "flows"):
+                names.add(sub.__name__)
+    return names
+
+
+class ReasonFilter(logging.Filter):
+    """See the module docstring. Never drops or rewrites a record it does not recognise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            return self._filter(record)
+        except Exception:  # noqa: BLE001 - a log filter must never break logging
+            return True
+
+    def _filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        exc = record.exc_info[1] if record.exc_info else None
+        task = getattr(record, "task_run_name", None)
+        if msg.startswith("Task run failed with ") and exc is not None and task:
+            # The task's last attempt failed: the one line, and the task remembered for the flow.
+            try:
+                exc.eyas_failed_task = task
+            except Exception:  # noqa: BLE001 - an exception type without a __dict__
+                pass
+            line = f"failed at {task}: {reason_of(exc)}"
+            with _lock:
+                _task_of[(type(exc).__name__, str(exc))] = _task_of[(type(exc).__name__, "")] = task
+            self._set(record, line, keep_traceback=not eyas_raised(exc))
+            remember(line)
+        elif msg.startswith("Engine execution exited with unexpected exception") and exc is not None:
+            return not getattr(exc, "eyas_reported", False)  # the state message says it, in one line
+        elif msg.startswith("Crash detected!") and _cancelling():
+            self._set(record, "cancelled by the operator: stopping", level=logging.WARNING)
+        elif m := _FINISHED.match(msg):
+            state, inner = m.groups()
+            if _cancelling() and state in ("Running", "Crashed", "Cancelling"):
+                self._set(record, "Finished: cancelled", level=logging.WARNING)
+            elif state in ("Failed", "Crashed", "TimedOut"):
+                self._finished_failed(record, state, inner)
+        if record.levelno >= logging.WARNING:
+            _recent.append(record.getMessage().splitlines()[0][:300] if record.getMessage() else "")
+        return True
+
+    def _finished_failed(self, record: logging.LogRecord, state: str, inner: str) -> None:
+        text = inner.strip("'\"")
+        task = getattr(record, "task_run_name", None)
+        if task and any(line.startswith(f"failed at {task}: ") for line in list(_printed)):
+            self._set(record, f"Finished in state {state}")  # its error line above says why
+            return
+        raised = _RAISED.match(text)
+        if task and raised:  # a failure a retry condition declined: Prefect logged no error line for it
+            kind, message = raised.groups()
+            with _lock:
+                _task_of[(kind, message)] = _task_of[(kind, "")] = task
+            line = f"failed at {task}: " + (message if kind in _eyas_names() else f"{kind}: {message}")
+            self._set(record, line[:MAX_REASON])
+            remember(line[:MAX_REASON])
+            return
+        line = next((p for p in reversed(list(_printed)) if text.startswith(p[:200])), None)
+        if text.startswith("failed at ") and line is not None:
+            self._set(record, f"Finished in state {state}: {line.split(': ', 1)[0]}")
+        elif text.startswith("failed at "):
+            remember(text)
+
+    @staticmethod
+    def _set(record: logging.LogRecord, msg: str, *, keep_traceback: bool = False, level: int | None = None):
+        record.msg, record.args = msg, ()
+        if not keep_traceback:
+            record.exc_info = record.exc_text = None
+        if level is not None:
+            record.levelno, record.levelname = level, logging.getLevelName(level)
+
+
+_FILTER = ReasonFilter()
+
+
+def install() -> None:
+    """Put the filter on Prefect's run loggers (idempotent)."""
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+
+
+def recent_lines() -> list[str]:
+    return list(_recent)
+
+
+def failure_markdown(run_name: str, line: str, lines: list[str]) -> str:
+    """The top-level run's artifact: the reason, then the warning and error lines that led to it."""
+    log = "\n".join(lines[-15:]) or "(no warnings or errors were logged)"
+    return (f"# eyas run `{run_name}` failed\n\n**{line}**\n\n"
+            f"Warning and error lines of this run, oldest first:\n\n```\n{log}\n```\n")

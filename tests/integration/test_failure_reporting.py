@@ -1,0 +1,172 @@
+"""The reason first, once (issue 29, part 6), against a real Prefect server, a process worker and
+the deployments of deployments/prefect.yaml: a failed run's state message is `failed at TASK:
+reason`, with no traceback for an error eyas raised itself; one webhook POST per failed deployment
+run, naming the run's page, the deployment, the task and the reason; a cancel reads as a cancel;
+a refusal (OutputBusy) is printed once by `eyas run`.
+"""
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from tests import eyas_run
+from tests.integration.test_deployments import deployment_run, runs_named, small, wait_flow_run  # noqa: F401
+from tests.prefect_server import ROOT, start_prefect_server
+
+pytestmark = pytest.mark.slow
+
+
+class Hooks(BaseHTTPRequestHandler):
+    posts: list = []
+
+    def do_POST(self):  # noqa: N802
+        Hooks.posts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One Prefect server, the eyas pool with a worker, every deployment, the failure webhook posting
+    to a receiver on 127.0.0.1."""
+    httpd = HTTPServer(("127.0.0.1", 0), Hooks)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    srv = start_prefect_server(tmp_path_factory.mktemp("prefect-home"))
+    try:
+        srv.cli("work-pool", "create", "eyas", "--type", "process")
+        srv.spawn(["worker", "start", "--pool", "eyas", "--limit", "2"], "worker.log")
+        srv.cli("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
+        subprocess.run([sys.executable, "deployments/notifications.py",
+                        f"http://127.0.0.1:{httpd.server_address[1]}/eyas"],
+                       cwd=ROOT, env=srv.env, check=True, capture_output=True)
+        yield srv
+    finally:
+        srv.stop()
+        httpd.shutdown()
+
+
+def logs_of(server, run_ids: list[str], last: str = "Finished", timeout_s: float = 30.0) -> list[str]:
+    """The runs' log lines, once one starting with `last` is there (the flow-run process sends its
+    last batch after the state is final)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        logs = [l["message"] for l in server.post("/logs/filter", {
+            "logs": {"flow_run_id": {"any_": run_ids}}, "limit": 200, "sort": "TIMESTAMP_ASC"})]
+        if any(line.startswith(last) for line in logs) or time.monotonic() > deadline:
+            return logs
+        time.sleep(1)
+
+
+def family(server, run: dict, name: str) -> list[str]:
+    """The run and its subflow runs (named `*-NAME@localhost`)."""
+    return sorted({run["id"], *(r["id"] for r in runs_named(server, f"%-{name}@localhost"))})
+
+
+def posts_about(name: str, settle_s: float = 8.0, timeout_s: float = 60.0) -> list[dict]:
+    """Webhook POSTs naming `name`, once the first came and a subflow's would have followed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not [p for p in Hooks.posts if name in p["body"]]:
+        time.sleep(0.5)
+    time.sleep(settle_s)
+    return [p for p in Hooks.posts if name in p["body"]]
+
+
+def test_a_bad_config_fails_with_one_line_no_traceback_and_an_artifact(server):
+    out = server.cli("deployment", "run", "eagle3-pipeline/pipeline", "--params",
+                     json.dumps({"overrides": {"name": "bad-cfg", "training.max_stepz": 20}}))
+    run = wait_flow_run(server, re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1), timeout=180)
+    state = run["state"]
+    assert state["type"] == "FAILED", state
+    message = state["message"]
+    assert message.startswith("failed at config: ") and "\n" not in message, message
+    assert "training.max_stepz: Extra inputs are not permitted" in message, message
+    logs = logs_of(server, [run["id"]])
+    text = "\n".join(logs)
+    assert "Traceback" not in text and "Engine execution exited" not in text, text
+    assert [line for line in logs if "training.max_stepz" in line] == [message], logs  # the reason, once
+    art = server.post("/artifacts/filter", {"artifacts": {"key": {"any_": ["failure-bad-cfg"]}}})
+    assert art and message in art[0]["data"], art
+
+
+def test_a_launch_failure_posts_once_with_the_run_link_deployment_task_and_reason(server, small):
+    """A launch refused deep in `serve` (its port taken) fails serve, extract and the pipeline: one
+    POST, for the pipeline's deployment run."""
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen(1)
+    port = blocker.getsockname()[1]
+    try:
+        overrides = small("fail-launch", **{"server.port": port})
+        run = wait_flow_run(server, deployment_run(server, "eagle3-pipeline/pipeline", overrides))
+    finally:
+        blocker.close()
+    state = run["state"]
+    assert state["type"] == "FAILED", state
+    assert state["message"] == f"failed at launch-local@localhost: [localhost] port {port} is already in use; " \
+                               "pick another server.port", state["message"]
+    logs = logs_of(server, family(server, run, "fail-launch"))
+    assert not any("Traceback" in line for line in logs), logs
+    assert [line for line in logs if f"port {port} is already in use" in line] == [state["message"]], logs
+    posts = posts_about("fail-launch")
+    assert len(posts) == 1, posts
+    body = posts[0]["body"]
+    assert body.startswith(f"eagle3-fail-launch@localhost ended Failed: {state['message']}\n"), body
+    assert f"run: http://127.0.0.1:{server.port}/runs/flow-run/{run['id']}" in body, body
+    assert "deployment: eagle3-pipeline/pipeline" in body, body
+
+
+def test_an_operator_cancel_reads_as_a_cancel(server, small):
+    """Cancelled while the server loads (it hangs at its first weight shard): the run ends Cancelled,
+    and nothing in its log or its subflows' says Crash or Running."""
+    overrides = small("cancel", **{"server.launch_args": ["--fault", "hang-at-shard", "--fault-shard", "1"]})
+    run_id = deployment_run(server, "eagle3-pipeline/pipeline", overrides)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        tasks = server.post("/task_runs/filter", {"task_runs": {"name": {"any_": ["wait-ready@localhost"]}},
+                                                  "flow_runs": {"name": {"like_": "%-cancel@localhost"}}})
+        if tasks and tasks[0]["state"]["type"] == "RUNNING":
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the run never reached wait-ready")
+    server.cli("flow-run", "cancel", run_id)
+    run = wait_flow_run(server, run_id, timeout=120)
+    assert run["state"]["type"] == "CANCELLED", run["state"]
+    logs = logs_of(server, family(server, run, "cancel"), last="Finished: cancelled")
+    text = "\n".join(logs)
+    assert "Crash detected" not in text and "Finished in state Running" not in text, text
+    assert "cancelled" in text.lower(), text
+
+
+def test_a_second_run_of_a_busy_config_prints_the_refusal_once(tmp_path):
+    """`eyas run` while another process holds the output directory: OutputBusy, once, no traceback."""
+    data = eyas_run.small_data(tmp_path)
+    sets = eyas_run.overrides(tmp_path, data, name="busy")
+    (tmp_path / "shards").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom eyas.extraction.locks import "
+                               "lock_output_dir\nlock_output_dir(sys.argv[1], 'flow run first')\nprint('held', "
+                               "flush=True)\ntime.sleep(600)", str(tmp_path / "shards")],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        r = subprocess.run(eyas_run.command("run", sets), cwd=ROOT, env=eyas_run.env(tmp_path, None),
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait(10)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-3000:]
+    assert out.count("is in use by another eyas run") == 1, out
+    assert "Traceback" not in out, out
+    assert f"failed at prepare-data: extraction.output_dir {tmp_path / 'shards'} is in use" in out, out
+    assert out.rstrip().endswith("eyas: run Failed (failed at prepare-data)"), out[-500:]
