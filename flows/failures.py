@@ -3,8 +3,7 @@ log line, a markdown artifact; a cancel that reads as a cancel.
 
 Prefect repeats a failure at every level: the task's error line and its traceback, the task's final
 state, every enclosing flow's "Encountered exception" traceback and final state, and, under a
-worker, "Engine execution exited with unexpected exception" with the traceback once more (an
-OutputBusy was printed 14 times). Here:
+worker, "Engine execution exited with unexpected exception" with the traceback once more. Here:
 
 - `ReasonFilter`, on Prefect's task-run and flow-run loggers, turns the task's error record into the
   one line `failed at TASK: reason` (without a traceback when eyas raised the error itself: its

@@ -92,3 +92,31 @@ def start_prefect_server(home: Path, timeout: float = 90) -> PrefectServer:
             server.stop()
             raise AssertionError("prefect server did not start:\n" + (home / "server.log").read_text()[-3000:])
         time.sleep(0.5)
+
+
+class WebhookReceiver:
+    """A loopback HTTP server that records the JSON bodies POSTed to it (a failure webhook's target):
+    `.url`, `.posts`, `.stop()`."""
+
+    def __init__(self):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+
+        posts = self.posts = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                posts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self._httpd = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}/eyas"
+        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self._httpd.shutdown()

@@ -229,6 +229,19 @@ def split_reasoning(prompt: list[int], output: list[int], th: Thinking) -> tuple
     return list(output[start:end]), list(output[end + 1:]), True
 
 
+def _ask(pool: ServerPool, prompt: list[int], conv_index: int, j: int, cfg: RegenerateConfig,
+         stop_ids: list[int], max_length: int, where: str):
+    """The target's reply to turn j of conversation conv_index (a Reply), within max_length."""
+    params = {"max_new_tokens": min(cfg.max_new_tokens, max_length - len(prompt)),
+              "temperature": cfg.temperature, "stop_token_ids": stop_ids}
+    if cfg.temperature > 0:
+        params["sampling_seed"] = _seed(conv_index, j, cfg.seed)
+    try:
+        return pool.generate(prompt, f"{RID_PREFIX}{conv_index:07d}-{j:03d}", params).result()
+    except Exception as e:  # noqa: BLE001 - named with the line it came from
+        raise RegenerationError(f"{where}: turn {j}: {e}") from e
+
+
 def regenerate_conversation_ids(messages: list[dict], conv_index: int, tokenizer, pool: ServerPool,
                                 cfg: RegenerateConfig, th: Thinking, stop_ids: list[int], max_length: int,
                                 where: str) -> tuple[list[dict], dict[str, int]]:
@@ -258,14 +271,7 @@ def regenerate_conversation_ids(messages: list[dict], conv_index: int, tokenizer
         if len(prompt) >= max_length:  # nothing of this turn would fit
             counts["dropped_turns"] += sum(x["role"] == "assistant" for x in messages[j:])
             break
-        params = {"max_new_tokens": min(cfg.max_new_tokens, max_length - len(prompt)),
-                  "temperature": cfg.temperature, "stop_token_ids": stop_ids}
-        if cfg.temperature > 0:
-            params["sampling_seed"] = _seed(conv_index, j, cfg.seed)
-        try:
-            reply = pool.generate(prompt, f"{RID_PREFIX}{conv_index:07d}-{j:03d}", params).result()
-        except Exception as e:  # noqa: BLE001 - named with the line it came from
-            raise RegenerationError(f"{where}: turn {j}: {e}") from e
+        reply = _ask(pool, prompt, conv_index, j, cfg, stop_ids, max_length, where)
         output = [int(t) for t in reply.body.get("output_ids") or []]
         served = (reply.body.get("meta_info") or {}).get("reasoning_tokens")
         if isinstance(served, int) and not isinstance(served, bool):  # SGLang with a reasoning parser
@@ -313,14 +319,7 @@ def regenerate_conversation(messages: list[dict], conv_index: int, tokenizer, po
         if len(prompt) >= max_length:  # nothing of this turn would survive truncation
             counts["dropped_turns"] += sum(x["role"] == "assistant" for x in messages[j:])
             break
-        params = {"max_new_tokens": min(cfg.max_new_tokens, max_length - len(prompt)),
-                  "temperature": cfg.temperature, "stop_token_ids": stop_ids}
-        if cfg.temperature > 0:
-            params["sampling_seed"] = _seed(conv_index, j, cfg.seed)
-        try:
-            reply = pool.generate(prompt, f"{RID_PREFIX}{conv_index:07d}-{j:03d}", params).result()
-        except Exception as e:  # noqa: BLE001 - named with the line it came from
-            raise RegenerationError(f"{where}: turn {j}: {e}") from e
+        reply = _ask(pool, prompt, conv_index, j, cfg, stop_ids, max_length, where)
         output_ids = reply.body.get("output_ids") or []
         counts["generated_tokens"] += len(output_ids)
         text = tokenizer.decode(output_ids, skip_special_tokens=True)

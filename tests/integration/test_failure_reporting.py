@@ -10,49 +10,39 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
 from tests import eyas_run
 from tests.integration.test_deployments import deployment_run, runs_named, small, wait_flow_run  # noqa: F401
-from tests.prefect_server import ROOT, start_prefect_server
+from tests.prefect_server import ROOT, WebhookReceiver, start_prefect_server
 
 pytestmark = pytest.mark.slow
 
 
-class Hooks(BaseHTTPRequestHandler):
-    posts: list = []
-
-    def do_POST(self):  # noqa: N802
-        Hooks.posts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
+@pytest.fixture(scope="module")
+def hooks():
+    """The failure webhook's receiver on 127.0.0.1."""
+    receiver = WebhookReceiver()
+    yield receiver
+    receiver.stop()
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, hooks):
     """One Prefect server, the eyas pool with a worker, every deployment, the failure webhook posting
     to a receiver on 127.0.0.1."""
-    httpd = HTTPServer(("127.0.0.1", 0), Hooks)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
     srv = start_prefect_server(tmp_path_factory.mktemp("prefect-home"))
     try:
         srv.cli("work-pool", "create", "eyas", "--type", "process")
         srv.spawn(["worker", "start", "--pool", "eyas", "--limit", "2"], "worker.log")
         srv.cli("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
-        subprocess.run([sys.executable, "deployments/notifications.py",
-                        f"http://127.0.0.1:{httpd.server_address[1]}/eyas"],
+        subprocess.run([sys.executable, "deployments/notifications.py", hooks.url],
                        cwd=ROOT, env=srv.env, check=True, capture_output=True)
         yield srv
     finally:
         srv.stop()
-        httpd.shutdown()
 
 
 def logs_of(server, run_ids: list[str], last: str = "Finished", timeout_s: float = 30.0) -> list[str]:
@@ -72,13 +62,13 @@ def family(server, run: dict, name: str) -> list[str]:
     return sorted({run["id"], *(r["id"] for r in runs_named(server, f"%-{name}@localhost"))})
 
 
-def posts_about(name: str, settle_s: float = 8.0, timeout_s: float = 60.0) -> list[dict]:
+def posts_about(hooks, name: str, settle_s: float = 8.0, timeout_s: float = 60.0) -> list[dict]:
     """Webhook POSTs naming `name`, once the first came and a subflow's would have followed."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not [p for p in Hooks.posts if name in p["body"]]:
+    while time.monotonic() < deadline and not [p for p in hooks.posts if name in p["body"]]:
         time.sleep(0.5)
     time.sleep(settle_s)
-    return [p for p in Hooks.posts if name in p["body"]]
+    return [p for p in hooks.posts if name in p["body"]]
 
 
 def test_a_bad_config_fails_with_one_line_no_traceback_and_an_artifact(server):
@@ -98,7 +88,7 @@ def test_a_bad_config_fails_with_one_line_no_traceback_and_an_artifact(server):
     assert art and message in art[0]["data"], art
 
 
-def test_a_launch_failure_posts_once_with_the_run_link_deployment_task_and_reason(server, small):
+def test_a_launch_failure_posts_once_with_the_run_link_deployment_task_and_reason(server, small, hooks):
     """A launch refused deep in `serve` (its port taken) fails serve, extract and the pipeline: one
     POST, for the pipeline's deployment run."""
     blocker = socket.socket()
@@ -117,7 +107,7 @@ def test_a_launch_failure_posts_once_with_the_run_link_deployment_task_and_reaso
     logs = logs_of(server, family(server, run, "fail-launch"))
     assert not any("Traceback" in line for line in logs), logs
     assert [line for line in logs if f"port {port} is already in use" in line] == [state["message"]], logs
-    posts = posts_about("fail-launch")
+    posts = posts_about(hooks, "fail-launch")
     assert len(posts) == 1, posts
     body = posts[0]["body"]
     assert body.startswith(f"eagle3-fail-launch@localhost ended Failed: {state['message']}\n"), body

@@ -9,15 +9,13 @@ import re
 import shlex
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
 from tests.integration.test_deployments import wait_flow_run
-from tests.prefect_server import BIN, ROOT, start_prefect_server
+from tests.prefect_server import BIN, ROOT, WebhookReceiver, start_prefect_server
 from tests.stage_config import free_port
 
 pytestmark = pytest.mark.slow
@@ -83,24 +81,11 @@ def sh(server, line: str, timeout: float = 120) -> str:
     return r.stdout
 
 
-class Hooks(BaseHTTPRequestHandler):
-    posts: list = []
-
-    def do_POST(self):  # noqa: N802
-        Hooks.posts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture(scope="module")
 def receiver():
-    httpd = HTTPServer(("127.0.0.1", 0), Hooks)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/eyas"
-    httpd.shutdown()
+    hooks = WebhookReceiver()
+    yield hooks
+    hooks.stop()
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +101,7 @@ def server(tmp_path_factory, receiver):
             else:
                 sh(srv, line)
         notify = next(c for c in doc_commands() if "notifications.py" in c)
-        sh(srv, notify.replace("https://hooks.example.com/eyas", receiver))
+        sh(srv, notify.replace("https://hooks.example.com/eyas", receiver.url))
         yield srv
     finally:
         srv.stop()
@@ -134,7 +119,7 @@ BAD = [  # parameters, the run's name, what the one-line message names
 ]
 
 
-def test_a_bad_config_fails_with_the_reason_under_a_readable_name_and_notifies(server):
+def test_a_bad_config_fails_with_the_reason_under_a_readable_name_and_notifies(server, receiver):
     ids = [run_deployment(server, "eagle3-pipeline/pipeline", params) for params, _, _ in BAD]
     for run_id, (params, name, reason) in zip(ids, BAD):
         run = wait_flow_run(server, run_id, timeout=180)
@@ -144,9 +129,9 @@ def test_a_bad_config_fails_with_the_reason_under_a_readable_name_and_notifies(s
         assert run["name"] == name, run["name"]
     # The failure webhook: one POST per failed run, naming it and the reason.
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(Hooks.posts) < len(BAD):
+    while time.monotonic() < deadline and len(receiver.posts) < len(BAD):
         time.sleep(1)
-    bodies = [p["body"] for p in Hooks.posts]
+    bodies = [p["body"] for p in receiver.posts]
     for _, name, reason in BAD:
         assert any(b.startswith(f"{name} ended Failed: ") and reason in b for b in bodies), bodies
 
