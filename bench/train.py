@@ -6,6 +6,11 @@
     python bench/masks.py --out .perf/chat_masks.npy                   # real chat masks, packed to 4096
     python3 bench/train.py --batches --mask-batches 4 1 --mask-kinds all-scored prompt masks-from \
         --masks-from .perf/chat_masks.npy --out $OUT   # issue 18's goals: later epochs and first (nomemo)
+    PYTHONUNBUFFERED=1 python3 bench/train.py --from-shards --steps 5 --warmup 2 --out $OUT   # issue 30's goals
+
+--from-shards times the step fed from Kimi-size shards written on this machine's disk (bf16 and FP8,
+prompt-0.3 masks) through the training loop's data path (plan_steps, BatchLoader, optimizer_step),
+cold (pages dropped) and warm, beside the synthetic step of the same call: goal >= 97% of it.
 
 Loss masks: the main rows (--batches) score every position but a leading prompt of --prompt-fraction
 of each sequence (default 1/16, the figures recorded since 2026-12-02). --mask-batches measures the
@@ -48,6 +53,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -70,6 +76,8 @@ from eyas.training.losses import (HEAD_CHUNK_ROWS, Labels, TTTObjective, draft_f
 from eyas.training.optim import clip_and_step, lr_factor, make_optimizer  # noqa: E402
 from eyas.training.target_head import TargetHead  # noqa: E402
 from eyas.training.train import optimizer_step  # noqa: E402
+from eyas.training.batches import ShardData  # noqa: E402
+from eyas.training.loader import BatchLoader, disk_read_rate, drop_cache, plan_steps  # noqa: E402
 
 KIMI = dict(hidden_size=7168, target_hidden_size=7168, num_attention_heads=64, num_key_value_heads=64,
             head_dim=128, intermediate_size=18432, vocab_size=163840, draft_vocab_size=32000)
@@ -665,6 +673,136 @@ def clean(x):
     return x
 
 
+# ----------------------------------------------------------------------------- from shards (issue 30)
+
+def shards_pass(data: ShardData, obj, opt, sched, make_labels, B: int, K: int, device, dtype, epoch: int,
+                workers: int) -> dict:
+    """One epoch over the shards through the training loop's data path (plan_steps, BatchLoader, the
+    step as eyas.training.train runs it): per-step wall time (the loader's hand-over included) and
+    the time each step waited for data."""
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    steps = plan_steps(data.lengths, data.train_ids, B, 1, 0, epoch, 0)
+    steps = [next(steps) for _ in range(len(data.train_ids) // B)]
+    times, waits, losses = [], [], []
+    sync(device)
+    with BatchLoader(data, steps, device, dtype, workers=workers) as loader:
+        t_prev = time.perf_counter()
+        for (_, _, micro), mine in loader:
+            waited = loader.wait_s
+            counts = data.scored[[i for m in micro for i in m]].sum(0)
+            stats = optimizer_step(obj, obj, opt, sched, mine, make_labels, ttt_steps=K, decay=0.8, counts=counts,
+                                   grad_clip=0.5, autocast=autocast)  # ends on the host: synchronised
+            now = time.perf_counter()
+            times.append(now - t_prev)
+            waits.append(loader.wait_s - waited)
+            losses.append(round(float(stats[0]), 4))
+            t_prev = now
+    timed = times[1:] or times  # the first step also waits for the first read: reported apart
+    return {"steps": len(times), "step_s_all": [round(t, 4) for t in times], "wait_s_all": [round(w, 4) for w in waits],
+            "tokens_per_s": B * data.lengths[0] * len(timed) / sum(timed), "first_step_wait_s": round(waits[0], 4),
+            "wait_s_per_step": sum(waits[1:]) / max(len(waits) - 1, 1), "read_gb": loader.read_bytes / 1e9,
+            "losses": losses}
+
+
+def run_from_shards(args, model, head, opt, sched, c, T, K, device, dtype, kernels) -> tuple[dict, dict]:
+    """Synthetic batches and shards side by side, per batch size: the synthetic step (run_batch, the
+    prompt-0.3 mask) and, per encoding, epochs over Kimi-size shards written here with ShardWriter
+    (the same mask): one to warm up (it fills the teacher's ArgmaxMemo, as the synthetic warm-up does,
+    and compiles nothing new: same shapes), one cold (every file's pages dropped first), one warm."""
+    from bench.loader import write_shards
+
+    root = Path(args.shard_dir or Path(__file__).resolve().parents[1] / ".perf" / "shards")
+    shutil.rmtree(root, ignore_errors=True)
+    figures: dict = {"shard_dir": str(root), "filesystem": filesystem(root.parent), "loader_workers": args.loader_workers,
+                     "prompt_fraction": args.shape_fraction, "rows": []}
+    paths = {}
+    for enc in args.shard_encodings:
+        t0 = time.perf_counter()
+        paths[enc] = write_shards(root / enc, args.shard_sequences, hidden_size=c.target_hidden_size,
+                                  num_aux=c.num_aux, seq=T, encoding=enc, prompt_fraction=args.shape_fraction,
+                                  device=device.type, vocab=c.vocab_size)
+        size = sum(p.stat().st_size for p in paths[enc])
+        rate, nread = disk_read_rate(paths[enc][0], 1 << 30)
+        figures[f"written_{enc}"] = {"seconds": round(time.perf_counter() - t0, 1), "gb": round(size / 1e9, 3),
+                                     "disk_probe_gb_s": round(rate / 1e9, 3), "probe_gb": round(nread / 1e9, 3)}
+        log(f"wrote {args.shard_sequences} sequences {enc}: {figures[f'written_{enc}']}")
+    figures["loader_matches_collate"] = {enc: loader_matches_collate(paths[enc], device, dtype, K)
+                                         for enc in args.shard_encodings}
+    log(f"loader batches bit for bit collate's on {device}: {figures['loader_matches_collate']}")
+    shape = mask_source(f"prefix:{args.shape_fraction}", T)
+    goals = {"loader_matches_collate": {"value": figures["loader_matches_collate"], "goal": "all true",
+                                        "met": all(figures["loader_matches_collate"].values())}}
+    for B in args.shard_batches:
+        syn = run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args, kernels, mask_fn=shape)
+        syn["tokens_per_s_mean"] = B * T * len(syn["step_s_all"]) / sum(syn["step_s_all"])
+        row = {"batch": B, "synthetic": syn}
+        log(f"batch {B} synthetic: {syn['tokens_per_s_mean']:.0f} tok/s (mean of {len(syn['step_s_all'])} steps), "
+            f"peak {syn['peak_gb']:.1f} GB")
+        for enc in args.shard_encodings:
+            data = ShardData(paths[enc], num_heldout=0, ttt_steps=K)
+            obj = objective(model, kernels)
+            teacher = lambda b, outside=None: teacher_labels(head, b["last"], b["loss_mask"], c.draft_vocab_size,  # noqa: E731
+                                                             dtype, kernels=kernels, outside=outside)
+            memo = ArgmaxMemo(data.lengths, device)
+            make_labels = (lambda b: memo.labels(b, teacher)) if kernels.teacher_memo else teacher
+            r = {"warmup": shards_pass(data, obj, opt, sched, make_labels, B, K, device, dtype, 0, args.loader_workers)}
+            for p in paths[enc]:
+                drop_cache(p)
+            r["cold"] = shards_pass(data, obj, opt, sched, make_labels, B, K, device, dtype, 1, args.loader_workers)
+            r["warm"] = shards_pass(data, obj, opt, sched, make_labels, B, K, device, dtype, 2, args.loader_workers)
+            for mode in ("cold", "warm"):
+                v = r[mode]["tokens_per_s"] / syn["tokens_per_s_mean"]
+                r[mode]["of_synthetic"] = round(v, 4)
+                name = f"shards_{'bf16' if enc == 'plain' else 'fp8'}_b{B}_{mode}"
+                goals[name] = {"value": round(v, 4), "goal": ">= 0.97", "met": v >= 0.97}
+                log(f"batch {B} {enc} {mode}: {r[mode]['tokens_per_s']:.0f} tok/s = {v:.1%} of synthetic; waited "
+                    f"{r[mode]['wait_s_per_step'] * 1e3:.1f} ms/step (first step {r[mode]['first_step_wait_s']:.2f} s), "
+                    f"steps {r[mode]['step_s_all']}")
+            row[enc] = r
+        figures["rows"].append(row)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    shutil.rmtree(root, ignore_errors=True)
+    table = ["batch  synthetic  " + "  ".join(f"{e[:5]:>5} cold  {e[:5]:>5} warm" for e in args.shard_encodings)]
+    for row in figures["rows"]:
+        cells = [f"{row[e][m]['tokens_per_s']:>7.0f} {row[e][m]['of_synthetic']:>6.1%}"
+                 for e in args.shard_encodings for m in ("cold", "warm")]
+        table.append(f"{row['batch']:>5}  {row['synthetic']['tokens_per_s_mean']:>9.0f}  " + "  ".join(cells))
+    figures["table"] = table
+    for line in table:
+        log(line)
+    return figures, goals
+
+
+def loader_matches_collate(paths: list[Path], device, dtype, K: int, steps: int = 2) -> bool:
+    """The loader's batches on this device (pinned, side stream, FP8 dequantized here) against the
+    synchronous collate's, bit for bit, for the first `steps` batches of 2."""
+    from eyas.training.batches import collate
+    data = ShardData(paths, num_heldout=0, ttt_steps=K)
+    plan = plan_steps(data.lengths, data.train_ids, 2, 1, 0, 0, 0)
+    items = [next(plan) for _ in range(steps)]
+    ok = True
+    with BatchLoader(data, items, device, dtype, workers=2) as loader:
+        for (_, _, micro), (b,) in loader:
+            want = collate([data.sample(i) for i in micro[0]], device, dtype, ids=micro[0])
+            ok &= all(torch.equal(b[k], want[k]) and b[k].dtype == want[k].dtype for k in ("ids", "loss_mask", "aux", "last"))
+            ok &= b["sample_ids"] == want["sample_ids"]
+    return bool(ok)
+
+
+def filesystem(path: Path) -> str:
+    """The filesystem type holding path (from /proc/mounts; tmpfs would make "cold" meaningless)."""
+    path, best = Path(path).resolve(), ("", "unknown")
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            _, mnt, kind, *_ = line.split()
+            if str(path).startswith(mnt) and len(mnt) > len(best[0]):
+                best = (mnt, kind)
+    except OSError:
+        pass
+    return f"{best[1]} at {best[0]}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -711,6 +849,16 @@ def main() -> None:
                     help="the loss masks of the profiled step (default: the main rows')")
     ap.add_argument("--profile-batches", type=int, nargs="*", default=[1],
                     help="profile one step at these batches (GPU time by kernel class)")
+    ap.add_argument("--from-shards", action="store_true",
+                    help="only the synthetic step beside the same step fed from Kimi-size shards written here "
+                         "(bf16 and FP8; issue 30's goals): --shard-batches, --shape-fraction's masks")
+    ap.add_argument("--shard-batches", type=int, nargs="+", default=[4, 1])
+    ap.add_argument("--shard-encodings", nargs="+", default=["plain", "fp8_e4m3"], choices=["plain", "fp8_e4m3"])
+    ap.add_argument("--shard-sequences", type=int, default=None,
+                    help="sequences per encoding (default 24: 6 steps an epoch at batch 4; tiny 8)")
+    ap.add_argument("--shard-dir", default=None, help="where the shards are written (default .perf/shards: the "
+                                                      "machine's disk, not a tmpfs)")
+    ap.add_argument("--loader-workers", type=int, default=2, help="BatchLoader threads (training.loader_workers)")
     args = ap.parse_args()
     device = torch.device(args.device)
     _PROMPT_FRACTION[0] = args.prompt_fraction
@@ -728,14 +876,15 @@ def main() -> None:
                      "prompt_fraction": args.prompt_fraction, "masks_from": args.masks_from}
     compile_on = (args.compile or ("on" if device.type == "cuda" else "off")) == "on"
     figures["compile"] = compile_on
-    figures["checks_rel_err"] = check_kernels(device, dtype)
-    if device.type == "cuda":
+    checks = not args.from_shards  # the from-shards rows time the step only (the checks cost a minute)
+    figures["checks_rel_err"] = check_kernels(device, dtype) if checks else {}
+    if device.type == "cuda" and checks:
         flash = check_kernels(device, dtype, KernelOptions(attention="flash"))
         figures["checks_rel_err"].update({f"{k}_flash": v for k, v in flash.items() if k.startswith("ttt")})
         split = check_kernels(device, dtype, KernelOptions(span_split=True))  # the last-rows cases take it
         figures["checks_rel_err"].update({f"{k}_split": v for k, v in split.items() if "_last" in k})
         figures["checks_rel_err"]["fused_clip_adamw"] = check_fused_clip(device)
-    if compile_on:
+    if compile_on and checks:
         t0 = time.perf_counter()
         try:
             figures["checks_rel_err"].update(check_compiled(device, dtype))
@@ -751,7 +900,7 @@ def main() -> None:
     log(f"bf16 GEMM 8192^3: {figures['gemm_bf16_tflops']:.0f} TFLOP/s")
     if args.gemm_shapes:
         figures["gemm_shapes_tflops"] = gemm_shapes(device)
-    figures["soft_ce"] = soft_ce_timing(device, kernels)
+    figures["soft_ce"] = soft_ce_timing(device, kernels) if checks else {}
     figures["cudnn_refused"] = "cudnn" in attention._refused  # then every "cudnn" run below ran flash
     log(f"soft cross-entropy of one head chunk: {figures['soft_ce']}; attention kernel {kernels.attention}"
         f"{' (cuDNN refused: flash)' * figures['cudnn_refused']}")
@@ -764,6 +913,16 @@ def main() -> None:
     figures["trainable_params"] = sum(p.numel() for p in params)
     log(f"built in {time.perf_counter() - t0:.1f}s: {figures['trainable_params'] / 1e9:.3f}B trainable params, "
         f"optimizer fused={opt.defaults.get('fused')}")
+
+    if args.from_shards:
+        args.shard_sequences = args.shard_sequences or (8 if args.tiny else 24)
+        figures["from_shards"], goals = run_from_shards(args, model, head, opt, sched, c, T, K, device, dtype, kernels)
+        line = clean({"bench": "train", "figures": figures, "goals": goals})
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "bench_train_shards.json").write_text(json.dumps(line, indent=2) + "\n")
+        print(json.dumps(line, separators=(",", ":")), flush=True)
+        return
 
     if args.fp8_check:
         try:

@@ -18,6 +18,10 @@ out, as prepare does (prepare also drops sequences without an assistant token: n
 2 B in bf16 plus 5 B of id and mask; fp8_e4m3 one byte per value plus a float32 scale per token and
 layer, about half), plus each shard's header bound and 8 B per sample offset.
 
+**Reading.** A training node reads plan.train_tokens_per_s x processes per node x bytes per token of
+shards (read_bytes_per_s); preflight probes the shard folder's rate on the first training host
+(eyas/preflight.py, training.disk_check).
+
 **Hours.** extract = tokens / (plan.prefill_tokens_per_s x servers), servers = 1 + len(extraction.endpoints);
 regenerate = assistant turns x data.regenerate.max_new_tokens / (plan.decode_tokens_per_s x servers);
 train = max_steps x global batch x mean sequence tokens / (plan.train_tokens_per_s x processes).
@@ -98,6 +102,12 @@ class Plan:
     gpu_memory_gb: float | None = None
     #: (sequence length, GB per training process at each of PLAN_BATCHES) for PLAN_LENGTHS and data.max_length
     memory_by_length: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    #: bytes/s of shards one training node reads at the planned speed (plan.train_tokens_per_s x
+    #: processes per node x bytes per token): what its disk or page cache must deliver
+    read_bytes_per_s: float | None = None
+    #: the shard folder's read rate measured by preflight's probe (bytes/s), and where
+    disk_bytes_per_s: float | None = None
+    disk_probe: str = ""
 
     @property
     def train_memory_gb(self) -> float | None:
@@ -232,6 +242,7 @@ def make_plan(cfg: PipelineConfig, tcfg: dict | None, count: DataCount | None, *
     if tcfg is not None:
         bpt = bytes_per_token(int(tcfg["hidden_size"]), len(cfg.target.layer_ids), x.dtype, x.encoding)
         plan["bytes_per_token"] = bpt
+        plan["read_bytes_per_s"] = p.train_tokens_per_s * t.distributed.nproc_per_node * bpt
         if count is not None:
             headers = x.num_shards * HEADER_BYTES + 8 * (count.sequences + x.num_shards)  # + offsets
             plan["total_bytes"] = count.tokens * bpt + headers
@@ -286,6 +297,13 @@ def plan_lines(plan: Plan, cfg: PipelineConfig) -> list[str]:
     if plan.stages:
         out.append(f"  total      {sum(s.hours for s in plan.stages):,.2f} h (stages only: no loading, "
                    f"export, evaluation or serving benchmark)")
+    if plan.read_bytes_per_s is not None:
+        x, t = cfg.extraction, cfg.training
+        disk = (f"; the shard folder reads {plan.disk_bytes_per_s / GB:,.2f} GB/s ({plan.disk_probe})"
+                if plan.disk_bytes_per_s is not None else f"; {plan.disk_probe or 'the shard folder not probed'}")
+        out.append(f"  reading    {plan.read_bytes_per_s / GB:,.2f} GB/s of shards per training node "
+                   f"({t.distributed.nproc_per_node} process(es) x plan.train_tokens_per_s="
+                   f"{cfg.plan.train_tokens_per_s:g} x {plan.bytes_per_token:,} B/token, {x.dtype} {x.encoding}){disk}")
     if plan.memory_gb:
         t = cfg.training
         parts = ", ".join(f"{k} {v:,.2f}" for k, v in plan.memory_gb)

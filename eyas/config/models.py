@@ -324,6 +324,15 @@ class TrainingConfig(StrictModel):
     #: 0 = per batch, as on a GPU always (then each position's full-vocabulary argmax bit is remembered
     #: from its sequence's first epoch: teacher_cache.ArgmaxMemo)
     teacher_cache_gb: float = Field(2.0, ge=0)
+    #: threads that read, collate and pin the coming micro-batches while the step runs (the copy to the
+    #: GPU overlaps it too: eyas/training/loader.py); 0 = synchronously inside the step. One reads a
+    #: Kimi-size micro-batch of 4 (0.94 GB) in ~0.2 s from the page cache (docs/performance.md, "The data
+    #: path"). None = 2 on a GPU, 0 on a CPU, whose step already uses every core. The same batches either way
+    loader_workers: int | None = Field(None, ge=0)
+    #: the shard folder's read rate against what the planned training speed needs (eyas preflight:
+    #: a short probe with the page cache dropped): "warn" notes a disk too slow, "refuse" makes it a
+    #: problem, "off" skips the probe
+    disk_check: Literal["warn", "refuse", "off"] = "warn"
     seed: int = 0
     device: str = "auto"  #: "auto" = cuda if available else cpu
     checkpoint_every: int = Field(100, ge=1)

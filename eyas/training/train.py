@@ -16,7 +16,10 @@ One optimizer step takes a global batch of batch_size * grad_accum * world_size 
 length-aware (sorted within windows of `length_grouping` global batches, so a micro-batch pads
 little) and cut into micro-batches (eyas/training/batches.py); micro-batch j of a step goes to rank
 j % world_size. The loss is normalised by the global batch's count of scored positions, so any split
-of one global batch (accumulation, ranks) gives the same loss and gradient. How the step computes
+of one global batch (accumulation, ranks) gives the same loss and gradient. Each rank's
+micro-batches are read, collated and copied to the GPU ahead of the step by a BatchLoader
+(eyas/training/loader.py; training.loader_workers, 0 = inside the step, the same batches bit for
+bit). How the step computes
 (torch.compile, kernels, fusions) is one KernelOptions made from the config (eyas/training/kernels.py).
 
 Checkpoints (eyas/training/checkpoints.py: cfg.output_dir/checkpoints/step-NNNNNN/, each written whole then
@@ -34,6 +37,7 @@ throttles. The steps StepStats.in_history marks make the bounded loss table Trai
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,12 +49,13 @@ import torch.distributed as dist
 
 from eyas.evaluation.evaluate import simulated_acceptance_length
 from eyas.training import kernels as fused
-from eyas.training.batches import ShardData, add_aux_noise, check_shard_meta, collate, data_digest, epoch_plan
+from eyas.training.batches import ShardData, add_aux_noise, check_shard_meta, collate, data_digest
 from eyas.training.checkpoints import (TrainState, checkpoint_differs, load_checkpoint, resumable_checkpoint,
                                        save_checkpoint)
 from eyas.training.draft_vocab import build_draft_vocab, count_tokens
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter
 from eyas.training.ema import WeightEMA
+from eyas.training.loader import BatchLoader, plan_steps
 from eyas.training.losses import HEAD_CHUNK_ROWS, HEAD_CHUNK_ROWS_CPU, TTTObjective, draft_first_order, teacher_labels
 from eyas.training.teacher_cache import ArgmaxMemo, TeacherCache
 from eyas.training.optim import clip_and_step, lr_factor, make_optimizer, resolve_device
@@ -176,7 +181,7 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
                          f"{cfg.grad_accum} x {world} ranks) exceeds the {len(data.train_ids)} training sequences")
     fingerprint = {**cfg.model_dump(mode="json", exclude={"output_dir", "checkpoint_every", "device", "eval_every",
                                                           "batch_size", "grad_accum", "distributed", "compile",
-                                                          "teacher_cache_gb"}),
+                                                          "teacher_cache_gb", "loader_workers", "disk_check"}),
                    "global_batch": G, "shards": [[Path(r.path).name, r.num_tokens] for r in data.readers],
                    "data_sha256": data_digest(data.readers), "capture_ids": target.capture_ids(),
                    "last_hidden_norm": meta["last_hidden_norm"]}
@@ -262,67 +267,65 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
         memo = ArgmaxMemo(data.lengths, device)
         make_labels = lambda b: memo.labels(b, teacher)  # noqa: E731
 
-    # 4. the loop
-    num_micro = cfg.grad_accum * world
-    plan = epoch_plan(data.lengths, data.train_ids, cfg.batch_size, num_micro, cfg.seed, state.epoch,
-                      cfg.length_grouping)
-    final_held = None  # per-TTT-step held-out accuracy at max_steps
-    while state.step < stop:
-        if state.batch_pos >= len(plan):
-            state.epoch, state.batch_pos = state.epoch + 1, 0
-            if memo is not None:
-                memo.share()  # the next epoch deals the sequences out anew
-                log(f"epoch {state.epoch + 1}: the teacher's full-vocabulary argmax remembered for "
-                    f"{int(memo.known.sum())} of {len(data.lengths)} sequences (their teacher: the draft "
-                    f"vocabulary's rows only)")
-            plan = epoch_plan(data.lengths, data.train_ids, cfg.batch_size, num_micro, cfg.seed, state.epoch,
-                              cfg.length_grouping)
-        micro = plan[state.batch_pos]
-        counts = data.scored[[i for m in micro for i in m]].sum(0)  # (K,) the global batch's scored positions
-        mine = (add_aux_noise(collate([data.sample(i) for i in m], device, dtype, ids=m), cfg.aux_noise)
-                for m in micro[rank::world])
-        lr = sched.get_last_lr()[0]
-        stats = optimizer_step(objective, wrapped, opt, sched, mine, make_labels, ttt_steps=cfg.ttt_steps,
-                               decay=cfg.loss_decay, counts=counts, grad_clip=cfg.grad_clip, autocast=autocast,
-                               world=world)
-        if ema is not None:
-            ema.update(state.step)
-        stats = _all_reduce(stats, device)
-        state.batch_pos += 1
-        state.step += 1
-        if ema is not None and state.step == cfg.max_steps:
-            ema.swap()  # the average is what is evaluated, checkpointed and exported from here on
-        state.tokens += sum(data.lengths[i] for m in micro for i in m)
-        K = cfg.ttt_steps
-        state.losses.append(float(stats[0]))
-        state.accuracies.append((stats[1:1 + K] / stats[1 + K:].clamp(min=1)).tolist())
-        if state.step % log_every == 0 or state.step == stop:
-            acc = " ".join(f"{a:.2f}" for a in state.accuracies[-1])
-            log(f"step {state.step}/{cfg.max_steps} loss {state.losses[-1]:.4f} acc [{acc}] "
-                f"lr {lr:.2e} {time.monotonic() - t_log:.1f}s")
-        simulated = None  # held-out simulated acceptance length, every eval_every steps and at max_steps
-        if state.step == cfg.max_steps or (cfg.eval_every and state.step % cfg.eval_every == 0):
-            held = evaluate_heldout(objective, wrapped, make_labels, data, cfg, device, dtype, autocast, rank, world)
-            simulated = None if held is None else simulated_acceptance_length(held)
-            if state.step == cfg.max_steps:
-                final_held = held
-            elif simulated is not None:
-                state.heldout_history.append([state.step, simulated])
-                log(f"step {state.step}: held-out simulated acceptance length {simulated:.3f}")
-        report = StepStats(step=state.step, max_steps=cfg.max_steps, loss=state.losses[-1],
-                           accuracies=tuple(state.accuracies[-1]), lr=lr, tokens=state.tokens,
-                           seconds=time.monotonic() - t_loop, start_step=resumed_from, start_tokens=tokens_from,
-                           heldout_acceptance=simulated,
-                           in_history=keeps_row(state.step, cfg.max_steps, evaluated=simulated is not None,
-                                                last=state.step == stop))
-        if report.in_history:
-            state.history.append(report.row())
-        if on_step is not None:
-            on_step(report)
-        if state.step % cfg.checkpoint_every == 0 or state.step == stop:
-            state.seconds += time.monotonic() - t_run
-            t_run = time.monotonic()
-            ckpt = save_checkpoint(out_dir, objective, opt, sched, state, info, rank=rank, ema=ema)
+    # 4. the loop: this rank's micro-batches read, collated and copied ahead of the step (eyas/training/loader.py)
+    steps = itertools.islice(plan_steps(data.lengths, data.train_ids, cfg.batch_size, cfg.grad_accum * world, cfg.seed,
+                                        state.epoch, state.batch_pos, cfg.length_grouping), max(0, stop - state.step))
+    final_held, waited = None, 0.0  # per-TTT-step held-out accuracy at max_steps; data wait since the last log
+    workers = cfg.loader_workers if cfg.loader_workers is not None else (2 if device.type == "cuda" else 0)
+    with BatchLoader(data, steps, device, dtype, rank=rank, world=world, workers=workers) as loader:
+        for (epoch, pos, micro), mine in loader:
+            if epoch != state.epoch:
+                state.epoch = epoch
+                if memo is not None:
+                    memo.share()  # the next epoch deals the sequences out anew
+                    log(f"epoch {state.epoch + 1}: the teacher's full-vocabulary argmax remembered for "
+                        f"{int(memo.known.sum())} of {len(data.lengths)} sequences (their teacher: the draft "
+                        f"vocabulary's rows only)")
+            counts = data.scored[[i for m in micro for i in m]].sum(0)  # (K,) the global batch's scored positions
+            lr = sched.get_last_lr()[0]
+            stats = optimizer_step(objective, wrapped, opt, sched, (add_aux_noise(b, cfg.aux_noise) for b in mine),
+                                   make_labels, ttt_steps=cfg.ttt_steps, decay=cfg.loss_decay, counts=counts,
+                                   grad_clip=cfg.grad_clip, autocast=autocast, world=world)
+            if ema is not None:
+                ema.update(state.step)
+            stats = _all_reduce(stats, device)
+            state.batch_pos = pos + 1
+            state.step += 1
+            if ema is not None and state.step == cfg.max_steps:
+                ema.swap()  # the average is what is evaluated, checkpointed and exported from here on
+            state.tokens += sum(data.lengths[i] for m in micro for i in m)
+            K = cfg.ttt_steps
+            state.losses.append(float(stats[0]))
+            state.accuracies.append((stats[1:1 + K] / stats[1 + K:].clamp(min=1)).tolist())
+            if state.step % log_every == 0 or state.step == stop:
+                acc = " ".join(f"{a:.2f}" for a in state.accuracies[-1])
+                log(f"step {state.step}/{cfg.max_steps} loss {state.losses[-1]:.4f} acc [{acc}] "
+                    f"lr {lr:.2e} {time.monotonic() - t_log:.1f}s ({loader.wait_s - waited:.1f}s waiting for data)")
+                waited = loader.wait_s
+            simulated = None  # held-out simulated acceptance length, every eval_every steps and at max_steps
+            if state.step == cfg.max_steps or (cfg.eval_every and state.step % cfg.eval_every == 0):
+                held = evaluate_heldout(objective, wrapped, make_labels, data, cfg, device, dtype, autocast, rank,
+                                        world)
+                simulated = None if held is None else simulated_acceptance_length(held)
+                if state.step == cfg.max_steps:
+                    final_held = held
+                elif simulated is not None:
+                    state.heldout_history.append([state.step, simulated])
+                    log(f"step {state.step}: held-out simulated acceptance length {simulated:.3f}")
+            report = StepStats(step=state.step, max_steps=cfg.max_steps, loss=state.losses[-1],
+                               accuracies=tuple(state.accuracies[-1]), lr=lr, tokens=state.tokens,
+                               seconds=time.monotonic() - t_loop, start_step=resumed_from, start_tokens=tokens_from,
+                               heldout_acceptance=simulated,
+                               in_history=keeps_row(state.step, cfg.max_steps, evaluated=simulated is not None,
+                                                    last=state.step == stop))
+            if report.in_history:
+                state.history.append(report.row())
+            if on_step is not None:
+                on_step(report)
+            if state.step % cfg.checkpoint_every == 0 or state.step == stop:
+                state.seconds += time.monotonic() - t_run
+                t_run = time.monotonic()
+                ckpt = save_checkpoint(out_dir, objective, opt, sched, state, info, rank=rank, ema=ema)
 
     # 5. held-out accuracy per TTT step -> simulated acceptance length (a finished run resumed: again)
     if final_held is None and state.step >= cfg.max_steps:

@@ -67,3 +67,25 @@ def test_a_failing_node_is_reported_with_its_exit_code_and_log(setup, tmp_path, 
                                                          "python": str(python)})
     with pytest.raises(TrainingLaunchError, match=r"node 0: torchrun exited 3; see .*node-0.log\nno torch on this host"):
         launch_training(cfg, target_config(target), shards, log=lambda _: None, poll_s=0.1)
+
+
+def test_two_ranks_overlapped_loader_gives_the_gradients_of_the_synchronous_path(setup, tmp_path, free_port):
+    """Each rank's loader reads its own micro-batches (micro-batch j of a step: rank j % 2) ahead of the
+    step; with training.loader_workers 0 the ranks collate them inside the step. Same losses, weights and
+    AdamW moments (the gradients' running averages), bit for bit."""
+    target, shards, _ = setup
+    runs = {}
+    for workers in (0, 2):
+        cfg = training_config(tmp_path / f"w{workers}", max_steps=3, batch_size=2, grad_accum=2,
+                              checkpoint_every=100, loader_workers=workers, aux_noise=0.1,
+                              distributed={"nproc_per_node": 2, "master_port": free_port + workers})
+        runs[workers] = launch_training(cfg, target_config(target), shards, log=lambda _: None, poll_s=0.2)
+    sync, overlapped = runs[0], runs[2]
+    assert overlapped.world_size == 2 and overlapped.global_batch == 8
+    assert overlapped.losses == sync.losses
+    wa = load_file(f"{sync.checkpoint_dir}/model.safetensors")
+    wb = load_file(f"{overlapped.checkpoint_dir}/model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    sa, sb = (torch.load(f"{r.checkpoint_dir}/trainer_state.pt", weights_only=False)["optimizer"]["state"]
+              for r in (sync, overlapped))
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
