@@ -153,9 +153,9 @@ class Termination:
 def _global_settings_from_env() -> None:
     """Prefect's process-wide settings, read again from the environment. A thread the run starts (the
     regeneration's workers, a progress publisher) sees those, not the flow's settings context: with
-    the API URL they were read with at import (none), its first log line made Prefect start an
-    ephemeral server of its own, which then ran beside the run to its end (seen in the README run:
-    "Starting temporary server" during regeneration, that part 27 s instead of 18)."""
+    the API URL they were read with at import (none), its first log line makes Prefect start an
+    ephemeral server of its own ("Starting temporary server"), which then runs beside the run to its
+    end and slows it (a regeneration part of the embedded default 27 s instead of 18)."""
     try:
         from prefect.context import refresh_global_settings_context
     except ImportError:  # an older Prefect: threads keep the import-time settings
@@ -165,9 +165,10 @@ def _global_settings_from_env() -> None:
 
 def _hand_over(timeout_s: float = 15.0) -> None:
     """Send what Prefect still holds for the API (log batches, events) while the temporary server is
-    up. Left to the interpreter's exit, it found the server gone: "Error logging to API", retries,
-    and Prefect starting an ephemeral server of its own to deliver them (seen: 70 s between the
-    pipeline's end and the process's, on the embedded default)."""
+    up. Left to the interpreter's exit, it finds the server gone: "Error logging to API", retries,
+    and Prefect starting an ephemeral server of its own to deliver them (15 to 70 s between the
+    pipeline's end and the process's on the embedded default:
+    bench/results/2026-12-04_cpu2_readme-pipeline.md)."""
     try:
         from prefect._internal.concurrency.services import _QueueServiceBase
 

@@ -315,9 +315,9 @@ class TrainingConfig(StrictModel):
     #: fuse the elementwise regions with torch.compile (eyas/training/kernels.py); None = on a GPU only
     compile: bool | None = None
     #: EXPERIMENTAL: the drafter layer's GEMMs in FP8 (e4m3, row-wise scales; a GPU with FP8 units,
-    #: Hopper or newer), the head and the teacher in bf16. 1.2-1.25x faster steps on an H200, but one
-    #: step's gradients lie 60% from fp32's (bf16: 6%) and no drafter trained with it has been
-    #: evaluated: docs/performance.md "FP8 GEMMs (experimental)"
+    #: Hopper or newer), the head and the teacher in bf16. 1.1-1.25x faster steps, but one step's
+    #: gradients lie 60% from fp32's (bf16: 6%) and no drafter trained with it has been evaluated:
+    #: docs/performance.md "FP8 GEMMs (experimental)"
     fp8_gemms: bool = False
     #: on a CPU: the teacher's labels of every sequence computed once (not once per batch) when they
     #: fit in this much memory (tokens x draft_vocab_size x 4 bytes; eyas/training/teacher_cache.py);
@@ -326,8 +326,8 @@ class TrainingConfig(StrictModel):
     teacher_cache_gb: float = Field(2.0, ge=0)
     #: threads that read, collate and pin the coming micro-batches while the step runs (the copy to the
     #: GPU overlaps it too: eyas/training/loader.py); 0 = synchronously inside the step. One reads a
-    #: Kimi-size micro-batch of 4 (0.94 GB) in ~0.2 s from the page cache (docs/performance.md, "The data
-    #: path"). None = 2 on a GPU, 0 on a CPU, whose step already uses every core. The same batches either way
+    #: Kimi-size micro-batch of 4 (0.94 GB) in ~0.2 s from the page cache (docs/performance.md, "The
+    #: data path"). None = 2 on a GPU, 0 on a CPU, whose step already uses every core. The same batches either way
     loader_workers: int | None = Field(None, ge=0)
     #: the shard folder's read rate against what the planned training speed needs (eyas preflight:
     #: a short probe with the page cache dropped): "warn" notes a disk too slow, "refuse" makes it a

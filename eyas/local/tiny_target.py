@@ -198,8 +198,9 @@ def baselines(train_ids: np.ndarray, test_ids: np.ndarray, vocab_size: int) -> d
 
 def _pick_experts_implementation(model: DeepseekV3ForCausalLM, x: torch.Tensor, device: torch.device,
                                  log: Callable) -> None:
-    """Keep transformers' default grouped_mm experts unless it fails here: the lent GPU runs an older
-    transformers (5.17) than this project pins, and grouped_mm depends on the torch build."""
+    """Keep transformers' default grouped_mm experts unless it fails here: a GPU machine may run an
+    older transformers than this project pins (the fixture was trained under 5.17), and grouped_mm
+    depends on the torch build."""
     try:
         with _autocast(device):
             model(input_ids=x).logits.float().mean().backward()

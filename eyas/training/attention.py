@@ -44,9 +44,9 @@ aten = torch.ops.aten
 # below needs. Queries shorter than the keys (the last rows of the key range): flash aligns its causal
 # mask bottom-right itself; cuDNN (whose alignment is not promised) and the CPU kernel (top-left) get
 # the missing leading queries as zero rows, which cost a copy of q and a sliver of the causal work,
-# and add nothing to the gradients; or, on cuDNN with KernelOptions.span_split (off: not yet measured
-# on a GPU), two calls without padding (_split_fwd: the keys before the first query unmasked, the rest
-# causal), merged by lse.
+# and add nothing to the gradients; or, on cuDNN with KernelOptions.span_split (off: measured at no
+# gain, bench/results/2026-12-05_h100_goal-rows-span-split.md), two calls without padding (_split_fwd:
+# the keys before the first query unmasked, the rest causal), merged by lse.
 #
 # Not a setting but a memo of what this process's cuDNN accepted: once it refuses a call (a shape or
 # dtype its build does not support), every later call goes to flash instead of failing (and paying a

@@ -134,8 +134,8 @@ class _GradSink:
 
     In the GEMM dtype (the default: bf16 on a GPU, the sum autograd forms, one fused GEMM instead of a
     GEMM and an add per step) or, with fp32 (KernelOptions.grad_acc_fp32), in fp32: more exact, but
-    cuBLAS's fp32-output kernels ran ~10% slower on the H200, which costs more than the adds it saves
-    (docs/performance.md). `part`: the column block a GEMM's gradient belongs to, for a weight used as
+    cuBLAS's fp32-output kernels run ~10% slower, which costs more than the adds it saves
+    (bench/results/2026-12-03_h200_train-step.md). `part`: the column block a GEMM's gradient belongs to, for a weight used as
     two halves (q/k/v's embedding and hidden-state columns, KernelOptions.shared_emb); take() joins them."""
 
     def __init__(self, fp32: bool = False):
@@ -293,7 +293,8 @@ class TTTWeights:
     modules'; only the kernels differ.
 
     gemm_dtype: run the GEMMs in this dtype while the activations stay in `dtype` (a CPU with bf16
-    matrix units: bf16 GEMMs ran ~8x faster than fp32 ones here, its bf16 elementwise ops slower).
+    matrix units: bf16 GEMMs run ~8x faster than fp32 ones on 2 cores, its bf16 elementwise ops
+    slower: bench/results/2026-12-03_cpu2_cpu-train-step.md).
     grad_acc_fp32: the sums in fp32 (_GradSink)."""
 
     def __init__(self, drafter: "Eagle3Drafter", dtype: torch.dtype, gemm_dtype: torch.dtype | None = None,
@@ -363,8 +364,8 @@ class _EmbSums:
             buf = self.bufs[name] = torch.zeros_like(self.data[name])
         if isinstance(rows, slice):
             # one sequence at a time: buf[b, rows] is contiguous where buf[:, rows] is strided, which
-            # ran CUDA's generic elementwise kernel (12 ms of a batch-4 step on the H200; with this the
-            # in-place sums measured 0.6% faster than autograd's, 0.1% before: docs/performance.md)
+            # runs CUDA's generic elementwise kernel (12 ms of a batch-4 step; one sequence at a time
+            # the in-place sums beat autograd's by 0.6%: bench/results/2026-12-05_h200_copies-adds.md)
             for b in range(buf.shape[0]):
                 buf[b, rows].add_(dy[b])
         else:  # gathered (b, t), distinct: one indexed add into the flat (B * S, out) rows

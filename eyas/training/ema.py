@@ -7,7 +7,7 @@
 Why: late in training each step still moves the weights by lr times a noisy gradient, so the last
 step's weights are one sample around where training settled; their average over the last ~1/(1-decay)
 steps sits nearer the middle. On the embedded default it raised three seeds' mean acceptance length
-by 0.02 (docs/training.md, "Averaged weights").
+by 0.02 (bench/results/2026-12-05_cpu2_quality-ema.md).
 
 The average is bias-corrected as Adam's moments are: after t steps it is sum_i decay**(t-i) w_i over
 sum_i decay**(t-i), the trained weights only, never the starting ones (the step's rate

@@ -6,14 +6,15 @@
 A drafter step is a handful of large GEMMs (cuBLAS, eager) and, between them, norms, the rotary
 embedding, residual adds, SwiGLU, the TTT attention's diagonal terms and the soft cross-entropy over
 the draft vocabulary. In eager PyTorch each of those is several kernels, each a full pass over an
-activation; at Kimi-K2.5 size they cost about a third of the step (docs/performance.md). Each
-function here is one such region with plain tensor arguments: called directly it is eager PyTorch
-(the CPU and the tests use that), and with `compile=True` it runs through torch.compile,
-which fuses it into one or two kernels (computing in fp32 inside and rounding once) and, for the ones
-autograd sees, fuses the backward too. Sizes are PyTorch's automatic dynamic shapes: each is a
-constant until it changes, then symbolic, so the head size, widths and vocabularies stay constants
-the kernels index with (all-symbolic sizes cost 2.3% of a batch-4 step on the H200), and a new batch
-size or sequence length costs one recompile per region, once.
+activation; at Kimi-K2.5 size they cost about a third of the step
+(bench/results/2026-12-03_h200_train-step.md). Each function here is one such region with plain
+tensor arguments: called directly it is eager PyTorch (the CPU and the tests use that), and with
+`compile=True` it runs through torch.compile, which fuses it into one or two kernels (computing in
+fp32 inside and rounding once) and, for the ones autograd sees, fuses the backward too. Sizes are
+PyTorch's automatic dynamic shapes: each is a constant until it changes, then symbolic, so the head
+size, widths and vocabularies stay constants the kernels index with (all-symbolic sizes cost 2.3% of a
+batch-4 step, same record), and a new batch size or sequence length costs one recompile per region,
+once.
 
 The soft cross-entropy over the draft vocabulary is a hand-written Triton kernel on CUDA.
 """
@@ -34,10 +35,10 @@ if TYPE_CHECKING:  # eyas.config needs pydantic; the GPU benchmark imports this 
 @dataclass(frozen=True)
 class KernelOptions:
     """Which kernels and fusions a training step uses. Every setting computes the same loss and
-    gradients (up to rounding; tests/unit/test_kernels.py); the defaults are the fastest measured on the
-    H200 and H100 (docs/performance.md), except `compile`, which kernel_options turns on for a GPU (and
-    fp8_gemms, which training.fp8_gemms sets: not the same arithmetic). The others exist so that
-    bench/train.py can measure each optimisation against its absence.
+    gradients (up to rounding; tests/unit/test_kernels.py); the defaults are the fastest measured on
+    Hopper GPUs (docs/performance.md, "Training"), except `compile`, which kernel_options turns on
+    for a GPU (and fp8_gemms, which training.fp8_gemms sets: not the same arithmetic). The others
+    exist so that bench/train.py can measure each optimisation against its absence.
 
     Built once per run and passed down, never read from a global: TTTObjective(..., kernels=k) hands it
     to the drafter (norms, RoPE, SwiGLU, TTTWeights), the TTT attention and the fused head loss, and
@@ -84,11 +85,12 @@ class KernelOptions:
     #: queries that are the last rows of the keys (the span path's TTT steps) on cuDNN as two calls,
     #: the keys before the first query unmasked and the rest causal, merged by log-sum-exp
     #: (attention._split_fwd: no padding copies, none of the causal work of the missing rows; tested
-    #: on the CPU's kernel). Off until measured on a GPU (docs/performance.md says what to run);
+    #: on the CPU's kernel). Off: measured at no gain on a GPU
+    #: (bench/results/2026-12-05_h100_goal-rows-span-split.md);
     #: False: the missing leading queries as zero rows in one causal call
     span_split: bool = False
-    #: the teacher's fp32-output GEMMs through cuBLASLt (CUDA), which ran them ~7% faster than cuBLAS
-    #: on the H200 (docs/performance.md); False: the default BLAS
+    #: the teacher's fp32-output GEMMs through cuBLASLt (CUDA), which runs them ~7% faster than cuBLAS
+    #: (bench/results/2026-12-03_h200_train-step.md); False: the default BLAS
     teacher_lt: bool = True
     #: where the teacher's labels are not cached whole (a GPU, or more than training.teacher_cache_gb):
     #: remember per position whether its full-vocabulary argmax lies outside the draft vocabulary
@@ -157,8 +159,9 @@ def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def cpu_bf16_gemm() -> bool:
-    """Whether this CPU has bf16 matrix units (AMX), where bf16 GEMMs beat fp32 ones ~8x (2 cores here:
-    2.6 against 0.3 TFLOP/s); without them bf16 GEMMs are emulated and slower."""
+    """Whether this CPU has bf16 matrix units (AMX), where bf16 GEMMs beat fp32 ones ~8x (2.6 against
+    0.3 TFLOP/s on 2 cores: docs/performance.md, "Training on a CPU"); without them bf16 GEMMs are
+    emulated and slower."""
     init = getattr(torch._C._cpu, "_init_amx", None)  # True where AMX is there and the kernel lets us use it
     try:
         return bool(init()) if init is not None else False
@@ -168,7 +171,8 @@ def cpu_bf16_gemm() -> bool:
 
 #: CPU bf16 GEMMs take their row count rounded up to this: oneDNN builds (JIT) a kernel for each new
 #: shape, ~2.5 ms for one of the drafter's GEMMs, more than the GEMM itself; training's sequence
-#: lengths vary every step, so unpadded every step paid it again.
+#: lengths vary every step, so unpadded every step would pay it again
+#: (bench/results/2026-12-03_cpu2_cpu-train-step.md).
 ROW_MULTIPLE = 128
 
 
@@ -401,7 +405,8 @@ def _soft_ce_torch_nograd(z, probs, rows, w):
 
 
 # The soft cross-entropy as one Triton kernel on CUDA: torch.compile's version (dynamic shapes) read
-# the (n, 32000) fp32 logits four times and ran at about a quarter of the bandwidth (docs/performance.md);
+# the (n, 32000) fp32 logits four times and ran at about a quarter of the bandwidth
+# (bench/results/2026-12-03_h200_train-step.md);
 # this one reads them twice (an online max / sum-exp / argmax pass, then the loss and gradient pass)
 # and the teacher's row once. KernelOptions.triton_ce = False: the PyTorch version everywhere.
 _ce_kernel = None  # the compiled Triton kernel, built on first use; False once Triton is found missing

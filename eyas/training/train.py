@@ -212,7 +212,8 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     if bf16:
         model.embed_tokens.to(torch.bfloat16)  # frozen: no master copy needed
     model.to(device)
-    # A CPU with bf16 matrix units runs the GEMMs in bf16 (the rest fp32): ~2x faster steps here
+    # A CPU with bf16 matrix units runs the GEMMs in bf16 (the rest fp32): the step in 0.7 of the
+    # fp32 step's time (docs/performance.md, "Training on a CPU")
     cpu_bf16 = device.type == "cpu" and cfg.precision == "bf16" and fused.cpu_bf16_gemm()
     head_chunk = HEAD_CHUNK_ROWS_CPU if device.type == "cpu" else HEAD_CHUNK_ROWS
     objective = wrapped = TTTObjective(model, head_chunk, gemm_dtype=torch.bfloat16 if cpu_bf16 else None,

@@ -319,9 +319,10 @@ def test_regenerated_turns_are_the_targets_answers_and_parts_resume(server, tmp_
         assert other["parts_reused"] == 0  # other sampling: another dataset
 
 
-def test_a_damaged_shard_on_disk_is_extracted_again_saying_why(server, tmp_path):
+def test_a_damaged_shard_on_disk_is_extracted_again_saying_why(server, tmp_path, monkeypatch):
     from eyas.extraction import stage
 
+    monkeypatch.setattr(stage.runs, "make_on_change", None)  # no Prefect artifacts outside a run
     cfg, _ = server
     cfg = cfg.model_copy(update={"extraction": cfg.extraction.model_copy(update={"output_dir": tmp_path / "out"})})
     _, plans = _plans(tmp_path, seed=2, num_shards=1)

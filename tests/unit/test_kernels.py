@@ -308,9 +308,10 @@ def test_fp8_gemms_follow_the_training_config(tmp_path):
 
 #: Module-level state that eyas/training may keep: caches and memos of what this process found, none a choice.
 MEMOS = {("attention", "_refused"), ("kernels", "_compiled"), ("kernels", "FP32_OUT"),
-         ("target_head", "_NAMES"), ("target_head", "_PREFIXES")}  # the last two: constant lookup tables
-#: Module-level strings that are names, not choices: a file name and its format tag.
-NAMES = {("checkpoints", "SUMS"), ("checkpoints", "SUMS_FORMAT")}
+         ("target_head", "_NAMES"), ("target_head", "_PREFIXES"),  # these two: constant lookup tables
+         ("loader", "_DTYPES")}  # a constant lookup table too
+#: Module-level strings that are names, not choices: a file name, its format tag, a thread name.
+NAMES = {("checkpoints", "SUMS"), ("checkpoints", "SUMS_FORMAT"), ("loader", "THREAD_PREFIX")}
 
 
 def test_no_module_level_switch_is_left():

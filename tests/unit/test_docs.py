@@ -1,0 +1,64 @@
+"""The docs are reference, not a diary: docs/performance.md stays a page read in two minutes, and dated
+records of runs live only under bench/results/<date>_<machine>_<what>.md."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PERFORMANCE = ROOT / "docs" / "performance.md"
+MAX_PERFORMANCE_LINES = 250
+DATE = re.compile(r"20\d\d-\d\d-\d\d")
+# A results file's name holds its date: the one place a date may appear outside bench/results/.
+RESULTS_PATH = re.compile(r"bench/results/[\w.+-]*\.md")
+SKIP_PARTS = {"__pycache__", ".pytest_cache"}
+SKIP_SUFFIXES = {".pyc", ".so", ".safetensors", ".bin", ".pt", ".npy", ".png", ".jpg", ".gz"}
+
+
+def _texts():
+    """(path, text) of docs/*.md and every text file under eyas/, tasks/, flows/ and configs/."""
+    files = sorted((ROOT / "docs").glob("*.md"))
+    for folder in ("eyas", "tasks", "flows", "configs"):
+        files += sorted(p for p in (ROOT / folder).rglob("*") if p.is_file()
+                        and not SKIP_PARTS & set(p.parts) and p.suffix not in SKIP_SUFFIXES)
+    for path in files:
+        try:
+            yield path, path.read_text()
+        except UnicodeDecodeError:
+            continue  # a binary fixture: no prose in it
+
+
+def dates_outside_results_paths(text: str) -> list[str]:
+    return DATE.findall(RESULTS_PATH.sub("", text))
+
+
+def test_the_date_check_allows_a_results_path_and_nothing_else():
+    assert dates_outside_results_paths("see bench/results/2026-12-05_h100_goal-rows.md") == []
+    assert dates_outside_results_paths("[record](../bench/results/2026-12-05_cpu2_loader.md)") == []
+    assert dates_outside_results_paths("measured 2026-12-05 on the H200") == ["2026-12-05"]
+    assert dates_outside_results_paths("[2026-12-05](../bench/results/2026-12-05_x.md)") == ["2026-12-05"]
+
+
+def test_performance_page_fits_two_minutes():
+    num_lines = len(PERFORMANCE.read_text().splitlines())
+    assert num_lines <= MAX_PERFORMANCE_LINES, (
+        f"docs/performance.md has {num_lines} lines, at most {MAX_PERFORMANCE_LINES}: move dated records to "
+        "bench/results/<date>_<machine>_<what>.md and link them")
+
+
+def test_no_date_outside_results_files():
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}"
+             for path, text in _texts()
+             for n, line in enumerate(text.splitlines(), 1) if dates_outside_results_paths(line)]
+    assert not found, "dates belong in bench/results/ files only:\n" + "\n".join(found)
+
+
+def test_every_results_file_the_docs_link_exists():
+    missing = [f"{path.relative_to(ROOT)}: {ref}" for path, text in _texts()
+               for ref in RESULTS_PATH.findall(text) if not (ROOT / ref).is_file()]
+    assert not missing, "links to results files that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_first_screen_answers_how_fast_and_how_to_check():
+    """The summary table (figure, goal, machine, commit, command) starts within the first 20 lines."""
+    head = PERFORMANCE.read_text().splitlines()[:20]
+    assert any(re.match(r"\| what \| figure \| goal \| machine \| commit \| command \|", line) for line in head)
