@@ -124,7 +124,7 @@ def test_an_operator_cancel_reads_as_a_cancel(server, small):
     while time.monotonic() < deadline:
         tasks = server.post("/task_runs/filter", {"task_runs": {"name": {"any_": ["wait-ready@localhost"]}},
                                                   "flow_runs": {"name": {"like_": "%-cancel@localhost"}}})
-        if tasks and tasks[0]["state"]["type"] == "RUNNING":
+        if tasks and (tasks[0].get("state") or {}).get("type") == "RUNNING":  # a new run may have no state yet
             break
         time.sleep(0.5)
     else:
