@@ -10,25 +10,18 @@ import shutil
 
 import pytest
 
-from eyas.config import ConfigError, config_from_dict, load_config
+from eyas.config import ConfigError, config_from_dict
 from eyas.preflight import preflight
 from eyas.target import (RemoteCodeRefused, load_tokenizer, local_copy, read_config, remote_tokenizer_class,
                          target_tokenizer, trust_remote_code)
 from tests.stage_config import ROOT
+from tests.unit.test_preflight import fields, tiny
 
 TINY = ROOT / "fixtures" / "tiny-target"
 REMOTE = ROOT / "fixtures" / "remote-code-tokenizer"
 CHAT = [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "return a + b"}]
 
 
-def tiny(tmp_path, **overrides):
-    return load_config(ROOT / "configs" / "local-tiny.yaml", {
-        "run_dir": str(tmp_path / "run"), "extraction.output_dir": str(tmp_path / "shards"),
-        "training.output_dir": str(tmp_path / "train"), **overrides})
-
-
-def fields(result) -> list[str]:
-    return [p.split(":", 1)[0].split("=", 1)[0] for p in result.problems]
 
 
 # ----------------------------------------------------------------------------- remote-code tokenizers
