@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from eyas.training import kernels as fused  # noqa: E402
+from eyas.training.gemm import cpu_bf16_gemm  # noqa: E402
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eyas.training.kernels import KernelOptions  # noqa: E402
 from eyas.training.losses import HEAD_CHUNK_ROWS_CPU, TTTObjective, scored_counts, teacher_labels  # noqa: E402
@@ -73,7 +73,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    amx = fused.cpu_bf16_gemm()
+    amx = cpu_bf16_gemm()
     modes = {"fp32": make_mode(None), **({"bf16_gemms": make_mode(torch.bfloat16)} if amx else {})}
     head = TargetHead(torch.randn(V, H, generator=torch.Generator().manual_seed(1)) / H ** 0.5, None, 1e-6)
     times, tokens = {m: [] for m in modes}, []

@@ -11,7 +11,7 @@ eyas.extraction.records.DumpStore on both routes, each parsed and checked by eya
   host    through a real sshd on 127.0.0.1 (tests/sshd.py) with its dump folder in its own mount
           namespace, so the probe finds it invisible here: SFTP listdir, then Host.read_file
   cat     the bare Host.read_file of the same file over the same connection, made to use `cat` on
-          an exec channel (as it does for files of hosts.STREAM_BYTES or more)
+          an exec channel (as it does for files of ssh_host.STREAM_BYTES or more)
   sftp    the same made to use a prefetched SFTP read (as it does below that size)
   session_open_s  what opening an exec channel costs (`true`), which the threshold weighs
 
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eyas.config import HostConfig  # noqa: E402
 from eyas.dump import DumpWriter, validate  # noqa: E402
 from eyas.extraction.records import DumpStore  # noqa: E402
-from eyas.server import hosts  # noqa: E402
-from eyas.server.hosts import SSHHost  # noqa: E402
+from eyas.server import ssh_host  # noqa: E402
+from eyas.server.ssh_host import SSHHost  # noqa: E402
 from tests.sshd import start_sshd  # noqa: E402
 
 HIDDEN, LAYERS = 7168, [2, 30, 58]
@@ -79,11 +79,11 @@ def main() -> None:
         figures["local"] = best(lambda: validate(here.read(rid), ids), args.reps)
         figures["host"] = best(lambda: validate(there.read(rid), ids), args.reps)
         assert there.route == "host", there.route
-        stream, hosts.STREAM_BYTES = hosts.STREAM_BYTES, 0  # each path on the same file, whatever its size
+        stream, ssh_host.STREAM_BYTES = ssh_host.STREAM_BYTES, 0  # each path on the same file, whatever its size
         figures["cat"] = best(lambda: host.read_file(remote / rid / record.name), args.reps)
-        hosts.STREAM_BYTES = size + 1
+        ssh_host.STREAM_BYTES = size + 1
         figures["sftp"] = best(lambda: host.read_file(remote / rid / record.name), args.reps)
-        hosts.STREAM_BYTES = stream
+        ssh_host.STREAM_BYTES = stream
         transport = host._conn.client.get_transport()
 
         def session() -> None:

@@ -31,7 +31,6 @@ import random
 import resource
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,18 +45,13 @@ from eyas.server import readiness  # noqa: E402
 from eyas.extraction.client import Endpoint, ServerPool  # noqa: E402
 from eyas.extraction.data import TokenizedSample, load_conversations, prepare, write_shard_plans  # noqa: E402
 from eyas.extraction.extract import SAMPLING, extract_shard, shard_path  # noqa: E402
+from eyas.net import free_port  # noqa: E402
 from eyas.server.hosts import LocalHost  # noqa: E402
 from eyas.extraction.shards import ShardReader, bytes_per_token  # noqa: E402
 
 TARGET = ROOT / "fixtures" / "tiny-target"
 CAPTURE = [2, 4, 5]
 META = {"layer_ids": CAPTURE, "layer_convention": "capture-before", "cache_key": "bench"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dump_dir(workdir: Path) -> Path:

@@ -62,7 +62,7 @@ def unscored_share(m: np.ndarray) -> float:
 def conversation_masks(data: str | Path, tokenizer: str | Path, max_length: int, heldout: int = 32) -> list:
     """The loss mask of every training conversation, as eyas's prepare-data stage produces it."""
     sys.path.insert(0, str(ROOT))
-    from eyas.config.models import DataConfig
+    from eyas.config import DataConfig
     from eyas.extraction.data import load_conversations, prepare
     from eyas.target import load_tokenizer
 

@@ -149,7 +149,7 @@ def main() -> None:
             config, clone = Path(args.config), None
             report, flow_s = run_flow(config, {**run_dirs(tmp), "extraction.output_dir": str(tmp / "shards")})
             unlock_output_dir(tmp / "shards")  # this process's run is over: the seeds' runs read the shards
-            eyas, env = [sys.executable, "-m", "eyas"], {**os.environ, "PYTHONPATH": str(ROOT)}
+            eyas, env = [sys.executable, "-m", "flows.runtime.cli"], {**os.environ, "PYTHONPATH": str(ROOT)}  # `eyas`
         cfg = load_config(config)
         shards = tmp / "shards" if clone is None else cfg.extraction.output_dir
         first = headline(report)

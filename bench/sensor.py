@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import statistics
 import sys
 import tempfile
@@ -29,15 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from eyas.server import readiness  # noqa: E402
+from eyas.net import free_port  # noqa: E402
 from eyas.server.hosts import LocalHost  # noqa: E402
 
 TARGET = ROOT / "fixtures" / "tiny-target"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(host, workdir: Path, *flags: str) -> tuple[int, Path, str]:
@@ -103,7 +97,7 @@ def ssh_poll_ms(n: int = 50) -> float | None:
     if not os.path.exists("/usr/sbin/sshd") or os.geteuid() != 0:
         return None
     from eyas.config import HostConfig
-    from eyas.server.hosts import SSHHost
+    from eyas.server.ssh_host import SSHHost
     from tests.sshd import start_sshd
 
     with tempfile.TemporaryDirectory() as tmp:

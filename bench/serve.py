@@ -17,7 +17,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from eyas.server.hosts import free_port
+from eyas.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -60,26 +60,26 @@ def main() -> None:
         sets = {"heldout": {"prompts": heldout_prompts(cfg), "source": {"file": str(cfg.data.path)}},
                 **load_suites(cfg)}
         result = run_serve_bench(cfg, drafter, sets, log=lambda m: print(m, file=sys.stderr))
-    plain, spec, r = result["plain"], result["speculative"], result["speedup"]
+    plain, spec, r = result.plain, result.speculative, result.speedup
     figures = {
         "single_stream_tokens_per_s": {"plain": plain["single_stream_tokens_per_s"],
                                        "speculative": spec["single_stream_tokens_per_s"]},
         f"concurrency_{cfg.benchmark.concurrency}_tokens_per_s": {
             "plain": plain["concurrent_tokens_per_s"], "speculative": spec["concurrent_tokens_per_s"]},
         "ttft_s": {"plain": plain["ttft_s"], "speculative": spec["ttft_s"]},
-        "speedup": r, "acceptance_length": result["acceptance_length"],
-        "break_even_acceptance_length": result["break_even_acceptance_length"],
-        "identical_outputs": result["identical_outputs"], "drafter_dir": str(drafter),
-        "chain": result["benchmark_chain"], "benchmarks": {
+        "speedup": r, "acceptance_length": result.acceptance_length,
+        "break_even_acceptance_length": result.break_even_acceptance_length,
+        "identical_outputs": result.identical_outputs, "drafter_dir": str(drafter),
+        "chain": result.benchmark_chain, "benchmarks": {
             name: {chain: {k: c[k] for k in ("acceptance_length", "speedup")} for chain, c in s["chains"].items()}
             for name, s in benchmarks(result).items()},
         "single_stream_runs": {"plain": plain["single_stream_runs"], "speculative": spec["single_stream_runs"]},
-        "machine": result["machine"],
+        "machine": result.machine,
     }
     ratio = r["single_stream_tokens_per_s"] or 0.0
     goals = {"single_stream_speedup": {"value": ratio, "goal": "> 1.0", "met": ratio > 1.0},
-             "identical_outputs": {"value": result["identical_outputs"], "goal": "true",
-                                   "met": result["identical_outputs"] is True}}
+             "identical_outputs": {"value": result.identical_outputs, "goal": "true",
+                                   "met": result.identical_outputs is True}}
     print(json.dumps({"bench": "serve", "figures": figures, "goals": goals}))
 
 

@@ -2,7 +2,7 @@
 
     PYTHONUNBUFFERED=1 python3 bench/train.py --out $OUT               # one H200: the figures
     python bench/train.py                                              # no GPU: a tiny smoke run
-    python3 bench/train.py --variants default all flash --variant-batches 4 1   # KernelOptions side by side
+    python3 bench/train.py --variants default all flash --variant-batches 4 1   # optimisations side by side
     python bench/masks.py --out .perf/chat_masks.npy                   # real chat masks, packed to 4096
     python3 bench/train.py --batches --mask-batches 4 1 --mask-kinds all-scored prompt masks-from \
         --masks-from .perf/chat_masks.npy --out $OUT   # issue 18's goals: later epochs and first (nomemo)
@@ -21,9 +21,13 @@ CPU smoke run takes the same file). Goals against SpecForge 0.2.0 on the same GP
 (docs/performance.md): >= 2.0x on chat-shaped masks at batch 1 and 4, >= 1.5x with every position
 scored at batch 4; each row also reports the share of positions the TTT steps >= 1 ran on
 (`rows_share`: skipping position by position). --mask-variants measures the rows again with other
-KernelOptions (the goals of a variant other than the default are reported with its name appended:
-`fp8`, the experimental FP8 GEMMs, is not the same arithmetic), and --fp8-check reports how far FP8
-lies from fp32 per GEMM and over a whole step, beside bf16's distance.
+variants (VARIANTS; the goals of a variant other than the default are reported with its name
+appended: `fp8`, the experimental FP8 GEMMs, is not the same arithmetic), and --fp8-check reports how
+far FP8 lies from fp32 per GEMM and over a whole step, beside bf16's distance.
+
+A variant is the user's KernelOptions (training.compile, training.fp8_gemms), the head's chunk, and
+the optimisations of the step this bench switches off itself to measure each against its absence
+(OFF: each patches eyas's code for that variant's steps only; eyas has no switch for them).
 
 The drafter is SGLang's LlamaForCausalLMEagle3 at Kimi-K2.5 size (H 7168, 64 heads of 128,
 intermediate 18432, vocab 163840, draft vocab 32000), trained on synthetic target states (random
@@ -50,7 +54,7 @@ Ends with one JSON line: {"bench": "train", "figures": {...}, "goals": {...}}.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import json
 import os
 import shutil
@@ -58,6 +62,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -66,7 +71,7 @@ import torch  # noqa: E402
 
 from bench import masks  # noqa: E402  (numpy only)
 
-from eyas.training import attention, kernels as fused  # noqa: E402
+from eyas.training import attention, gemm, losses, shared_emb, soft_ce, train as training  # noqa: E402
 from eyas.training.attention import reference_ttt_attention, reference_ttt_attention_rows, ttt_attention  # noqa: E402
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eyas.training.kernels import KernelOptions  # noqa: E402
@@ -74,6 +79,7 @@ from eyas.training.teacher_cache import ArgmaxMemo  # noqa: E402
 from eyas.training.losses import (HEAD_CHUNK_ROWS, Labels, TTTObjective, draft_first_order, head_soft_ce,  # noqa: E402
                                   scored_counts, teacher_labels, ttt_rows)
 from eyas.training.optim import clip_and_step, lr_factor, make_optimizer  # noqa: E402
+from eyas.training.ttt_weights import TTTWeights  # noqa: E402
 from eyas.training.target_head import TargetHead  # noqa: E402
 from eyas.training.train import optimizer_step  # noqa: E402
 from eyas.training.batches import ShardData  # noqa: E402
@@ -147,7 +153,7 @@ def check_kernels(device, dtype, kernels: KernelOptions = KernelOptions()) -> di
         ts = [torch.randn(B, nh, T if i in (1, 2) else L, hd, generator=g).to(device, dtype).requires_grad_()
               for i in range(3 + 2 * K)]
         out[f"ttt_attention_k{K}_last{L}"] = _attention_error(ts, K, hd, kernels)
-    for K in (1, 3):  # queries gathered position by position from the batch (skip_rows), as with chat masks
+    for K in (1, 3):  # queries gathered position by position from the batch, as with chat masks
         b, t = (torch.rand(B, T, generator=g) < 0.45).nonzero(as_tuple=True)
         ts = [torch.randn(B if i in (1, 2) else 1, nh, T if i in (1, 2) else b.numel(), hd, generator=g)
               .to(device, dtype).requires_grad_() for i in range(3 + 2 * K)]
@@ -208,8 +214,8 @@ def check_step(model, head, c, T, K, device, dtype, compile_on: bool, variants=(
     for v, mixed in [(v, True) for v in variants] + [("fp32", False)]:
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and mixed)
         aux = d["aux"] if mixed else d["aux"].float()
-        with autocast:
-            name = "default" if v == "fp32" else v
+        name = "default" if v == "fp32" else v
+        with autocast, switched_off(VARIANTS[name].get("off", ())):
             loss, _, _ = objective(model, variant(name, compile_on), name)(d["ids"], aux, labels, K, 0.8)
         out[v] = [loss.detach().float()] + [g.float() for g in torch.autograd.grad(loss, params)]
     res = {}
@@ -234,13 +240,13 @@ def fp8_gemm_errors(device, compile_on: bool, M: int = 4096) -> dict:
         w = (torch.randn(n, k, generator=g) * 0.02).to(device)
         dy = (torch.randn(M, n, generator=g) * 1e-9).to(device, torch.bfloat16)
         for comp in sorted({False, compile_on}):
-            x8, sx, xc8, sxc = fused.quant_both(x, compile=comp)
-            w8, sw, wc8, swc = fused.quant_both(w, compile=comp)
-            d8, sd, dc8, sdc = fused.quant_both(dy, compile=comp)
+            x8, sx, xc8, sxc = gemm.quant_both(x, compile=comp)
+            w8, sw, wc8, swc = gemm.quant_both(w, compile=comp)
+            d8, sd, dc8, sdc = gemm.quant_both(dy, compile=comp)
             res[f"{name}{'_compiled' if comp else ''}"] = {
-                "y": rel(fused.mm_fp8(x8, sx, w8, sw, torch.bfloat16), x.float() @ w.T),
-                "dx": rel(fused.mm_fp8(d8, sd, wc8, swc, torch.bfloat16), dy.float() @ w),
-                "dw": rel(fused.mm_fp8(dc8, sdc, xc8, sxc, torch.bfloat16), dy.float().T @ x.float()),
+                "y": rel(gemm.mm_fp8(x8, sx, w8, sw, torch.bfloat16), x.float() @ w.T),
+                "dx": rel(gemm.mm_fp8(d8, sd, wc8, swc, torch.bfloat16), dy.float() @ w),
+                "dw": rel(gemm.mm_fp8(dc8, sdc, xc8, sxc, torch.bfloat16), dy.float().T @ x.float()),
                 "x_roundtrip": rel(x8.float() * sx, x.float())}
     torch.cuda.empty_cache()
     return res
@@ -316,13 +322,13 @@ def timed(fn, device, warmup: int, steps: int) -> list[float]:
     return times
 
 
-def labeller(head, c: DrafterConfig, dtype, kernels: KernelOptions, T: int):
+def labeller(head, c: DrafterConfig, dtype, kernels: KernelOptions, T: int, memo: bool = True):
     """make_labels for optimizer_step: the teacher on a collated batch, as eyas.training.train runs it on
-    a GPU: with kernels.teacher_memo, a sequence's full-vocabulary argmax bits are remembered the first
-    time (the warm-up steps), so the timed steps are those of a training run's later epochs."""
+    a GPU: a sequence's full-vocabulary argmax bits are remembered the first time (the warm-up steps),
+    so the timed steps are those of a training run's later epochs; memo False: a first epoch's."""
     teacher = lambda b, outside=None: teacher_labels(head, b["last"], b["loss_mask"], c.draft_vocab_size,  # noqa: E731
                                                      dtype, kernels=kernels, outside=outside)
-    if not kernels.teacher_memo:
+    if not memo:
         return teacher
     memo = ArgmaxMemo([T] * MEMO_SEQS, head.weight.device)
     return lambda b: memo.labels(b, teacher)
@@ -334,14 +340,15 @@ def run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args, kernels:
     data = [batch(c, B, T, device, dtype, seed=s, mask_fn=mask_fn) for s in range(2)]
     counts = [scored_counts(list(d["loss_mask"].cpu()), K) for d in data]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    make_labels = labeller(head, c, dtype, kernels, T)
-    losses, i = [], [0]
+    make_labels = labeller(head, c, dtype, kernels, T, VARIANTS[name].get("memo", True))
+    seen, i = [], [0]
 
     def step():
         j = i[0] % 2
-        stats = optimizer_step(obj, obj, opt, sched, [data[j]], make_labels, ttt_steps=K, decay=0.8,
-                               counts=counts[j], grad_clip=0.5, autocast=autocast)
-        losses.append(float(stats[0]))
+        with switched_off(VARIANTS[name].get("off", ())):
+            stats = optimizer_step(obj, obj, opt, sched, [data[j]], make_labels, ttt_steps=K, decay=0.8,
+                                   counts=counts[j], grad_clip=0.5, autocast=autocast)
+        seen.append(float(stats[0]))
         i[0] += 1
 
     if device.type == "cuda":
@@ -354,7 +361,7 @@ def run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args, kernels:
     unscored = 1.0 - float(sum(d["loss_mask"].float().mean() for d in data)) / len(data)
     return {"batch": B, "step_s": med, "step_s_all": [round(t, 4) for t in times], "tokens_per_s": B * T / med,
             "unscored_share": round(unscored, 4), "rows_share": round(rows_share(data, K), 4),
-            "peak_gb": peak, "peak_reserved_gb": reserved, "losses": [round(x, 4) for x in losses]}
+            "peak_gb": peak, "peak_reserved_gb": reserved, "losses": [round(x, 4) for x in seen]}
 
 
 def rows_share(data: list, K: int) -> float:
@@ -376,8 +383,8 @@ def breakdown(model, head, opt, c, T, K, device, dtype, args, kernels: KernelOpt
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     labels: list[Labels] = []
     params = [p for p in model.parameters() if p.requires_grad]
-    first = labeller(head, c, dtype, dataclasses.replace(kernels, teacher_memo=False), T)
-    later = labeller(head, c, dtype, dataclasses.replace(kernels, teacher_memo=True), T)
+    first = labeller(head, c, dtype, kernels, T, memo=False)
+    later = labeller(head, c, dtype, kernels, T, memo=True)
     teacher = lambda: labels.append(first(d))  # noqa: E731  (the whole vocabulary: a first epoch)
     teacher_later = lambda: labels.append(later(d))  # noqa: E731  (the argmax's bit remembered)
 
@@ -391,7 +398,7 @@ def breakdown(model, head, opt, c, T, K, device, dtype, args, kernels: KernelOpt
             obj(d["ids"], d["aux"], labels[-1], K, 0.8, counts)
 
     def opt_step():
-        clip_and_step(params, opt, 0.5, kernels.fused_clip)
+        clip_and_step(params, opt, 0.5)
 
     out = {"teacher_s": statistics.median(timed(teacher, device, 1, args.steps)),
            "teacher_later_epochs_s": statistics.median(timed(teacher_later, device, 1, args.steps))}
@@ -402,36 +409,75 @@ def breakdown(model, head, opt, c, T, K, device, dtype, args, kernels: KernelOpt
     return out
 
 
-# The optimisations' KernelOptions, for side-by-side runs (--variants): gradient-accumulation fusion
-# (shared_weights), attention kernel of TTT steps >= 1, clip inside fused AdamW, weight-gradient sums
-# in fp32, skipping positions the loss mask does not score, the Triton soft cross-entropy. "default"
-# is KernelOptions' defaults; each variant names the fields that differ from them (compile is the run's).
+def _plain_clip_and_step(params, opt, max_norm):
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+    opt.step()
+
+
+def _no_emb_inplace(init):
+    def patched(self, *a, **k):
+        init(self, *a, **k)
+        self.sums = self.token = None  # autograd sums each step's zero-padded slice instead
+    return patched
+
+
+def _cudnn_refused():
+    """Attention's memo of a refused cuDNN, set for the block: every causal call runs flash."""
+    added = "cudnn" not in attention._refused
+    attention._refused.add("cudnn")
+    try:
+        yield
+    finally:
+        if added:
+            attention._refused.discard("cudnn")
+
+
+#: The optimisations a variant can switch off, each by patching eyas's code for its own steps only:
+#: name -> a function giving the context manager that does it.
+OFF = {
+    "cudnn": lambda: contextlib.contextmanager(_cudnn_refused)(),  # the TTT attention on FlashAttention-2
+    "rows": lambda: mock.patch.object(losses, "ROWS_WORTH", 0.0),  # the scored span, never gathered rows
+    "skip": lambda: mock.patch.object(losses, "ttt_span", lambda labels, T, K: (0, T)),  # every position
+    "triton_ce": lambda: mock.patch.object(soft_ce, "_triton_ce_ready", lambda z: False),  # the PyTorch soft CE
+    "emb_inplace": lambda: mock.patch.object(shared_emb.SharedEmb, "__init__",
+                                             _no_emb_inplace(shared_emb.SharedEmb.__init__)),
+    "grouped": lambda: mock.patch.object(TTTWeights, "linears",  # one node per projection
+                                         lambda self, names, x, part=None: [self.linear(n, x, part) for n in names]),
+    "teacher_lt": lambda: mock.patch.object(gemm, "teacher_blas", lambda device: contextlib.nullcontext()),
+    "shared_emb": lambda: mock.patch.object(TTTObjective, "_shares_emb", lambda self: False),  # own concat per step
+    "fused_clip": lambda: mock.patch.object(training, "clip_and_step", _plain_clip_and_step),  # clip, then step
+}
+
+
+@contextlib.contextmanager
+def switched_off(names):
+    with contextlib.ExitStack() as stack:
+        for n in names:
+            stack.enter_context(OFF[n]())
+        yield
+
+
+# The variants for side-by-side runs (--variants, --mask-variants): "kernels" the KernelOptions fields
+# set (compile is the run's), "off" the optimisations switched off (OFF), "memo" False for a run's first
+# epoch (the teacher over the whole vocabulary; the default's timed steps are the later epochs', the
+# argmax's bit remembered: ArgmaxMemo), "head_chunk" the fused head's rows per chunk.
 VARIANTS = {"default": {},
-            "base": dict(shared_weights=False, attention="flash", fused_clip=False, skip_unscored=False,
-                         triton_ce=False),  # 2026-12-03's base
-            "all": dict(skip_unscored=False, triton_ce=False),  # no skipping, compiled soft CE (2026-12-03, + layouts)
-            "skip": dict(triton_ce=False), "tce": dict(skip_unscored=False), "fp32acc": dict(grad_acc_fp32=True),
-            "flash": dict(attention="flash"),
-            "span": dict(skip_rows=False),  # skipping by the batch's one scored span (before 2026-12-03, session 6)
-            "fp8": dict(fp8_gemms=True),  # the layer's GEMMs in FP8 (opt-in: training.fp8_gemms)
-            "noemb": dict(shared_emb=False),  # every TTT step projects its own embedding (before 2026-12-04)
-            # 2026-12-05: each measured against its absence, and all three together
-            "noinplace": dict(emb_grad_inplace=False),  # autograd sums the embedding share's slices
-            "nogroup": dict(grouped_gemms=False),  # q/k/v and gate/up one node each, input gradients added
-            "noteacherlt": dict(teacher_lt=False),  # the teacher's GEMMs under cuBLAS
-            # 2026-12-05: a training run's first epoch (the teacher over the whole vocabulary); the
-            # default's timed steps are the later epochs' (the argmax's bit remembered: ArgmaxMemo)
-            "nomemo": dict(teacher_memo=False),
-            # the span path's shorter queries on cuDNN as two calls without padding (off: no gain measured, 2026-12-05)
-            "split": dict(span_split=True),
-            "split_nomemo": dict(span_split=True, teacher_memo=False),  # the split's first epoch
-            "before": dict(emb_grad_inplace=False, grouped_gemms=False, teacher_lt=False),
-            # the fused head's rows per chunk (TTTObjective.head_chunk; losses.HEAD_CHUNK_ROWS otherwise)
-            "chunk4k": dict(head_chunk=4096), "chunk16k": dict(head_chunk=16384), "chunk32k": dict(head_chunk=32768)}
+            "nomemo": {"memo": False},
+            "fp8": {"kernels": dict(fp8_gemms=True)},  # the layer's GEMMs in FP8 (training.fp8_gemms)
+            "flash": {"off": ["cudnn"]}, "tce": {"off": ["skip", "rows"]}, "skip": {"off": ["triton_ce"]},
+            "all": {"off": ["skip", "rows", "triton_ce"]},  # every position, the PyTorch soft CE
+            "span": {"off": ["rows"]},  # skipping by the batch's one scored span
+            "noemb": {"off": ["shared_emb"]},  # every TTT step projects its own embedding
+            "noinplace": {"off": ["emb_inplace"]},  # autograd sums the embedding share's slices
+            "nogroup": {"off": ["grouped"]},  # q/k/v and gate/up one node each, input gradients added
+            "noteacherlt": {"off": ["teacher_lt"]},  # the teacher's GEMMs under cuBLAS
+            "nofusedclip": {"off": ["fused_clip"]},
+            "before": {"off": ["emb_inplace", "grouped", "teacher_lt"]},
+            "chunk4k": {"head_chunk": 4096}, "chunk16k": {"head_chunk": 16384}, "chunk32k": {"head_chunk": 32768}}
 
 
 def variant(name: str, compile_on: bool) -> KernelOptions:
-    return KernelOptions(compile=compile_on, **{k: v for k, v in VARIANTS[name].items() if k != "head_chunk"})
+    return KernelOptions(compile=compile_on, **VARIANTS[name].get("kernels", {}))
 
 
 def objective(model, kernels: KernelOptions, name: str = "default") -> TTTObjective:
@@ -443,17 +489,19 @@ def run_variants(names, model, head, opt, sched, c, B, T, K, device, dtype, roun
                  compile_on: bool, mask_fn=None) -> list:
     """The variants side by side at one batch size, interleaved (a warm-up step each, then `rounds` rounds
     of `per_round` timed steps of every variant in turn), so clock and thermal drift hit all alike.
-    Each variant is its own TTTObjective over the one model, built with its KernelOptions."""
+    Each variant is its own TTTObjective over the one model, built with its KernelOptions, its steps
+    run with its OFF switched off."""
     data = batch(c, B, T, device, dtype, seed=0, mask_fn=mask_fn)
     counts = scored_counts(list(data["loss_mask"].cpu()), K)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     objectives = {n: objective(model, variant(n, compile_on), n) for n in names}
-    labellers = {n: labeller(head, c, dtype, o.kernels, T) for n, o in objectives.items()}
+    labellers = {n: labeller(head, c, dtype, o.kernels, T, VARIANTS[n].get("memo", True)) for n, o in objectives.items()}
 
     def step(n):
         o = objectives[n]
-        return optimizer_step(o, o, opt, sched, [data], labellers[n], ttt_steps=K, decay=0.8,
-                              counts=counts, grad_clip=0.5, autocast=autocast)
+        with switched_off(VARIANTS[n].get("off", ())):
+            return optimizer_step(o, o, opt, sched, [data], labellers[n], ttt_steps=K, decay=0.8,
+                                  counts=counts, grad_clip=0.5, autocast=autocast)
     times: dict = {n: [] for n in names}
     peaks: dict = {}
     for n in list(names):
@@ -538,7 +586,8 @@ def check_fused_clip(device) -> float:
         for p in ps:
             p.grad = torch.randn(p.shape, generator=g).to(device) * 3
         opt = make_optimizer(ps, 1e-2, 0.01)
-        clip_and_step(ps, opt, 0.5, fused_clip=on)
+        with switched_off([] if on else ["fused_clip"]):
+            training.clip_and_step(ps, opt, 0.5)
         out.append(torch.cat([p.detach().flatten() for p in ps]))
         g = torch.Generator(device="cpu").manual_seed(5)
     return rel(out[1], out[0])
@@ -574,12 +623,12 @@ def gemm_shapes(device, batches=(1, 4)) -> dict:
         gw, gw_b = torch.zeros(Vd, H, device=device), torch.zeros(Vd, H, **bf)
         fl = 2 * N * Vd * H
         res[f"{blas} head chunk"] = {
-            "z_fp32": rate(fl, lambda: fused.mm_f32(hc, W.T)), "z_bf16": rate(fl, lambda: hc @ W.T),
-            "gh": rate(fl, lambda: dz @ W), "gw_fp32acc": rate(fl, lambda: fused.addmm_f32_(gw, dz.T, hc)),
+            "z_fp32": rate(fl, lambda: gemm.mm_f32(hc, W.T)), "z_bf16": rate(fl, lambda: hc @ W.T),
+            "gh": rate(fl, lambda: dz @ W), "gw_fp32acc": rate(fl, lambda: gemm.addmm_f32_(gw, dz.T, hc)),
             "gw_bf16badd": rate(fl, lambda: gw_b.addmm_(dz.T, hc))}
         Wt = torch.randn(c.vocab_size, H, **bf) * 0.02
         x = torch.randn(4096, H, **bf)
-        res[f"{blas} teacher"] = {"z_fp32": rate(2 * 4096 * c.vocab_size * H, lambda: fused.mm_f32(x, Wt.T))}
+        res[f"{blas} teacher"] = {"z_fp32": rate(2 * 4096 * c.vocab_size * H, lambda: gemm.mm_f32(x, Wt.T))}
         for k, v in res.items():
             if k.startswith(blas):
                 log(f"GEMM TFLOP/s {k}: {v}")
@@ -603,27 +652,27 @@ def soft_ce_timing(device, kernels: KernelOptions) -> dict:
     p = probs[rows].double()
     logq = torch.log_softmax(z.double(), -1)
     ref_loss, ref_dz = -((p * logq).sum(-1) * w.double()).sum(), (logq.exp() - p) * w.double()[:, None]
-    out = {"triton_available": fused._triton_ce_ready(z)}
+    out = {"triton_available": soft_ce._triton_ce_ready(z)}
     if out["triton_available"]:  # the kernel's tuning: elements per loop step and warps per row
         dz = torch.empty(z.shape, dtype=torch.bfloat16, device=device)
         for block, warps in ((2048, 4), (4096, 8), (8192, 16)):
             out[f"triton_{block}_{warps}_ms"] = 1e3 * statistics.median(
-                timed(lambda: fused._soft_ce_triton(z, probs, rows, w, dz, block, warps), device, 2, 10))
+                timed(lambda: soft_ce._soft_ce_triton(z, probs, rows, w, dz, block, warps), device, 2, 10))
     want = z.argmax(-1)
-    for name, on in (("triton", True), ("compiled", False)):
-        k = dataclasses.replace(kernels, triton_ce=on)
-        # a copy: the PyTorch version works in place on z (the caller's buffer), so z itself, compared
-        # against afterwards, would no longer be the logits (compiled_argmax_ok read False for that alone)
-        loss, pred, dz = fused.soft_ce_rows(z.clone(), probs, rows, w, torch.bfloat16, k)
-        out[f"{name}_rel_err"] = max(rel(loss, ref_loss), rel(dz, ref_dz))
-        out[f"{name}_argmax_ok"] = bool(torch.equal(pred, want))
-        out[f"{name}_ms"] = 1e3 * statistics.median(
-            timed(lambda: fused.soft_ce_rows(z, probs, rows, w, torch.bfloat16, k), device, 2, 10))
+    for name, off in (("triton", []), ("compiled", ["triton_ce"])):
+        with switched_off(off):
+            # a copy: the PyTorch version works in place on z (the caller's buffer), so z itself, compared
+            # against afterwards, would no longer be the logits
+            loss, pred, dz = soft_ce.soft_ce_rows(z.clone(), probs, rows, w, torch.bfloat16, kernels)
+            out[f"{name}_rel_err"] = max(rel(loss, ref_loss), rel(dz, ref_dz))
+            out[f"{name}_argmax_ok"] = bool(torch.equal(pred, want))
+            out[f"{name}_ms"] = 1e3 * statistics.median(
+                timed(lambda: soft_ce.soft_ce_rows(z, probs, rows, w, torch.bfloat16, kernels), device, 2, 10))
     return out
 
 
 # A variant whose rows time the later epochs (the memo on), and the variant timing its first epoch
-FIRST_EPOCH = {"default": "nomemo", "split": "split_nomemo"}
+FIRST_EPOCH = {"default": "nomemo"}
 
 
 def run_average(first: float, later: float, epochs: int) -> float:
@@ -637,8 +686,8 @@ def specforge_goals(mask_rows: list, tiny: bool, variant_name: str = "default", 
 
     The default's rows time a training run's later epochs (the teacher's argmax bit remembered:
     ArgmaxMemo); its goals are judged on a whole run of `epochs` epochs, its first timed by the
-    `nomemo` rows of the same mask and batch (no value, not met, without them); `split` likewise with
-    `split_nomemo` (FIRST_EPOCH). Another variant's are its rows as they are."""
+    `nomemo` rows of the same mask and batch (no value, not met, without them; FIRST_EPOCH). Another
+    variant's are its rows as they are."""
     by = {(r.get("mask"), r.get("batch")): r.get("tokens_per_s") for r in mask_rows
           if r.get("variant", "default") == variant_name}
     first = {(r.get("mask"), r.get("batch")): r.get("tokens_per_s") for r in mask_rows
@@ -744,7 +793,7 @@ def run_from_shards(args, model, head, opt, sched, c, T, K, device, dtype, kerne
             teacher = lambda b, outside=None: teacher_labels(head, b["last"], b["loss_mask"], c.draft_vocab_size,  # noqa: E731
                                                              dtype, kernels=kernels, outside=outside)
             memo = ArgmaxMemo(data.lengths, device)
-            make_labels = (lambda b: memo.labels(b, teacher)) if kernels.teacher_memo else teacher
+            make_labels = lambda b: memo.labels(b, teacher)  # noqa: E731
             r = {"warmup": shards_pass(data, obj, opt, sched, make_labels, B, K, device, dtype, 0, args.loader_workers)}
             for p in paths[enc]:
                 drop_cache(p)
@@ -879,10 +928,9 @@ def main() -> None:
     checks = not args.from_shards  # the from-shards rows time the step only (the checks cost a minute)
     figures["checks_rel_err"] = check_kernels(device, dtype) if checks else {}
     if device.type == "cuda" and checks:
-        flash = check_kernels(device, dtype, KernelOptions(attention="flash"))
+        with switched_off(["cudnn"]):
+            flash = check_kernels(device, dtype)
         figures["checks_rel_err"].update({f"{k}_flash": v for k, v in flash.items() if k.startswith("ttt")})
-        split = check_kernels(device, dtype, KernelOptions(span_split=True))  # the last-rows cases take it
-        figures["checks_rel_err"].update({f"{k}_split": v for k, v in split.items() if "_last" in k})
         figures["checks_rel_err"]["fused_clip_adamw"] = check_fused_clip(device)
     if compile_on and checks:
         t0 = time.perf_counter()
@@ -902,8 +950,8 @@ def main() -> None:
         figures["gemm_shapes_tflops"] = gemm_shapes(device)
     figures["soft_ce"] = soft_ce_timing(device, kernels) if checks else {}
     figures["cudnn_refused"] = "cudnn" in attention._refused  # then every "cudnn" run below ran flash
-    log(f"soft cross-entropy of one head chunk: {figures['soft_ce']}; attention kernel {kernels.attention}"
-        f"{' (cuDNN refused: flash)' * figures['cudnn_refused']}")
+    log(f"soft cross-entropy of one head chunk: {figures['soft_ce']}; attention kernel "
+        f"{'flash (cuDNN refused)' if figures['cudnn_refused'] else 'cudnn'}")
 
     t0 = time.perf_counter()
     model, head = build(c, device, dtype)
@@ -1004,12 +1052,12 @@ def main() -> None:
             torch.cuda.empty_cache()
     eager = args.eager_batches if args.eager_batches is not None else ([1, 4] if compile_on else [])
     figures["eager_batches"] = []
-    eager_kernels = dataclasses.replace(kernels, compile=False)
+    eager_kernels = KernelOptions(compile=False)
     for B in eager:
         r = run_batch(model, head, opt, sched, c, B, T, K, device, dtype, args, eager_kernels)
         log(f"eager batch {B}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tok/s, peak {r['peak_gb']:.1f} GB")
         figures["eager_batches"].append(r)
-    figures["fp32_out_gemms"] = dict(fused.FP32_OUT)
+    figures["fp32_out_gemms"] = dict(gemm.FP32_OUT)
     figures["breakdown_b1"] = breakdown(model, head, opt, c, T, K, device, dtype, args, kernels)
     log(f"breakdown at batch 1: {figures['breakdown_b1']}")
     if device.type == "cuda":

@@ -1,91 +1,74 @@
-"""The eyas command line.
+"""The eyas command line's core commands (Prefect-free); `python -m eyas` runs them.
 
-    eyas run CONFIG [--set training.max_steps=50 ...]   run the whole pipeline (a Prefect flow)
-    eyas check-config CONFIG                             validate a config and print it resolved
+    eyas check-config CONFIG [--set k=v ...]             validate a config and print it resolved
     eyas preflight CONFIG [--set k=v ...] [--no-hosts]   check all a GPU is not needed for; print the plan
     eyas serve-local --model-path P --port N [...]       the SGLang-compatible local target server
     eyas make-tiny-target OUT [--steps N --device D]     rebuild the embedded tiny target
     eyas stop CONFIG                                     stop a server the config launched
 
-Each subcommand is a thin shell over one core function; the config file carries the settings.
+The `eyas` script (flows/runtime/cli.py) adds `eyas run`, which runs the pipeline as a Prefect flow,
+through `main(argv, extra=...)`, and hands every other command to this module. Each subcommand is a
+thin shell over one core function; the config file carries the settings.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-
-import yaml
-
-
-def _overrides(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--set expects key=value, got {pair!r}")
-        out[key] = yaml.safe_load(value)
-    return out
+from typing import Callable, Sequence
 
 
-def _load(args):
+@dataclass(frozen=True)
+class Command:
+    """A subcommand that takes a CONFIG and `--set key=value` overrides; `run(args) -> exit code`."""
+
+    name: str
+    help: str
+    run: Callable[[argparse.Namespace], int]
+    arguments: Callable[[argparse.ArgumentParser], None] | None = None  # its own flags
+
+
+def load(args: argparse.Namespace):
+    """args.config with args.set applied, validated; a bad one exits naming the file, field and value."""
     from eyas.config import ConfigError, load_config
+    from eyas.config.loading import parse_overrides
 
     try:
-        return load_config(args.config, _overrides(args.set))
+        return load_config(args.config, parse_overrides(args.set))
     except ConfigError as e:
         raise SystemExit(str(e)) from None
 
 
-def cmd_run(args) -> int:
-    # No Prefect telemetry from eyas's own process (read when prefect is first imported, below)
-    # unless the operator asks for it: offline it only printed tracebacks that looked like eyas failing.
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    cfg = _load(args)
-    from flows.pipeline import eagle3_pipeline
-    from flows.process import run_in_process
-
-    # SIGTERM / SIGINT: the run's servers stopped, its flow runs final, exit within seconds.
-    state = run_in_process(eagle3_pipeline, cfg, return_state=True)
-    if not state.is_completed():  # the reason was logged once, as `failed at TASK: reason`: no traceback
-        from flows.failures import printed
-
-        raise SystemExit(f"eyas: run {state.name}" + (f": {state.message}" if not printed(state.message or "")
-                                                      else f" ({(state.message or '').split(': ', 1)[0]})"))
-    report = state.result()
-    per_set = {name: {chain: c["acceptance_length"] for chain, c in s["chains"].items()}
-               for name, s in (report["benchmarks"] or {}).items()}  # acceptance per prompt set and chain
-    print(json.dumps({**{k: report[k] for k in ("acceptance_length", "speedup", "extraction", "stages_seconds")},
-                      "acceptance_per_set": per_set}, indent=2))
-    print(f"report:  {Path(cfg.run_dir) / 'report.json'}")
-    print(f"drafter: {report['drafter_dir']}")
-    return 0
-
-
 def cmd_check_config(args) -> int:
-    print(_load(args).model_dump_json(indent=2))
+    print(load(args).model_dump_json(indent=2))
     return 0
 
 
 def cmd_preflight(args) -> int:
     from eyas.preflight import format_preflight, preflight
 
-    cfg = _load(args)
+    cfg = load(args)
     result = preflight(cfg, check_hosts=not args.no_hosts, check_tokenizer=not args.no_tokenizer)
     print(format_preflight(result, cfg))
     return 0 if result.ok else 1
 
 
+def _preflight_arguments(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--no-hosts", action="store_true", help="skip the SSH and SGLang version checks")
+    sp.add_argument("--no-tokenizer", action="store_true",
+                    help="do not load the tokenizer (its files and chat template are still checked)")
+
+
 def cmd_stop(args) -> int:
     from eyas.server.hosts import make_host
-    from eyas.server.launch import stop_server
+    from eyas.server.launch import stop_recorded
 
-    cfg = _load(args)  # only a server this config's launch recorded, and still that very process
-    print(json.dumps(stop_server(make_host(cfg.server.host), cfg)))
+    cfg = load(args)  # only a server this config's launch recorded, and still that very process
+    with make_host(cfg.server.host) as host:
+        print(json.dumps(stop_recorded(host, cfg)))
     return 0
 
 
@@ -97,7 +80,14 @@ def cmd_make_tiny_target(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+COMMANDS = (Command("check-config", "validate and print a config", cmd_check_config),
+            Command("preflight", "check a config before any GPU is used; print the plan", cmd_preflight,
+                    _preflight_arguments),
+            Command("stop", "stop the server a config launched", cmd_stop))
+
+
+def main(argv: list[str] | None = None, extra: Sequence[Command] = ()) -> int:
+    """Parse argv and run its command; `extra` are commands a layer above adds (the `eyas` script's `run`)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve-local":
         from eyas.local.server import main as serve_local
@@ -105,19 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         return serve_local(argv[1:])
     p = argparse.ArgumentParser(prog="eyas", description="Raise EAGLE-3 drafters for SGLang targets.")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, fn, help_ in [("run", cmd_run, "run the whole pipeline"),
-                            ("check-config", cmd_check_config, "validate and print a config"),
-                            ("preflight", cmd_preflight, "check a config before any GPU is used; print the plan"),
-                            ("stop", cmd_stop, "stop the server a config launched")]:
-        sp = sub.add_parser(name, help=help_)
+    for c in (*extra, *COMMANDS):
+        sp = sub.add_parser(c.name, help=c.help)
         sp.add_argument("config")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field, e.g. training.max_steps=50")
-        if name == "preflight":
-            sp.add_argument("--no-hosts", action="store_true", help="skip the SSH and SGLang version checks")
-            sp.add_argument("--no-tokenizer", action="store_true",
-                            help="do not load the tokenizer (its files and chat template are still checked)")
-        sp.set_defaults(fn=fn)
+        if c.arguments:
+            c.arguments(sp)
+        sp.set_defaults(fn=c.run)
     sp = sub.add_parser("make-tiny-target", help="rebuild the embedded tiny target")
     sp.add_argument("out")
     sp.add_argument("--steps", type=int, default=3000)
@@ -125,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--seed", type=int, default=0)
     sp.set_defaults(fn=cmd_make_tiny_target)
     sub.add_parser("serve-local", help="the SGLang-compatible local target server (see --help)")
+    if argv and argv[0] == "run" and not any(c.name == "run" for c in extra):
+        raise SystemExit("eyas: `run` starts Prefect flows: use the `eyas` script "
+                         "(or python -m flows.runtime.cli run CONFIG)")
     args = p.parse_args(argv)
     return args.fn(args)
 

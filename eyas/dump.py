@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from eyas.errors import EyasError
+
 DUMP_DIR_ENV = "EYAS_DUMP_DIR"  #: set on the server: where records go (unset = no dump)
 DUMP_DTYPE_ENV = "EYAS_DUMP_DTYPE"  #: optional: bfloat16 (default), float16 or float32
 
@@ -78,7 +80,7 @@ MAX_RID_LENGTH = 200
 _SKIP_PREFIXES = ("HEALTH_CHECK", "WARMUP")
 
 
-class DumpError(ValueError):
+class DumpError(EyasError, ValueError):
     """Dump records that cannot be turned into a sample; the message names the rid and the fault."""
 
     def __init__(self, rid: str | None, message: str):

@@ -1,5 +1,5 @@
 """What a run will take, worked out before any GPU is touched: tokens, shard bytes, hours per stage
-and the drafter's training memory. `eyas preflight` (eyas/preflight.py) checks and prints it.
+and the drafter's training memory. `eyas preflight` (eyas/preflight/) checks and prints it.
 
     count = count_tokens(cfg.data, tokenizer, vocab_size=163840)   # DataCount; DataError on a bad line
     plan = make_plan(cfg, tcfg, count, free_bytes=free)              # Plan
@@ -20,7 +20,7 @@ layer, about half), plus each shard's header bound and 8 B per sample offset.
 
 **Reading.** A training node reads plan.train_tokens_per_s x processes per node x bytes per token of
 shards (read_bytes_per_s); preflight probes the shard folder's rate on the first training host
-(eyas/preflight.py, training.disk_check).
+(eyas/preflight/disk.py, training.disk_check).
 
 **Hours.** extract = tokens / (plan.prefill_tokens_per_s x servers), servers = 1 + len(extraction.endpoints);
 regenerate = assistant turns x data.regenerate.max_new_tokens / (plan.decode_tokens_per_s x servers);
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.config import DataConfig, PipelineConfig
-from eyas.extraction.data import DataError, Record, _render, load_records
+from eyas.extraction.data import DataError, Record, load_records, render_chat
 
 SMALL_DATA_BYTES = 8 << 20  #: data files up to this size are read whole (and tokenized when possible)
 SAMPLE_LINES = 200  #: lines of a larger file read to find its bytes per token
@@ -126,7 +126,7 @@ def _record_tokens(r: Record, tokenizer, line_bytes: int | None = None) -> int:
     if r.tokens is not None:
         return len(r.tokens.input_ids)
     if tokenizer is not None:
-        return len(_render(tokenizer, r.messages, add_generation_prompt=False))
+        return len(render_chat(tokenizer, r.messages, add_generation_prompt=False))
     if line_bytes is None:
         line_bytes = len(json.dumps({"messages": r.messages}, ensure_ascii=False).encode())
     return math.ceil(line_bytes / BYTES_PER_TOKEN_TEXT)

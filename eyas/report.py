@@ -1,16 +1,23 @@
-"""The run report: runs/<name>/report.json, the one summary every later tool reads."""
+"""The run report: runs/<name>/report.json, the one summary every later tool reads.
+
+The stages' records (eyas/results.py) become JSON here and nowhere earlier."""
 
 from __future__ import annotations
 
 import re
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eyas import __version__
+from eyas.files import write_json_atomic
 from eyas.results import Extracted, Trained
-from eyas.extraction.shards import write_json_atomic
+
+if TYPE_CHECKING:  # both modules import torch; the report needs only their records' shapes
+    from eyas.evaluation.serve_bench import ServeBenchResult
+    from eyas.extraction.shards import ShardManifest
 
 
 def artifact_key(prefix: str, name: str) -> str:
@@ -34,11 +41,11 @@ class Stopwatch:
             self.seconds[stage] = round(self.seconds.get(stage, 0.0) + time.monotonic() - t0, 3)
 
 
-def served_evaluation(serving: dict) -> dict[str, Any]:
+def served_evaluation(serving: ServeBenchResult) -> dict[str, Any]:
     """The evaluation section of a served measurement: the held-out prompts' figures per chain."""
-    settings = {chain: c["sets"]["heldout"] for chain, c in serving["chains"].items()}
-    head = settings[serving["headline_chain"]]
-    return {"method": "server", "setting": serving["headline_chain"],
+    settings = {chain: c["sets"]["heldout"] for chain, c in serving.chains.items()}
+    head = settings[serving.headline_chain]
+    return {"method": "server", "setting": serving.headline_chain,
             **{k: head[k] for k in ("acceptance_length", "num_prompts", "total_new_tokens", "verify_steps",
                                     "accepted_per_verify")},
             "identical_to_target": all(s["identical_to_target"] is not False for s in settings.values()),
@@ -62,7 +69,7 @@ def regeneration_section(data_stats: dict) -> dict[str, Any] | None:
 
 
 def build_report(*, name: str, config_source: str | None, extracted: Extracted, trained: Trained,
-                 serving: dict | None, stages: dict[str, float]) -> dict[str, Any]:
+                 serving: ServeBenchResult | None, stages: dict[str, float]) -> dict[str, Any]:
     """report.json from the stages' results; `stages` are the seconds of every stage of this run.
 
     The acceptance figures come from the training flow when it evaluated in process
@@ -70,24 +77,25 @@ def build_report(*, name: str, config_source: str | None, extracted: Extracted, 
     """
     from eyas.evaluation.serve_bench import benchmarks
 
-    manifests, ready = extracted.manifests, extracted.ready or {}
+    manifests, ready = extracted.manifests, extracted.ready
     tokens = extracted.num_tokens
-    reused = [m for m in manifests if m.get("reused")]
-    new_tokens = tokens - sum(m["num_tokens"] for m in reused)
+    reused = [m for m in manifests if m.reused]
+    new_tokens = tokens - sum(m.num_tokens for m in reused)
     extract_s = stages.get("extract") or 0.0
-    evaluation = trained.evaluation or served_evaluation(serving)
+    evaluation = asdict(trained.evaluation) if trained.evaluation else served_evaluation(serving)
     return {
         "name": name,
         "eyas_version": __version__,
         "config": config_source,
         "acceptance_length": evaluation["acceptance_length"],  # the first chain's, held-out prompts
         # Single-stream decoding speed with the drafter over without (None: benchmark disabled).
-        "speedup": serving["speedup"]["single_stream_tokens_per_s"] if serving and serving["speedup"] else None,
+        "speedup": serving.speedup["single_stream_tokens_per_s"] if serving and serving.speedup else None,
         # Per prompt set (held-out, and each suite): its source, and per chain acceptance and speed-up.
         "benchmarks": benchmarks(serving) if serving else None,
-        "serving": serving,
+        "serving": asdict(serving) if serving else None,
         "patch": extracted.patch,
-        "server": {"ready_seconds": ready.get("seconds"), "shards_total": ready.get("shards_total")},
+        "server": {"ready_seconds": ready.seconds if ready else None,
+                   "shards_total": ready.shards_total if ready else None},
         "data": extracted.data_stats,
         # data.regenerate: turns the target answered, and of their tokens the reasoning (<think>) ones
         "regeneration": regeneration_section(extracted.data_stats),
@@ -95,15 +103,15 @@ def build_report(*, name: str, config_source: str | None, extracted: Extracted, 
             "shards": len(manifests),
             "shards_reused": len(reused),  # intact on disk from an earlier run: not extracted again
             "summary": extraction_summary(manifests),
-            "sequences": sum(m["num_samples"] for m in manifests),
+            "sequences": sum(m.num_samples for m in manifests),
             "tokens": tokens,
-            "bytes": sum(m["bytes"] for m in manifests),
+            "bytes": sum(m.bytes for m in manifests),
             # over the shards this run extracted; None when it extracted none
             "tokens_per_s": round(new_tokens / extract_s, 1) if extract_s and new_tokens else None,
-            "dtype": manifests[0]["dtype"] if manifests else None,
+            "dtype": manifests[0].dtype if manifests else None,
         },
         # history: the loss table (~100 rows: step, loss, acc per TTT step, lr, tokens/s, held-out)
-        "training": {k: trained.result.get(k) for k in
+        "training": {k: getattr(trained.result, k) for k in
                      ("final_loss", "first_loss", "steps", "tokens", "seconds", "draft_vocab_size",
                       "simulated_acceptance_length", "init_from", "resumed_from_step", "history")},
         "evaluation": evaluation,  # method, the headline chain, every chain's figures
@@ -113,9 +121,9 @@ def build_report(*, name: str, config_source: str | None, extracted: Extracted, 
     }
 
 
-def extraction_summary(manifests: list[dict]) -> str:
+def extraction_summary(manifests: list[ShardManifest]) -> str:
     """What this run did of the extraction: "4/4 shards reused", "3 extracted, 1 reused"."""
-    reused = sum(1 for m in manifests if m.get("reused"))
+    reused = sum(1 for m in manifests if m.reused)
     if reused == len(manifests):
         return f"{reused}/{len(manifests)} shards reused"
     return f"{len(manifests) - reused} shards extracted" + (f", {reused} reused" if reused else "")

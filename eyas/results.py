@@ -1,25 +1,35 @@
-"""What the stages hand each other: small frozen records instead of dicts read by key.
+"""What the stages hand each other: small frozen records of the stages' own dataclasses.
 
-    up = ServerUp(handle, ready, patch, stages)                       # flows/serve.py
-    extracted = Extracted(manifests, prompts, data_stats, ready, patch, stages)   # flows/extract.py
-    trained = Trained(result, drafter_dir, evaluation, stages)       # flows/train.py
-    report = build_report(cfg_name, source, extracted, trained, serving, stages)  # eyas/report.py
+    up = ServerUp(handle, ready, patch, stages)                                  # flows/serve.py
+    extracted = Extracted(manifests, prompts, data_stats, patch, ready, stages)  # flows/extract.py
+    trained = Trained(result, drafter_dir, evaluation, stages)                   # flows/train.py
+    report = build_report(name=..., extracted=..., trained=..., serving=..., stages=...)  # eyas/report.py
 
-Their fields stay JSON-able (dicts of numbers and strings) so Prefect can keep them as results.
+The fields hold the objects the stages made (ServerHandle, ReadyReport, ShardManifest, TrainResult, EvalResult),
+never their dict forms: JSON is made once, where it is written (eyas/report.py). Prefect keeps task
+results with its default pickle serializer, which stores these dataclasses as they are.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # training and evaluation import torch; a record needs none of it to exist
+    from eyas.evaluation.evaluate import EvalResult
+    from eyas.extraction.shards import ShardManifest
+    from eyas.server.launch import ServerHandle
+    from eyas.server.readiness import ReadyReport
+    from eyas.training.train import TrainResult
 
 
 @dataclass(frozen=True)
 class ServerUp:
     """A launched, ready server (flows/serve.py)."""
 
-    handle: dict                  # launch.ServerHandle.to_dict(): pid, url, log path and offset
-    ready: dict                   # readiness.ReadyReport as a dict: seconds, shards_total, ...
-    patch: dict                   # what the patch stage found or applied
+    handle: ServerHandle          # pid, url, log path and offset, who launched it
+    ready: ReadyReport            # seconds to ready, shards_total, the last loading bar
+    patch: dict                   # what the patch stage found or applied (sglang_patch's record)
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage
 
 
@@ -27,23 +37,23 @@ class ServerUp:
 class Extracted:
     """Shards on disk and what evaluation needs from the data (flows/extract.py)."""
 
-    manifests: list[dict]         # one per shard, in plan order (docs/data-format.md)
+    manifests: list[ShardManifest]  # one per shard, in plan order (docs/data-format.md)
     prompts: list[list[int]]      # held-out prompts, token ids
     data_stats: dict              # prepare-data's counts
     patch: dict
-    ready: dict | None = None     # None when every shard was intact and no server was launched
+    ready: ReadyReport | None = None  # None when every shard was intact and no server was launched
     stages: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
-        return sum(m["num_tokens"] for m in self.manifests)
+        return sum(m.num_tokens for m in self.manifests)
 
 
 @dataclass(frozen=True)
 class Trained:
     """A trained and exported drafter, evaluated in process where so configured (flows/train.py)."""
 
-    result: dict                  # training.train.TrainResult as a dict
+    result: TrainResult
     drafter_dir: str              # the exported folder SGLang loads
-    evaluation: dict | None       # evaluation.evaluate.EvalResult as a dict; None: served instead
+    evaluation: EvalResult | None  # None: measured by serving the drafter instead (flows/serve_bench.py)
     stages: dict[str, float] = field(default_factory=dict)

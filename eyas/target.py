@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eyas.errors import EyasError
+
 
 def read_config(folder: str | Path) -> dict:
     """The target's config.json; the nested `text_config` when the top level has no hidden_size."""
@@ -51,7 +53,7 @@ def target_dims(*folders: str | Path | None) -> tuple[int, int]:
                      f"disk estimate need hidden_size and vocab_size")
 
 
-class RemoteCodeRefused(ValueError):
+class RemoteCodeRefused(EyasError, ValueError):
     """The tokenizer is code the folder ships (auto_map) and trust_remote_code is off."""
 
 

@@ -1,5 +1,5 @@
-"""What every eyas flow shares: the config parameter, the per-host GPU lock (flows/host_lock.py), the
-stop-on-failure hook, the one-line failure reason (flows/failures.py).
+"""What every eyas flow shares: the config parameter, the stop-on-failure hooks (STOP_ON_FAILURE),
+the one-line failure reason (flows/failures.py). The per-host GPU lock is flows/runtime/host_lock.py.
 
 A flow's `config` parameter is either a path to a YAML config (relative paths are taken from the
 repository root, so deployments work from any working directory), an inline mapping with the same
@@ -24,13 +24,14 @@ from prefect.logging import get_run_logger
 from prefect.states import Failed
 
 from eyas.config import ConfigError, PipelineConfig, config_from_dict, load_config
+from eyas.config.loading import apply_overrides
+from eyas.evaluation import serve_bench
 from eyas.report import artifact_key
 from eyas.secrets import MASK, PYDANTIC_MASK, secret_flag_values
 from eyas.resources import shipped_root
 from eyas.server.hosts import make_host
-from eyas.server.launch import stop_server
+from eyas.server.launch import stop_recorded
 from flows import failures
-from flows.host_lock import ensure_host_limit, gpu_host, host_limit_name  # noqa: F401 - the flows' lock
 
 failures.install()  # Prefect's run loggers: the reason once, no traceback for eyas's own errors
 
@@ -144,7 +145,7 @@ def _tag_flow_run(tags: list[str]) -> None:
 
 def resolve_config(config: ConfigParam, overrides: dict[str, Any] | None = None) -> PipelineConfig:
     """A path, an inline mapping or a PipelineConfig, plus dotted overrides -> a validated config."""
-    _refuse_secrets(_nested(overrides or {}), "overrides")
+    _refuse_secrets(apply_overrides({}, overrides), "overrides")
     if isinstance(config, PipelineConfig):
         if not overrides:
             return config
@@ -155,17 +156,6 @@ def resolve_config(config: ConfigParam, overrides: dict[str, Any] | None = None)
         return config_from_dict(config, base_dir=ROOT, source="<inline config>", overrides=overrides)
     path = Path(config)
     return load_config(path if path.is_absolute() else ROOT / path, overrides)
-
-
-def _nested(overrides: dict[str, Any]) -> dict:
-    out: dict = {}
-    for dotted, value in overrides.items():
-        *parents, leaf = dotted.split(".")
-        node = out
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return out
 
 
 def _refuse_secrets(raw: dict, where: str) -> None:
@@ -184,22 +174,36 @@ def _refuse_secrets(raw: dict, where: str) -> None:
 
 
 def stop_server_hook(flow, flow_run, state) -> None:
-    """on_failure / on_crashed / on_cancellation: stop the server this run (or a subflow of it)
-    launched, so no failed run holds GPUs. Another run's server is left alone: a run that failed
-    because another one holds the config (OutputBusy) launched nothing and stops nothing."""
+    """on_failure / on_crashed / on_cancellation: stop every server this run (or a subflow of it)
+    launched, the target server and the serving benchmark's, so no failed run holds GPUs. Another
+    run's server is left alone: a run that failed because another one holds the config (OutputBusy)
+    launched nothing and stops nothing."""
     try:
         cfg = resolve_config(flow_run.parameters["config"], flow_run.parameters.get("overrides"))
     except Exception:  # noqa: BLE001 - a bad config never launched anything (the run's message says why)
         print("stop-server hook: the config did not load, so nothing was launched: nothing to stop")
         return
-    host = make_host(cfg.server.host)
+    mine, benchmarked = {str(flow_run.id)}, cfg.benchmark.enabled or cfg.evaluation.method == "server"
+    with make_host(cfg.server.host) as host:
+        _say_stopped(state, cfg, cfg, stop_recorded(host, cfg, runs=mine))  # the target server first
+        for launched in serve_bench.launches(cfg) if benchmarked else []:  # what serve_bench_flow launches
+            _say_stopped(state, cfg, launched, stop_recorded(host, launched, runs=mine))
+
+
+def _say_stopped(state, cfg: PipelineConfig, server: PipelineConfig, outcome: dict) -> None:
+    said = str(outcome.get("outcome", ""))
+    if server is not cfg and said.startswith(("not running", "left alone")):
+        return  # a benchmark server this run never started: nothing worth a line
+    # a run that launched nothing (a refusal, a bad input) says so quietly: its reason is elsewhere
+    level = 20 if said.startswith("not running") else 30
+    where = "" if server is cfg else f" ({server.server.workdir.name})"
     try:
-        outcome = stop_server(host, cfg, runs={str(flow_run.id)})
-    finally:
-        host.close()
-    try:  # a run that launched nothing (a refusal, a bad input) says so quietly: its reason is elsewhere
-        level = 20 if str(outcome.get("outcome", "")).startswith("not running") else 30
-        get_run_logger().log(level, "run %s: the server this run launched on %s: %s", state.name,
-                             cfg.server.host.name, outcome)
+        get_run_logger().log(level, "run %s: the server this run launched on %s%s: %s", state.name,
+                             cfg.server.host.name, where, outcome)
     except Exception:  # noqa: BLE001 - hooks may run without a run context
-        print(f"stop-server hook ({state.name}): {outcome}")
+        print(f"stop-server hook ({state.name}){where}: {outcome}")
+
+
+#: every flow's hooks: whatever ends a run early, the servers it launched are stopped
+STOP_ON_FAILURE = {"on_failure": [stop_server_hook], "on_crashed": [stop_server_hook],
+                   "on_cancellation": [stop_server_hook]}

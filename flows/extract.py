@@ -8,6 +8,7 @@ stop, so two runs never start two servers on the same GPUs; the second waits in 
 
 from __future__ import annotations
 
+from dataclasses import replace
 
 from prefect import flow, get_run_logger
 from prefect.events import emit_event
@@ -15,30 +16,36 @@ from prefect.futures import as_completed
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from eyas.extraction.stage import regeneration_pending, shards_intact
+from eyas.config import PipelineConfig
+from eyas.extraction.shards import ShardManifest
+from eyas.extraction.stage import ExtractionContext, regeneration_pending, shards_intact
 from eyas.report import Stopwatch
 from eyas.server.launch import ServerDied
 from eyas.results import Extracted
-from flows.common import (DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, gpu_host, resolve_config,
-                          stop_server_hook)
+from flows.common import STOP_ON_FAILURE, DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, resolve_config
+from flows.runtime.host_lock import gpu_host
 from flows.serve import run_name, serve
-from tasks.extract import extract_shard_for, prepare_data, regenerate_data, shard_cached
+from tasks.extract import extract_shard_task_for, extraction_context, prepare_data, regenerate_data, shard_cached
 from tasks.patch import patch_host
 from tasks.preflight import preflight_check
 from tasks.server import server_gone, stop
 
 
 @flow(name="eyas-extract", flow_run_name=run_name("extract"), log_prints=True,
-      task_runner=ThreadPoolTaskRunner(max_workers=2),
-      on_failure=[stop_server_hook], on_crashed=[stop_server_hook],
-      on_cancellation=[stop_server_hook])
+      task_runner=ThreadPoolTaskRunner(max_workers=2), **STOP_ON_FAILURE)
 @checked_flow
 def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = None) -> Extracted:
     """Plan the shards, bring the server up, (regenerate the replies,) extract every shard, stop it.
 
     When every shard is already intact on disk (a re-run), no server is launched at all.
     """
-    cfg, stage = resolve_config(config, overrides), Stopwatch()
+    cfg = resolve_config(config, overrides)
+    with extraction_context() as ctx:  # the extraction's runs, server pools and progress publisher
+        return _extract(ctx, cfg)
+
+
+def _extract(ctx: ExtractionContext, cfg: PipelineConfig) -> Extracted:
+    stage = Stopwatch()
     # eyas.standalone: "false" inside the pipeline, whose own train stage follows (automations.py)
     resource = {"prefect.resource.id": f"eyas.run.{cfg.name}", "eyas.host": cfg.server.host.name,
                 "eyas.standalone": "false" if flow_run.parent_flow_run_id else "true"}
@@ -47,9 +54,9 @@ def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = 
     # 1. Data first: a bad input file should fail before a ten-minute server load.
     preflight_check(cfg)
     with stage("prepare"):
-        prepared = prepare_data(cfg)
+        prepared = prepare_data(ctx, cfg)
         if regen and not regeneration_pending(cfg):  # regenerated before: no server needed for it
-            prepared = prepare_data(cfg, regenerate_data(cfg), take_output_dir=False)
+            prepared = prepare_data(ctx, cfg, regenerate_data(ctx, cfg), take_output_dir=False)
             regen = False
     # 2. The server host's SGLang, patched (the local backend needs nothing).
     with stage("patch"):
@@ -60,7 +67,7 @@ def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = 
     up = None
     if not regen and all(shards_intact(cfg, prepared.plans, patch_version).values()):
         with stage("extract"):
-            manifests = _extract_all(cfg, prepared.plans, patch_version, resource)
+            manifests = _extract_all(ctx, cfg, prepared.plans, patch_version, resource)
     else:
         # 4. Launch, wait until ready, (regenerate,) extract, stop: the host is ours meanwhile. A server
         #    that dies is relaunched once; finished parts and shards stay, the rest resume.
@@ -72,12 +79,12 @@ def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = 
                     try:
                         if regen:  # the target answers the training conversations; shards come from its answers
                             with stage("regenerate"):
-                                regenerated = regenerate_data(cfg)
+                                regenerated = regenerate_data(ctx, cfg)
                             with stage("prepare"):
-                                prepared = prepare_data(cfg, regenerated, take_output_dir=False)
+                                prepared = prepare_data(ctx, cfg, regenerated, take_output_dir=False)
                             regen = False
                         with stage("extract"):
-                            manifests = _extract_all(cfg, prepared.plans, patch_version, resource)
+                            manifests = _extract_all(ctx, cfg, prepared.plans, patch_version, resource)
                         break
                     except Exception:
                         up = _relaunch_if_dead(cfg, up, deaths, stage)
@@ -85,7 +92,7 @@ def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = 
                 with stage("stop"):
                     stop(cfg, up.handle)
     emit_event(event="eyas.extraction.completed", resource=resource, payload={
-        "shards": len(manifests), "tokens": sum(m["num_tokens"] for m in manifests)})
+        "shards": len(manifests), "tokens": sum(m.num_tokens for m in manifests)})
     return Extracted(manifests, prepared.prompts, prepared.stats, patch=patched,
                      ready=up.ready if up else None, stages={**(up.stages if up else {}), **stage.seconds})
 
@@ -107,20 +114,21 @@ def _relaunch_if_dead(cfg, up, deaths: list[str], stage: Stopwatch):
     return serve(cfg)
 
 
-def _extract_all(cfg, plans, patch_version: str, resource: dict) -> list[dict]:
+def _extract_all(ctx, cfg, plans, patch_version: str, resource: dict) -> list[ShardManifest]:
     """One task per shard (bounded by the task runner), an `eyas.shard.done` event as each ends.
 
     The tasks publish the progress artifact `extract-NAME` and the shard table `extract-shards-NAME`.
     """
-    futures = [extract_shard_for(cfg, plan, patch_version).submit(cfg, plan, patch_version) for plan in plans]
+    futures = [extract_shard_task_for(cfg, plan, patch_version).submit(ctx, cfg, plan, patch_version)
+               for plan in plans]
     plan_of = {id(f): plan for f, plan in zip(futures, plans)}
     cached = set()
     for done, future in enumerate(as_completed(futures), 1):
         m = future.result()
         if future.state.name == "Cached":  # answered from Prefect's cache: no task body counted it
-            shard_cached(cfg, plan_of[id(future)], m)
+            shard_cached(ctx, cfg, plan_of[id(future)], m)
             cached.add(id(future))
         emit_event(event="eyas.shard.done", resource=resource,
-                   payload={"file": m.get("file"), "tokens": m["num_tokens"], "done": done,
+                   payload={"file": m.file, "tokens": m.num_tokens, "done": done,
                             "total": len(plans)})
-    return [{**f.result(), "reused": True} if id(f) in cached else f.result() for f in futures]
+    return [replace(f.result(), reused=True) if id(f) in cached else f.result() for f in futures]

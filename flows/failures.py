@@ -23,6 +23,8 @@ import logging
 import re
 import threading
 
+from eyas.errors import EyasError
+
 LOGGERS = ("prefect.task_runs", "prefect.flow_runs")
 MAX_REASON = 2000  # a state message is shown whole on the run page; a preflight list can be long
 
@@ -35,7 +37,7 @@ _recent: collections.deque[str] = collections.deque(maxlen=20)  # WARNING+ lines
 def eyas_raised(exc: BaseException) -> bool:
     """An error eyas raised itself (config, preflight, a busy output dir, a host, a launch...): its
     message names what is wrong and what to do; a traceback would only bury it."""
-    return type(exc).__module__.split(".")[0] in ("eyas", "tasks", "flows")
+    return isinstance(exc, EyasError)
 
 
 def reason_of(exc: BaseException) -> str:
@@ -89,12 +91,11 @@ _RAISED = re.compile(r"^Task run encountered an exception (\w+): (.*)$", re.S)
 
 def _eyas_names() -> set[str]:
     """The names of the exception classes eyas defines (loaded so far)."""
-    names, todo = set(), [Exception]
+    names, todo = set(), [EyasError]
     while todo:
         for sub in todo.pop().__subclasses__():
             todo.append(sub)
-            if sub.__module__.split(".")[0] in ("eyas", "tasks", "flows"):
-                names.add(sub.__name__)
+            names.add(sub.__name__)
     return names
 
 

@@ -21,7 +21,7 @@ from prefect.artifacts import create_markdown_artifact
 from eyas.evaluation import suites
 from eyas.evaluation.serve_bench import benchmarks_markdown
 from eyas.report import Stopwatch, artifact_key, build_report, training_summary, write_report
-from flows.common import DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, resolve_config, stop_server_hook
+from flows.common import STOP_ON_FAILURE, DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, resolve_config
 from flows.extract import extract
 from flows.serve import run_name
 from flows.serve_bench import serve_bench_flow
@@ -29,9 +29,7 @@ from flows.train import train_flow
 from tasks.preflight import preflight_check
 
 
-@flow(name="eagle3-pipeline", flow_run_name=run_name("eagle3"), log_prints=True,
-      on_failure=[stop_server_hook], on_crashed=[stop_server_hook],
-      on_cancellation=[stop_server_hook])
+@flow(name="eagle3-pipeline", flow_run_name=run_name("eagle3"), log_prints=True, **STOP_ON_FAILURE)
 @checked_flow
 def eagle3_pipeline(config: ConfigParam = DEFAULT_CONFIG,
                     overrides: Overrides | None = None) -> dict:

@@ -14,8 +14,8 @@ from prefect.runtime import flow_run
 
 from eyas.report import Stopwatch
 from eyas.results import ServerUp
-from flows.common import (DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, config_label, resolve_config,
-                          stop_server_hook)
+from flows.common import (STOP_ON_FAILURE, DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, config_label,
+                          resolve_config)
 from tasks.patch import patch_host, unpatch_host
 from tasks.preflight import preflight_check
 from tasks.server import launch_server, stop, wait_ready
@@ -34,9 +34,7 @@ def run_name(prefix: str):
     return name
 
 
-@flow(name="eyas-serve", flow_run_name=run_name("serve"), log_prints=True,
-      on_failure=[stop_server_hook], on_crashed=[stop_server_hook],
-      on_cancellation=[stop_server_hook])
+@flow(name="eyas-serve", flow_run_name=run_name("serve"), log_prints=True, **STOP_ON_FAILURE)
 @checked_flow
 def serve(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = None) -> ServerUp:
     """Patch the server host, launch the target server, wait until it is ready."""

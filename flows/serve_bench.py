@@ -16,45 +16,27 @@ nothing to serve for (`evaluation.method: in_process` and `benchmark.enabled: fa
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from eyas.evaluation import serve_bench, suites
-from eyas.extraction.shards import write_json_atomic
+from eyas.files import write_json_atomic
 from eyas.report import artifact_key
-from eyas.server.hosts import make_host
-from eyas.server.launch import stop_server
-from flows.common import DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, gpu_host, resolve_config
+from flows.common import STOP_ON_FAILURE, DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, resolve_config
+from flows.runtime.host_lock import gpu_host
 from flows.serve import run_name
 from tasks.preflight import preflight_check
 from tasks.serve_bench import benchmark_serving_for
 
 
-def stop_bench_servers(flow, flow_run, state) -> None:
-    """on_failure / on_crashed / on_cancellation: stop the benchmark servers this run launched that
-    are still recorded as running (another run's are left alone)."""
-    p = flow_run.parameters
-    try:
-        cfg = resolve_config(p["config"], p.get("overrides"))
-    except Exception:  # noqa: BLE001 - a bad config launched nothing (the run's message says why)
-        print("serve-bench hook: the config did not load, so nothing was launched: nothing to stop")
-        return
-    host = make_host(cfg.server.host)
-    try:
-        for launched in serve_bench.launches(cfg):
-            print(f"serve-bench hook ({state.name}): {launched.server.workdir.name}:",
-                  stop_server(host, launched, runs={str(flow_run.id)}))
-    finally:
-        host.close()
-
-
-@flow(name="eyas-serve-bench", flow_run_name=run_name("serve-bench"), log_prints=True,
-      on_failure=[stop_bench_servers], on_crashed=[stop_bench_servers], on_cancellation=[stop_bench_servers])
+@flow(name="eyas-serve-bench", flow_run_name=run_name("serve-bench"), log_prints=True, **STOP_ON_FAILURE)
 @checked_flow
 def serve_bench_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = None,
-                     drafter_dir: str | None = None, prompts: list[list[int]] | None = None) -> dict | None:
+                     drafter_dir: str | None = None,
+                     prompts: list[list[int]] | None = None) -> serve_bench.ServeBenchResult | None:
     """Acceptance and speed with vs without the drafter: report.json's `serving` section."""
     cfg = resolve_config(config, overrides)
     if not cfg.benchmark.enabled and cfg.evaluation.method != "server":
@@ -73,7 +55,7 @@ def serve_bench_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides 
     with gpu_host(cfg):
         result = benchmark_serving_for(cfg)(cfg, drafter_dir, sets)
     # 3. Record it beside the run; on eyas-local a changed greedy output fails the run (after recording).
-    write_json_atomic(Path(cfg.run_dir) / "serve_bench.json", result)
+    write_json_atomic(Path(cfg.run_dir) / "serve_bench.json", asdict(result))
     create_markdown_artifact(key=artifact_key("serve-bench", cfg.name), markdown=serve_bench.markdown(result),
                              description="acceptance and serving speed with vs without the drafter")
     serve_bench.check_outputs(cfg, result)

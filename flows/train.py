@@ -9,8 +9,8 @@ held-out prompts from the data; inside the pipeline it gets both from `extract`.
 and this flow never loads the target.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: Prefect builds the run's parameter model from these
+# annotations, and from the string `list[ShardManifest]` it fails ("Train_FlowModel is not fully defined").
 from pathlib import Path
 
 from prefect import flow
@@ -18,10 +18,10 @@ from prefect.events import emit_event
 
 from eyas.report import Stopwatch
 from eyas.results import Trained
-from eyas.extraction.shards import verify_shard
+from eyas.extraction.shards import ShardManifest, verify_shard
 from flows.common import DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, resolve_config
 from flows.serve import run_name
-from tasks.extract import prepare_data
+from tasks.extract import extraction_context, prepare_data
 from tasks.preflight import preflight_check
 from tasks.train import evaluate_for, export, train
 
@@ -29,7 +29,7 @@ from tasks.train import evaluate_for, export, train
 @flow(name="eyas-train", flow_run_name=run_name("train"), log_prints=True)
 @checked_flow
 def train_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = None,
-                  manifests: list[dict] | None = None,
+                  manifests: list[ShardManifest] | None = None,
                   prompts: list[list[int]] | None = None) -> Trained:
     """Train (resuming from the newest checkpoint), export, evaluate in process if so configured."""
     cfg, stage = resolve_config(config, overrides), Stopwatch()
@@ -38,7 +38,8 @@ def train_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None
         manifests = _manifests_on_disk(Path(cfg.extraction.output_dir))
     in_process = cfg.evaluation.method == "in_process"
     if prompts is None and in_process:
-        prompts = prepare_data(cfg).prompts
+        with extraction_context() as ctx:  # the held-out prompts, planned as the extraction plans them
+            prompts = prepare_data(ctx, cfg).prompts
     with stage("train"):
         trained = train(cfg, manifests)
     with stage("export"):
@@ -52,8 +53,8 @@ def train_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None
     return Trained(trained, drafter_dir, evaluation, stage.seconds)
 
 
-def _manifests_on_disk(folder: Path) -> list[dict]:
+def _manifests_on_disk(folder: Path) -> list[ShardManifest]:
     shards = sorted(folder.glob("shard-*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"no shards in {folder}: run the extract flow first")
-    return [verify_shard(p, full=False) for p in shards]
+    return [ShardManifest.from_json(verify_shard(p, full=False)) for p in shards]

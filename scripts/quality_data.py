@@ -36,7 +36,7 @@ def main() -> None:
     print("stages", r.stages, "tokens", r.num_tokens)  # flows.extract returns an eyas.results.Extracted
     shards = []
     for m in r.manifests:
-        reader = ShardReader(rd / "shards" / m["file"])
+        reader = ShardReader(rd / "shards" / m.file)
         shards.append({"meta": reader.meta, "samples": [(s.input_ids.int(), s.loss_mask) for s in reader]})
     out = ROOT / "sweep-data" / f"{name}.pt"
     out.parent.mkdir(exist_ok=True)

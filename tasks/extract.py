@@ -1,10 +1,14 @@
 """Prefect tasks of the extraction stage: prepare the data, regenerate it, extract one shard per task.
 
-The work is in eyas/extraction/stage.py; these wrappers add run names, retries and cache policy,
-and publish the extraction's progress (tasks/progress.py).
+The work is in eyas/extraction/stage.py; these wrappers add run names, retries and cache policy.
+The flow makes one ExtractionContext for the extraction (its runs, its server pools, the progress
+publisher of tasks/progress.py) and hands it to every task here.
 """
 
 from __future__ import annotations
+
+import hashlib
+from dataclasses import fields, replace
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -12,51 +16,47 @@ from prefect.cache_policies import NO_CACHE
 from eyas.config import PipelineConfig
 from eyas.extraction import stage
 from eyas.extraction.data import ShardPlan
-from eyas.extraction.client import gone_or_stalled
-from eyas.extraction.shards import find_disk_full
-from eyas.extraction.stage import Prepared
+from eyas.extraction.shards import ShardManifest
+from eyas.extraction.stage import ExtractionContext, Prepared
 from tasks.dead_runs import crash_dead_runs
 from tasks.progress import ExtractionPublisher, RegenerationPublisher, logger
+from tasks.retry import worth_retrying
 
-stage.runs.make_on_change = ExtractionPublisher
 
-
-def _worth_retrying(task, task_run, state) -> bool:
-    """Retry a failure that may pass; never a full disk (DiskFull or ENOSPC, however wrapped): it stays
-    full; nor a server whose process is gone or stalled: the extract flow relaunches it instead."""
-    try:
-        state.result()
-    except Exception as e:  # noqa: BLE001 - the task's own failure, judged by its kind
-        return find_disk_full(e) is None and gone_or_stalled(e) is None
-    return False
+def extraction_context() -> ExtractionContext:
+    """The context a flow makes for one extraction: its figures published as progress artifacts."""
+    return ExtractionContext(on_change=ExtractionPublisher)
 
 
 @task(task_run_name="prepare-data", cache_policy=NO_CACHE, timeout_seconds=6 * 3600)
-def prepare_data(cfg: PipelineConfig, data_path: str | None = None, take_output_dir: bool = True) -> Prepared:
+def prepare_data(ctx: ExtractionContext, cfg: PipelineConfig, data_path: str | None = None,
+                 take_output_dir: bool = True) -> Prepared:
     """Take the output dir, clean a killed run's leftovers, tokenize, plan the shards, check disk space."""
     from prefect.runtime import flow_run
 
-    return stage.prepare(cfg, data_path, take_dir=take_output_dir, log=logger().info,
+    return stage.prepare(ctx, cfg, data_path, take_dir=take_output_dir, log=logger().info,
                          holder=f"flow run {flow_run.id}" if flow_run.id else "", on_reclaim=crash_dead_runs)
 
 
-# Resumable by part: a retry answers only the parts not yet on disk (as extract_shard retries a shard)
+# Resumable by part: a retry answers only the parts not yet on disk (as a shard's task retries a shard)
 @task(task_run_name="regenerate-data@{cfg.server.host.name}", cache_policy=NO_CACHE, retries=2,
-      retry_delay_seconds=[5, 30], retry_condition_fn=_worth_retrying)
-def regenerate_data(cfg: PipelineConfig) -> str:
+      retry_delay_seconds=[5, 30], retry_condition_fn=worth_retrying)
+def regenerate_data(ctx: ExtractionContext, cfg: PipelineConfig) -> str:
     """Answer the training conversations again with the target (resumable by part); returns the new file.
 
     Its progress: the artifact `regenerate-NAME` (conversations done, tokens/s, ETA)."""
-    return stage.regenerate_data(cfg, log=logger().info, warn=logger().warning,
+    return stage.regenerate_data(ctx, cfg, log=logger().info, warn=logger().warning,
                                  on_progress=RegenerationPublisher(cfg.name))
 
 
 def _shard_cache_key(context, parameters) -> str:
-    """What the shard depends on (stage.shard_key): its content, the target, layers, dtype, patch."""
-    return stage.shard_key(parameters["cfg"], parameters["plan"], parameters["patch_version"])
+    """What the shard depends on (stage.shard_key): its content, the target, layers, dtype, patch; and
+    the fields of the manifest record the task returns (a record of another shape is not returned)."""
+    shape = hashlib.sha256(",".join(f.name for f in fields(ShardManifest)).encode()).hexdigest()[:12]
+    return f"{stage.shard_key(parameters['cfg'], parameters['plan'], parameters['patch_version'])}-{shape}"
 
 
-def extract_shard_for(cfg: PipelineConfig, plan: ShardPlan, patch_version: str):
+def extract_shard_task_for(cfg: PipelineConfig, plan: ShardPlan, patch_version: str):
     """The shard's task, checked on disk before the cache is trusted.
 
     Intact: Prefect's record under the shard's key is used (state Cached). Missing or damaged: the
@@ -64,20 +64,22 @@ def extract_shard_for(cfg: PipelineConfig, plan: ShardPlan, patch_version: str):
     a one-off "miss" key would leave nothing a later run could find).
     """
     intact = stage.intact_shard(cfg, plan, patch_version) is not None
-    return extract_shard.with_options(refresh_cache=not intact)
+    return extract_shard_task.with_options(refresh_cache=not intact)
 
 
-def shard_cached(cfg: PipelineConfig, plan: ShardPlan, manifest: dict) -> None:
+def shard_cached(ctx: ExtractionContext, cfg: PipelineConfig, plan: ShardPlan, shard: ShardManifest) -> None:
     """A shard Prefect answered from its cache ran no task body: count it in the progress here."""
-    stage.shard_finished(cfg, plan, manifest, reused=True, log=logger().info)
+    stage.shard_finished(ctx, cfg, plan, replace(shard, reused=True), log=logger().info)
 
 
-@task(task_run_name="extract-{plan.name}-of-{plan.num_shards:05d}@{cfg.server.host.name}",
+@task(name="extract-shard", task_run_name="extract-{plan.name}-of-{plan.num_shards:05d}@{cfg.server.host.name}",
       cache_key_fn=_shard_cache_key, persist_result=True, retries=2, retry_delay_seconds=[5, 30],
-      retry_condition_fn=_worth_retrying)
-def extract_shard(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> dict:
-    """Extract one shard (or reuse an intact one); returns its manifest, never tensors.
+      retry_condition_fn=worth_retrying)
+def extract_shard_task(ctx: ExtractionContext, cfg: PipelineConfig, plan: ShardPlan,
+                       patch_version: str) -> ShardManifest:
+    """Extract one shard (or reuse an intact one) with the core's stage.run_shard; returns its
+    manifest, never tensors.
 
-    Submit it through `extract_shard_for`, which refreshes the cache when the file is not intact.
+    Submit it through `extract_shard_task_for`, which refreshes the cache when the file is not intact.
     """
-    return stage.run_shard(cfg, plan, patch_version, log=logger().info, warn=logger().warning)
+    return stage.run_shard(ctx, cfg, plan, patch_version, log=logger().info, warn=logger().warning)

@@ -13,12 +13,13 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from eyas.config import PipelineConfig
+from eyas.errors import EyasError
 from eyas.preflight import format_preflight, preflight
 from eyas.report import artifact_key
 from tasks.progress import logger
 
 
-class PreflightFailed(ValueError):
+class PreflightFailed(EyasError, ValueError):
     """The config cannot run as it is; the message lists every problem with its field."""
 
 

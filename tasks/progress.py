@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.logging import get_logger, get_run_logger
 
 from eyas.report import artifact_key
+
+if TYPE_CHECKING:
+    from eyas.training.train import TrainResult
 
 PUBLISH_EVERY_S = 2.0  # the progress artifact (and its log line), at most this often
 TABLE_EVERY_S = 30.0  # a new version of the table (500 shards, or ~100 loss rows), at most this often
@@ -129,14 +132,14 @@ class TrainingPublisher:
             self.rows.append(s.row())
         self.out.publish(lambda: (s.percent, s.describe()), lambda: self.rows[::-1])  # newest first
 
-    def finish(self, result: dict) -> None:
+    def finish(self, result: TrainResult) -> None:
         """The end: the result's figures and its whole loss table (steps before a resume included)."""
-        sal = result.get("simulated_acceptance_length")
-        text = (f"step {result['steps']}/{self.max_steps}, final loss {result['final_loss']:.4f}"
+        sal = result.simulated_acceptance_length
+        text = (f"step {result.steps}/{self.max_steps}, final loss {result.final_loss:.4f}"
                 + (f", held-out simulated acceptance {sal:.3f}" if sal is not None else "")
-                + f", {result['tokens']:,} tokens in {result['seconds']:.0f}s")
-        self.out.publish(lambda: (round(100.0 * result["steps"] / self.max_steps, 2), text),
-                         lambda: result["history"][::-1], force=True, table=True)
+                + f", {result.tokens:,} tokens in {result.seconds:.0f}s")
+        self.out.publish(lambda: (round(100.0 * result.steps / self.max_steps, 2), text),
+                         lambda: result.history[::-1], force=True, table=True)
 
 
 class ServeBenchPublisher:

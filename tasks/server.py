@@ -1,7 +1,5 @@
 """Prefect tasks: launch the target server, wait until it is ready, stop it."""
 
-from dataclasses import asdict
-
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
@@ -10,14 +8,15 @@ from prefect.logging import get_run_logger
 
 from eyas.server import launch, readiness
 from eyas.config import PipelineConfig
-from eyas.server.hosts import HostAuthError, make_host
+from eyas.server.hosts import make_host
 from eyas.server.ownership import Owner
 from eyas.report import artifact_key
+from tasks.retry import worth_retrying
 
 
 def run_owner() -> Owner:
     """A new launch token, with this flow run and its parents (innermost first): the runs whose
-    failure hooks may stop what is launched now (flows/common.py stop_server_hook)."""
+    failure hooks may stop what is launched now (flows/common.py STOP_ON_FAILURE)."""
     from prefect.client.orchestration import get_client
     from prefect.runtime import flow_run
 
@@ -33,37 +32,20 @@ def run_owner() -> Owner:
     return Owner.new(runs)
 
 
-def _transient(task, task_run, state) -> bool:
-    """Retry on anything but a refused login or a host configuration that cannot work (a missing
-    known_hosts: HostConfigError is a HostAuthError), or a refused launch: retrying never helps."""
-    try:
-        state.result()
-    except HostAuthError:
-        return False
-    except launch.LaunchError:
-        return False
-    except Exception:  # noqa: BLE001 - every other failure may pass
-        return True
-    return False
-
-
 @task(task_run_name="launch-{cfg.server.backend}@{cfg.server.host.name}", cache_policy=NO_CACHE,
-      retries=2, retry_delay_seconds=[5, 20], retry_condition_fn=_transient, timeout_seconds=600)
-def launch_server(cfg: PipelineConfig) -> dict:
+      retries=2, retry_delay_seconds=[5, 20], retry_condition_fn=worth_retrying, timeout_seconds=600)
+def launch_server(cfg: PipelineConfig) -> launch.ServerHandle:
     """Start the server detached; returns its handle (pid, url, log path and offset)."""
-    host = make_host(cfg.server.host)
-    try:
-        owner = run_owner()
+    owner = run_owner()
+    with make_host(cfg.server.host) as host:
         # a top-level `serve` run leaves its server up on purpose; inside a pipeline it ends with the run
         handle = launch.start_server(host, cfg, owner, leave_up=len(owner.runs) <= 1)
-    finally:
-        host.close()
     get_run_logger().info("launched pid %s on %s: %s", handle.pid, handle.host, handle.command)
-    return handle.to_dict()
+    return handle
 
 
 @task(task_run_name="wait-ready@{cfg.server.host.name}", cache_policy=NO_CACHE)
-def wait_ready(cfg: PipelineConfig, handle: dict) -> dict:
+def wait_ready(cfg: PipelineConfig, handle: launch.ServerHandle) -> readiness.ReadyReport:
     """Poll the server log until ready (progress in the UI); fail fast on crash, stall, deadline."""
     logger = get_run_logger()
     artifact = create_progress_artifact(progress=0.0, key=artifact_key("load", cfg.name),
@@ -79,47 +61,39 @@ def wait_ready(cfg: PipelineConfig, handle: dict) -> dict:
         emit_event(event="eyas.server.loading", resource=resource,
                    payload={"done": p.done, "total": p.total, "eta_s": p.remaining_s})
 
-    host = make_host(cfg.server.host)
+    s = cfg.sensor
     try:
-        s = cfg.sensor
-        report = readiness.wait_until_ready(
-            host, log_path=handle["log_path"], pid=handle["pid"], url=handle["url"],
-            start_offset=handle["log_offset"], poll_interval_s=s.poll_interval_s,
-            stall_timeout_s=s.stall_timeout_s, deadline_s=s.deadline_s,
-            http_timeout_s=s.http_timeout_s, on_progress=on_progress)
+        with make_host(cfg.server.host) as host:
+            report = readiness.wait_until_ready(
+                host, log_path=handle.log_path, pid=handle.pid, url=handle.url,
+                start_offset=handle.log_offset, poll_interval_s=s.poll_interval_s,
+                stall_timeout_s=s.stall_timeout_s, deadline_s=s.deadline_s,
+                http_timeout_s=s.http_timeout_s, on_progress=on_progress)
     except readiness.ServerFailed as e:
         emit_event(event="eyas.server.failed", resource=resource,
                    payload={"reason": e.reason, "log_tail": e.log_lines[-20:]})
         raise
-    finally:
-        host.close()
     update_progress_artifact(artifact_id=artifact, progress=100.0)
     emit_event(event="eyas.server.ready", resource=resource,
-               payload={"seconds": report.seconds, "url": handle["url"]})
+               payload={"seconds": report.seconds, "url": handle.url})
     logger.info("server ready after %.1fs", report.seconds)
-    return asdict(report)
+    return report
 
 
 @task(task_run_name="stop@{cfg.server.host.name}", cache_policy=NO_CACHE, retries=2,
-      retry_delay_seconds=5, retry_condition_fn=_transient, timeout_seconds=300)
-def stop(cfg: PipelineConfig, handle: dict | None = None) -> dict:
+      retry_delay_seconds=5, retry_condition_fn=worth_retrying, timeout_seconds=300)
+def stop(cfg: PipelineConfig, handle: launch.ServerHandle | None = None) -> dict:
     """Stop the server (the one `handle` names, else the recorded one) and clean its dump directory;
     only ever a process eyas launched (launch.stop_server)."""
-    host = make_host(cfg.server.host)
-    try:
-        out = launch.stop_server(host, cfg, handle)
-    finally:
-        host.close()
+    with make_host(cfg.server.host) as host:
+        out = launch.stop_server(host, cfg, handle) if handle else launch.stop_recorded(host, cfg)
     get_run_logger().info("server pid %s: %s; dump folder: %s", out.get("pid"), out["outcome"], out.get("dump_dir"))
     return out
 
 
 @task(task_run_name="server-gone@{cfg.server.host.name}", cache_policy=NO_CACHE, retries=2,
-      retry_delay_seconds=5, retry_condition_fn=_transient)
-def server_gone(cfg: PipelineConfig, handle: dict) -> str | None:
+      retry_delay_seconds=5, retry_condition_fn=worth_retrying)
+def server_gone(cfg: PipelineConfig, handle: launch.ServerHandle) -> str | None:
     """Why the launched server has died (its log's fatal line), or None while it runs."""
-    host = make_host(cfg.server.host)
-    try:
+    with make_host(cfg.server.host) as host:
         return launch.gone_reason(host, cfg, handle)
-    finally:
-        host.close()

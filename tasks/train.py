@@ -2,7 +2,7 @@
 
 import hashlib
 import json
-from dataclasses import asdict, is_dataclass
+from dataclasses import fields
 from pathlib import Path
 
 from prefect import task
@@ -11,18 +11,15 @@ from prefect.logging import get_run_logger
 
 from eyas.config import PipelineConfig
 from eyas.training.distributed import launch_training
-from eyas.evaluation.evaluate import evaluate_acceptance
+from eyas.evaluation.evaluate import EvalResult, evaluate_acceptance
 from eyas.evaluation.export import drafter_digest, export_drafter
-from eyas.training.train import train_drafter
+from eyas.extraction.shards import ShardManifest
+from eyas.training.train import TrainResult, train_drafter
 from tasks.progress import TrainingPublisher
 
 
-def _plain(obj) -> dict:
-    return asdict(obj) if is_dataclass(obj) else dict(obj)
-
-
 @task(task_run_name="train-drafter", cache_policy=NO_CACHE)
-def train(cfg: PipelineConfig, manifests: list[dict]) -> dict:
+def train(cfg: PipelineConfig, manifests: list[ShardManifest]) -> TrainResult:
     """Train the EAGLE-3 drafter on the extracted shards (resumes from its last checkpoint).
 
     In this process by default; under torchrun on training.distributed's hosts when it asks for
@@ -31,19 +28,20 @@ def train(cfg: PipelineConfig, manifests: list[dict]) -> dict:
     (the loss table), updated at a bounded rate (tasks/progress.py).
     """
     logger = get_run_logger()
-    shard_paths = [Path(cfg.extraction.output_dir) / m["file"] for m in manifests]
+    shard_paths = [Path(cfg.extraction.output_dir) / m.file for m in manifests]
     run = launch_training if cfg.training.distributed.launched else train_drafter
     publisher = TrainingPublisher(cfg.name, cfg.training.max_steps)
-    result = _plain(run(cfg.training, cfg.target, shard_paths, log=logger.info, on_step=publisher))
+    result = run(cfg.training, cfg.target, shard_paths, log=logger.info, on_step=publisher)
     publisher.finish(result)
     return result
 
 
 @task(task_run_name="export-drafter", cache_policy=NO_CACHE, timeout_seconds=3600)
-def export(cfg: PipelineConfig, trained: dict, shard_meta: dict) -> str:
-    """Write the drafter folder SGLang loads (config.json, model.safetensors with d2t/t2d)."""
-    out = export_drafter(Path(trained["checkpoint_dir"]), Path(cfg.run_dir) / "drafter",
-                         target=cfg.target, export=cfg.export, shard_meta=shard_meta)
+def export(cfg: PipelineConfig, trained: TrainResult, shard: ShardManifest) -> str:
+    """Write the drafter folder SGLang loads (config.json, model.safetensors with d2t/t2d); the shard's
+    manifest says which layers it captured."""
+    out = export_drafter(Path(trained.checkpoint_dir), Path(cfg.run_dir) / "drafter",
+                         target=cfg.target, export=cfg.export, shard_meta=shard.meta)
     get_run_logger().info("drafter exported to %s (SGLang's LlamaForCausalLMEagle3 format)", out)
     return str(out)
 
@@ -54,9 +52,11 @@ def result_key(*parts) -> str:
 
 
 def _evaluation_key(context, parameters) -> str:
-    """The drafter's bytes, the target, the settings and prompts: the same inputs, the same figures."""
+    """The drafter's bytes, the target, the settings and prompts: the same inputs, the same figures
+    (and the result's fields: a record of another shape is measured again, not returned)."""
     cfg, prompts = parameters["cfg"], parameters["prompts"]
-    return "evaluate-" + result_key(drafter_digest(parameters["drafter_dir"]), str(cfg.target.checkpoint),
+    return "evaluate-" + result_key([f.name for f in fields(EvalResult)],
+                                    drafter_digest(parameters["drafter_dir"]), str(cfg.target.checkpoint),
                                     cfg.target.revision, cfg.target.capture_ids(),
                                     cfg.evaluation.model_dump(mode="json"), prompts[: cfg.evaluation.num_prompts])
 
@@ -67,7 +67,7 @@ def evaluate_for(cfg: PipelineConfig):
 
 
 @task(task_run_name="evaluate-acceptance", cache_key_fn=_evaluation_key, persist_result=True)
-def evaluate(cfg: PipelineConfig, drafter_dir: str, prompts: list[list[int]]) -> dict:
+def evaluate(cfg: PipelineConfig, drafter_dir: str, prompts: list[list[int]]) -> EvalResult:
     """Greedy chain speculative decoding with the exported drafter against the target, per setting."""
     result = evaluate_acceptance(Path(drafter_dir), Path(cfg.target.checkpoint),
                                  prompts[: cfg.evaluation.num_prompts], cfg.evaluation,
@@ -75,4 +75,4 @@ def evaluate(cfg: PipelineConfig, drafter_dir: str, prompts: list[list[int]]) ->
     for name, s in result.settings.items():
         get_run_logger().info("acceptance length %.3f at %s over %d prompts", s["acceptance_length"], name,
                               result.num_prompts)
-    return _plain(result)
+    return result

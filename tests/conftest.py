@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from eyas import net
 from eyas.server.hosts import LocalHost
-from eyas.server import hosts
 
 # A random-init DeepSeek-V3 (MLA attention, MoE from layer 1) small enough to load in a second.
 TINY_DSV3 = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -56,7 +56,7 @@ def random_target(tmp_path_factory) -> Path:
 @pytest.fixture
 def free_port() -> int:
     """A loopback port nothing listens on (right now)."""
-    return hosts.free_port()
+    return net.free_port()
 
 
 @dataclass
@@ -101,7 +101,7 @@ def start_server(random_target, tmp_path_factory):
 
     def start(*flags: str, dump: bool = False, name: str = "server", model: Path | None = None) -> ServerProc:
         workdir = tmp_path_factory.mktemp(name)
-        port = hosts.free_port()
+        port = net.free_port()
         dump_dir = workdir / "dump" if dump else None
         # One thread per server: other engineers' tests share these two cores.
         env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -177,3 +177,24 @@ def sglang_wheel():
     from tests.sglang_wheel import download_wheel
 
     return download_wheel()
+
+
+#: Test modules that run deployments on the session's one deployed Prefect server
+#: (tests/integration/conftest.py `deployed`): one xdist worker runs them all, so it starts once.
+DEPLOYED_SERVER_MODULES = {f"tests/integration/{name}.py" for name in
+                           ("test_deployments", "test_failure_reporting", "test_operator")}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, except that the modules sharing the deployed server are one work unit."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "deployed-prefect-server" if module in DEPLOYED_SERVER_MODULES else module
+
+    return Scheduling(config, log)

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from eyas.server.hosts import free_port
+from eyas.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def overrides(tmp: Path, data: Path, port: int | None = None, **extra) -> dict:
 
 
 def command(verb: str, sets: dict) -> list[str]:
-    cmd = [sys.executable, "-m", "eyas", verb, str(ROOT / "configs" / "local-tiny.yaml")]
+    cmd = [sys.executable, "-m", "flows.runtime.cli", verb, str(ROOT / "configs" / "local-tiny.yaml")]  # the `eyas` script
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     return cmd

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -14,13 +16,12 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from eyas.server.hosts import free_port
+from eyas.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 POOL = "eyas"
-
-
+DOCS = ("README.md", "docs/operations.md")
 
 
 @dataclass
@@ -120,3 +121,38 @@ class WebhookReceiver:
 
     def stop(self) -> None:
         self._httpd.shutdown()
+
+
+def doc_commands() -> list[str]:
+    """Every command line of the bash blocks of README.md and docs/operations.md, in order."""
+    out = []
+    for doc in DOCS:
+        for block in re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), re.S):
+            for line in block.splitlines():
+                line = re.sub(r"\s+#\s.*$", "", line).strip()  # a trailing comment
+                if line and not line.startswith("#"):
+                    out.append(line)
+    return out
+
+
+def sh(server: PrefectServer, line: str, timeout: float = 120) -> str:
+    """A documented command as written, in the repository root, .venv/bin meaning this interpreter's."""
+    line = line.replace(".venv/bin/", f"{BIN}/")
+    r = subprocess.run(["bash", "-c", line], cwd=ROOT, env=server.env, text=True, capture_output=True,
+                       timeout=timeout)
+    assert r.returncode == 0, f"{line}\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+def deploy_as_documented(server: PrefectServer, webhook_url: str) -> None:
+    """docs/operations.md's Deploy block as written (the pool, every deployment, a worker), then the
+    failure notification posting to `webhook_url`."""
+    deploy = [c for c in doc_commands() if c.startswith(".venv/bin/prefect ") and "server start" not in c
+              and " deployment run " not in c]
+    for line in deploy:
+        if " worker start " in line:
+            server.spawn(shlex.split(line.replace(".venv/bin/prefect ", "")) + ["--limit", "2"], "worker.log")
+        else:
+            sh(server, line)
+    notify = next(c for c in doc_commands() if "notifications.py" in c)
+    sh(server, notify.replace("https://hooks.example.com/eyas", webhook_url))

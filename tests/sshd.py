@@ -19,7 +19,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from eyas.server.hosts import free_port
+from eyas.net import free_port
 
 SSHD = "/usr/sbin/sshd"
 

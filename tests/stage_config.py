@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from eyas.config import PipelineConfig, load_config
-from eyas.server.hosts import free_port
+from eyas.net import free_port
 from tests.helpers_training import CAPTURE
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from eyas.config.models import ConfigError, PipelineConfig
+from eyas.config.base import ConfigError
+from eyas.config.models import PipelineConfig
 
 
 _LOCAL_PATHS = ["run_dir", "data.path", "target.local_dir", "data.regenerate.output_dir", "extraction.output_dir",
@@ -39,9 +40,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pi
 def config_from_dict(raw: dict[str, Any], base_dir: Path, source: str = "<dict>",
                      overrides: dict[str, Any] | None = None) -> PipelineConfig:
     """Validate a config mapping; relative local paths are resolved against base_dir."""
-    raw = copy.deepcopy(raw)
-    for dotted, value in (overrides or {}).items():
-        _set_dotted(raw, dotted, value)
+    raw = apply_overrides(raw, overrides)
     try:
         cfg = PipelineConfig.model_validate(raw)
     except ValidationError as e:
@@ -73,12 +72,27 @@ def _check_server_folders(cfg: PipelineConfig, source: str) -> None:
                           f"launch record); eyas empties the dump folder: use a folder of its own, e.g. {work / 'dump'}")
 
 
-def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    node = raw
-    for key in parents:
-        node = node.setdefault(key, {})
-    node[leaf] = value
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`--set key=value` pairs -> dotted overrides, each value read as YAML (50 an int, null None)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects key=value, got {pair!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """A copy of raw with dotted overrides set in it ({"training.max_steps": 5}: raw["training"]["max_steps"])."""
+    raw = copy.deepcopy(raw)
+    for dotted, value in (overrides or {}).items():
+        *parents, leaf = dotted.split(".")
+        node = raw
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return raw
 
 
 def _resolve(cfg: BaseModel, dotted: str, base_dir: Path) -> None:

@@ -47,18 +47,6 @@ class EvalResult:
     method: str = "in_process"  # evaluation.method: the target loaded here, not served
 
 
-def simulated_acceptance_length(per_step_acc) -> float:
-    """Chain acceptance length predicted from per-TTT-step accuracies: 1 + sum_k prod_{i<=k} acc_i.
-
-    The leading 1 is the target's bonus token, so this compares with `acceptance_length`.
-    """
-    total, run = 1.0, 1.0
-    for a in per_step_acc:
-        run *= float(a)
-        total += run
-    return total
-
-
 def _eos_ids(target) -> set[int]:
     """Stop tokens: the config's eos plus generation_config.json's (where chat models list end-of-turn)."""
     ids: set[int] = set()

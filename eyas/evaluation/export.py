@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from eyas.config import ExportConfig, TargetConfig
 from eyas.dump import DTYPES
-from eyas.extraction.shards import sha256_file
+from eyas.files import sha256_file
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter
 from eyas.target import local_copy
 from eyas.training.target_head import load_target_tensors, read_target_config

@@ -1,8 +1,8 @@
 """The serving stage: acceptance length and speed-up of the drafter, measured by serving it.
 
     result = run_serve_bench(cfg, drafter_dir, {"heldout": {"prompts": ids, "source": {...}}, ...})
-    result["chains"]["3/1/4"]["sets"]["heldout"]["acceptance_length"]   # per chain, per prompt set
-    result["speedup"]["single_stream_tokens_per_s"]                      # > 1.0: the drafter pays off
+    result.chains["3/1/4"]["sets"]["heldout"]["acceptance_length"]   # per chain, per prompt set
+    result.speedup["single_stream_tokens_per_s"]                      # > 1.0: the drafter pays off
 
 Launches (eyas/evaluation/serving.py: the pipeline's own launch, readiness and stop code): the
 target plainly, once; then once per chain with SGLang's EAGLE-3 flags and the drafter, the chains
@@ -30,16 +30,41 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from eyas.config import PipelineConfig
+from eyas.errors import EyasError
 from eyas.server import launch
 from eyas.evaluation.acceptance import pooled, prompt_record
 from eyas.evaluation.serving import Chain, Meter, machine, running, server_config, stage_drafter
 from eyas.server.hosts import Host, make_host
+
+
+@dataclass(frozen=True)
+class ServeBenchResult:
+    """What the serving stage measured. It becomes JSON (dataclasses.asdict) only where it is written:
+    <run_dir>/serve_bench.json and report.json's `serving`. Per chain and prompt set the figures are
+    the nested mappings the JSON shows."""
+
+    acceptance_length: float  # the headline chain's, on the held-out prompts
+    headline_chain: str  # the first of evaluation.draft_steps, "k/1/k+1"
+    chains: dict[str, dict]  # per chain: its launch and, per prompt set, acceptance, speed-up, outputs
+    identical_to_target: bool  # greedy outputs of every chain and set equal to the plain server's
+    sets: dict[str, dict]  # per prompt set: its source and number of prompts
+    plain: dict  # the plain launch, its per-set speed and (benchmark on) its speed passes
+    benchmark_chain: str | None  # None: no speed figures (benchmark.enabled: false)
+    drafter_dir: str
+    seconds: float
+    settings: dict  # the benchmark and evaluation settings, backend, target, server environment
+    machine: dict
+    speculative: dict | None = None  # the benchmark chain's launch and speed passes
+    speedup: dict | None = None  # speculative over plain: single stream, concurrent, TTFT, per pass
+    break_even_acceptance_length: float | None = None  # where this machine's round would break even
+    identical_outputs: bool | None = None  # the greedy speed passes' outputs (None: sampled, or no passes)
 
 
 def heldout_prompts(cfg: PipelineConfig) -> list[list[int]]:
@@ -178,7 +203,7 @@ def _set_figures(sets: dict, spec: dict, plain: dict) -> dict[str, dict]:
 
 
 def run_serve_bench(cfg: PipelineConfig, drafter_dir: str | Path, sets: dict[str, dict],
-                    host: Host | None = None, log=print, owner=None, on_launch=None) -> dict[str, Any]:
+                    host: Host | None = None, log=print, owner=None, on_launch=None) -> ServeBenchResult:
     """Every launch, side by side -> per-chain acceptance per set, speed-up ratios, machine, settings.
 
     `sets` maps a name to {"prompts": token ids, "source": where they came from}; "heldout" (the
@@ -192,9 +217,9 @@ def run_serve_bench(cfg: PipelineConfig, drafter_dir: str | Path, sets: dict[str
     speed_prompts = sets["heldout"]["prompts"][: b.num_prompts]
     sets = {**sets, "heldout": {**sets["heldout"], "prompts": sets["heldout"]["prompts"][: ev.num_prompts]}}
     served, bench = chains(cfg)
-    t0, own_host = time.monotonic(), host is None
-    host = host or make_host(cfg.server.host)
-    try:
+    t0 = time.monotonic()
+    # A host the caller passed stays open for the caller; one made here is closed here.
+    with make_host(cfg.server.host) if host is None else nullcontext(host) as host:
         where = stage_drafter(host, cfg, drafter_dir)
         if str(where) != str(drafter_dir):
             log(f"drafter uploaded to {cfg.server.host.name}:{where}")
@@ -202,41 +227,38 @@ def run_serve_bench(cfg: PipelineConfig, drafter_dir: str | Path, sets: dict[str
         measure = _interleaved if b.interleave else _one_at_a_time
         runs = measure(cfg, host, sets, speed_prompts, configs, bench.name if bench else None, log, owner,
                        on_launch)
-    finally:
-        if own_host:
-            host.close()
     return _assemble(cfg, drafter_dir, sets, len(speed_prompts), served, bench, runs, time.monotonic() - t0)
 
 
-def _assemble(cfg, drafter_dir, sets, num_speed_prompts, served, bench, runs, seconds) -> dict[str, Any]:
+def _assemble(cfg, drafter_dir, sets, num_speed_prompts, served, bench, runs, seconds) -> ServeBenchResult:
     b, plain = cfg.benchmark, runs["plain"]
     result_chains = {c.name: {**_launch(runs[c.name]), "sets": _set_figures(sets, runs[c.name]["sets"], plain["sets"])}
                      for c in served}
     headline = result_chains[served[0].name]["sets"]["heldout"]
-    result = {
-        "acceptance_length": headline["acceptance_length"],  # the first chain's, held-out prompts
-        "headline_chain": served[0].name,
-        "chains": result_chains,
-        # Greedy outputs of every chain and set equal to the plain server's (None: nothing compared).
-        "identical_to_target": all(s["identical_to_target"] is not False
-                                   for c in result_chains.values() for s in c["sets"].values()),
-        "sets": {name: {"source": s.get("source"), "num_prompts": len(s["prompts"])} for name, s in sets.items()},
-        "plain": {**_launch(plain),
-                  "sets": {n: {k: r[k] for k in ("tokens_per_s", "seconds")} for n, r in plain["sets"].items()}},
-        "benchmark_chain": bench.name if bench else None,
-        "speculative": None, "speedup": None, "identical_outputs": None,
-        "drafter_dir": str(drafter_dir),
-        "seconds": round(seconds, 1),
-        "settings": {**b.model_dump(mode="json"), "num_prompts": num_speed_prompts,
-                     "evaluation": cfg.evaluation.model_dump(mode="json", exclude={"device"}),
-                     "backend": cfg.server.backend, "target": str(cfg.target.checkpoint),
-                     "server_env": {**cfg.server.env, **b.server_env}},
-        "machine": machine() if cfg.server.host.kind == "local" else {"host": cfg.server.host.name},
-    }
+    plain_out = {**_launch(plain),
+                 "sets": {n: {k: r[k] for k in ("tokens_per_s", "seconds")} for n, r in plain["sets"].items()}}
+    speed = {}
     if bench is not None:
-        result.update(_speed_figures(plain["speed"], runs[bench.name], b.temperature))
-        result["plain"].update(plain["speed"])
-    return result
+        speed = _speed_figures(plain["speed"], runs[bench.name], b.temperature)
+        plain_out.update(plain["speed"])
+    return ServeBenchResult(
+        acceptance_length=headline["acceptance_length"],  # the first chain's, held-out prompts
+        headline_chain=served[0].name,
+        chains=result_chains,
+        # Greedy outputs of every chain and set equal to the plain server's (None counts: nothing compared).
+        identical_to_target=all(s["identical_to_target"] is not False
+                                for c in result_chains.values() for s in c["sets"].values()),
+        sets={name: {"source": s.get("source"), "num_prompts": len(s["prompts"])} for name, s in sets.items()},
+        plain=plain_out,
+        benchmark_chain=bench.name if bench else None,
+        drafter_dir=str(drafter_dir),
+        seconds=round(seconds, 1),
+        settings={**b.model_dump(mode="json"), "num_prompts": num_speed_prompts,
+                  "evaluation": cfg.evaluation.model_dump(mode="json", exclude={"device"}),
+                  "backend": cfg.server.backend, "target": str(cfg.target.checkpoint),
+                  "server_env": {**cfg.server.env, **b.server_env}},
+        machine=machine() if cfg.server.host.kind == "local" else {"host": cfg.server.host.name},
+        **speed)
 
 
 def _launch(run: dict) -> dict[str, Any]:
@@ -263,11 +285,11 @@ def _speed_figures(plain: dict, spec_run: dict, temperature: float) -> dict[str,
     }
 
 
-class OutputMismatch(RuntimeError):
+class OutputMismatch(EyasError, RuntimeError):
     """Speculative serving changed a greedy output on a deterministic backend (eyas-local): a bug."""
 
 
-def check_outputs(cfg: PipelineConfig, result: dict[str, Any]) -> None:
+def check_outputs(cfg: PipelineConfig, result: ServeBenchResult) -> None:
     """On eyas-local, greedy outputs with the drafter must equal the plain server's, token for token.
 
     SGLang's are recorded, never enforced: its batched, speculative and CUDA-graph kernels may
@@ -276,9 +298,9 @@ def check_outputs(cfg: PipelineConfig, result: dict[str, Any]) -> None:
     if cfg.server.backend != "local":
         return
     bad = [f"{chain} on {name}: prompt(s) {[i for i, p in enumerate(s['per_prompt']) if p['identical'] is False]}"
-           for chain, c in result["chains"].items() for name, s in c["sets"].items()
+           for chain, c in result.chains.items() for name, s in c["sets"].items()
            if s["identical_to_target"] is False]
-    if bad or result["identical_outputs"] is False:
+    if bad or result.identical_outputs is False:
         raise OutputMismatch("speculative decoding changed greedy outputs on eyas-local: "
                              + ("; ".join(bad) or "the speed passes' outputs differ"))
 
@@ -287,12 +309,12 @@ def check_outputs(cfg: PipelineConfig, result: dict[str, Any]) -> None:
 # Summaries: per prompt set (report.json's `benchmarks`) and the Prefect artifact
 # ---------------------------------------------------------------------------------------------
 
-def benchmarks(result: dict[str, Any]) -> dict[str, dict]:
+def benchmarks(result: ServeBenchResult) -> dict[str, dict]:
     """Per prompt set: its source and, per chain, acceptance length, speed-up, output equality."""
     return {name: {**s, "chains": {chain: {k: c["sets"][name][k] for k in
                                            ("acceptance_length", "speedup", "identical_to_target")}
-                                   for chain, c in result["chains"].items()}}
-            for name, s in result["sets"].items()}
+                                   for chain, c in result.chains.items()}}
+            for name, s in result.sets.items()}
 
 
 def _source(source: dict | None) -> str:
@@ -314,26 +336,26 @@ def benchmarks_markdown(per_set: dict[str, dict]) -> str:
     return "\n".join([head, rule, *rows]) + "\n"
 
 
-def markdown(result: dict[str, Any]) -> str:
+def markdown(result: ServeBenchResult) -> str:
     """The Prefect artifact: acceptance per chain and set, then plain vs speculative speed."""
-    b = result["settings"]
-    text = (f"# Serving with the drafter\n\n**Acceptance length {result['acceptance_length']:.3f}** at "
-            f"{result['headline_chain']} on the held-out prompts (served; outputs identical to plain "
-            f"serving: {result['identical_to_target']})\n\n{benchmarks_markdown(benchmarks(result))}\n"
+    b = result.settings
+    text = (f"# Serving with the drafter\n\n**Acceptance length {result.acceptance_length:.3f}** at "
+            f"{result.headline_chain} on the held-out prompts (served; outputs identical to plain "
+            f"serving: {result.identical_to_target})\n\n{benchmarks_markdown(benchmarks(result))}\n"
             f"Acceptance: each prompt alone, greedy, up to {b['evaluation']['max_new_tokens']} new tokens; "
             f"speed-up: that pass's output tokens/s over the plain server's.\n")
-    if result["speedup"] is None:
+    if result.speedup is None:
         return text
-    p, s, r = result["plain"], result["speculative"], result["speedup"]
+    p, s, r = result.plain, result.speculative, result.speedup
     rows = [("single-stream output tokens/s", "single_stream_tokens_per_s", r["single_stream_tokens_per_s"]),
             (f"output tokens/s at concurrency {b['concurrency']}", "concurrent_tokens_per_s",
              r["concurrent_tokens_per_s"]),
             ("time to first token (s)", "ttft_s", r["ttft"])]
     table = "\n".join(f"| {name} | {p[k]} | {s[k]} | {ratio} |" for name, k, ratio in rows)
-    return (f"{text}\n## Speed at {result['benchmark_chain']}\n\n"
+    return (f"{text}\n## Speed at {result.benchmark_chain}\n\n"
             f"**Single-stream speed-up: {r['single_stream_tokens_per_s']}x**, acceptance length "
-            f"{s['acceptance_length']}, outputs identical: {result['identical_outputs']}\n\n"
+            f"{s['acceptance_length']}, outputs identical: {result.identical_outputs}\n\n"
             f"| figure | plain | with drafter | ratio |\n|---|---|---|---|\n{table}\n\n"
             f"{b['num_prompts']} prompts, {b['max_new_tokens']} new tokens, temperature {b['temperature']}, "
             f"medians of {b['num_repeats']} passes after {b['num_warmup']} warm-up requests; "
-            f"machine: {result['machine']}\n")
+            f"machine: {result.machine}\n")

@@ -28,7 +28,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eyas.extraction.shards import sha256_file
+from eyas.errors import EyasError
+from eyas.files import sha256_file
 
 if TYPE_CHECKING:
     from eyas.config import PipelineConfig
@@ -52,7 +53,7 @@ SUITES = {
 }
 
 
-class SuiteUnavailable(RuntimeError):
+class SuiteUnavailable(EyasError, RuntimeError):
     """The package that ships a suite is not installed here (the message says what to install)."""
 
 
@@ -83,9 +84,9 @@ def questions(name: str, num: int) -> tuple[list[str], dict]:
 
 def tokenize(texts: list[str], tokenizer, max_length: int, **template_kwargs) -> list[list[int]]:
     """Each text as one user turn through the chat template, ready for the assistant's reply."""
-    from eyas.extraction.data import _render
+    from eyas.extraction.data import render_chat
 
-    return [_render(tokenizer, [{"role": "user", "content": t}], add_generation_prompt=True,
+    return [render_chat(tokenizer, [{"role": "user", "content": t}], add_generation_prompt=True,
                     **template_kwargs)[-max_length:] for t in texts]
 
 

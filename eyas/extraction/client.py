@@ -42,26 +42,33 @@ from typing import Any, Callable
 import httpx
 
 from eyas.config import HostConfig
+from eyas.errors import EyasError
 from eyas.extraction.records import DumpStore
 
 
 log = logging.getLogger(__name__)
 
 
-class RequestFailed(RuntimeError):
+class RequestFailed(EyasError, RuntimeError):
     """A request that failed for good; names the rid, the endpoints tried and the last error."""
 
     def __init__(self, rid: str, message: str, *, transient: bool):
         self.rid, self.transient = rid, transient
         super().__init__(f"rid {rid}: {message}")
 
+    @property
+    def retryable(self) -> bool:  # a refused request (4xx) is refused again; a dropped one may pass
+        return self.transient
+
 
 class ServerStalled(RequestFailed):
     """No request completed for stall_timeout_s and no server answered /health."""
+    retryable = False
 
 
 class ServersGone(RequestFailed):
     """Every server's process is gone: retrying the request cannot help; relaunching the server can."""
+    retryable = False
 
 
 def gone_or_stalled(e: BaseException | None) -> RequestFailed | None:

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from eyas.config import DataConfig
-from eyas.extraction.shards import sha256_file, write_json_atomic
+from eyas.errors import EyasError
+from eyas.files import sha256_file, write_json_atomic
 
 ROLES = {"system", "user", "assistant"}
 PLAN_FORMAT = "eyas-plan/1"
@@ -38,7 +39,7 @@ _PLAN_FILE = re.compile(r"shard-(\d{5,})\.plan\.jsonl")  # write_shard_plans's o
 _UNSET_MAX_LENGTH = 10**9  # Hugging Face's "no limit" is int(1e30)
 
 
-class DataError(ValueError):
+class DataError(EyasError, ValueError):
     """Input data that cannot be used; names the file and line."""
 
 
@@ -163,7 +164,9 @@ def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
     return [r.messages for r in records]
 
 
-def _render(tokenizer, messages, add_generation_prompt: bool, **template_kwargs) -> list[int]:
+def render_chat(tokenizer, messages, add_generation_prompt: bool, **template_kwargs) -> list[int]:
+    """The token ids of messages through the tokenizer's chat template; template_kwargs reach the
+    template (a thinking target's switch, prompt_kwargs)."""
     out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
                                         **template_kwargs)
     return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
@@ -178,13 +181,13 @@ def prompt_kwargs(cfg: DataConfig) -> dict[str, bool]:
 
 def tokenize_conversation(tokenizer, messages: list[dict[str, str]]) -> TokenizedSample:
     """Token ids of the whole conversation, with the assistant turns masked in."""
-    ids = _render(tokenizer, messages, add_generation_prompt=False)
+    ids = render_chat(tokenizer, messages, add_generation_prompt=False)
     mask = [0] * len(ids)
     for j, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = len(_render(tokenizer, messages[:j], add_generation_prompt=True))
-        end = len(_render(tokenizer, messages[: j + 1], add_generation_prompt=False))
+        start = len(render_chat(tokenizer, messages[:j], add_generation_prompt=True))
+        end = len(render_chat(tokenizer, messages[: j + 1], add_generation_prompt=False))
         mask[start:end] = [1] * (end - start)
     return TokenizedSample(ids, mask)
 
@@ -194,7 +197,7 @@ def _render_error(tokenizer, messages: list[dict[str, str]], where: str, error: 
     prefixes, as tokenize_conversation does); called only once rendering has failed."""
     for j in range(len(messages)):
         try:
-            _render(tokenizer, messages[: j + 1], add_generation_prompt=False)
+            render_chat(tokenizer, messages[: j + 1], add_generation_prompt=False)
         except Exception as e:  # noqa: BLE001 - any failure is the data's, reported with its line
             return (f"{where}: message {j} ({messages[j].get('role')}): the tokenizer or chat template fails "
                     f"on it ({type(e).__name__}: {e})")
@@ -269,7 +272,7 @@ def prepare(records: list, tokenizer, cfg: DataConfig, *, vocab_size: int | None
         if r.messages is not None:
             first = next(j for j, m in enumerate(r.messages) if m["role"] == "assistant")
             try:
-                prompt = _render(tokenizer, r.messages[:first], add_generation_prompt=True, **prompt_kwargs(cfg))
+                prompt = render_chat(tokenizer, r.messages[:first], add_generation_prompt=True, **prompt_kwargs(cfg))
             except Exception as e:  # noqa: BLE001 - as for training records: name the line and message
                 skip(_render_error(tokenizer, r.messages[:first], r.where, e) + " (a held-out prompt)")
                 continue

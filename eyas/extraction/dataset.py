@@ -15,14 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from eyas import __version__
+from eyas.errors import EyasError
 from eyas.extraction.data import ShardPlan
-from eyas.extraction.shards import ShardError, bytes_per_token, read_manifest, write_json_atomic
+from eyas.extraction.shards import ShardError, bytes_per_token, read_manifest
+from eyas.files import write_json_atomic
 
 DATASET_FORMAT = "eyas-dataset/1"
 HEADER_BYTES = 64 * 1024  # a generous bound on a shard's safetensors header
 
 
-class DiskSpaceError(RuntimeError):
+class DiskSpaceError(EyasError, RuntimeError):
     """The output disk cannot hold the extraction; says how much is needed and how much is free."""
 
 

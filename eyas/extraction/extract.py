@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from eyas.errors import EyasError
 from eyas.extraction.client import Endpoint, RequestFailed, ServerPool, attempt_rids
 from eyas.extraction.data import ShardPlan, plan_file_hash, read_shard_plan
 from eyas.dump import DumpError, validate
@@ -39,8 +40,9 @@ from eyas.server.hosts import HostError
 SAMPLING = {"max_new_tokens": 1, "temperature": 0}
 
 
-class ExtractionError(RuntimeError):
+class ExtractionError(EyasError, RuntimeError):
     """A shard could not be extracted; names the shard and the sequence."""
+    retryable = True  # a sequence whose records did not come may come on the next try
 
 
 @dataclass

@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Callable
 
 from eyas.config import PipelineConfig
+from eyas.errors import EyasError
 from eyas.server.hosts import Host
 
 
-class OutputBusy(RuntimeError):
+class OutputBusy(EyasError, RuntimeError):
     """Another live process holds the output directory."""
 
 
@@ -138,7 +139,7 @@ def reclaim_stale_server(host: Host, cfg: PipelineConfig) -> dict | None:
     if record is None or _check(host, cfg, record) != "alive":
         return None
     command = redact(host_launch_command(host, cfg))
-    if record.get("command", command) != command:
-        return {"pid": record["pid"], "outcome": "left alone: not this config's server",
-                "command": redact(record.get("command") or "")}
+    if (record.command or command) != command:
+        return {"pid": record.pid, "outcome": "left alone: not this config's server",
+                "command": redact(record.command)}
     return {**stop_server(host, cfg, record), "reason": "stale server of a killed run of this config"}

@@ -21,14 +21,11 @@ samples being written. The file only gets its final name once complete.
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import os
-import shutil
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -36,7 +33,9 @@ import torch
 from safetensors import safe_open
 
 from eyas.dump import DTYPES
+from eyas.errors import EyasError
 from eyas.extraction import fp8
+from eyas.files import DiskFull, disk_full, is_disk_full, sha256_file, write_json_atomic
 
 FORMAT = "eyas-shard/1"
 ENCODINGS = ("plain", "fp8_e4m3")
@@ -45,44 +44,8 @@ _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"
               torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8", fp8.E4M3: "F8_E4M3"}
 
 
-class ShardError(ValueError):
+class ShardError(EyasError, ValueError):
     """A shard file that is missing, truncated, or does not match its manifest."""
-
-
-class DiskFull(OSError):
-    """No space left (ENOSPC, or a quota: EDQUOT) writing an output file. Never worth a retry: the
-    disk stays full until someone frees it. The partial file is already removed when it is raised."""
-
-    def __str__(self) -> str:
-        return self.strerror
-
-
-def disk_full(path: str | Path, e: OSError) -> DiskFull:
-    """The DiskFull for a failed write of path: names the file, its folder and the folder's free bytes."""
-    path = Path(path)
-    try:
-        free = f"{shutil.disk_usage(path.parent).free} bytes free"
-    except OSError as why:
-        free = f"free bytes unknown: {why.strerror}"
-    return DiskFull(e.errno, f"disk full writing {path}: {free} in {path.parent} ({os.strerror(e.errno)}); "
-                             f"the partial file was removed. Free space there (or move the output) and run "
-                             f"again", str(path))
-
-
-def is_disk_full(e: BaseException) -> bool:
-    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
-
-
-def find_disk_full(e: BaseException | None) -> OSError | None:
-    """The full-disk error behind e (itself or in its chain of causes: a DiskFull, or a bare ENOSPC from
-    a writer that does not name its file yet), if any: what retry conditions check."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if is_disk_full(e):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 @dataclass
@@ -354,6 +317,40 @@ class ShardReader:
         return (self.sample(i) for i in range(len(self)))
 
 
+@dataclass(frozen=True)
+class ShardManifest:
+    """A shard's manifest as tasks and flows pass it; `to_json()` is the file shard-NNNNN.json.
+
+    `meta` holds the rest of that file: layer ids and their conventions, provenance, the cache key,
+    seconds, fp8_error. `reused` is this run's, never written: the shard was found intact on disk."""
+
+    file: str
+    num_samples: int
+    num_tokens: int
+    bytes: int
+    sha256: str
+    dtype: str
+    encoding: str
+    hidden_size: int
+    num_aux_layers: int
+    meta: dict[str, Any] = field(default_factory=dict)
+    reused: bool = False
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any], *, reused: bool = False) -> ShardManifest:
+        """The manifest a shard file's JSON holds (ShardError naming the fields it lacks)."""
+        core = [f.name for f in fields(cls) if f.name not in ("meta", "reused")]
+        missing = [k for k in core if k not in obj]
+        if missing:
+            raise ShardError(f"{obj.get('file', 'a shard')}: manifest lacks {missing}")
+        return cls(**{k: obj[k] for k in core}, meta={k: v for k, v in obj.items() if k not in core},
+                   reused=reused)
+
+    def to_json(self) -> dict[str, Any]:
+        core = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("meta", "reused")}
+        return {**self.meta, **core}
+
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
     """The manifest beside a shard file (ShardError if missing or not JSON)."""
     mpath = manifest_path(path)
@@ -379,37 +376,12 @@ def verify_shard(path: str | Path, *, full: bool = True) -> dict[str, Any]:
     return manifest
 
 
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if is_disk_full(e):
-            raise disk_full(path, e) from e
-        raise
-    os.replace(tmp, path)
-
-
 def _fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -1,17 +1,17 @@
 """The extraction stage as the tasks run it: one config in, plans, regenerated data and shards out.
 
-    prepared = prepare(cfg, log=print)                     # lock, clean, tokenize, plan, disk check
-    path = regenerate_data(cfg, log=print)                 # optional: the target answers again
-    manifest = run_shard(cfg, plan, patch_version, log=print)
+    with ExtractionContext(on_change=publisher) as ctx:   # one per extraction, handed to every step
+        prepared = prepare(ctx, cfg, log=print)            # lock, clean, tokenize, plan, disk check
+        path = regenerate_data(ctx, cfg, log=print)        # optional: the target answers again
+        manifest = run_shard(ctx, cfg, plan, patch_version, log=print)
 
-Prefect-free. What lives for the whole process is kept here, per output dir and endpoint set:
-the ExtractionRun whose figures the task layer publishes (`runs`), and the server pools, so the
-bound on requests in flight holds across shard tasks running in threads (`pool_for`).
+Prefect-free. What lives for the length of an extraction is kept in its ExtractionContext, per
+output dir and endpoint set: the ExtractionRun whose figures the caller publishes, and the server
+pools, so the bound on requests in flight holds across shard tasks running in threads.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import threading
@@ -27,7 +27,8 @@ from eyas.extraction import data, dataset, extract, locks
 from eyas.extraction.client import Endpoint, ServerPool
 from eyas.extraction.data import ShardPlan
 from eyas.extraction.progress import ExtractionRun
-from eyas.extraction.shards import sha256_file
+from eyas.extraction.shards import ShardManifest
+from eyas.files import sha256_file
 from eyas.server.hosts import make_host
 from eyas.server.launch import auth_headers, server_alive
 from eyas.target import load_tokenizer, local_copy, target_dims, trust_remote_code
@@ -45,26 +46,41 @@ class Prepared:
 
 
 # ---------------------------------------------------------------------------------------------
-# Process-wide state: one ExtractionRun per output dir, one server pool per endpoint set
+# One extraction's state: its ExtractionRun per output dir, its server pool per endpoint set
 # ---------------------------------------------------------------------------------------------
 
-class Runs:
-    """The ExtractionRun of each output dir in this process; `on_change` is set by the task layer."""
+class ExtractionContext:
+    """What the steps of one extraction share, made by the caller and handed to each: the
+    ExtractionRun of each output dir (its figures; `on_change(run name)` makes the callback that
+    publishes them) and one server pool per endpoint set (closed with the context)."""
 
-    def __init__(self):
+    def __init__(self, on_change: Callable[[str], Callable] | None = None):
+        self.on_change = on_change  # run name -> on_change callback of its ExtractionRun
         self._runs: dict[str, ExtractionRun] = {}
+        self._pools: dict[tuple, ServerPool] = {}
         self._lock = threading.Lock()
-        self.make_on_change: Callable[[str], Callable] | None = None  # run name -> on_change callback
+
+    def __enter__(self) -> ExtractionContext:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.close()
 
     def register(self, cfg: PipelineConfig, plans: list[ShardPlan], plan_info: dict) -> ExtractionRun:
-        on_change = self.make_on_change(cfg.name) if self.make_on_change else None
+        on_change = self.on_change(cfg.name) if self.on_change else None
         run = ExtractionRun(cfg.extraction.output_dir, plans, plan_info=plan_info, on_change=on_change)
         with self._lock:
             self._runs[_key(cfg)] = run
         return run
 
-    def for_plan(self, cfg: PipelineConfig, plan: ShardPlan) -> ExtractionRun:
-        """This process's run for the output dir; rebuilt from the plan index when prepare ran elsewhere."""
+    def run_for(self, cfg: PipelineConfig, plan: ShardPlan) -> ExtractionRun:
+        """The run of the output dir; rebuilt from the plan index when prepare ran elsewhere."""
         with self._lock:
             run = self._runs.get(_key(cfg))
         if run is not None and plan.name in run.plans and run.plans[plan.name].content_hash == plan.content_hash:
@@ -75,22 +91,26 @@ class Runs:
                  for s in index["shards"]]
         return self.register(cfg, plans, index)
 
+    def pool(self, cfg: PipelineConfig) -> ServerPool:
+        """The pool of cfg's endpoints, shared by the threads of this extraction (a fresh one after
+        a server stalled or was lost: a relaunched server)."""
+        x = cfg.extraction
+        headers = auth_headers(cfg)
+        key = (tuple(endpoints(cfg)), x.request_timeout_s, x.request_retries, x.retry_backoff_s, x.stall_timeout_s,
+               tuple(headers.items()))
+        with self._lock:
+            if key in self._pools and (self._pools[key].stalled or self._pools[key].lost_a_server):
+                self._pools.pop(key).close()
+            if key not in self._pools:
+                logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+                self._pools[key] = ServerPool(endpoints(cfg), request_timeout_s=x.request_timeout_s,
+                                              retries=x.request_retries, backoff_s=x.retry_backoff_s,
+                                              headers=headers, stall_timeout_s=x.stall_timeout_s)
+            return self._pools[key]
+
 
 def _key(cfg: PipelineConfig) -> str:
     return str(Path(cfg.extraction.output_dir).resolve())
-
-
-runs = Runs()
-_pools: dict[tuple, ServerPool] = {}
-_pools_lock = threading.Lock()
-
-
-@atexit.register
-def close_pools() -> None:
-    with _pools_lock:
-        for pool in _pools.values():
-            pool.close()
-        _pools.clear()
 
 
 def endpoints(cfg: PipelineConfig) -> list[Endpoint]:
@@ -103,22 +123,6 @@ def endpoints(cfg: PipelineConfig) -> list[Endpoint]:
                      dump_host=cfg.server.host, dump_connections=conns)] + [
         Endpoint(e.url, e.dump_dir, e.concurrency or x.concurrency, dump_host=e.host, dump_connections=conns,
                  dump_field=f"extraction.endpoints[{i}].host") for i, e in enumerate(x.endpoints)]
-
-
-def pool_for(cfg: PipelineConfig) -> ServerPool:
-    x = cfg.extraction
-    headers = auth_headers(cfg)
-    key = (tuple(endpoints(cfg)), x.request_timeout_s, x.request_retries, x.retry_backoff_s, x.stall_timeout_s,
-           tuple(headers.items()))
-    with _pools_lock:
-        if key in _pools and (_pools[key].stalled or _pools[key].lost_a_server):  # a relaunched server: a fresh pool
-            _pools.pop(key).close()
-        if key not in _pools:
-            logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
-            _pools[key] = ServerPool(endpoints(cfg), request_timeout_s=x.request_timeout_s,
-                                     retries=x.request_retries, backoff_s=x.retry_backoff_s, headers=headers,
-                                     stall_timeout_s=x.stall_timeout_s)
-        return _pools[key]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,16 +143,13 @@ def take_output_dir(cfg: PipelineConfig, log: Log, holder: str = "",
     removed = locks.discard_partials(out)
     if removed:
         log("discarded %d partial file(s) of a killed run: %s", len(removed), removed[:10])
-    host = make_host(cfg.server.host)
-    try:
+    with make_host(cfg.server.host) as host:
         reclaimed = locks.reclaim_stale_server(host, cfg)
-    finally:
-        host.close()
     if reclaimed:
         log("server recorded in %s: %s", cfg.server.pid_path, reclaimed)
 
 
-def prepare(cfg: PipelineConfig, data_path: str | None = None, *, take_dir: bool = True,
+def prepare(ctx: ExtractionContext, cfg: PipelineConfig, data_path: str | None = None, *, take_dir: bool = True,
             log: Log, holder: str = "", on_reclaim: Callable[[str], None] | None = None) -> Prepared:
     """Take the output dir, clean a killed run's leftovers, tokenize, plan the shards, check disk space.
 
@@ -177,7 +178,7 @@ def prepare(cfg: PipelineConfig, data_path: str | None = None, *, take_dir: bool
     # Refuse now, before a long server load, if the shards cannot fit.
     needed = dataset.estimate_bytes(plans, hidden, len(cfg.target.layer_ids), x.dtype, x.encoding, out)
     space = dataset.check_disk_space(out, needed, keep_free_gb=x.keep_free_gb)
-    runs.register(cfg, plans, info)
+    ctx.register(cfg, plans, info)
     log("prepared %s; shards need %.3f GB more, %.1f GB free", {k: v for k, v in prepared.stats.items()
         if k not in ("skipped_lines", "regeneration")}, needed / 1e9, space["free_bytes"] / 1e9)
     for line in prepared.stats["skipped_lines"][:10]:
@@ -210,7 +211,7 @@ def regeneration_pending(cfg: PipelineConfig) -> list[int]:
                          max_length=cfg.data.max_length)
 
 
-def regenerate_data(cfg: PipelineConfig, *, log: Log, on_progress: Callable | None = None,
+def regenerate_data(ctx: ExtractionContext, cfg: PipelineConfig, *, log: Log, on_progress: Callable | None = None,
                     warn: Log | None = None) -> str:
     """Answer the training conversations again with the target (resumable by part); the new file.
 
@@ -226,7 +227,7 @@ def regenerate_data(cfg: PipelineConfig, *, log: Log, on_progress: Callable | No
         log("regenerate part %d/%d: %d conversations, %d turns answered by the target (%s)",
             k + 1, n, m["conversations"], m["regenerated_turns"], state)
 
-    path, summary = regenerate(train, tokenizer, pool_for(cfg).calling(warn), out_dir, cfg.data.regenerate,
+    path, summary = regenerate(train, tokenizer, ctx.pool(cfg).calling(warn), out_dir, cfg.data.regenerate,
                                max_length=cfg.data.max_length, target=target, passthrough=heldout,
                                on_part=on_part, on_progress=on_progress)
     log("regenerated %s", {k: v for k, v in summary.items() if k != "params"})
@@ -271,10 +272,10 @@ def shard_meta(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> dict
             "chat_template_sha256": plan.provenance.get("chat_template_sha256")}
 
 
-def run_shard(cfg: PipelineConfig, plan: ShardPlan, patch_version: str, *, log: Log,
-              warn: Log | None = None) -> dict:
+def run_shard(ctx: ExtractionContext, cfg: PipelineConfig, plan: ShardPlan, patch_version: str, *, log: Log,
+              warn: Log | None = None) -> ShardManifest:
     """Extract one shard (or reuse an intact one), feeding the run's figures; returns its manifest."""
-    x, run = cfg.extraction, runs.for_plan(cfg, plan)
+    x, run = cfg.extraction, ctx.run_for(cfg, plan)
 
     def on_progress(p: extract.ShardProgress) -> None:
         run.shard_progress(p.shard, p.tokens_done, p.bytes_done, p.samples_done)
@@ -286,7 +287,7 @@ def run_shard(cfg: PipelineConfig, plan: ShardPlan, patch_version: str, *, log: 
         run.shard_started(plan.name)
     try:
         manifest, reused = extract.ensure_shard(
-            plan, x.output_dir, shard_key(cfg, plan, patch_version), pool=pool_for(cfg).calling(warn),
+            plan, x.output_dir, shard_key(cfg, plan, patch_version), pool=ctx.pool(cfg).calling(warn),
             capture_ids=cfg.target.capture_ids(), dtype=x.dtype, encoding=x.encoding,
             meta=shard_meta(cfg, plan, patch_version), record_timeout_s=x.record_timeout_s,
             collect_workers=x.collect_workers, on_progress=on_progress)
@@ -300,13 +301,15 @@ def run_shard(cfg: PipelineConfig, plan: ShardPlan, patch_version: str, *, log: 
         log("%s: %d sequences, %d tokens, %.1f MB in %.1fs (%.0f tok/s)", plan.name,
             manifest["num_samples"], manifest["num_tokens"], manifest["bytes"] / 1e6,
             manifest["seconds"], manifest["num_tokens"] / max(manifest["seconds"], 1e-9))
-    shard_finished(cfg, plan, manifest, reused=reused, log=log)
-    return {**manifest, "reused": reused}  # for the run's report only: the dataset keeps the shard's own
+    shard = ShardManifest.from_json(manifest, reused=reused)
+    shard_finished(ctx, cfg, plan, shard, log=log)
+    return shard
 
 
-def shard_finished(cfg: PipelineConfig, plan: ShardPlan, manifest: dict, *, reused: bool, log: Log) -> None:
+def shard_finished(ctx: ExtractionContext, cfg: PipelineConfig, plan: ShardPlan, shard: ShardManifest, *,
+                   log: Log) -> None:
     """Count a shard as done (also one Prefect answered from its cache, which runs no task body)."""
-    complete = runs.for_plan(cfg, plan).shard_done(plan, manifest, reused=reused)
+    complete = ctx.run_for(cfg, plan).shard_done(plan, shard.to_json(), reused=shard.reused)
     if complete is not None:
         log("dataset complete: %s (%d shards, %d tokens, %.3f GB)",
             dataset.dataset_path(cfg.extraction.output_dir), complete["num_shards"],

@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from eyas.dump import DumpWriter
+from eyas.errors import EyasError
 from eyas.local.batch import DecodeBatch, Sequence, Think
 
 # SGLang's exact loading bar (utils/common.py) and its default description (multithread loader).
@@ -224,7 +225,7 @@ def _think_ids(tokenizer, vocab_size: int) -> tuple[int, int]:
     return ids[0], ids[1]
 
 
-class BadRequest(ValueError):
+class BadRequest(EyasError, ValueError):
     """A /generate request that cannot be served; answered with 400 and this message."""
 
 

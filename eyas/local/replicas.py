@@ -26,14 +26,15 @@ import threading
 import time
 from typing import Callable
 
-from eyas.server.hosts import free_port
+from eyas.errors import EyasError
+from eyas.net import free_port
 from eyas.server.readiness import READY_LINE
 
 PARENT_ENV = "EYAS_DP_PARENT"  # the front's pid, for a worker to notice when it is gone
 START_TIMEOUT_S = 600.0
 
 
-class ReplicaFailed(RuntimeError):
+class ReplicaFailed(EyasError, RuntimeError):
     """A worker replica exited before it was ready."""
 
 

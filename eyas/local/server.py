@@ -17,6 +17,9 @@ spec_verify_ct, and /server_info's internal_states[0].avg_spec_accept_length the
 
 Fault flags make it fail the way SGLang does, for the readiness sensor's tests:
 --fault {die,hang,oom}-at-shard --fault-shard K fires after K shards have loaded (bar at K/N).
+
+This module is the HTTP side; its flags are parsed in arguments.py, a /generate body in
+generate_request.py, and the model runs in engine.py.
 """
 
 from __future__ import annotations
@@ -34,214 +37,19 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator
 
-
 from eyas import __version__
-from eyas.dump import DUMP_DIR_ENV, DumpWriter, check_rid, dtype_from_env
-from eyas.server.readiness import READY_LINE
-from eyas.local.engine import (FAULTS, BadRequest, Engine, Speculative, load_model,
-                               optional_tokenizer, log, resolve_capture_ids)
+from eyas.dump import DUMP_DIR_ENV, DumpWriter, dtype_from_env
+from eyas.local.arguments import parse_args
+from eyas.local.engine import BadRequest, Engine, Speculative, load_model, log, optional_tokenizer, resolve_capture_ids
 from eyas.local.launcher import exit_with_launcher
 from eyas.local.replicas import Worker, exit_with_parent, start_workers, wait_ready
+from eyas.local.generate_request import parse_generate, parse_sampling
+from eyas.server.readiness import READY_LINE
 
-
-# Sampling params SGLang accepts that eyas-local does not implement: allowed only at the value
-# that means "off", so a client relying on them fails loudly instead of being silently ignored.
-_NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0,
-                     "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1}
-_SAMPLING_KEYS = {"max_new_tokens", "temperature", "sampling_seed", "ignore_eos", "stop_token_ids",
-                  "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-                  *_NEUTRAL_SAMPLING}
-# Top-level /generate fields accepted only when false/empty (eyas gets hidden states from the dump).
-_FALSY_FIELDS = {"stream", "return_logprob", "return_hidden_states", "logprob_start_len",
-                 "top_logprobs_num", "return_text_in_logprobs", "log_metrics", "lora_path",
-                 "custom_logit_processor", "bootstrap_host", "bootstrap_room"}
-_GENERATE_KEYS = {"input_ids", "text", "rid", "sampling_params", *_FALSY_FIELDS}
 # A request body larger than this is refused (413) before it is read: 64 MiB is some 5 million
 # token ids as JSON, far beyond any batch eyas sends.
 MAX_BODY_BYTES = 64 << 20
 
-
-# ---------------------------------------------------------------------------------------------
-# Arguments (mirroring sglang.launch_server, plus eyas's fault flags)
-# ---------------------------------------------------------------------------------------------
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="eyas serve-local", description=__doc__.split("\n")[0])
-    p.add_argument("--model-path", required=True, help="Hugging Face folder with config.json and shards")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--tp-size", "--tp", type=int, default=1, help="accepted; eyas-local runs one CPU process")
-    p.add_argument("--dtype", default="auto", help="accepted; eyas-local computes in float32")
-    p.add_argument("--enable-return-aux-hidden-states", action="store_true")
-    p.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+", default=None,
-                   help="capture-before ids: id i is the input of decoder layer i (HF hidden_states[i])")
-    p.add_argument("--speculative-algorithm", default=None,
-                   help="EAGLE3; without a draft model path it only names the aux convention")
-    p.add_argument("--speculative-draft-model-path", default=None,
-                   help="an exported EAGLE-3 drafter folder: greedy requests use speculative decoding")
-    p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens per verify step")
-    p.add_argument("--speculative-eagle-topk", type=int, default=1, help="only 1 (a chain) is implemented")
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                   help="with topk 1 it must be num-steps + 1 (the default)")
-    p.add_argument("--disable-radix-cache", action="store_true", help="accepted; there is no prefix cache")
-    p.add_argument("--chunked-prefill-size", type=int, default=8192,
-                   help="tokens per prefill chunk; -1 = no chunking")
-    p.add_argument("--skip-server-warmup", action="store_true")
-    p.add_argument("--max-running-requests", type=int, default=1,
-                   help="plain (non-speculative) requests decoded together, one forward per step for all")
-    p.add_argument("--dp-size", "--data-parallel-size", type=int, default=1,
-                   help="model replicas (SGLang's data-parallel workers): worker processes beside this "
-                        "one, each request to the replica with the fewest in flight")
-    p.add_argument("--dp-worker", action="store_true", help=argparse.SUPPRESS)  # a replica --dp-size started
-    p.add_argument("--api-key", default=None, help="as SGLang: every route but /health* wants "
-                   "'Authorization: Bearer KEY' (never logged nor shown in /server_info)")
-    p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, ignored")
-    p.add_argument("--trust-remote-code", action="store_true", help="accepted, ignored")
-    p.add_argument("--random-seed", type=int, default=0, help="seed of sampling without sampling_seed")
-    p.add_argument("--log-level", default="info",
-                   help="accepted; eyas-local logs at info (the sensor reads those lines)")
-    # eyas-only realism and fault injection
-    p.add_argument("--load-delay", type=float, default=0.0, help="seconds of sleep per shard (a slow load)")
-    p.add_argument("--fault", choices=FAULTS, default="none")
-    p.add_argument("--fault-shard", type=int, default=0, help="the fault fires after this many shards loaded")
-    p.add_argument("--think-tokens", type=int, default=0, help="play a thinking model: a reply inside the "
-                   "<think> its prompt opened reasons this many tokens, then </think> (0: off)")
-    args = p.parse_args(argv)
-    if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
-        p.error(f"--chunked-prefill-size must be positive or -1, got {args.chunked_prefill_size}")
-    if args.speculative_draft_model_path is not None:
-        if args.speculative_algorithm != "EAGLE3":
-            p.error(f"--speculative-draft-model-path needs --speculative-algorithm EAGLE3, "
-                    f"got {args.speculative_algorithm!r}")
-        if args.enable_return_aux_hidden_states:
-            p.error("--enable-return-aux-hidden-states cannot be combined with "
-                    "--speculative-draft-model-path (SGLang refuses it too)")
-        if args.speculative_num_steps < 1:
-            p.error(f"--speculative-num-steps must be >= 1, got {args.speculative_num_steps}")
-        if args.speculative_eagle_topk != 1:
-            p.error(f"--speculative-eagle-topk {args.speculative_eagle_topk}: eyas-local drafts a chain "
-                    f"(topk 1) only")
-        if args.speculative_num_draft_tokens is None:
-            args.speculative_num_draft_tokens = args.speculative_num_steps + 1
-        if args.speculative_num_draft_tokens != args.speculative_num_steps + 1:
-            p.error(f"--speculative-num-draft-tokens must be num-steps + 1 = {args.speculative_num_steps + 1} "
-                    f"with topk 1, got {args.speculative_num_draft_tokens}")
-    if args.max_running_requests < 1:
-        p.error(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
-    if args.dp_size < 1:
-        p.error(f"--dp-size must be >= 1, got {args.dp_size}")
-    ids = args.return_aux_hidden_state_layer_ids
-    if ids is not None and (len(set(ids)) != len(ids) or min(ids) < 0):
-        p.error(f"--return-aux-hidden-state-layer-ids must be unique and non-negative, got {ids}")
-    return args
-
-
-
-# ---------------------------------------------------------------------------------------------
-# /generate request parsing: every error names the field
-# ---------------------------------------------------------------------------------------------
-
-def _parse_sampling(raw: Any, where: str) -> dict[str, Any]:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise BadRequest(f"{where} must be an object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - _SAMPLING_KEYS)
-    if unknown:
-        raise BadRequest(f"{where} has unknown fields {unknown}")
-    for key, neutral in _NEUTRAL_SAMPLING.items():
-        if key in raw and raw[key] != neutral:
-            raise BadRequest(f"{where}.{key}={raw[key]!r} is not supported by eyas-local (only {neutral!r})")
-    p = {"max_new_tokens": raw.get("max_new_tokens", 128), "temperature": raw.get("temperature", 1.0),
-         "sampling_seed": raw.get("sampling_seed"), "ignore_eos": raw.get("ignore_eos", False),
-         "stop_token_ids": raw.get("stop_token_ids") or [],
-         "skip_special_tokens": raw.get("skip_special_tokens", True)}
-    if not _is_int(p["max_new_tokens"]) or p["max_new_tokens"] < 0:
-        raise BadRequest(f"{where}.max_new_tokens must be an integer >= 0, got {p['max_new_tokens']!r}")
-    t = p["temperature"]
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
-        raise BadRequest(f"{where}.temperature must be a number >= 0, got {t!r}")
-    if p["sampling_seed"] is not None and not _is_int(p["sampling_seed"]):
-        raise BadRequest(f"{where}.sampling_seed must be an integer, got {p['sampling_seed']!r}")
-    if not isinstance(p["stop_token_ids"], list) or not all(_is_int(i) for i in p["stop_token_ids"]):
-        raise BadRequest(f"{where}.stop_token_ids must be a list of integers")
-    return p
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def parse_generate(body: Any, vocab_size: int, tokenizer) -> tuple[list[tuple[list[int], str, dict]], bool]:
-    """A /generate body -> ([(input_ids, rid, sampling)], batched) or BadRequest naming the field."""
-    if not isinstance(body, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - _GENERATE_KEYS)
-    if unknown:
-        raise BadRequest(f"unknown fields {unknown}")
-    for key in sorted(_FALSY_FIELDS & set(body)):
-        if key == "log_metrics" or (key == "logprob_start_len" and body[key] == -1):
-            continue  # SGLang's defaults (log_metrics=True, logprob_start_len=-1)
-        if body[key]:
-            raise BadRequest(f"{key}={body[key]!r} is not supported by eyas-local (hidden states "
-                             f"come through {DUMP_DIR_ENV}, not the response)")
-    if ("input_ids" in body) == ("text" in body):
-        raise BadRequest("give exactly one of input_ids and text")
-
-    if "text" in body:
-        if tokenizer is None:
-            raise BadRequest("text needs a tokenizer, and the model folder has no tokenizer.json; "
-                             "send input_ids")
-        texts, batched = body["text"], isinstance(body["text"], list)
-        texts = texts if batched else [texts]
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise BadRequest("text must be a string or a non-empty list of strings")
-        seqs = [tokenizer.encode(t) for t in texts]
-    else:
-        raw = body["input_ids"]
-        if not isinstance(raw, list) or not raw:
-            raise BadRequest("input_ids must be a non-empty list of token ids, or a list of such lists")
-        batched = isinstance(raw[0], list)
-        seqs = raw if batched else [raw]
-        for b, seq in enumerate(seqs):
-            name = f"input_ids[{b}]" if batched else "input_ids"
-            if not isinstance(seq, list) or not seq:
-                raise BadRequest(f"{name} must be a non-empty list of token ids")
-            for i, tok in enumerate(seq):
-                if not _is_int(tok) or not 0 <= tok < vocab_size:
-                    raise BadRequest(f"{name}[{i}] = {tok!r} is outside the vocabulary (0..{vocab_size - 1})")
-
-    rids = body.get("rid")
-    if rids is None:
-        rids = [uuid.uuid4().hex for _ in seqs]
-    elif batched != isinstance(rids, list):
-        raise BadRequest(f"rid must be {'a list (batch input)' if batched else 'a string'}, got {rids!r}")
-    elif not batched:
-        rids = [rids]
-    if len(rids) != len(seqs):
-        raise BadRequest(f"rid has {len(rids)} entries for {len(seqs)} sequences")
-    for rid in rids:  # a rid names its dump folder: safe characters and length (before set(): hashable)
-        try:
-            check_rid(rid)
-        except ValueError as e:
-            raise BadRequest(f"rid: {e}") from None
-    if len(set(rids)) != len(rids):
-        raise BadRequest(f"rid has duplicates: {rids}")
-
-    sp = body.get("sampling_params")
-    if isinstance(sp, list):
-        if len(sp) != len(seqs):
-            raise BadRequest(f"sampling_params has {len(sp)} entries for {len(seqs)} sequences")
-        params = [_parse_sampling(s, f"sampling_params[{i}]") for i, s in enumerate(sp)]
-    else:
-        params = [_parse_sampling(sp, "sampling_params")] * len(seqs)
-    return list(zip(seqs, rids, params)), batched
-
-
-# ---------------------------------------------------------------------------------------------
-# HTTP
-# ---------------------------------------------------------------------------------------------
 
 class ServerState:
     def __init__(self, engine: Engine, args: argparse.Namespace, model_info: dict, server_info: dict,
@@ -382,7 +190,7 @@ class Handler(BaseHTTPRequestHandler):
         # SGLang's /health runs a 1-token generate on token 0 with rid HEALTH_CHECK_<time>.
         if not self.state.up:
             return self._send(503)
-        params = _parse_sampling({"max_new_tokens": 1, "temperature": 0}, "health")
+        params = parse_sampling({"max_new_tokens": 1, "temperature": 0}, "health")
         try:
             self.state.engine.generate([0], f"HEALTH_CHECK_{time.time()}", params)
         except Exception:  # noqa: BLE001

@@ -12,8 +12,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from eyas.errors import EyasError
 
-class DiffError(ValueError):
+
+class DiffError(EyasError, ValueError):
     """A diff that cannot be read, or a hunk that does not match the text exactly."""
 
 

@@ -3,6 +3,7 @@
     handle = start_server(host, cfg, owner)  # detached; returns at once with pid, log offset, identity
     ...
     stop_server(host, cfg, handle)           # process group TERM, wait, KILL; cleans the dump dir
+    stop_recorded(host, cfg)                 # whatever server.pid names (eyas stop, failure hooks)
 
 The same function launches SGLang on a GPU host and eyas's local server here: only the command
 differs. A capture launch gets the dump directory through EYAS_DUMP_DIR (and SGLang's hook also in
@@ -28,10 +29,11 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 
 from eyas.config import PipelineConfig
 from eyas.dump import DUMP_DIR_ENV, server_layer_ids
+from eyas.errors import EyasError
 from eyas.local.launcher import LAUNCHER_ENV, launcher_identity
 from eyas.target import trust_remote_code
 from eyas.secrets import PYDANTIC_MASK, redact, register, secret_flag_values
@@ -42,33 +44,42 @@ from eyas.server.ownership import Owner, clean_dump_dir, prepare_dump_dir, verdi
 SGLANG_HOOK = "eyas_sglang_hook:make_hook"
 
 
-class LaunchError(RuntimeError):
+class LaunchError(EyasError, RuntimeError):
     """The server cannot be started (port taken, a previous server still alive, ...)."""
 
 
-class ServerDied(RuntimeError):
+class ServerDied(EyasError, RuntimeError):
     """The launched server died again after its one relaunch; names both deaths."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerHandle:
-    """One launch, as recorded in server.pid: where it serves, and who it is (boot, start)."""
+    """One launch, as recorded in server.pid: where it serves, and who it is (boot, start).
+
+    Tasks and flows pass this object itself; to_dict/from_record are server.pid's JSON."""
 
     pid: int
-    host: str
-    url: str
-    log_path: str
-    log_offset: int  # the log's size at launch: the sensor reads only what this launch wrote
-    command: str  # redacted: an --api-key value reads ***
+    host: str = ""
+    url: str = ""
+    log_path: str = ""
+    log_offset: int = 0  # the log's size at launch: the sensor reads only what this launch wrote
+    command: str = ""  # redacted: an --api-key value reads ***
     boot: str | None = None  # the host's boot id and the process's start time (ownership.verdict)
     start: str | None = None
     owner: str = ""  # the launch token
-    runs: list[str] = field(default_factory=list)  # the flow runs that launched it, innermost first
+    runs: tuple[str, ...] = ()  # the flow runs that launched it, innermost first
     config: str = ""
     launched_at: str = ""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "runs": list(self.runs)}
+
+    @classmethod
+    def from_record(cls, record: dict) -> ServerHandle:
+        """A server.pid record; fields it lacks (a record without identity) take their defaults."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in record.items() if k in known and v is not None}
+        return cls(**{**values, "pid": int(record["pid"]), "runs": tuple(values.get("runs") or ())})
 
 
 def launch_command(cfg: PipelineConfig, architecture: str | None = None) -> str:
@@ -186,53 +197,54 @@ def _python(cfg: PipelineConfig) -> str:
     return sys.executable if cfg.server.host.kind == "local" else "python3"
 
 
-def read_record(host: Host, cfg: PipelineConfig) -> dict | None:
-    """The launch recorded in server.pid (a bare pid from an older eyas: {"pid": N}), or None."""
+def read_record(host: Host, cfg: PipelineConfig) -> ServerHandle | None:
+    """The launch recorded in server.pid (a bare pid, from an older eyas, gives a handle of that pid
+    alone), or None."""
     r = host.run(f"cat {shlex.quote(str(cfg.server.pid_path))}", check=False)
     text = r.stdout.strip() if r.ok else ""
     if text.isdigit():
-        return {"pid": int(text)}
+        return ServerHandle(int(text))
     try:
         record = json.loads(text) if text else None
     except ValueError:
         return None
-    return record if isinstance(record, dict) and isinstance(record.get("pid"), int) else None
+    if not isinstance(record, dict) or not isinstance(record.get("pid"), int):
+        return None
+    return ServerHandle.from_record(record)
 
 
-def _check(host: Host, cfg: PipelineConfig, record: dict) -> str:
+def _check(host: Host, cfg: PipelineConfig, handle: ServerHandle) -> str:
     """ownership.verdict; a record without identity counts as alive only while its pid runs
     exactly this config's launch command."""
-    v = verdict(host, record)
+    v = verdict(host, handle)
     if v == "unverified":
-        found = host.process_identity(int(record["pid"]))
+        found = host.process_identity(handle.pid)
         return "alive" if found and list(found.argv) == shlex.split(host_launch_command(host, cfg)) else "replaced"
     return v
 
 
-def gone_reason(host: Host, cfg: PipelineConfig, handle: dict) -> str | None:
+def gone_reason(host: Host, cfg: PipelineConfig, handle: ServerHandle) -> str | None:
     """Why the server `handle` names is gone (its log's most telling fatal line since its launch), or
     None while it still runs."""
     from eyas.server.readiness import death_reason
 
     if _check(host, cfg, handle) == "alive":
         return None
-    return f"pid {handle['pid']} exited: {death_reason(host, handle['log_path'], int(handle.get('log_offset', 0)))}"
+    return f"pid {handle.pid} exited: {death_reason(host, handle.log_path, handle.log_offset)}"
 
 
 def server_alive(cfg: PipelineConfig) -> bool:
     """Is the server recorded in server.pid_path alive? (Asked after a request failed: connects anew.)"""
-    host = make_host(cfg.server.host)
     try:
-        record = read_record(host, cfg)
-        return record is not None and _check(host, cfg, record) == "alive"
+        with make_host(cfg.server.host) as host:
+            record = read_record(host, cfg)
+            return record is not None and _check(host, cfg, record) == "alive"
     except Exception:  # noqa: BLE001 - unreachable host: not proof of death; the requests' backoff decides
         return True
-    finally:
-        host.close()
 
 
-# What this process launched and has not stopped yet: a signal handler stops these (flows/process.py).
-_launched: dict[tuple[str, int], tuple[PipelineConfig, dict]] = {}
+# What this process launched and has not stopped yet: a signal handler stops these (flows/runtime/process.py).
+_launched: dict[tuple[str, int], tuple[PipelineConfig, ServerHandle]] = {}
 _launched_lock = threading.Lock()
 
 
@@ -247,8 +259,8 @@ def start_server(host: Host, cfg: PipelineConfig, owner: Owner | None = None, *,
     secrets = launch_secrets(cfg)  # a missing secret fails before anything on the host changes
     old = read_record(host, cfg)
     if old is not None and _check(host, cfg, old) == "alive":
-        by = f", launched by flow run {old['runs'][0]}" if old.get("runs") else ""
-        raise LaunchError(f"[{host.name}] a server recorded in {s.pid_path} (pid {old['pid']}{by}) is still "
+        by = f", launched by flow run {old.runs[0]}" if old.runs else ""
+        raise LaunchError(f"[{host.name}] a server recorded in {s.pid_path} (pid {old.pid}{by}) is still "
                           f"alive; stop it first (eyas stop)")
     if _port_in_use(host, s.bind, s.port):
         raise LaunchError(f"[{host.name}] port {s.port} is already in use; pick another server.port")
@@ -267,28 +279,25 @@ def start_server(host: Host, cfg: PipelineConfig, owner: Owner | None = None, *,
     found = host.process_identity(pid)
     handle = ServerHandle(pid, host.name, s.url, str(s.log_path), int(size or 0), redact(command),
                           found.boot if found else None, found.start if found else None, owner.token,
-                          list(owner.runs), cfg.name, time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+                          tuple(owner.runs), cfg.name, time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     tmp = f"{s.pid_path}.tmp-{owner.token}"
     host.run(f"printf '%s\\n' {q(json.dumps(handle.to_dict()))} > {q(tmp)} && mv -f {q(tmp)} {q(str(s.pid_path))}")
     with _launched_lock:
-        _launched[(host.name, pid)] = (cfg, handle.to_dict())
+        _launched[(host.name, pid)] = (cfg, handle)
     return handle
 
 
-def _as_record(which, recorded: dict | None) -> dict | None:
-    """What to stop: a handle or its dict as given; a bare pid through the record naming it."""
-    if which is None:
-        return recorded
-    if isinstance(which, ServerHandle):
-        return which.to_dict()
-    if isinstance(which, dict):
-        return which
-    return recorded if recorded and recorded["pid"] == int(which) else {"pid": int(which)}
+def stop_recorded(host: Host, cfg: PipelineConfig, *, runs: set[str] | None = None) -> dict:
+    """Stop the server server.pid records (stop_server), if any; with none recorded, clean the dump
+    directory, except for a hook (`runs` given): it proves nothing there, so it leaves the folder alone."""
+    record = read_record(host, cfg)
+    if record is None:
+        return {"pid": None, "outcome": "not running", "dump_dir": _clean(host, cfg) if runs is None else "kept"}
+    return stop_server(host, cfg, record, runs=runs)
 
 
-def stop_server(host: Host, cfg: PipelineConfig, which: ServerHandle | dict | int | None = None, *,
-                runs: set[str] | None = None) -> dict:
-    """Stop a server eyas launched (the recorded one, or `which`), then clean its dump directory.
+def stop_server(host: Host, cfg: PipelineConfig, handle: ServerHandle, *, runs: set[str] | None = None) -> dict:
+    """Stop the server eyas launched that `handle` names, then clean its dump directory.
 
     The pid is signalled only while it is still the launched process (same boot id and start
     time; a record without them: this config's exact command line). With `runs`, only a server
@@ -297,27 +306,24 @@ def stop_server(host: Host, cfg: PipelineConfig, which: ServerHandle | dict | in
     """
     s = cfg.server
     recorded = read_record(host, cfg)
-    record = _as_record(which, recorded)
-    if record is None:  # a hook (runs given) proves nothing here: it leaves the dump folder alone
-        return {"pid": None, "outcome": "not running", "dump_dir": _clean(host, cfg) if runs is None else "kept"}
-    pid, launched_by = int(record["pid"]), record.get("runs") or []
+    pid, launched_by = handle.pid, list(handle.runs)
     if runs is not None and not set(launched_by) & {str(r) for r in runs}:
         who = f"flow run {launched_by[0]}" if launched_by else "a launch this run cannot prove its own"
         return {"pid": pid, "outcome": f"left alone: launched by {who}, not by this run"}
-    state = _check(host, cfg, record)
+    state = _check(host, cfg, handle)
     outcome = {"gone": "not running", "replaced": f"not running (pid {pid} is now another process: "
                                                   "left alone)"}.get(state, "terminated")
     if state == "alive":
         host.kill_group(pid, signal.SIGTERM)
         if not wait_dead(host, pid, s.stop_timeout_s):
-            if _check(host, cfg, record) == "alive":
+            if _check(host, cfg, handle) == "alive":
                 host.kill_group(pid, signal.SIGKILL)
                 outcome = "killed"
                 if not wait_dead(host, pid, 10):
                     raise HostError(host.name, f"kill -9 -{pid}", None, "server survived SIGKILL")
     with _launched_lock:
         _launched.pop((host.name, pid), None)
-    if recorded is not None and (recorded["pid"], recorded.get("owner")) == (pid, record.get("owner")):
+    if recorded is not None and (recorded.pid, recorded.owner) == (pid, handle.owner):
         host.run(f"rm -f {shlex.quote(str(s.pid_path))}", check=False)
         dump = _clean(host, cfg)
     elif recorded is not None and _check(host, cfg, recorded) == "alive":
@@ -339,13 +345,11 @@ def stop_launched(timeout_s: float = 10.0) -> list[dict]:
     with _launched_lock:
         pending = list(_launched.values())
     out = []
-    for cfg, record in pending:
-        host = make_host(cfg.server.host)
+    for cfg, handle in pending:
         try:
-            quick = cfg.model_copy(update={"server": cfg.server.model_copy(update={"stop_timeout_s": timeout_s})})
-            out.append(stop_server(host, quick, record))
+            with make_host(cfg.server.host) as host:
+                quick = cfg.model_copy(update={"server": cfg.server.model_copy(update={"stop_timeout_s": timeout_s})})
+                out.append(stop_server(host, quick, handle))
         except Exception as e:  # noqa: BLE001 - best effort on the way out
-            out.append({"pid": record["pid"], "outcome": f"not stopped: {e}"})
-        finally:
-            host.close()
+            out.append({"pid": handle.pid, "outcome": f"not stopped: {e}"})
     return out

@@ -2,7 +2,7 @@
 signalled or deleted.
 
     owner = Owner.new(runs=[flow_run_id, parent_run_id])   # who launches: a token, the flow runs
-    verdict(host, record)                                  # "alive" | "gone" | "replaced" | "unverified"
+    verdict(host, handle)                                  # "alive" | "gone" | "replaced" | "unverified"
     prepare_dump_dir(host, python, path, config_name)      # make + mark it, or refuse foreign content
     clean_dump_dir(host, python, path)                     # delete only eyas's records, in a marked folder
 
@@ -19,8 +19,12 @@ import json
 import shlex
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from eyas.server.hosts import Host
+
+if TYPE_CHECKING:  # launch builds on this module
+    from eyas.server.launch import ServerHandle
 
 MARKER = ".eyas-owned"
 
@@ -38,20 +42,20 @@ class Owner:
         return cls(uuid.uuid4().hex, tuple(str(r) for r in runs if r))
 
 
-def verdict(host: Host, record: dict) -> str:
-    """Is the recorded server still the process it names?
+def verdict(host: Host, handle: ServerHandle) -> str:
+    """Is the launched server (launch.ServerHandle, as server.pid records it) still the process it names?
 
     alive: the pid lives with the recorded boot id and start time. gone: no such pid (or a zombie
     without threads). replaced: the pid now belongs to another process. unverified: the record has
     no identity (written by an older eyas): only its command line can speak for it.
     """
-    found = host.process_identity(int(record["pid"]))
-    if found is None or (found.zombie and not host.is_alive(int(record["pid"]))):
+    found = host.process_identity(handle.pid)
+    if found is None or (found.zombie and not host.is_alive(handle.pid)):
         return "gone"
-    if not record.get("start"):
+    if not handle.start:
         return "unverified"
-    same = found.boot == record.get("boot") and found.start == record.get("start")
-    return "alive" if same and found.pgrp == int(record["pid"]) else "replaced"
+    same = found.boot == handle.boot and found.start == handle.start
+    return "alive" if same and found.pgrp == handle.pid else "replaced"
 
 
 # Run on the server host with its own python3: no eyas import there (an SSH host has none).

@@ -5,7 +5,7 @@
     text = apply_diff(original, pset.files[0].diff, name=...)
 
 The patch stage (eyas/server/sglang_patch.py) installs a patch set on a host; preflight
-(eyas/preflight.py) checks a target's architecture against it before any GPU is touched.
+(eyas/preflight/target.py) checks a target's architecture against it before any GPU is touched.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eyas.errors import EyasError
 from eyas.resources import shipped
 from eyas.server.diffs import DiffError, apply_diff as _apply, parse_diff
 
@@ -23,7 +24,7 @@ DUMP_SOURCE = Path(__file__).resolve().parents[1] / "dump.py"  # eyas/dump.py, c
 DUMP_MODULE = "eyas_dump.py"  #: how eyas/dump.py is installed beside the hook
 
 
-class PatchError(RuntimeError):
+class PatchError(EyasError, RuntimeError):
     """The server host is in a state eyas will not patch; names the host, file or version."""
 
 

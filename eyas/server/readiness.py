@@ -21,6 +21,7 @@ from typing import Callable
 
 import httpx
 
+from eyas.errors import EyasError
 from eyas.secrets import redact
 from eyas.server.hosts import Host, HostUnreachable
 
@@ -161,7 +162,7 @@ def classify_fatal(line: str) -> str | None:
 # The wait loop
 # ---------------------------------------------------------------------------------------------
 
-class ServerFailed(RuntimeError):
+class ServerFailed(EyasError, RuntimeError):
     """The server will not become ready. `.reason` is short ("oom", "stalled", "process died", ...),
     `.log_lines` the last lines of its log, `.fatal_lines` the lines that gave it away."""
 

@@ -413,17 +413,15 @@ def main(argv: list[str] | None = None) -> int:
         print(main.__doc__, file=sys.stderr)
         return 2
     cfg = load_config(argv[1])
-    host = make_host(cfg.server.host)
     try:
-        if argv[0] == "reverse":
-            result = reverse_patch(host, cfg)
-        else:
-            result = ensure_patched(host, cfg, dry_run=argv[0] == "status")
+        with make_host(cfg.server.host) as host:
+            if argv[0] == "reverse":
+                result = reverse_patch(host, cfg)
+            else:
+                result = ensure_patched(host, cfg, dry_run=argv[0] == "status")
     except PatchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    finally:
-        host.close()
     print(json.dumps(result, indent=1))
     return 0
 

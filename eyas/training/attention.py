@@ -21,8 +21,8 @@ The queries may be the last rows of a shorter range than step 0's keys (q (B, nh
 of FlashAttention-2): TTTObjective runs the steps >= 1 only at the positions some step scores.
 
 The flash kernels are PyTorch's own: on CUDA in bf16/fp16 cuDNN's
-`aten._scaled_dot_product_cudnn_attention` or `aten._scaled_dot_product_flash_attention`
-(KernelOptions.attention picks), on the CPU the flash `_for_cpu` twin; elsewhere
+`aten._scaled_dot_product_cudnn_attention` (or `aten._scaled_dot_product_flash_attention` where
+cuDNN refuses a call), on the CPU the flash `_for_cpu` twin; elsewhere
 `reference_ttt_attention` (plain autograd math, O(T^2) memory) is used, and the tests hold the two
 equal, gradients included.
 """
@@ -38,19 +38,18 @@ from eyas.training.kernels import DEFAULT, KernelOptions
 aten = torch.ops.aten
 
 
-# The kernel for the causal part of TTT steps >= 1 on CUDA (KernelOptions.attention): "cudnn" (cuDNN's
-# fused attention, the kernel PyTorch's sdpa picks for step 0 on Hopper) or "flash" (PyTorch's
-# FlashAttention-2). Both return the log-sum-exp and take it back in the backward, which the merge
-# below needs. Queries shorter than the keys (the last rows of the key range): flash aligns its causal
-# mask bottom-right itself; cuDNN (whose alignment is not promised) and the CPU kernel (top-left) get
-# the missing leading queries as zero rows, which cost a copy of q and a sliver of the causal work,
-# and add nothing to the gradients; or, on cuDNN with KernelOptions.span_split (off: measured at no
-# gain, bench/results/2026-12-05_h100_goal-rows-span-split.md), two calls without padding (_split_fwd:
-# the keys before the first query unmasked, the rest causal), merged by lse.
+# The kernel for the causal part of the TTT steps on CUDA: cuDNN's fused attention (the kernel
+# PyTorch's sdpa picks for step 0 on Hopper), or PyTorch's FlashAttention-2 where cuDNN refuses.
+# Both return the log-sum-exp and take it back in the backward, which the merge below needs. Queries
+# shorter than the keys (the last rows of the key range): flash aligns its causal mask bottom-right
+# itself; cuDNN (whose alignment is not promised) and the CPU kernel (top-left) get the missing
+# leading queries as zero rows, which cost a copy of q and a sliver of the causal work, and add
+# nothing to the gradients. (Two calls without padding, merged by log-sum-exp, measured no faster:
+# bench/results/2026-12-05_h100_goal-rows-span-split.md.)
 #
 # Not a setting but a memo of what this process's cuDNN accepted: once it refuses a call (a shape or
 # dtype its build does not support), every later call goes to flash instead of failing (and paying a
-# refused cuDNN call) again. The choice stays KernelOptions.attention.
+# refused cuDNN call) again.
 _refused: set[str] = set()
 
 
@@ -110,43 +109,11 @@ def _padded_bwd(dy, q, k, v, y, lse, state, scale, bwd):
     return dq[:, :, off:], dk, dv
 
 
-def _split_fwd(q, k, v, scale, fwd, compile: bool = False):
-    """Causal attention of queries that are the last L of the S keys, as two kernel calls and no padding:
-    the first S - L keys, which every query sees (unmasked), and the last L, causal and square (top-left
-    and bottom-right alike), merged by their log-sum-exps. fwd: (q, k, v, scale, causal) -> (y, lse, state)."""
-    off = k.shape[2] - q.shape[2]
-    ya, la, sa = fwd(q, k[:, :, :off], v[:, :, :off], scale, False)
-    yb, lb, sb = fwd(q, k[:, :, off:], v[:, :, off:], scale, True)
-    y, lse = fused.lse_merge(ya, la, yb, lb, compile=compile)
-    return y, lse, (sa, sb)
-
-
-def _split_bwd(dy, q, k, v, y, lse, states, scale, bwd):
-    """_split_fwd's gradients: each part's backward with the merged y and lse (it forms P = exp(S - lse)
-    and D = rowsum(dy * y) itself, as for the diagonal keys below) gives that part's share."""
-    off = k.shape[2] - q.shape[2]
-    dqa, dka, dva = bwd(dy, q, k[:, :, :off], v[:, :, :off], y, lse, states[0], scale, False)
-    dqb, dkb, dvb = bwd(dy, q, k[:, :, off:], v[:, :, off:], y, lse, states[1], scale, True)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)  # laid out like k and v (position-major stays so)
-    dk[:, :, :off], dk[:, :, off:] = dka, dkb
-    dv[:, :, :off], dv[:, :, off:] = dva, dvb
-    return dqa + dqb, dk, dv
-
-
-def _flash_fwd(q, k, v, scale, kernels: KernelOptions, split: bool = False):
-    """Causal attention -> (y (B, nh, L, hd), lse (fp32, (B, nh, L) or (B, nh, L, 1)), state for the backward).
-
-    kernels.attention: "cudnn" or "flash" on CUDA; the CPU has one kernel. split: queries shorter than
-    the keys through _split_fwd (cuDNN only, with kernels.span_split) instead of zero rows in front."""
-    off = k.shape[2] - q.shape[2]  # q's rows are the last L of the S key positions
+def _flash_fwd(q, k, v, scale):
+    """Causal attention -> (y (B, nh, L, hd), lse (fp32, (B, nh, L) or (B, nh, L, 1)), state for the backward):
+    cuDNN on CUDA (flash where it refuses), the CPU's one kernel elsewhere."""
     if q.device.type == "cuda":
-        if kernels.attention == "cudnn" and "cudnn" not in _refused:
-            if off and split and kernels.span_split and "cudnn_split" not in _refused:
-                try:
-                    y, lse, states = _split_fwd(q, k, v, scale, _cudnn_fwd, kernels.compile)
-                    return y, lse, ("cudnn_split", states)
-                except RuntimeError:  # refused: the zero rows in front, below (cuDNN itself stays on)
-                    _refused.add("cudnn_split")
+        if "cudnn" not in _refused:
             try:
                 y, lse, state = _padded_fwd(q, k, v, scale, _cudnn_fwd)
                 return y, lse, ("cudnn", state)
@@ -160,8 +127,6 @@ def _flash_fwd(q, k, v, scale, kernels: KernelOptions, split: bool = False):
 def _flash_bwd(dy, q, k, v, y, lse, state, scale):
     if q.device.type == "cuda":
         kind, *state = state
-        if kind == "cudnn_split":
-            return _split_bwd(dy, q, k, v, y, lse, state[0], scale, _cudnn_bwd)
         if kind == "cudnn":
             return _padded_bwd(dy, q, k, v, y, lse, state[0], scale, _cudnn_bwd)
         cum_q, cum_k, max_q, max_k, rng, unused = state
@@ -173,7 +138,7 @@ def _flash_bwd(dy, q, k, v, y, lse, state, scale):
 class _TTTAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k0, v0, scale, n, kernels, *kv):  # kv: n diagonal keys, then n values, (B, nh, T, hd) each
-        y0, lse0, state = _flash_fwd(q, k0, v0, scale, kernels, split=True)  # (B, nh, T, hd), (B, nh, T[, 1])
+        y0, lse0, state = _flash_fwd(q, k0, v0, scale)  # (B, nh, T, hd), (B, nh, T[, 1])
         if n == 0:  # step 0's queries shorter than its keys: the causal part alone, nothing to merge;
             # y dense and laid out like q, as the merge lays it (the kernels' backward wants dy like y)
             y, lse, a = torch.empty_like(q).copy_(y0), lse0, None
@@ -223,7 +188,7 @@ class _TTTAttentionRows(torch.autograd.Function):
     def forward(ctx, q, k0, v0, b, t, scale, n, kernels, *kv):  # q, kv (1, nh, N, hd); k0, v0 (B, nh, T, hd)
         B, nh, T, hd = k0.shape
         qf = _scatter(q, b, t, B, T)  # (B, nh, T, hd)
-        y0, raw, state = _flash_fwd(qf, k0, v0, scale, kernels)
+        y0, raw, state = _flash_fwd(qf, k0, v0, scale)
         lse0 = raw.view(B, nh, T).float()
         if n == 0:  # step 0's queries at the gathered rows: the causal part alone, nothing to merge
             y, lse, a = _gather_rows(y0, b, t), lse0[b, :, t].T[None], None
@@ -281,10 +246,10 @@ def reference_ttt_attention_rows(q, k0, v0, kd: list, vd: list, scale: float, b,
 def ttt_attention(q, k0, v0, kd: list, vd: list, scale: float, kernels: KernelOptions = DEFAULT,
                   where: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Step-k TTT attention (see the module docstring); q, kd, vd (B, nh, L, hd), k0, v0 (B, nh, S >= L, hd),
-    heads expanded. kernels: the CUDA attention kernel and whether the diagonal terms are compiled.
+    heads expanded. kernels: whether the diagonal terms are compiled.
 
     where: the queries are rows gathered from k0's batch, row i at (where[0][i], where[1][i]); then q,
-    kd, vd are (1, nh, N, hd) (TTTObjective's per-position skipping, KernelOptions.skip_rows)."""
+    kd, vd are (1, nh, N, hd) (TTTObjective's per-position skipping)."""
     if where is not None:
         if not _flash_ok(q):
             return reference_ttt_attention_rows(q, k0, v0, kd, vd, scale, *where)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from eyas.extraction.shards import sha256_file
+from eyas.files import sha256_file
 
 FILES = ("model.safetensors", "drafter.json", "trainer_state.pt")
 SUMS = "checksums.json"  # {"format": SUMS_FORMAT, "files": {name: {"bytes", "sha256"}}}

@@ -33,9 +33,10 @@ import torch
 import torch.distributed as dist
 
 import eyas
+from eyas.errors import EyasError
 
 
-class TrainingLaunchError(RuntimeError):
+class TrainingLaunchError(EyasError, RuntimeError):
     """A node's torchrun failed or never finished; the message names the node, host and log."""
 
 
@@ -54,7 +55,7 @@ def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json:
 
     on_step gets rank 0's StepStats as they reach launch/progress.jsonl (up to poll_s late)."""
     from eyas.server.hosts import HostError, LocalHost, make_host
-    from eyas.extraction.shards import write_json_atomic
+    from eyas.files import write_json_atomic
     from eyas.training.train import TrainResult
 
     d = cfg.distributed
@@ -150,7 +151,7 @@ def _wait(nodes, timeout_s: float, poll_s: float, log, progress: Path, on_step) 
 def main(argv: list[str] | None = None) -> None:
     """One torchrun process: set the device, join the group, train, rank 0 writes the result."""
     from eyas.config import TargetConfig, TrainingConfig
-    from eyas.extraction.shards import write_json_atomic
+    from eyas.files import write_json_atomic
     from eyas.training.train import train_drafter
 
     args = sys.argv[1:] if argv is None else argv

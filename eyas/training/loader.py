@@ -31,7 +31,7 @@ import queue
 import struct
 import threading
 import time
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import Future
 from typing import Iterable, Iterator
 
 import torch

@@ -21,12 +21,13 @@ Work only where the loss mask can use it: the teacher runs on the scored positio
 steps >= 1 (and every step's head) only on the positions some step scores: gathered position by
 position (`ttt_rows`: chat data's user turns between replies drop out, as do prompts and padding),
 or, where that would skip little, on the one span from the batch's first to its last scored position
-(`ttt_span`). KernelOptions.skip_rows off: always the span; skip_unscored off: everywhere. The loss
-and its gradients are the same function; a position is never dropped for its label's content.
+(`ttt_span`). The loss and its gradients are the same function; a position is never dropped for its
+label's content.
 
-The embedding's share of every step's q/k/v is one projection per unroll (KernelOptions.shared_emb):
-step k at position t reads the token step 0 reads at t+k, so it takes row t+k of it (TTTObjective._emb),
-through drafter.SharedEmb, which adds each step's gradient into one buffer per projection.
+Each TTT step is the plain drafter's function through fused machinery (eyas/training/ttt_step.py):
+the GEMM weights cast once per unroll with their gradients summed inside the GEMMs (ttt_weights.py),
+and the embedding's share of every step's q/k/v one projection per unroll (shared_emb.py): step k at
+position t reads the token step 0 reads at t+k, so it takes row t+k of it (TTTObjective._emb).
 """
 
 from __future__ import annotations
@@ -37,10 +38,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from eyas.training import kernels as fused
-from eyas.training.drafter import Eagle3Drafter, SharedEmb, TTTKeys, TTTWeights, compute_dtype
+from eyas.training import gemm, kernels as fused
+from eyas.training.drafter import Eagle3Drafter
 from eyas.training.kernels import DEFAULT, KernelOptions
+from eyas.training.shared_emb import SharedEmb
+from eyas.training.soft_ce import soft_ce_rows, soft_ce_rows_nograd
 from eyas.training.target_head import TargetHead
+from eyas.training.ttt_step import TTTKeys, emb_proj, ttt_step, ttt_step_concat
+from eyas.training.ttt_weights import TTTWeights, compute_dtype
 
 HEAD_CHUNK_ROWS = 8192  # rows of the drafter's fused head per chunk: (rows, draft_vocab) fp32 transient
 HEAD_CHUNK_ROWS_CPU = 1024  # on a CPU: (1024, 2048) fp32 chunks stay in cache, 15% faster steps than 8192
@@ -75,8 +80,8 @@ def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor
                    kernels: KernelOptions = DEFAULT, outside: torch.Tensor | None = None) -> Labels:
     """Labels from the stored last hidden states (B, T, H); head.weight must be draft-first ordered.
 
-    The head runs only on the scored positions, gathered (kernels.skip_rows off: on the batch's scored
-    span; skip_unscored off: everywhere): nothing reads the labels of a position that is not scored.
+    The head runs only on the scored positions, gathered: nothing reads the labels of a position
+    that is not scored.
 
     outside: (B, T) bool, where the full-vocabulary argmax is known to lie outside the draft vocabulary
     (the same sequences' teacher in an earlier epoch: teacher_cache.ArgmaxMemo). The rest of the
@@ -86,41 +91,30 @@ def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor
     B, T, H = last.shape
     scored = torch.zeros_like(loss_mask, dtype=torch.bool)
     scored[:, :-1] = loss_mask[:, 1:].bool()  # the target at t predicts token t+1
-    first, end = label_span(scored, kernels)
+    first, end = scored_span(scored)
     probs = torch.zeros(B, T, num_draft, dtype=probs_dtype, device=last.device)
     top = torch.full((B, T), num_draft, dtype=torch.long, device=last.device)  # outside the draft vocab
     W_draft, W_rest = head.weight[:num_draft], head.weight[num_draft:]  # (V_d, H), (V - V_d, H)
 
     def label(x: torch.Tensor, known: torch.Tensor | None):  # (n, H) last states, (n,) bool or None
         x = head.prepare(x)
-        z = fused.mm_f32(x, W_draft.T)  # (n, V_d) fp32
+        z = gemm.mm_f32(x, W_draft.T)  # (n, V_d) fp32
         # best: the first maximum (draft ids come first, so a tie with the rest stays inside)
         best, best_logit, p = fused.teacher_softmax(z, probs_dtype, compile=kernels.compile)
         if known is None and not len(W_rest):  # the draft vocabulary is the whole vocabulary
             known = torch.zeros_like(best, dtype=torch.bool)
         elif known is None:  # the full argmax lies outside where the rest holds a strictly larger logit
-            known = fused.mm_f32(x, W_rest.T).amax(-1) > best_logit
+            known = gemm.mm_f32(x, W_rest.T).amax(-1) > best_logit
         return torch.where(known, num_draft, best), p
 
-    with fused.teacher_blas(kernels, last.device):
-        if kernels.skip_unscored and kernels.skip_rows:  # the scored positions only, gathered
-            at = scored.view(-1).nonzero().flatten()  # (n,) flat positions
-            flat_last, flat_probs, flat_top = last.view(B * T, H), probs.view(B * T, -1), top.view(-1)
-            for s in range(0, at.numel(), chunk):
-                r = at[s:s + chunk]
-                flat_top[r], flat_probs[r] = label(flat_last[r], None if outside is None else outside.view(-1)[r])
-        else:
-            for b in range(B):
-                for s in range(first, end, chunk):
-                    e = min(s + chunk, end)
-                    top[b, s:e], probs[b, s:e] = label(last[b, s:e], None if outside is None else outside[b, s:e])
+    with gemm.teacher_blas(last.device):
+        at = scored.view(-1).nonzero().flatten()  # (n,) flat positions
+        flat_last, flat_probs, flat_top = last.view(B * T, H), probs.view(B * T, -1), top.view(-1)
+        for s in range(0, at.numel(), chunk):
+            r = at[s:s + chunk]
+            flat_top[r], flat_probs[r] = label(flat_last[r], None if outside is None else outside.view(-1)[r])
     target = torch.where(top < num_draft, top, -1)
     return Labels(probs.view(B * T, num_draft), target, scored & (target >= 0), scored, (first, end))
-
-
-def label_span(scored: torch.Tensor, kernels: KernelOptions) -> tuple[int, int]:
-    """Where the teacher's labels hold: the batch's scored span, or everything (skip_unscored off)."""
-    return scored_span(scored) if kernels.skip_unscored else (0, scored.shape[1])
 
 
 def scored_span(scored: torch.Tensor) -> tuple[int, int]:
@@ -135,7 +129,7 @@ class _HeadSoftCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, probs, rows, row_w, chunk, grad, gemm_dtype, kernels):
         N, h_dtype = h.shape[0], h.dtype
-        h = fused.gemm_operand(h, gemm_dtype or h_dtype)  # (N', H): any rows past N are zeros, of weight 0
+        h = gemm.gemm_operand(h, gemm_dtype or h_dtype)  # (N', H): any rows past N are zeros, of weight 0
         if h.shape[0] > N:
             rows, row_w = F.pad(rows, (0, h.shape[0] - N)), F.pad(row_w, (0, h.shape[0] - N))
         W = weight.to(h.dtype)  # (V_d, H)
@@ -145,15 +139,15 @@ class _HeadSoftCE(torch.autograd.Function):
         pred = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
         for s in range(0, h.shape[0], chunk):
             hc, rc, wc = h[s:s + chunk], rows[s:s + chunk], row_w[s:s + chunk]  # (n, H), (n,), (n,)
-            z = fused.mm_f32(hc, W.T)  # (n, V_d) logits, fp32
+            z = gemm.mm_f32(hc, W.T)  # (n, V_d) logits, fp32
             if not grad:
-                part, pred[s:s + chunk] = fused.soft_ce_rows_nograd(z, probs, rc, wc, kernels)
+                part, pred[s:s + chunk] = soft_ce_rows_nograd(z, probs, rc, wc, kernels)
                 loss += part
                 continue
-            part, pred[s:s + chunk], dz = fused.soft_ce_rows(z, probs, rc, wc, h.dtype, kernels)  # dz = (q - p) * w
+            part, pred[s:s + chunk], dz = soft_ce_rows(z, probs, rc, wc, h.dtype, kernels)  # dz = (q - p) * w
             loss += part
             gh[s:s + chunk] = dz @ W  # in the GEMM dtype; cast to h's once, below
-            fused.addmm_f32_(gw, dz.T, hc)
+            gemm.addmm_f32_(gw, dz.T, hc)
         ctx.save_for_backward(gh if gh is None else gh[:N].to(h_dtype), gw)
         ctx.weight_dtype = weight.dtype
         pred = pred[:N]
@@ -206,16 +200,13 @@ def ttt_rows(scored: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
     return b, t
 
 
-def ttt_span(labels: Labels, T: int, K: int, skip: bool = True) -> tuple[int, int]:
+def ttt_span(labels: Labels, T: int, K: int) -> tuple[int, int]:
     """[s, e): the positions t where some TTT step k < K scores row (k, b, t) in some sequence.
 
     Row (k, b, t) is scored where labels.scored[b, t+1+k] (t+1+k < T), so with scored positions in
     [first, end) the rows lie in t in [first - K, end - 1). Everything the steps >= 1 compute at a
     position depends only on that position's own chain and on step 0's keys at or before it, so the
-    steps may run on this range alone. The whole sequence where nothing is scored, or without skip
-    (KernelOptions.skip_unscored)."""
-    if not skip:
-        return 0, T
+    steps may run on this range alone. The whole sequence where nothing is scored."""
     first, end = labels.span if labels.span is not None else scored_span(labels.scored)
     s, e = max(0, first - K), min(end - 1, T)
     return (s, e) if s < e else (0, T)
@@ -234,10 +225,10 @@ def scored_counts(loss_masks, K: int) -> torch.Tensor:
 class TTTObjective(nn.Module):
     """The whole training forward as one module, so DDP/FSDP see every use of every weight.
 
-    kernels: how the step runs (KernelOptions), handed to the drafter, the attention and the head loss;
-    optimizer_step reads its fused_clip. With kernels.shared_weights (the default) the drafter's GEMM
-    weights are cast once per unroll and their gradients summed inside the weight-gradient GEMMs
-    (drafter.TTTWeights; in the GEMM dtype unless kernels.grad_acc_fp32); off, the nn.Linear modules run.
+    kernels: the run's KernelOptions, handed to the TTT steps, the attention and the head loss. The
+    drafter's GEMM weights are cast once per unroll and their gradients summed inside the
+    weight-gradient GEMMs (eyas/training/ttt_weights.py); gemm_dtype: those GEMMs and the head's in
+    this dtype (a CPU's bf16 matrix units).
     """
 
     def __init__(self, drafter: Eagle3Drafter, head_chunk: int = HEAD_CHUNK_ROWS,
@@ -245,60 +236,58 @@ class TTTObjective(nn.Module):
         super().__init__()
         self.drafter, self.head_chunk, self.gemm_dtype, self.kernels = drafter, head_chunk, gemm_dtype, kernels
 
-    def _weights(self, device) -> TTTWeights | None:
-        """This unroll's TTTWeights (None: the nn.Linear modules run, KernelOptions.shared_weights off)."""
+    def _shares_emb(self) -> bool:
+        """Whether the embedding's share of q/k/v is one projection per unroll: not with FP8 GEMMs, which
+        quantize q/k/v's weights whole (each step then projects its own concatenation)."""
+        return not self.kernels.fp8_gemms
+
+    def _weights(self, device) -> TTTWeights:
+        """This unroll's TTTWeights: q/k/v in two column blocks where the embedding's share is apart."""
         kn, m = self.kernels, self.drafter
-        if not kn.shared_weights:
-            return None
-        return TTTWeights(m, compute_dtype(device, m.fc.weight.dtype), self.gemm_dtype, kn.grad_acc_fp32,
-                          fp8=kn.fp8_gemms, compile=kn.compile, halves=self._share_emb())
+        return TTTWeights(m, compute_dtype(device, m.fc.weight.dtype), self.gemm_dtype, fp8=kn.fp8_gemms,
+                          compile=kn.compile, halves=self._shares_emb())
 
-    def _share_emb(self) -> bool:
-        kn = self.kernels
-        return kn.shared_emb and kn.shared_weights and not kn.fp8_gemms
-
-    def _emb(self, ids, K: int, shared: TTTWeights | None, q_from: int = 0) -> SharedEmb | None:
-        """The embedding's share of q/k/v at every position a step reads (KernelOptions.shared_emb), or
-        None. Step k at position t reads token t+1+k (0 past the end), which is ext[t+k] below, so step
-        k's share at t is row t+k of one projection over the T+K-1 tokens (q's from q_from, the first
-        query's position)."""
-        if shared is None or not self._share_emb():
+    def _emb(self, ids, K: int, shared: TTTWeights, q_from: int = 0) -> SharedEmb | None:
+        """The embedding's share of q/k/v at every position a step reads (None: see _shares_emb). Step
+        k at position t reads token t+1+k (0 past the end), which is ext[t+k] below, so step k's share
+        at t is row t+k of one projection over the T+K-1 tokens (q's from q_from, the first query's
+        position)."""
+        if not self._shares_emb():
             return None
         B, T = ids.shape
         ext = ids.new_zeros(B, T + K - 1)
         ext[:, :T - 1] = ids[:, 1:]
-        return self.drafter.emb_proj(ext, shared, self.kernels, q_from)
+        return emb_proj(self.drafter, ext, shared, self.kernels, q_from)
 
     def forward(self, ids, aux, labels: Labels, ttt_steps: int, decay: float, counts: torch.Tensor | None = None):
         """ids (B, T), aux (B, T, 3H) -> (loss, correct (K,), scored (K,)); counts (K,) the denominators."""
         m, (B, T), K, kn = self.drafter, ids.shape, ttt_steps, self.kernels
-        s, e = ttt_span(labels, T, K, kn.skip_unscored)  # the steps >= 1 and the head run on positions [s, e) only
-        if kn.skip_unscored and kn.skip_rows:
-            b, t = ttt_rows(labels.scored, K)
-            if b.numel() < ROWS_WORTH * B * (e - s):  # else the span holds (nearly) nothing to skip
-                return self._forward_rows(ids, aux, labels, K, decay, counts, b, t)
+        s, e = ttt_span(labels, T, K)  # the steps >= 1 and the head run on positions [s, e) only
+        b, t = ttt_rows(labels.scored, K)
+        if b.numel() < ROWS_WORTH * B * (e - s):  # else the span holds (nearly) nothing to skip
+            return self._forward_rows(ids, aux, labels, K, decay, counts, b, t)
         pos = torch.arange(T, device=ids.device)
-        kv, normed = [], []
+        kv, normed = TTTKeys(), []
         shared = self._weights(ids.device)
         pe = self._emb(ids, K, shared, s)
         for k in range(K):
             if pe is not None:  # the embedding's share of q/k/v from pe, shifted by k
                 if k == 0:  # keys and values on [0, e), the rest only on [s, e): the later steps read no more
-                    h, hn = m.ttt_step(aux[:, :e], pe.step(slice(s, e), slice(0, e)), pos[:e], kv, shared, kn,
-                                       slice(s, None) if s else None)  # (B, e - s, H)
+                    h, hn = ttt_step(m, aux[:, :e], pe.step(slice(s, e), slice(0, e)), pos[:e], kv, shared, kn,
+                                     slice(s, None) if s else None)  # (B, e - s, H)
                 else:
                     rows = slice(s + k, e + k)
-                    h, hn = m.ttt_step(h, pe.step(rows, rows), pos[s:e] + k, kv, shared, kn)
+                    h, hn = ttt_step(m, h, pe.step(rows, rows), pos[s:e] + k, kv, shared, kn)
                 normed.append(hn)
                 continue
             nxt = torch.zeros_like(ids)
             nxt[:, :T - 1 - k] = ids[:, 1 + k:]  # step k at t reads token t+1+k
             if k == 0:  # all positions: step 0's keys are every later step's causal keys
-                h, hn = m.step(nxt, aux, pos, None, ttt=kv, shared=shared, kernels=kn)  # (B, T, H) pre-norm, normed
+                h, hn = ttt_step_concat(m, nxt, aux, pos, kv, shared, kn)  # (B, T, H) pre-norm, normed
                 if (s, e) != (0, T):  # later queries are the last rows of keys [0, e) (bottom-right causal)
                     h, hn, kv[0] = h[:, s:e], hn[:, s:e], tuple(t[:, :, :e] for t in kv[0])
             else:
-                h, hn = m.step(nxt[:, s:e], h, pos[s:e] + k, None, ttt=kv, shared=shared, kernels=kn)  # (B, L, H)
+                h, hn = ttt_step_concat(m, nxt[:, s:e], h, pos[s:e] + k, kv, shared, kn)  # (B, L, H)
             normed.append(hn)
         hn = torch.stack(normed)  # (K, B, L, H)
         normed.clear()  # the steps' own copies go before the head's chunks are allocated (peak memory)
@@ -318,27 +307,27 @@ class TTTObjective(nn.Module):
         """forward() with the steps >= 1 and every step's head on the gathered positions some step
         scores (ttt_rows), as one (1, N) batch: step 0 runs on all of (B, T), since its keys are every
         later step's causal keys; the attention scatters the gathered queries back for its causal part."""
-        m, (B, T), kn = self.drafter, ids.shape, self.kernels
+        m, T, kn = self.drafter, ids.shape[1], self.kernels
         shared = self._weights(ids.device)
         pe = self._emb(ids, K, shared)
         kv, normed = TTTKeys(), []
         for k in range(K):
             if pe is not None:  # the embedding's share of q/k/v from pe, shifted by k
                 if k == 0:  # keys and values everywhere, queries and the rest at the gathered rows only
-                    h, hn = m.ttt_step(aux, pe.step((b, t), slice(0, T)), torch.arange(T, device=ids.device),
-                                       kv, shared, kn, (b, t))  # (1, N, H)
+                    h, hn = ttt_step(m, aux, pe.step((b, t), slice(0, T)), torch.arange(T, device=ids.device),
+                                     kv, shared, kn, (b, t))  # (1, N, H)
                     kv.where = (b, t)
                 else:
-                    h, hn = m.ttt_step(h, pe.step((b, t + k), (b, t + k)), t + k, kv, shared, kn)
+                    h, hn = ttt_step(m, h, pe.step((b, t + k), (b, t + k)), t + k, kv, shared, kn)
                 normed.append(hn[0])
                 continue
             nxt = torch.zeros_like(ids)
             nxt[:, :T - 1 - k] = ids[:, 1 + k:]  # step k at t reads token t+1+k
             if k == 0:
-                h, hn = m.step(nxt, aux, torch.arange(T, device=ids.device), None, ttt=kv, shared=shared, kernels=kn)
+                h, hn = ttt_step_concat(m, nxt, aux, torch.arange(T, device=ids.device), kv, shared, kn)
                 h, hn, kv.where = h[b, t][None], hn[b, t][None], (b, t)  # (1, N, H)
             else:
-                h, hn = m.step(nxt[b, t][None], h, t + k, None, ttt=kv, shared=shared, kernels=kn)  # (1, N, H)
+                h, hn = ttt_step_concat(m, nxt[b, t][None], h, t + k, kv, shared, kn)  # (1, N, H)
             normed.append(hn[0])
         hn = torch.stack(normed)  # (K, N, H)
         normed.clear()

@@ -3,7 +3,7 @@
     device = resolve_device(cfg.device, local_rank)          # "auto" -> cuda where there is one
     opt = make_optimizer(params, lr, weight_decay)
     sched = LambdaLR(opt, lambda s: lr_factor(s, warmup, max_steps))
-    clip_and_step(params, opt, max_norm, fused_clip=kernels.fused_clip)
+    clip_and_step(params, opt, max_norm)
 
 Shared by the drafter's training (eyas/training/train.py) and the tiny target's (eyas/local/tiny_target.py).
 """
@@ -42,18 +42,17 @@ def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=fused)
 
 
-def clip_and_step(params, opt: torch.optim.Optimizer, max_norm: float, fused_clip: bool = True) -> None:
+def clip_and_step(params, opt: torch.optim.Optimizer, max_norm: float) -> None:
     """clip_grad_norm_(params, max_norm), then opt.step().
 
-    With fused_clip (KernelOptions.fused_clip), a fused AdamW and plain (not sharded) gradients the clip
-    factor is not applied in a pass of its own over every gradient: the kernel's grad_scale divides
-    each gradient by 1 / clip_grad_norm_'s clamped coefficient as it reads it (the mechanism GradScaler
-    uses), which saves reading and writing all fp32 gradients once. Same update, up to the last bit of
-    rounding.
+    With a fused AdamW and plain (not sharded) gradients the clip factor is not applied in a pass of
+    its own over every gradient: the kernel's grad_scale divides each gradient by 1 / clip_grad_norm_'s
+    clamped coefficient as it reads it (the mechanism GradScaler uses), which saves reading and writing
+    all fp32 gradients once. Same update, up to the last bit of rounding.
     """
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    if not (fused_clip and opt.defaults.get("fused") and grads and all(type(g) is torch.Tensor for g in grads)):
+    if not (opt.defaults.get("fused") and grads and all(type(g) is torch.Tensor for g in grads)):
         torch.nn.utils.clip_grad_norm_(params, max_norm)
         opt.step()
         return

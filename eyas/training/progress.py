@@ -74,3 +74,15 @@ def history_every(max_steps: int) -> int:
 def keeps_row(step: int, max_steps: int, *, evaluated: bool, last: bool) -> bool:
     """Whether step's row goes into the bounded loss table."""
     return step % history_every(max_steps) == 0 or evaluated or last
+
+
+def simulated_acceptance_length(per_step_acc) -> float:
+    """Chain acceptance length predicted from per-TTT-step accuracies: 1 + sum_k prod_{i<=k} acc_i.
+
+    The leading 1 is the target's bonus token, so this compares with evaluation's `acceptance_length`.
+    """
+    total, run = 1.0, 1.0
+    for a in per_step_acc:
+        run *= float(a)
+        total += run
+    return total

@@ -26,17 +26,15 @@ import torch
 import torch.distributed as dist
 
 from eyas.training.batches import ShardData, collate
-from eyas.training.kernels import KernelOptions
-from eyas.training.losses import Labels, label_span
+from eyas.training.losses import Labels, scored_span
 
 
 class TeacherCache:
     """Per sequence: the teacher's distribution over the draft vocabulary and its argmax as a draft id."""
 
-    def __init__(self, probs: list[torch.Tensor], target: list[torch.Tensor], kernels: KernelOptions):
+    def __init__(self, probs: list[torch.Tensor], target: list[torch.Tensor]):
         self.probs = probs    # [i] (n_i, V_d): predicting token t+1 of sequence i; zeros where unscored
         self.target = target  # [i] (n_i,): the argmax as a draft id, -1 outside the draft vocab or unscored
-        self.kernels = kernels  # the batch's span is what the teacher would have said
 
     @staticmethod
     def nbytes(data: ShardData, num_draft: int, dtype: torch.dtype) -> int:
@@ -44,7 +42,7 @@ class TeacherCache:
 
     @classmethod
     def build(cls, data: ShardData, teacher: Callable[[dict], Labels], num_draft: int, dtype: torch.dtype,
-              budget_gb: float, kernels: KernelOptions) -> "TeacherCache | None":
+              budget_gb: float) -> "TeacherCache | None":
         """Every sequence's labels through `teacher` (a batch of one each), or None above budget_gb."""
         if cls.nbytes(data, num_draft, dtype) > budget_gb * 2**30:
             return None
@@ -54,7 +52,7 @@ class TeacherCache:
             lab = teacher(batch)
             probs.append(lab.probs.clone())   # (n, V_d): B = 1, so rows are positions
             target.append(lab.target[0].clone())
-        return cls(probs, target, kernels)
+        return cls(probs, target)
 
     def labels(self, batch: dict) -> Labels:
         """The batch's labels, laid out as teacher_labels lays them out (right-padded rows)."""
@@ -68,7 +66,7 @@ class TeacherCache:
             probs[b, :n], target[b, :n] = self.probs[i], self.target[i]
         scored = torch.zeros_like(mask, dtype=torch.bool)
         scored[:, :-1] = mask[:, 1:].bool()  # the target at t predicts token t+1
-        return Labels(probs.view(B * T, V), target, scored & (target >= 0), scored, label_span(scored, self.kernels))
+        return Labels(probs.view(B * T, V), target, scored & (target >= 0), scored, scored_span(scored))
 
 
 class ArgmaxMemo:

@@ -47,19 +47,19 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from eyas.evaluation.evaluate import simulated_acceptance_length
-from eyas.training import kernels as fused
+from eyas.training import gemm
 from eyas.training.batches import ShardData, add_aux_noise, check_shard_meta, collate, data_digest
 from eyas.training.checkpoints import (TrainState, checkpoint_differs, load_checkpoint, resumable_checkpoint,
                                        save_checkpoint)
 from eyas.training.draft_vocab import build_draft_vocab, count_tokens
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter
 from eyas.training.ema import WeightEMA
+from eyas.training.kernels import kernel_options
 from eyas.training.loader import BatchLoader, plan_steps
 from eyas.training.losses import HEAD_CHUNK_ROWS, HEAD_CHUNK_ROWS_CPU, TTTObjective, draft_first_order, teacher_labels
 from eyas.training.teacher_cache import ArgmaxMemo, TeacherCache
 from eyas.training.optim import clip_and_step, lr_factor, make_optimizer, resolve_device
-from eyas.training.progress import StepStats, keeps_row
+from eyas.training.progress import StepStats, keeps_row, simulated_acceptance_length
 from eyas.training.target_head import TargetHead, load_target_tensors, read_target_config
 from eyas.training import warm_start
 
@@ -128,8 +128,7 @@ def optimizer_step(objective, wrapped, opt, sched, micro_batches, make_labels, *
     """Forward/backward every micro-batch of this rank, then clip and step -> [loss, correct.., scored..].
 
     micro_batches yields collated batches; make_labels(batch) gives the teacher's labels. Gradients
-    are synchronised once, after the last micro-batch (DDP's no_sync before it). The clip runs as the
-    objective's KernelOptions say (fused_clip).
+    are synchronised once, after the last micro-batch (DDP's no_sync before it).
     """
     micro_batches = list(micro_batches)
     stats = 0
@@ -141,7 +140,7 @@ def optimizer_step(objective, wrapped, opt, sched, micro_batches, make_labels, *
                 loss, correct, scored = wrapped(batch["ids"], batch["aux"], labels, ttt_steps, decay, counts)
             (loss * world).backward()  # DDP/FSDP average over ranks; the loss is a share of the global sum
         stats = stats + torch.cat([loss.detach().reshape(1), correct, scored]).double()
-    clip_and_step([p for p in objective.parameters() if p.requires_grad], opt, grad_clip, objective.kernels.fused_clip)
+    clip_and_step([p for p in objective.parameters() if p.requires_grad], opt, grad_clip)
     sched.step()
     opt.zero_grad(set_to_none=True)
     return stats.cpu()  # on the device until now: no wait for the GPU before the optimizer is queued
@@ -160,19 +159,20 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     once this step is reached, as if preempted; a later call with the same arguments resumes.
     log_every defaults to about 20 lines per run. on_step gets every step's StepStats on rank 0
     (cheap; the caller decides how often to show them). The step's kernels (torch.compile per
-    training.compile) come from fused.kernel_options, made once here and passed down.
+    training.compile, training.fp8_gemms) come from kernel_options, made once here and passed down.
     """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = resolve_device(cfg.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    kernels = fused.kernel_options(cfg, device)
+    kernels = kernel_options(cfg, device)
     log = log if rank == 0 else (lambda _: None)
     on_step = on_step if rank == 0 else None
     out_dir = Path(cfg.output_dir)
     # 1. data, and what the shards say about how they were made
-    data = ShardData([Path(p) for p in shard_paths], cfg.num_heldout, cfg.ttt_steps, cfg.loss_positions == "all")
+    data = ShardData([Path(p) for p in shard_paths], cfg.num_validation_sequences, cfg.ttt_steps,
+                     cfg.loss_positions == "all")
     meta = check_shard_meta(data.readers, target)
     tcfg = target_config_json or read_target_config(target.checkpoint)
     G = cfg.batch_size * cfg.grad_accum * world
@@ -214,7 +214,7 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     model.to(device)
     # A CPU with bf16 matrix units runs the GEMMs in bf16 (the rest fp32): the step in 0.7 of the
     # fp32 step's time (docs/performance.md, "Training on a CPU")
-    cpu_bf16 = device.type == "cpu" and cfg.precision == "bf16" and fused.cpu_bf16_gemm()
+    cpu_bf16 = device.type == "cpu" and cfg.precision == "bf16" and gemm.cpu_bf16_gemm()
     head_chunk = HEAD_CHUNK_ROWS_CPU if device.type == "cpu" else HEAD_CHUNK_ROWS
     objective = wrapped = TTTObjective(model, head_chunk, gemm_dtype=torch.bfloat16 if cpu_bf16 else None,
                                        kernels=kernels)
@@ -257,14 +257,14 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
         f"{cfg.batch_size}), draft vocab {cfg.draft_vocab_size}, device {device}{' (bf16 GEMMs)' * cpu_bf16}")
     # A CPU run's labels, once per sequence where they fit (a GPU computes them per batch)
     if device.type == "cpu" and cfg.teacher_cache_gb > 0:
-        cache = TeacherCache.build(data, make_labels, cfg.draft_vocab_size, dtype, cfg.teacher_cache_gb, kernels)
+        cache = TeacherCache.build(data, make_labels, cfg.draft_vocab_size, dtype, cfg.teacher_cache_gb)
         if cache is not None:
             make_labels = cache.labels
             log(f"teacher labels of all {len(data.lengths)} sequences computed once "
                 f"({TeacherCache.nbytes(data, cfg.draft_vocab_size, dtype) / 2**30:.2f} GB)")
     # Labels per batch (a GPU, or too many to cache): each position's full-vocabulary argmax bit is
     # remembered from its sequence's first epoch, and later epochs run the draft vocabulary's rows only
-    if make_labels is teacher and kernels.teacher_memo:
+    if make_labels is teacher:
         memo = ArgmaxMemo(data.lengths, device)
         make_labels = lambda b: memo.labels(b, teacher)  # noqa: E731
 

@@ -16,26 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from eyas.net import free_port
 from eyas.server.hosts import LocalHost
-from tests.prefect_server import ROOT, start_prefect_server
-from tests.stage_config import free_port
+from tests.prefect_server import ROOT
 
 pytestmark = pytest.mark.slow
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("prefect-home")
-    srv = start_prefect_server(home)
-    try:
-        srv.cli("work-pool", "create", "eyas", "--type", "process")
-        srv.spawn(["worker", "start", "--pool", "eyas", "--limit", "2"], "worker.log")
-        out = srv.cli("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
-        assert "pipeline" in out
-        yield srv
-    finally:
-        srv.stop()
+def server(deployed):
+    return deployed
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +125,7 @@ def test_pipeline_deployment_completes_with_every_task_and_artifact(server, firs
     # The server's GPUs were held through the host's strict one-slot limit, and released.
     limits = {c["name"]: c for c in server.post("/v2/concurrency_limits/filter", {})}
     from eyas.config import load_config
-    from flows.common import host_limit_name
+    from flows.runtime.host_lock import host_limit_name
 
     gpu = limits[host_limit_name(load_config(ROOT / "configs" / "local-tiny.yaml", overrides))]
     assert gpu["limit"] == 1 and gpu["active_slots"] == 0, gpu
@@ -174,7 +165,7 @@ def test_rerun_serves_extraction_from_cache_and_automation_starts_training(serve
 
 def test_server_failure_fails_the_run_with_the_reason_and_stops_the_server(server, small):
     from eyas.config import load_config
-    from eyas.server.launch import stop_server
+    from eyas.server.launch import stop_recorded
 
     overrides = small("dep-oom", **{"server.launch_args": ["--fault", "oom-at-shard", "--fault-shard", "2"]})
     run = wait_flow_run(server, deployment_run(server, "eagle3-pipeline/pipeline", overrides))
@@ -187,7 +178,7 @@ def test_server_failure_fails_the_run_with_the_reason_and_stops_the_server(serve
     assert "train-drafter" not in states
     cfg = load_config(ROOT / "configs" / "local-tiny.yaml", overrides)
     assert not cfg.server.pid_path.exists()
-    assert stop_server(LocalHost(), cfg)["outcome"] == "not running"
+    assert stop_recorded(LocalHost(), cfg)["outcome"] == "not running"
 
 
 def test_extraction_spreads_over_several_servers_then_teardown_stops_them(server, small):

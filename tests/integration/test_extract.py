@@ -32,7 +32,7 @@ def _launch(tmp, target):
 def server(tmp_path_factory, random_target):
     host, cfg, handle = _launch(tmp_path_factory.mktemp("extract"), random_target)
     yield cfg, handle
-    stop_server(host, cfg, handle.pid)
+    stop_server(host, cfg, handle)
 
 
 def _plans(tmp, n=6, seed=0, num_shards=2):
@@ -210,7 +210,7 @@ def test_server_killed_mid_shard_retries_or_fails_over_with_identical_output(ser
         assert stats[cfg_b.server.url]["failures"] >= 1
         assert m["sha256"] == ref["sha256"]
     finally:
-        stop_server(host, cfg_b, handle_b.pid)
+        stop_server(host, cfg_b, handle_b)
 
 
 def test_a_dead_server_fails_the_shard_at_once_instead_of_backing_off(tmp_path, tmp_path_factory, random_target):
@@ -242,7 +242,7 @@ def test_a_dead_server_fails_the_shard_at_once_instead_of_backing_off(tmp_path, 
         assert not shard_path(tmp_path / "out", plans[0]).exists()
         assert not partial_path(shard_path(tmp_path / "out", plans[0])).exists()
     finally:
-        stop_server(host, cfg_b, handle_b.pid)
+        stop_server(host, cfg_b, handle_b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,8 +270,9 @@ def test_regenerated_turns_are_the_targets_answers_and_parts_resume(server, tmp_
     from transformers import AutoTokenizer
 
     from eyas.config import DataConfig, RegenerateConfig
-    from eyas.extraction.data import _render, load_records, prepare
-    from eyas.extraction.regenerate import regenerate, turn_end_ids
+    from eyas.extraction.data import load_records, prepare, render_chat
+    from eyas.extraction.regenerate import regenerate
+    from eyas.extraction.regenerate_turns import turn_end_ids
 
     cfg, _ = server
     tok = AutoTokenizer.from_pretrained(str(random_target))
@@ -296,7 +297,7 @@ def test_regenerated_turns_are_the_targets_answers_and_parts_resume(server, tmp_
         # Each answer is the target's greedy continuation of the conversation so far.
         first = out[4]["messages"]
         for j in (1, 3):  # the second turn answers the regenerated first one
-            again = pool.generate(_render(tok, first[:j], add_generation_prompt=True), f"WARMUP_check-{j}",
+            again = pool.generate(render_chat(tok, first[:j], add_generation_prompt=True), f"WARMUP_check-{j}",
                                   {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": turn_end_ids(tok)}).result()
             assert first[j]["content"] == tok.decode(again.body["output_ids"], skip_special_tokens=True)
         assert out[0]["messages"][1]["content"] == first[1]["content"]  # same prompt, same answer
@@ -322,7 +323,6 @@ def test_regenerated_turns_are_the_targets_answers_and_parts_resume(server, tmp_
 def test_a_damaged_shard_on_disk_is_extracted_again_saying_why(server, tmp_path, monkeypatch):
     from eyas.extraction import stage
 
-    monkeypatch.setattr(stage.runs, "make_on_change", None)  # no Prefect artifacts outside a run
     cfg, _ = server
     cfg = cfg.model_copy(update={"extraction": cfg.extraction.model_copy(update={"output_dir": tmp_path / "out"})})
     _, plans = _plans(tmp_path, seed=2, num_shards=1)
@@ -330,11 +330,11 @@ def test_a_damaged_shard_on_disk_is_extracted_again_saying_why(server, tmp_path,
 
     def log(fmt, *args):
         lines.append(fmt % args)
-    first = stage.run_shard(cfg, plans[0], "local", log=log)
-    path = shard_path(tmp_path / "out", plans[0])
-    path.write_bytes(path.read_bytes()[:-64])  # damaged on disk after it was finished
-    again = stage.run_shard(cfg, plans[0], "local", log=log)
-    assert again["sha256"] == first["sha256"] and not again["reused"]
+    with stage.ExtractionContext() as ctx:  # no publisher: no Prefect artifacts outside a run
+        first = stage.run_shard(ctx, cfg, plans[0], "local", log=log)
+        path = shard_path(tmp_path / "out", plans[0])
+        path.write_bytes(path.read_bytes()[:-64])  # damaged on disk after it was finished
+        again = stage.run_shard(ctx, cfg, plans[0], "local", log=log)
+    assert again.sha256 == first.sha256 and not again.reused
     [why] = [line for line in lines if "on disk is damaged" in line]
     assert why.startswith(f"{plans[0].name} on disk is damaged: ") and why.endswith(": extracting it again")
-    stage.close_pools()

@@ -22,7 +22,7 @@ from eyas.extraction.extract import extract_shard, shard_path
 from eyas.extraction.records import DumpStore
 from eyas.extraction.shards import ShardReader, verify_shard
 from eyas.server import readiness
-from eyas.server.hosts import SSHHost
+from eyas.server.ssh_host import SSHHost
 from eyas.server.launch import start_server, stop_server
 from tests.integration.test_lifecycle_ssh import ssh_stage_config
 from tests.sshd import SSHD, can_unshare, start_sshd
@@ -83,7 +83,7 @@ def test_extraction_collects_records_only_the_node_sees(tmp_path, node, random_t
         finally:
             if pool is not None:
                 pool.close()
-            stop_server(host, cfg, handle.pid)
+            stop_server(host, cfg, handle)
     finally:
         host.close()
     path = shard_path(tmp_path / "out", plan)
@@ -150,7 +150,7 @@ def test_the_local_host_never_probes(tmp_path):
 
 def test_preflight_says_which_way_the_records_will_come(tmp_path, node, sshd):
     from eyas.preflight import preflight
-    from tests.unit.test_preflight import TINY, tiny
+    from tests.tiny_config import TINY, tiny
 
     def notes(server, dump):
         host = _host_cfg(server).model_dump(mode="json")

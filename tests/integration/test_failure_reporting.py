@@ -16,33 +16,19 @@ import pytest
 
 from tests import eyas_run
 from tests.integration.test_deployments import deployment_run, runs_named, small, wait_flow_run  # noqa: F401
-from tests.prefect_server import ROOT, WebhookReceiver, start_prefect_server
+from tests.prefect_server import ROOT
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def hooks():
-    """The failure webhook's receiver on 127.0.0.1."""
-    receiver = WebhookReceiver()
-    yield receiver
-    receiver.stop()
+def hooks(webhooks):
+    return webhooks
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, hooks):
-    """One Prefect server, the eyas pool with a worker, every deployment, the failure webhook posting
-    to a receiver on 127.0.0.1."""
-    srv = start_prefect_server(tmp_path_factory.mktemp("prefect-home"))
-    try:
-        srv.cli("work-pool", "create", "eyas", "--type", "process")
-        srv.spawn(["worker", "start", "--pool", "eyas", "--limit", "2"], "worker.log")
-        srv.cli("--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
-        subprocess.run([sys.executable, "deployments/notifications.py", hooks.url],
-                       cwd=ROOT, env=srv.env, check=True, capture_output=True)
-        yield srv
-    finally:
-        srv.stop()
+def server(deployed):
+    return deployed
 
 
 def logs_of(server, run_ids: list[str], last: str = "Finished", timeout_s: float = 30.0) -> list[str]:

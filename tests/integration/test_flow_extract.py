@@ -51,7 +51,7 @@ def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(p
     records, _ = load_records(regenerated)
     ours = prepare(records, load_tokenizer(cfg.target.checkpoint), cfg.data.model_copy(update={"path": regenerated}),
                    vocab_size=10**9).train
-    stored = sorted(s.input_ids.tolist() for m in first.manifests for s in ShardReader(tmp_path / "shards" / m["file"]))
+    stored = sorted(s.input_ids.tolist() for m in first.manifests for s in ShardReader(tmp_path / "shards" / m.file))
     assert stored == sorted(t.input_ids for t in ours) and len(stored) == 8
     original, _ = load_records(data)
     assert [r.messages for r in records[-2:]] == [r.messages for r in original[-2:]]  # held out: as they were
@@ -65,7 +65,7 @@ def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(p
     second = extract(cfg)
     assert "regenerate" not in second.stages and "stop" not in second.stages  # no server launched
     assert second.ready is None
-    assert [m["sha256"] for m in second.manifests] == [m["sha256"] for m in first.manifests]
+    assert [m.sha256 for m in second.manifests] == [m.sha256 for m in first.manifests]
 
 
 def test_a_layer_id_out_of_range_fails_at_preflight_before_anything_is_written(prefect_harness, tmp_path):
@@ -96,10 +96,10 @@ def test_a_killed_server_is_relaunched_once_and_a_second_death_fails_with_both_r
 
     real, killed = stage.run_shard, []
 
-    def kills_the_server_once(cfg, plan, patch_version, **kw):
+    def kills_the_server_once(ctx, cfg, plan, patch_version, **kw):
         if plan.index == 1 and len(killed) < limit:
             killed.append(_kill_the_server(cfg))
-        return real(cfg, plan, patch_version, **kw)
+        return real(ctx, cfg, plan, patch_version, **kw)
     monkeypatch.setattr(stage, "run_shard", kills_the_server_once)
     data = tmp_path / "conversations.jsonl"
     data.write_text("\n".join((ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:8]) + "\n")
@@ -111,13 +111,13 @@ def test_a_killed_server_is_relaunched_once_and_a_second_death_fails_with_both_r
     done = extract(cfg)
     assert len(killed) == 1 and len(done.manifests) == 2
     for m in done.manifests:
-        verify_shard(tmp_path / "shards" / m["file"])  # raises on a damaged shard
+        verify_shard(tmp_path / "shards" / m.file)  # raises on a damaged shard
     log = cfg.server.log_path.read_text()
     assert log.count("The server is fired up and ready to roll!") == 2  # launched, then relaunched once
 
     limit = 3
     for m in done.manifests:  # everything to do again, so the shard tasks talk to the server
-        (tmp_path / "shards" / m["file"]).unlink()
+        (tmp_path / "shards" / m.file).unlink()
     with pytest.raises(ServerDied, match=r"died during extraction \(pid \d+ exited: .*\), was relaunched, and "
                                          r"died again \(pid \d+ exited"):
         extract(cfg)

@@ -1,4 +1,4 @@
-"""flows/host_lock.py gpu_host: one run per GPU host, whatever lock directory or label each run
+"""flows/runtime/host_lock.py gpu_host: one run per GPU host, whatever lock directory or label each run
 has, and a run killed with -9 does not block the host.
 
 Real processes against the session's real (temporary) Prefect server: the holder record and the
@@ -14,13 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from flows.common import ROOT, ensure_host_limit, resolve_config
+from flows.common import ROOT, resolve_config
+from flows.runtime.host_lock import ensure_host_limit
 
 # A flow run that holds the GPU host while the file argv[2] exists (argv[1]: the host's label).
 CHILD = """
 import logging, os, sys, time
 from prefect import flow
-from flows.common import gpu_host, resolve_config
+from flows.common import resolve_config
+from flows.runtime.host_lock import gpu_host
 logging.basicConfig(level=logging.INFO)
 
 @flow(name="hold-gpu-host")
@@ -138,7 +140,7 @@ def test_a_holder_elsewhere_is_waited_for_until_its_flow_run_is_final(prefect_ha
     from prefect.client.schemas.actions import VariableCreate
     from prefect.states import Crashed, Running
 
-    from flows.host_lock import gpu_host, this_machine
+    from flows.runtime.host_lock import gpu_host, this_machine
 
     @flow(name="elsewhere")
     def elsewhere():

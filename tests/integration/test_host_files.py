@@ -5,8 +5,10 @@ import os
 import pytest
 
 from eyas.config import HostConfig
-from eyas.server import hosts
-from eyas.server.hosts import HostError, HostUnreachable, LocalHost, SSHHost, free_port
+from eyas.server import ssh_host
+from eyas.net import free_port
+from eyas.server.hosts import HostError, HostUnreachable, LocalHost
+from eyas.server.ssh_host import SSHHost
 
 
 def _ssh_host(sshd) -> SSHHost:
@@ -46,7 +48,7 @@ def test_list_read_and_remove_a_tree(host, tmp_path):
 
 
 def test_a_large_file_streams_through_cat_over_ssh(host, tmp_path, monkeypatch):
-    monkeypatch.setattr(hosts, "STREAM_BYTES", 1 << 20)  # the exec-channel path, on a small file
+    monkeypatch.setattr(ssh_host, "STREAM_BYTES", 1 << 20)  # the exec-channel path, on a small file
     data = os.urandom((2 << 20) + 5)
     (tmp_path / "big").write_bytes(data)
     (tmp_path / "odd name's").write_bytes(data)

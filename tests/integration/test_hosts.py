@@ -5,7 +5,8 @@ import time
 import pytest
 
 from eyas.config import HostConfig
-from eyas.server.hosts import HostAuthError, HostError, HostUnreachable, LocalHost, SSHHost, wait_dead
+from eyas.server.hosts import HostAuthError, HostError, HostUnreachable, LocalHost, make_host, wait_dead
+from eyas.server.ssh_host import SSHHost
 
 
 def ssh_config(sshd, **kw) -> HostConfig:
@@ -75,6 +76,19 @@ def test_put_and_get_round_trip(host, tmp_path):
     host.put(src, tmp_path / "remote" / "copy.bin")
     host.get(tmp_path / "remote" / "copy.bin", tmp_path / "back" / "copy.bin")
     assert (tmp_path / "back" / "copy.bin").read_bytes() == src.read_bytes()
+
+
+def test_with_block_closes_the_ssh_connection_even_when_it_raises(sshd):
+    with make_host(ssh_config(sshd)) as h:
+        assert isinstance(h, SSHHost) and h.run("echo in").stdout == "in\n"
+        assert h._conn.is_connected
+    assert not h._conn.is_connected
+    with pytest.raises(HostError, match="exit 4"):
+        with make_host(ssh_config(sshd)) as h:
+            h.run("exit 4")
+    assert not h._conn.is_connected
+    with make_host(HostConfig(name="here")) as local:
+        assert isinstance(local, LocalHost) and local.run("echo ok").stdout == "ok\n"
 
 
 def test_ssh_wrong_key_is_an_auth_error(sshd):

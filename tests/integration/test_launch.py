@@ -4,7 +4,7 @@ import pytest
 
 from eyas.server import readiness
 from eyas.server.hosts import LocalHost
-from eyas.server.launch import LaunchError, launch_command, start_server, stop_server
+from eyas.server.launch import LaunchError, launch_command, start_server, stop_recorded, stop_server
 from eyas.config import load_config
 from tests.stage_config import ROOT, stage_config
 
@@ -37,10 +37,10 @@ def test_launch_sense_refuse_and_stop(tmp_path, random_target):
             start_server(host, cfg)  # the recorded server lives
         (cfg.server.dump_dir / "leftover").mkdir(parents=True, exist_ok=True)
     finally:
-        outcome = stop_server(host, cfg, handle.pid)
+        outcome = stop_server(host, cfg, handle)
     assert outcome["outcome"] in ("terminated", "killed") and not host.is_alive(handle.pid)
     assert not cfg.server.dump_dir.exists() and not cfg.server.pid_path.exists()
-    assert stop_server(host, cfg)["outcome"] == "not running"  # idempotent
+    assert stop_recorded(host, cfg)["outcome"] == "not running"  # idempotent
 
     # A relaunch appends to the same log; the sensor reads only from the new offset.
     handle2 = start_server(host, cfg)
@@ -48,7 +48,7 @@ def test_launch_sense_refuse_and_stop(tmp_path, random_target):
         assert handle2.log_offset > 0
         assert _wait(host, cfg, handle2).seconds > 0
     finally:
-        stop_server(host, cfg, handle2.pid)
+        stop_server(host, cfg, handle2)
 
 
 def test_refuses_a_taken_port(tmp_path, random_target):

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from eyas.server.hosts import LocalHost
-from eyas.server.launch import stop_server
+from eyas.server.launch import stop_recorded
 from tests.stage_config import ROOT, stage_config
 
 LAUNCHER = """
@@ -52,4 +52,4 @@ def test_a_local_server_ends_with_the_process_that_launched_it(tmp_path, random_
             assert not _gone(host, pid, 3), "a server launched to stay up went down with its launcher"
     finally:
         launcher.kill()
-        stop_server(host, cfg)
+        stop_recorded(host, cfg)

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from eyas.server import readiness, sglang_patch
-from eyas.server.hosts import SSHHost
+from eyas.server.ssh_host import SSHHost
 from eyas.server.launch import start_server, stop_server
 from tests.stage_config import stage_config
 
@@ -44,7 +44,7 @@ def test_patch_launch_sense_stop_over_ssh(tmp_path, sshd, random_target):
             assert record["pid"] == handle.pid and record["start"] and record["boot"]
             assert host.process_identity(handle.pid).start == record["start"]
         finally:
-            outcome = stop_server(host, cfg, handle.pid)
+            outcome = stop_server(host, cfg, handle)
         assert outcome["outcome"] in ("terminated", "killed")
         assert not host.is_alive(handle.pid) and not cfg.server.dump_dir.exists()
     finally:
@@ -61,6 +61,6 @@ def test_a_crash_over_ssh_is_reported_with_the_log(tmp_path, sshd, random_target
             _sense(host, cfg, handle)
         assert e.value.reason == "oom"
         assert any("CUDA out of memory" in line for line in e.value.log_lines)
-        stop_server(host, cfg, handle.pid)
+        stop_server(host, cfg, handle)
     finally:
         host.close()

@@ -105,7 +105,7 @@ def test_dp_replicas_share_the_requests_and_answer_as_one_model(start_server, ra
     assert len(states) == 2 and all(s["num_completion_tokens"] > 0 for s in states)  # both served
     assert sum(s["num_completion_tokens"] for s in states) == 12 * len(prompts)
     from eyas.local.replicas import worker_argv
-    from eyas.local.server import parse_args
+    from eyas.local.arguments import parse_args
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "x", "--dp-size", "0"])
     # a worker: its own loopback port, one replica, no warm-up, and no injected fault (the front's fires)

@@ -18,7 +18,8 @@ from eyas.dump import assemble, read_records
 from eyas.server.readiness import READY_LINE
 from eyas.local.engine import (BAR_FORMAT, Engine, fuse_experts, load_model,
                                resolve_capture_ids, shard_files)
-from eyas.local.server import _HTTPServer, parse_args
+from eyas.local.arguments import parse_args
+from eyas.local.server import _HTTPServer
 
 CAPTURE = [2, 4, 6]
 CHUNK = 16

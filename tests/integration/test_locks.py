@@ -25,7 +25,8 @@ import pytest
 from eyas.extraction.dataset import DiskSpaceError, check_disk_space
 from eyas.server.hosts import LocalHost, wait_dead
 from eyas.extraction.shards import ShardReader, verify_shard
-from tests.stage_config import ROOT, free_port
+from eyas.net import free_port
+from tests.stage_config import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +43,7 @@ def _command(tmp: Path, data: Path, port: int) -> list[str]:
             "evaluation.max_new_tokens": 4, "sensor.poll_interval_s": 0.1,
             "benchmark.enabled": False,  # the serving benchmark (two more servers) is not under test
             "data.regenerate.enabled": False}  # nor regeneration (tests/integration/test_flow_extract.py)
-    cmd = [sys.executable, "-m", "eyas", "run", str(ROOT / "configs" / "local-tiny.yaml")]
+    cmd = [sys.executable, "-m", "flows.runtime.cli", "run", str(ROOT / "configs" / "local-tiny.yaml")]  # `eyas run`
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     return cmd

@@ -10,16 +10,14 @@ import shlex
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
+from eyas.net import free_port
 from tests.integration.test_deployments import wait_flow_run
-from tests.prefect_server import BIN, ROOT, WebhookReceiver, start_prefect_server
-from tests.stage_config import free_port
+from tests.prefect_server import doc_commands, sh
 
 pytestmark = pytest.mark.slow
-DOCS = ("README.md", "docs/operations.md")
 
 #: Every command line of the docs' bash blocks, and what runs it. "here": this module, against its
 #: server. The others need what a test machine lacks, or are run elsewhere as named.
@@ -57,54 +55,18 @@ COMMANDS = {
 }
 
 
-def doc_commands() -> list[str]:
-    out = []
-    for doc in DOCS:
-        for block in re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), re.S):
-            for line in block.splitlines():
-                line = re.sub(r"\s+#\s.*$", "", line).strip()  # a trailing comment
-                if line and not line.startswith("#"):
-                    out.append(line)
-    return out
-
-
 def test_the_docs_commands_are_exactly_the_listed_ones():
     assert sorted(set(doc_commands())) == sorted(COMMANDS)
 
 
-def sh(server, line: str, timeout: float = 120) -> str:
-    """A documented command as written, in the repository root, .venv/bin meaning this interpreter's."""
-    line = line.replace(".venv/bin/", f"{BIN}/")
-    r = subprocess.run(["bash", "-c", line], cwd=ROOT, env=server.env, text=True, capture_output=True,
-                       timeout=timeout)
-    assert r.returncode == 0, f"{line}\n{r.stdout}\n{r.stderr}"
-    return r.stdout
+@pytest.fixture(scope="module")
+def server(deployed):
+    return deployed
 
 
 @pytest.fixture(scope="module")
-def receiver():
-    hooks = WebhookReceiver()
-    yield hooks
-    hooks.stop()
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, receiver):
-    """The Deploy block of docs/operations.md, as written, then the notification automation."""
-    srv = start_prefect_server(tmp_path_factory.mktemp("prefect-home"))
-    try:
-        deploy = [c for c in doc_commands() if c.startswith(".venv/bin/prefect ") and "server start" not in c
-                  and " deployment run " not in c]
-        for line in deploy:
-            if " worker start " in line:
-                srv.spawn(shlex.split(line.replace(".venv/bin/prefect ", "")) + ["--limit", "2"], "worker.log")
-            else:
-                sh(srv, line)
-        notify = next(c for c in doc_commands() if "notifications.py" in c)
-        sh(srv, notify.replace("https://hooks.example.com/eyas", receiver.url))
-        yield srv
-    finally:
-        srv.stop()
+def receiver(webhooks):
+    return webhooks
 
 
 def run_deployment(server, name: str, params: dict) -> str:
@@ -127,13 +89,16 @@ def test_a_bad_config_fails_with_the_reason_under_a_readable_name_and_notifies(s
         assert state["type"] == "FAILED", (params, state)
         assert reason in state["message"] and "\n" not in state["message"], state["message"]
         assert run["name"] == name, run["name"]
-    # The failure webhook: one POST per failed run, naming it and the reason.
+    # The failure webhook: one POST per failed run, naming it and the reason (the receiver is the
+    # session's: other modules' runs post to it too).
+    def posted(name: str, reason: str) -> bool:
+        return any(p["body"].startswith(f"{name} ended Failed: ") and reason in p["body"] for p in receiver.posts)
+
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(receiver.posts) < len(BAD):
+    while time.monotonic() < deadline and not all(posted(name, reason) for _, name, reason in BAD):
         time.sleep(1)
-    bodies = [p["body"] for p in receiver.posts]
     for _, name, reason in BAD:
-        assert any(b.startswith(f"{name} ended Failed: ") and reason in b for b in bodies), bodies
+        assert posted(name, reason), [p["body"] for p in receiver.posts]
 
 
 def test_overrides_are_typed_in_the_run_form(server):
@@ -177,31 +142,21 @@ def test_the_documented_runs_are_accepted_as_written(server):
         sh(server, "prefect work-pool resume eyas")
 
 
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        for path in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
-            try:
-                kids = [int(x) for x in path.read_text().split()]
-            except OSError:
-                kids = []
-            out, todo = out + kids, todo + kids
-    return out
-
-
 def test_the_worker_stops_on_sigterm_within_seconds(server):
     """SIGTERM stops the worker. Prefect 3.9.1's handler sends the worker SIGINT, whose handler sends
     SIGINT again and then arms SIGKILL for the next one. That second SIGINT usually meets the SIGKILL
     (the worker is gone at once); racing with it, it can meet asyncio's own handler instead, which
     starts a graceful stop that took over 15 s on a loaded CI machine. A second SIGTERM is then
-    Prefect's SIGKILL, as a supervisor escalates (systemd after its stop timeout, `kill` twice)."""
-    worker = next(p for p in server.procs if "worker" in " ".join(map(str, p.args)))
-    # The worker idle: the previous test's flow-run process may still be exiting (Prefect's own
-    # drain at its exit), and the worker waits for it; that wait is not the worker's stop.
-    deadline = time.monotonic() + 60
-    while len(_descendants(worker.pid)) > 1 and time.monotonic() < deadline:  # the CLI's process worker
+    Prefect's SIGKILL, as a supervisor escalates (systemd after its stop timeout, `kill` twice).
+    The worker is a second one of the documented command, so the session's own worker serves on."""
+    line = next(c for c in doc_commands() if " worker start " in c)
+    worker = server.spawn(shlex.split(line.replace(".venv/bin/prefect ", "")) + ["--name", "sigterm-test"],
+                          "worker-sigterm.log")
+    log = server.home / "worker-sigterm.log"
+    deadline = time.monotonic() + 90
+    while "started!" not in log.read_text() and time.monotonic() < deadline:  # its handlers are set
+        assert worker.poll() is None, log.read_text()
         time.sleep(0.5)
-    log = server.home / "worker.log"
     t0 = time.monotonic()
     os.kill(worker.pid, signal.SIGTERM)
     try:

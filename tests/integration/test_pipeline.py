@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.server.hosts import free_port
+from eyas.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

@@ -10,8 +10,9 @@ import uuid
 
 import pytest
 
-from eyas.preflight import dump_bytes_needed, preflight
-from tests.unit.test_preflight import TINY, fields, tiny
+from eyas.preflight import preflight
+from eyas.preflight.dump_dir import dump_bytes_needed
+from tests.tiny_config import TINY, fields, tiny
 
 pytestmark = pytest.mark.ssh
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from eyas.preflight import preflight
-from tests.unit.test_preflight import TINY, fields, tiny
+from tests.tiny_config import TINY, fields, tiny
 
 pytestmark = pytest.mark.ssh
 

@@ -51,6 +51,7 @@ def counted(monkeypatch):
 
 def test_training_shows_its_progress_and_loss_table_at_a_bounded_rate(prefect_harness, random_target, tmp_path,
                                                                      counted):
+    from eyas.extraction.shards import ShardManifest, verify_shard
     from tasks.train import train
     from tests.helpers_training import sharpen_target, write_shards
 
@@ -59,12 +60,12 @@ def test_training_shows_its_progress_and_loss_table_at_a_bounded_rate(prefect_ha
         "name": "Train_Progress.1", "training.max_steps": 200, "training.batch_size": 2, "training.ttt_steps": 3,
         "training.draft_vocab_size": 256, "training.precision": "fp32", "training.device": "cpu",
         "training.warmup_steps": 5, "training.checkpoint_every": 1000, "training.eval_every": 100,
-        "training.num_heldout": 4})
+        "training.num_validation_sequences": 4})
     shards = write_shards(target, cfg.extraction.output_dir, num_shards=1, per_shard=12, length=24)
 
     @flow
     def train_only():
-        return train(cfg, [{"file": p.name} for p in shards])
+        return train(cfg, [ShardManifest.from_json(verify_shard(p)) for p in shards])
 
     t0 = time.monotonic()
     result = train_only()
@@ -82,10 +83,10 @@ def test_training_shows_its_progress_and_loss_table_at_a_bounded_rate(prefect_ha
     tables = artifacts("train-losses-train-progress-1")
     assert len(tables) == counted["tables"] and tables[-1].type == "table"
     rows = json.loads(tables[-1].data)  # newest step first
-    assert rows == result["history"][::-1] and rows[0]["step"] == 200 and rows[0]["loss"] == round(result["losses"][-1], 5)
+    assert rows == result.history[::-1] and rows[0]["step"] == 200 and rows[0]["loss"] == round(result.losses[-1], 5)
     assert 50 <= len(rows) <= 105 and set(rows[0]) >= {"step", "loss", "acc_0", "acc_1", "acc_2", "lr", "tokens_per_s"}
     assert [r["step"] for r in rows if r["heldout_acceptance"] is not None] == [200, 100]
-    assert rows[0]["heldout_acceptance"] == round(result["simulated_acceptance_length"], 4)
+    assert rows[0]["heldout_acceptance"] == round(result.simulated_acceptance_length, 4)
 
 
 def test_regeneration_progress_is_throttled_and_complete_at_the_end(prefect_harness, tmp_path, counted):

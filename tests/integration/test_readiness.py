@@ -12,7 +12,8 @@ import pytest
 from tqdm import tqdm
 
 from eyas.config import HostConfig
-from eyas.server.hosts import LocalHost, SSHHost
+from eyas.server.hosts import LocalHost
+from eyas.server.ssh_host import SSHHost
 from eyas.local.engine import BAR_DESC, BAR_FORMAT
 from eyas.server.readiness import (READY_LINE, LogCursor, Progress, ServerFailed, classify_fatal,
                             parse_progress, wait_until_ready)

@@ -12,8 +12,9 @@ import pytest
 
 from eyas.config import DataConfig, RegenerateConfig
 from eyas.extraction.client import Endpoint, ServerPool
-from eyas.extraction.data import load_records, prepare
-from eyas.extraction.regenerate import _render_kw, regenerate, turn_end_ids
+from eyas.extraction.data import load_records, prepare, render_chat
+from eyas.extraction.regenerate import regenerate
+from eyas.extraction.regenerate_turns import turn_end_ids
 from eyas.extraction import stage
 from eyas.report import regeneration_section
 from eyas.server.readiness import READY_LINE
@@ -113,7 +114,7 @@ def test_thinking_on_keeps_each_reasoning_reply_as_emitted_after_the_templates_h
         for j, (prompt, reply) in zip((1, 3), answers[3:5]):
             history += [conv[j - 1], {"role": "assistant", "content": tok.decode(reply[BUDGET + 1:]),
                                       "reasoning_content": tok.decode(reply[:BUDGET])}]
-        expected = _render_kw(tok, history + [conv[4]], True, {"thinking": True})
+        expected = render_chat(tok, history + [conv[4]], add_generation_prompt=True, thinking=True)
         assert answers[5][0] == expected
         assert expected.count(START) == 3 and expected.count(END) == 2  # two histories closed, one open
         assert all(expected[i - 1] == START for i, t in enumerate(expected) if t == END)  # both empty
@@ -124,7 +125,7 @@ def test_thinking_on_keeps_each_reasoning_reply_as_emitted_after_the_templates_h
         # The extraction stage prepares them, and report.json counts their reasoning tokens.
         cfg = stage_config(tmp_path, target, **{"data.path": str(path), "data.num_heldout": 1,
                                                 "data.max_length": 512, "data.regenerate.thinking": True})
-        staged = stage.prepare(cfg, str(path), take_dir=False, log=lambda *a: None)
+        staged = stage.prepare(stage.ExtractionContext(), cfg, str(path), take_dir=False, log=lambda *a: None)
         section = regeneration_section(staged.stats)
         assert (section["thinking"], section["reasoning_tokens"], section["output_tokens"]) == (True, 24, 60)
         assert section["server_reasoning_tokens"] == 24 and section["sequences"] == 7
@@ -162,5 +163,5 @@ def test_thinking_off_answers_extend_each_other_into_the_templates_rendering(ser
             messages, answers = [], iter(conv)
             for m in original.messages:
                 messages.append({"role": "assistant", "content": next(answers)} if m["role"] == "assistant" else m)
-            full = _render_kw(tok, messages, False, {"thinking": False})
+            full = render_chat(tok, messages, add_generation_prompt=False, thinking=False)
             assert full[:len(ids)] == ids and full[len(ids):] == [IM_END]

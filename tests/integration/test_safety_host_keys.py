@@ -10,11 +10,12 @@ import pytest
 from prefect import flow
 
 from eyas.config import HostConfig
-from eyas.server.hosts import HostAuthError, HostConfigError, SSHHost, make_host
+from eyas.server.hosts import HostAuthError, HostConfigError, make_host
+from eyas.server.ssh_host import SSHHost
 from tasks.server import launch_server
 from tests.stage_config import ROOT, stage_config
 
-WARNS = "eyas.server.hosts"
+WARNS = "eyas.server.ssh_host"
 
 
 def ssh(sshd, **kw) -> HostConfig:
@@ -104,5 +105,17 @@ def test_the_launch_task_does_not_retry_a_missing_known_hosts(prefect_harness, t
     failed, task_run_id, error = _launch_once(cfg)
     assert failed and time.monotonic() - t0 < 5  # the first retry would wait 5 s
     assert isinstance(error, HostConfigError) and str(missing) in str(error)
+    from prefect.exceptions import ObjectNotFound
+
+    deadline = time.monotonic() + 20  # the server records a task run from its events, a moment later
     with get_client(sync_client=True) as client:
-        assert client.read_task_run(task_run_id).run_count == 1
+        while True:
+            try:
+                run = client.read_task_run(task_run_id)
+                if run.state is not None and run.state.is_final():
+                    break
+            except ObjectNotFound:
+                pass
+            assert time.monotonic() < deadline, "the task run never reached the server"
+            time.sleep(0.2)
+    assert run.run_count == 1

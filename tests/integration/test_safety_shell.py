@@ -20,7 +20,8 @@ import pytest
 from eyas.config import ConfigError, HostConfig, TargetConfig, load_config
 from eyas.evaluation.serve_bench import stage_drafter
 from eyas.server import launch, sglang_patch
-from eyas.server.hosts import LocalHost, SSHHost
+from eyas.server.hosts import LocalHost
+from eyas.server.ssh_host import SSHHost
 from eyas.training.distributed import TrainingLaunchError, launch_training
 from tests.helpers_training import training_config
 from tests.stage_config import ROOT, stage_config
@@ -101,7 +102,7 @@ def test_metacharacters_in_every_launch_field_arrive_intact_and_run_nothing(tmp_
             assert (python.parent / "ran").read_text() == str(python)
             assert cfg.server.log_path.exists() and json.loads(Path(cfg.server.pid_path).read_text())["pid"] == handle.pid
         finally:
-            assert launch.stop_server(host, cfg, handle.pid)["outcome"] in ("terminated", "killed")
+            assert launch.stop_server(host, cfg, handle)["outcome"] in ("terminated", "killed")
         assert not cfg.server.dump_dir.exists()
         # the patch stage's probe runs server.python with server.env, paths as arguments
         (python.parent / "ran").unlink()

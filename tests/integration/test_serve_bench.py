@@ -9,8 +9,8 @@ import torch
 from eyas.config import ConfigError, load_config
 from eyas.server.launch import launch_command
 from eyas.evaluation.acceptance import pooled, prompt_record
-from eyas.evaluation.serve_bench import (OutputMismatch, benchmarks, chains, check_outputs, launches, markdown,
-                                         run_serve_bench)
+from eyas.evaluation.serve_bench import (OutputMismatch, ServeBenchResult, benchmarks, chains, check_outputs, launches,
+                                         markdown, run_serve_bench)
 from eyas.evaluation.serving import Chain, server_config
 from tests.stage_config import ROOT, stage_config
 
@@ -65,7 +65,10 @@ def test_plain_once_then_one_launch_per_chain_the_benchmarks_included():
 
 def test_a_changed_greedy_output_fails_on_eyas_local_and_is_only_recorded_on_sglang(tmp_path):
     record = prompt_record(4, [1, 2], 1, reference=[1, 3])
-    result = {"chains": {"3/1/4": {"sets": {"heldout": pooled([record])}}}, "identical_outputs": True}
+    result = ServeBenchResult(acceptance_length=1.0, headline_chain="3/1/4",
+                              chains={"3/1/4": {"sets": {"heldout": pooled([record])}}}, identical_to_target=False,
+                              sets={}, plain={}, benchmark_chain=None, drafter_dir="/d", seconds=1.0, settings={},
+                              machine={}, identical_outputs=True)
     local = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target")
     with pytest.raises(OutputMismatch, match=r"3/1/4 on heldout: prompt\(s\) \[0\]"):
         check_outputs(local, result)
@@ -89,8 +92,8 @@ def test_subflow_measures_both_servers_on_the_same_prompts(prefect_harness, expo
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (6, 20, 9)]
     result = serve_bench_flow(cfg, drafter_dir=str(drafter), prompts=prompts)
 
-    assert result["identical_outputs"] is True  # greedy: the drafter changes no token
-    plain, spec = result["plain"], result["speculative"]
+    assert result.identical_outputs is True  # greedy: the drafter changes no token
+    plain, spec = result.plain, result.speculative
     assert plain["acceptance_length"] is None and 1.0 <= spec["acceptance_length"] <= 4.0
     assert spec["server_avg_spec_accept_length"] >= 1.0  # includes the warm-up, so not compared exactly
     for side in (plain, spec):
@@ -98,16 +101,16 @@ def test_subflow_measures_both_servers_on_the_same_prompts(prefect_harness, expo
         assert side["concurrent_tokens_per_s"] > 0 and side["ttft_s"] > 0
     assert "--speculative-draft-model-path" in spec["command"]
     assert "--speculative-draft-model-path" not in plain["command"]
-    r = result["speedup"]
+    r = result.speedup
     assert r["single_stream_tokens_per_s"] == pytest.approx(
         spec["single_stream_tokens_per_s"] / plain["single_stream_tokens_per_s"], abs=1e-3)
-    assert result["settings"]["num_prompts"] == 2 and result["machine"]["cpus"]
+    assert result.settings["num_prompts"] == 2 and result.machine["cpus"]
     # acceptance: the held-out prompts (all 3, evaluation.num_prompts 32) on the one chain
-    held = result["chains"]["3/1/4"]["sets"]["heldout"]
-    assert result["benchmark_chain"] == result["headline_chain"] == "3/1/4"
-    assert held["num_prompts"] == 3 and held["identical_to_target"] is True and result["identical_to_target"]
-    assert result["acceptance_length"] == held["acceptance_length"] >= 1.0 and held["speedup"] > 0
-    assert result["chains"]["3/1/4"]["command"] == spec["command"]  # one launch gave both
+    held = result.chains["3/1/4"]["sets"]["heldout"]
+    assert result.benchmark_chain == result.headline_chain == "3/1/4"
+    assert held["num_prompts"] == 3 and held["identical_to_target"] is True and result.identical_to_target
+    assert result.acceptance_length == held["acceptance_length"] >= 1.0 and held["speedup"] > 0
+    assert result.chains["3/1/4"]["command"] == spec["command"]  # one launch gave both
     saved = json.loads((Path(cfg.run_dir) / "serve_bench.json").read_text())
     assert saved["speedup"] == r
     assert "Single-stream speed-up" in markdown(result) and "| heldout |" in markdown(result)
@@ -115,12 +118,12 @@ def test_subflow_measures_both_servers_on_the_same_prompts(prefect_harness, expo
         assert not (Path(cfg.server.workdir) / f"bench-{label}" / "server.pid").exists()
     ports = {side["command"].split("--port ")[1].split()[0] for side in (plain, spec)}
     assert len(ports) == (2 if interleave else 1)
-    assert result["settings"]["concurrent"] is concurrent
-    for side in (plain, spec, result["chains"]["3/1/4"]):
+    assert result.settings["concurrent"] is concurrent
+    for side in (plain, spec, result.chains["3/1/4"]):
         assert side["launched_at"] < side["ready_at"]
     # concurrent: both servers launched together; else the chain's once the plain one is ready (and warm)
     assert (spec["launched_at"] < plain["ready_at"]) is concurrent
-    assert result["settings"]["server_env"] == {**cfg.server.env, "EYAS_BENCH_MARK": "served"}  # as launched
+    assert result.settings["server_env"] == {**cfg.server.env, "EYAS_BENCH_MARK": "served"}  # as launched
 
 
 def test_served_acceptance_equals_in_process_evaluation_per_chain_and_prompt(exported_drafter, tmp_path):
@@ -141,10 +144,10 @@ def test_served_acceptance_equals_in_process_evaluation_per_chain_and_prompt(exp
     sets = {"heldout": {"prompts": prompts, "source": None}, "other": {"prompts": other, "source": {"file": "x"}}}
     result = run_serve_bench(cfg, drafter, sets, log=lambda _: None)
 
-    assert list(result["chains"]) == ["1/1/2", "3/1/4"] and result["speedup"] is None  # acceptance only
+    assert list(result.chains) == ["1/1/2", "3/1/4"] and result.speedup is None  # acceptance only
     for steps, name in ((1, "1/1/2"), (3, "3/1/4")):
         for set_name, set_prompts in (("heldout", prompts[:3]), ("other", other)):
-            served = result["chains"][name]["sets"][set_name]
+            served = result.chains[name]["sets"][set_name]
             local = evaluate_acceptance(drafter, target, set_prompts, EvaluationConfig(
                 method="in_process", draft_steps=[steps], max_new_tokens=12), CAPTURE).settings[name]
             assert served["per_prompt"] == local["per_prompt"]  # tokens, verify steps, equality, per prompt
@@ -152,7 +155,7 @@ def test_served_acceptance_equals_in_process_evaluation_per_chain_and_prompt(exp
             assert served["identical_to_target"] is True and served["num_prompts"] == len(set_prompts)
     ev = served_evaluation(result)  # report.json's evaluation section
     assert ev["method"] == "server" and ev["setting"] == "1/1/2" and ev["num_prompts"] == 3
-    assert ev["acceptance_length"] == result["acceptance_length"] == ev["settings"]["1/1/2"]["acceptance_length"]
+    assert ev["acceptance_length"] == result.acceptance_length == ev["settings"]["1/1/2"]["acceptance_length"]
     per_set = benchmarks(result)
     assert per_set["other"]["source"] == {"file": "x"} and per_set["other"]["num_prompts"] == 2
     assert set(per_set["heldout"]["chains"]) == {"1/1/2", "3/1/4"}
@@ -179,7 +182,7 @@ def test_a_rerun_reports_the_cached_measurement_unless_refreshed(prefect_harness
                                             "evaluation.max_new_tokens": 6})
     prompts, log = [[5, 6, 7, 8], [9, 10, 11]], Path(cfg.server.workdir) / "bench-plain" / "server.log"
 
-    def measured(run) -> tuple[dict, bool]:
+    def measured(run) -> tuple[ServeBenchResult, bool]:
         before = log.stat().st_mtime_ns if log.exists() else None
         result = run()
         return result, log.stat().st_mtime_ns != before
@@ -195,11 +198,11 @@ def test_a_rerun_reports_the_cached_measurement_unless_refreshed(prefect_harness
     assert launched
     refresh = cfg.model_copy(update={"refresh": ["serve_bench"]})
     refreshed, launched = measured(lambda: serve_bench_flow(refresh, drafter_dir=str(drafter), prompts=prompts))
-    assert launched and refreshed["settings"] == first["settings"]
+    assert launched and refreshed.settings == first.settings
 
 
 def test_the_drafter_is_uploaded_once_to_an_ssh_server_host(sshd, exported_drafter, tmp_path):
-    from eyas.server.hosts import SSHHost
+    from eyas.server.ssh_host import SSHHost
     from eyas.evaluation.serving import DRAFTER_FILES, stage_drafter
     from tests.integration.test_hosts import ssh_config
 

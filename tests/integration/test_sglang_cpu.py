@@ -124,7 +124,8 @@ def real_sglang(tmp_path_factory, figures):
     try:
         # The pipeline's order: prepare-data takes the output dir (and would stop a server recorded
         # for this config as a killed run's), then the server is launched.
-        prepared = stage.prepare(cfg, log=lambda fmt, *a: print(fmt % a))
+        with stage.ExtractionContext() as ctx:
+            prepared = stage.prepare(ctx, cfg, log=lambda fmt, *a: print(fmt % a))
         t0 = time.monotonic()
         handle = start_server(host, cfg)
         figures["launch_command"] = handle.command
@@ -185,19 +186,20 @@ def test_extracted_shards_hold_the_targets_hidden_states(real_sglang, figures):
     log = lambda fmt, *a: print(fmt % a)  # noqa: E731
     assert len(prepared.plans) == 3
     t0 = time.monotonic()
-    manifests = [stage.run_shard(cfg, plan, patch["patch_version"], log=log) for plan in prepared.plans]
+    with stage.ExtractionContext() as ctx:
+        manifests = [stage.run_shard(ctx, cfg, plan, patch["patch_version"], log=log) for plan in prepared.plans]
     seconds = time.monotonic() - t0
-    tokens = sum(m["num_tokens"] for m in manifests)
-    figures["extraction"] = {"shards": len(manifests), "samples": sum(m["num_samples"] for m in manifests),
+    tokens = sum(m.num_tokens for m in manifests)
+    figures["extraction"] = {"shards": len(manifests), "samples": sum(m.num_samples for m in manifests),
                              "tokens": tokens, "seconds": round(seconds, 2),
                              "tokens_per_s": round(tokens / seconds, 1),
-                             "bytes": sum(m["bytes"] for m in manifests)}
+                             "bytes": sum(m.bytes for m in manifests)}
     assert dataset_path(cfg.extraction.output_dir).exists()
 
     worst = {"aux": 0.0, "last": 0.0}
     for plan, manifest in zip(prepared.plans, manifests):
         path = shard_path(cfg.extraction.output_dir, plan)
-        assert verify_shard(path, full=True)["num_tokens"] == manifest["num_tokens"]
+        assert verify_shard(path, full=True)["num_tokens"] == manifest.num_tokens
         reader = ShardReader(path)
         assert reader.num_aux == len(CAPTURE) and reader.hidden_size == 256
         assert reader.meta["capture_ids"] == CAPTURE

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from eyas.server import patch_sets, sglang_patch
-from eyas.server.hosts import LocalHost, SSHHost
+from eyas.server.hosts import LocalHost
+from eyas.server.ssh_host import SSHHost
 from eyas.server.sglang_patch import PatchError, apply_diff, ensure_patched, reverse_patch
 from tests.sglang_wheel import DSV2, TARGET_ARCH, VERSION, make_site, sglang_config, wheel_text  # noqa: F401
 from tests.stage_config import stage_config

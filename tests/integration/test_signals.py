@@ -112,7 +112,7 @@ def test_sigint_ends_an_eyas_run_on_a_prefect_server_within_seconds(tmp_path, pr
 def test_the_temporary_prefect_server_ends_with_its_eyas_process_even_on_kill_9(tmp_path):
     """No orphan API: the temporary server, deaf to signals, still goes when its eyas process goes."""
     (tmp_path / "prefect").mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from flows.process import TemporaryServer; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from flows.runtime.process import TemporaryServer; "
                                "s = TemporaryServer(); print(s.url, flush=True); time.sleep(300)"],
                               cwd=eyas_run.ROOT, env=eyas_run.env(tmp_path, None), stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
@@ -143,7 +143,7 @@ def test_kill_9_ends_the_runs_server_and_the_next_run_closes_its_flow_runs(tmp_p
     from prefect.settings import PREFECT_API_URL
 
     from eyas.config import load_config
-    from tasks.extract import prepare_data
+    from tasks.extract import extraction_context, prepare_data
 
     def runs(like: str):
         with get_client(sync_client=True) as client:
@@ -163,7 +163,8 @@ def test_kill_9_ends_the_runs_server_and_the_next_run_closes_its_flow_runs(tmp_p
 
     @flow(name="take-over")
     def take_over():
-        return prepare_data(cfg)
+        with extraction_context() as ctx:
+            return prepare_data(ctx, cfg)
 
     take_over()
     closed = {r.name: r.state for r in runs("-kill9@")}

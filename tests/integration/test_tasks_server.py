@@ -7,7 +7,7 @@ import pytest
 from prefect import flow
 
 from eyas.server.hosts import LocalHost
-from eyas.server.launch import stop_server
+from eyas.server.launch import stop_recorded
 from tasks.server import launch_server, stop as stop_task, wait_ready
 from tests.stage_config import stage_config
 
@@ -53,7 +53,7 @@ def test_ready_server_gives_progress_artifact_and_events(prefect_harness, tmp_pa
     # capitals, '_' and '.' are fine in a run name but not in a Prefect artifact key: the key is normalised
     cfg = stage_config(tmp_path, random_target, **{"name": "Sensor_OK.1"})
     ready = serve_and_stop(cfg)
-    assert ready["shards_total"] >= 8
+    assert ready.shards_total >= 8
 
     async def artifact():
         async with get_client() as client:
@@ -75,6 +75,6 @@ def test_crash_fails_the_task_with_the_reason_and_stops_the_server(prefect_harne
         state.result()
     assert "CUDA out of memory" in str(e.value)
     assert not cfg.server.pid_path.exists()  # the flow's finally stopped it
-    assert stop_server(LocalHost(), cfg)["outcome"] == "not running"
+    assert stop_recorded(LocalHost(), cfg)["outcome"] == "not running"
     rid = f"eyas.server.localhost.{cfg.server.port}"
     assert "eyas.server.failed" in _wait_for_events("eyas.server.", rid, {"eyas.server.failed"})

@@ -25,7 +25,7 @@ def test_evaluation_is_cached_on_the_drafters_bytes_and_refreshed_on_request(pre
         update={"max_new_tokens": 5})}), str(drafter))
     assert other_state == "Completed"  # other settings: evaluated
     refreshed_state, refreshed = evaluate_once(cfg.model_copy(update={"refresh": ["evaluate"]}), str(drafter))
-    assert refreshed_state == "Completed" and refreshed["settings"] == first["settings"]  # greedy: same figures
+    assert refreshed_state == "Completed" and refreshed.settings == first.settings  # greedy: same figures
 
     # Another drafter (here: the same folder with one weight changed) is never served from the cache.
     import shutil

@@ -101,8 +101,23 @@ def test_goals_judge_a_whole_run_from_its_first_and_later_epochs():
     first = bench.specforge_goals(rows, tiny=False, variant_name="nomemo")
     assert first["prompt30_b4_2x_specforge_nomemo"]["value"] == 20000.0
     assert not first["prompt30_b4_2x_specforge_nomemo"]["met"]
-    rows += [{"mask": "prompt-0.3", "batch": 4, "variant": "split", "tokens_per_s": 21500.0},
-             {"mask": "prompt-0.3", "batch": 4, "variant": "split_nomemo", "tokens_per_s": 20400.0}]
-    s = bench.specforge_goals(rows, tiny=False, variant_name="split")["prompt30_b4_2x_specforge_split"]
-    assert s["value"] == pytest.approx(bench.run_average(20400.0, 21500.0, 10), abs=0.1)  # its own first epoch
-    assert (s["first_epoch"], s["later_epochs"]) == (20400.0, 21500.0)
+
+
+def test_each_variant_switches_its_optimisation_off_for_its_steps_only():
+    """bench/train.py builds an optimisation's absence itself (OFF patches eyas's code inside the block):
+    each is in force inside, undone after, and the CPU step computes the same loss and gradients."""
+    import torch
+
+    from bench import train as bench
+    from eyas.training import attention, losses
+    from tests.unit.training.test_ttt_step import assert_same_step, loss_and_grads
+
+    base = loss_and_grads()
+    for name in set(bench.OFF) - {"fused_clip"}:  # the clip is the optimizer's, tests/unit/training/test_optim.py
+        with bench.switched_off([name]):
+            assert_same_step(loss_and_grads(), base, atol=1e-6, rtol=1e-4)
+    with bench.switched_off(["cudnn", "rows", "skip"]):
+        assert "cudnn" in attention._refused and losses.ROWS_WORTH == 0.0 and losses.ttt_span(None, 9, 3) == (0, 9)
+    assert "cudnn" not in attention._refused and losses.ROWS_WORTH > 0 and losses.ttt_span.__name__ == "ttt_span"
+    assert torch.equal(loss_and_grads()[0], base[0])
+    assert all(set(v.get("off", ())) <= set(bench.OFF) for v in bench.VARIANTS.values())

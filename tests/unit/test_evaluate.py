@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from eyas.config import EvaluationConfig, ExportConfig
-from eyas.evaluation.evaluate import evaluate_acceptance, simulated_acceptance_length
+from eyas.evaluation.evaluate import evaluate_acceptance
 from eyas.evaluation.export import export_drafter
 from eyas.training.train import train_drafter
 from tests.helpers_training import (CAPTURE, shard_meta, sharpen_target, target_config, target_samples,
@@ -53,9 +53,3 @@ def test_single_token_needs_no_verify_and_layers_must_match(setup):
     with pytest.raises(ValueError, match="reads layers"):
         evaluate_acceptance(drafter, target, prompts, EvaluationConfig(), [2, 4, 6])
 
-
-def test_simulated_acceptance_length_counts_the_bonus_token():
-    assert simulated_acceptance_length([]) == 1.0
-    assert simulated_acceptance_length([1.0, 1.0, 1.0]) == 4.0
-    assert simulated_acceptance_length([0.5, 0.5]) == pytest.approx(1.75)
-    assert simulated_acceptance_length([0.0, 1.0]) == 1.0

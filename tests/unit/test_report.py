@@ -1,21 +1,39 @@
 """eyas/report.py: what a re-run reports of the work it reused, and the figures' honesty."""
 
+import json
+
+from eyas.evaluation.evaluate import EvalResult
+from eyas.extraction.shards import ShardManifest
 from eyas.report import build_report, extraction_summary, training_summary
 from eyas.results import Extracted, Trained
+from eyas.server.readiness import ReadyReport
+from eyas.training.train import TrainResult
 from eyas.training.progress import StepStats
 
 
-def _manifest(i: int, reused: bool) -> dict:
-    return {"file": f"shard-{i:05d}.safetensors", "num_samples": 2, "num_tokens": 100, "bytes": 1000,
-            "dtype": "bfloat16", "reused": reused}
+def _manifest(i: int, reused: bool) -> ShardManifest:
+    return ShardManifest(file=f"shard-{i:05d}.safetensors", num_samples=2, num_tokens=100, bytes=1000, sha256="0" * 64,
+                         dtype="bfloat16", encoding="plain", hidden_size=8, num_aux_layers=3, reused=reused)
 
 
-def _report(manifests, resumed_from=0):
-    evaluation = {"method": "in_process", "setting": "3/1/4", "acceptance_length": 2.0, "num_prompts": 1}
-    trained = Trained({"final_loss": 1.0, "first_loss": 2.0, "steps": 10, "tokens": 1, "seconds": 1.0,
-                       "resumed_from_step": resumed_from, "history": []}, "/d", evaluation)
-    return build_report(name="t", config_source=None, extracted=Extracted(manifests, [], {}, {}),
-                        trained=trained, serving=None, stages={"extract": 4.0})
+def _report(manifests, resumed_from=0, ready=None):
+    evaluation = EvalResult(acceptance_length=2.0, num_prompts=1, total_new_tokens=4, verify_steps=2,
+                            identical_to_target=True, seconds=1.0, setting="3/1/4")
+    result = TrainResult(final_loss=1.0, first_loss=2.0, losses=[2.0, 1.0], accuracies=[[0.5], [0.6]], steps=10,
+                         tokens=1, seconds=1.0, checkpoint_dir="/c", draft_vocab_size=32,
+                         resumed_from_step=resumed_from)
+    return build_report(name="t", config_source=None, extracted=Extracted(manifests, [], {}, {}, ready),
+                        trained=Trained(result, "/d", evaluation), serving=None, stages={"extract": 4.0})
+
+
+def test_the_stages_records_become_json_in_the_report():
+    ready = ReadyReport(seconds=3.5, shards_total=8, last_progress=None, log_offset=100)
+    report = _report([_manifest(0, False)], ready=ready)
+    assert json.loads(json.dumps(report)) == report  # plain JSON, nothing left as a dataclass
+    assert report["server"] == {"ready_seconds": 3.5, "shards_total": 8}
+    assert report["evaluation"]["setting"] == "3/1/4" and report["acceptance_length"] == 2.0
+    assert report["training"]["steps"] == 10 and report["training"]["history"] == []
+    assert _report([_manifest(0, True)])["server"] == {"ready_seconds": None, "shards_total": None}
 
 
 def test_a_rerun_on_intact_shards_says_so_instead_of_a_rate():

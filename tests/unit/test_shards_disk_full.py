@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from eyas.extraction import shards
-from eyas.extraction.shards import (DiskFull, Sample, ShardWriter, find_disk_full, manifest_path, verify_shard,
-                                    write_json_atomic, write_shard)
+from eyas.extraction.shards import Sample, ShardWriter, manifest_path, verify_shard, write_shard
+from eyas.files import DiskFull, find_disk_full, write_json_atomic
 
 H, K = 64, 3  # bf16: (K + 1) * H * 2 + 5 = 517 bytes a token
 
@@ -144,28 +144,30 @@ def test_find_disk_full_sees_through_wrapping():
 
 
 def test_the_extraction_tasks_do_not_retry_a_full_disk(small_disk, monkeypatch, prefect_harness):
-    """The real extract_shard task (retries=2): a full disk runs once; another OSError three times."""
+    """The real extract_shard_task (retries=2): a full disk runs once; another OSError three times."""
     from prefect import flow
     from prefect.cache_policies import NO_CACHE
 
     import tasks.extract as tx
 
-    assert tx.regenerate_data.retry_condition_fn is tx._worth_retrying
+    from tasks.retry import worth_retrying
+
+    assert tx.regenerate_data.retry_condition_fn is tx.extract_shard_task.retry_condition_fn is worth_retrying
     calls = []
 
-    def run_shard(cfg, plan, patch_version, *, log, warn=None):
+    def run_shard(ctx, cfg, plan, patch_version, *, log, warn=None):
         calls.append(plan)
         if plan == "eio":
             raise OSError(errno.EIO, "Input/output error")
         write_shard(small_disk / "shard-00001.safetensors", make_samples(8, 512), {})  # about 2.1 MB
 
     monkeypatch.setattr(tx.stage, "run_shard", run_shard)
-    quick = tx.extract_shard.with_options(task_run_name="extract-test", cache_policy=NO_CACHE,
+    quick = tx.extract_shard_task.with_options(task_run_name="extract-test", cache_policy=NO_CACHE,
                                           persist_result=False, retry_delay_seconds=0)
 
     @flow
     def one(plan):
-        return quick(None, plan, "v")
+        return quick(None, None, plan, "v")
 
     with pytest.raises(OSError) as got:
         one("full")

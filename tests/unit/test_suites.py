@@ -8,7 +8,7 @@ import pytest
 
 from eyas.config import load_config
 from eyas.evaluation import suites
-from eyas.extraction.shards import sha256_file
+from eyas.files import sha256_file
 
 ROOT = Path(__file__).resolve().parents[2]
 

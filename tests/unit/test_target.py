@@ -10,18 +10,15 @@ import shutil
 
 import pytest
 
-from eyas.config import ConfigError, config_from_dict
 from eyas.preflight import preflight
 from eyas.target import (RemoteCodeRefused, load_tokenizer, local_copy, read_config, remote_tokenizer_class,
                          target_tokenizer, trust_remote_code)
 from tests.stage_config import ROOT
-from tests.unit.test_preflight import fields, tiny
+from tests.tiny_config import fields, tiny
 
 TINY = ROOT / "fixtures" / "tiny-target"
 REMOTE = ROOT / "fixtures" / "remote-code-tokenizer"
 CHAT = [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "return a + b"}]
-
-
 
 
 # ----------------------------------------------------------------------------- remote-code tokenizers
@@ -82,19 +79,6 @@ def test_preflight_checks_the_remote_code_tokenizer_and_names_the_setting(tmp_pa
 def test_the_local_copy_is_local_dir_else_the_checkpoint(tmp_path):
     assert local_copy(tiny(tmp_path).target) == TINY
     assert local_copy(tiny(tmp_path, **{"target.local_dir": str(REMOTE)}).target) == REMOTE
-
-
-def test_data_tokenizer_is_read_as_target_local_dir(tmp_path):
-    raw = {"name": "x", "run_dir": "run", "target": {"checkpoint": "/models/t", "layer_ids": [2, 4, 6]},
-           "server": {"workdir": "/tmp/eyas-w", "dump_dir": "/tmp/eyas-d"},
-           "data": {"path": "data.jsonl", "tokenizer": "copy"}, "extraction": {"output_dir": "shards"},
-           "training": {"output_dir": "train"}}
-    cfg = config_from_dict(raw, base_dir=tmp_path)
-    assert cfg.target.local_dir == tmp_path / "copy" and "tokenizer" not in cfg.data.model_dump()
-    same = {**raw, "target": {**raw["target"], "local_dir": "copy"}}
-    assert config_from_dict(same, base_dir=tmp_path).target.local_dir == tmp_path / "copy"
-    with pytest.raises(ConfigError, match="data.tokenizer is the older name of target.local_dir"):
-        config_from_dict({**raw, "target": {**raw["target"], "local_dir": "other"}}, base_dir=tmp_path)
 
 
 def test_an_ssh_server_host_without_a_local_copy_is_a_problem_naming_local_dir(tmp_path):

@@ -1,0 +1,113 @@
+"""The shard folder's read rate on the first training host, probed with the page cache dropped,
+against what the planned training speed reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from eyas.config import PipelineConfig
+from eyas.plan import GB, Plan, on_gpu
+from eyas.preflight.hosts import run_on
+
+#: bytes the disk probe reads (a few hundred MB: past any disk's own cache, a second or so)
+DISK_PROBE_BYTES = 256 << 20
+#: the probe, stdlib only (it runs on the training host, under its python): the largest shard in the
+#: folder, else a temp file it writes there (and removes), read once with its pages dropped from the
+#: page cache before (posix_fadvise DONTNEED: no privileges needed) -> one JSON line
+DISK_PROBE_CODE = r"""
+import json, os, sys, tempfile, time
+folder, want = sys.argv[1], int(sys.argv[2])
+shards = sorted((e.stat().st_size, e.path) for e in os.scandir(folder) if e.name.endswith(".safetensors")
+                and e.is_file()) if os.path.isdir(folder) else []
+temp = None
+if shards and shards[-1][0] >= want // 4:
+    path = shards[-1][1]
+else:
+    fd, temp = tempfile.mkstemp(prefix=".eyas-disk-probe-", dir=folder)
+    block = os.urandom(1 << 20)
+    for _ in range(want >> 20):
+        os.write(fd, block)
+    os.close(fd)
+    path = temp
+try:
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    buf, done = bytearray(16 << 20), 0
+    t0 = time.perf_counter()
+    while done < want:
+        got = os.preadv(fd, [memoryview(buf)[:min(len(buf), want - done)]], done)
+        if got <= 0:
+            break
+        done += got
+    seconds = time.perf_counter() - t0
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+finally:
+    if temp:
+        os.unlink(temp)
+print(json.dumps({"bytes_per_s": done / max(seconds, 1e-9), "bytes": done, "file": path, "temp": bool(temp)}))
+"""
+
+
+def check_disk_rate(cfg: PipelineConfig, plan: Plan, problems: list[str], notes: list[str], check: bool) -> Plan:
+    """The shard folder's read rate on the (first) training host against the plan's need (plan.read_bytes_per_s),
+    per training.disk_check: "warn" a note, "refuse" a problem, "off" no probe."""
+    t = cfg.training
+    if plan.read_bytes_per_s is None:
+        return plan
+    if t.disk_check == "off":
+        return dataclasses.replace(plan, disk_probe="not probed: training.disk_check=off")
+    if not on_gpu(cfg):  # a CPU step reads a few MB/s
+        return dataclasses.replace(plan, disk_probe="not probed: training on the CPU")
+    hosts = t.distributed.hosts
+    remote = bool(hosts) and hosts[0].kind == "ssh"
+    if remote and not check:
+        return dataclasses.replace(plan, disk_probe="not probed: host checks skipped")
+    folder = Path(cfg.extraction.output_dir)
+    if not remote:
+        folder = existing_parent(folder)
+    python = t.distributed.python or ("python3" if remote else sys.executable)
+    # on a remote host the folder may not exist yet: probe its nearest existing parent there
+    where = shlex.quote(str(folder))
+    command = (f"d={where}; while [ ! -d \"$d\" ]; do d=$(dirname \"$d\"); done; "
+               f"{shlex.quote(python)} -c {shlex.quote(DISK_PROBE_CODE)} \"$d\" {DISK_PROBE_BYTES}")
+    if remote:
+        r = run_on(hosts[0], "training.distributed.hosts.0", command, problems)
+        name = hosts[0].hostname or hosts[0].name
+    else:
+        from eyas.server.hosts import LocalHost
+        r, name = LocalHost().run(command, check=False, timeout=120), "this machine"
+    try:
+        got = json.loads(r.stdout.strip().splitlines()[-1]) if r is not None and r.ok else None
+    except (ValueError, IndexError):
+        got = None
+    if got is None:
+        notes.append(f"extraction.output_dir={cfg.extraction.output_dir}: the disk probe failed on {name}"
+                     + (f" (exit {r.exit_code}: {r.stderr.strip()[-300:]})" if r is not None else ""))
+        return dataclasses.replace(plan, disk_probe=f"probe failed on {name}")
+    rate = float(got["bytes_per_s"])
+    plan = dataclasses.replace(plan, disk_bytes_per_s=rate, disk_probe=(
+        f"{got['bytes'] / 1e6:,.0f} MB of {'a temp file' if got['temp'] else got['file']} on {name}, page cache "
+        f"dropped"))
+    if rate < plan.read_bytes_per_s:
+        x = cfg.extraction
+        msg = (f"extraction.output_dir={x.output_dir}: training reads {plan.read_bytes_per_s / GB:,.2f} GB/s of shards "
+               f"per node at plan.train_tokens_per_s={cfg.plan.train_tokens_per_s:g} x {t.distributed.nproc_per_node} "
+               f"process(es), but the folder read {rate / GB:,.2f} GB/s on {name} from disk: steps would wait "
+               f"for data once the shards are not in the page cache. Use extraction.encoding=fp8_e4m3 (half "
+               f"the bytes), keep the shards in the page cache (host memory above their size), or put them "
+               f"on local NVMe (docs/training.md, \"Reading the shards\")")
+        (problems if t.disk_check == "refuse" else notes).append(
+            msg + ("" if t.disk_check == "refuse" else " (training.disk_check=warn)"))
+    return plan
+
+
+def existing_parent(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

@@ -1,0 +1,47 @@
+"""The core (eyas/) is Prefect-free: no module under it imports Prefect, the flows or the tasks, at
+the top or inside a function, by an import statement or by name through importlib / __import__."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FORBIDDEN = ("prefect", "flows", "tasks")
+
+
+def _top(name: str | None) -> str:
+    return (name or "").split(".")[0]
+
+
+def imports_of(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) for every import in the tree, wherever it stands, and every literal module name
+    given to importlib.import_module or __import__."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.append((node.lineno, node.module or ""))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                found.append((node.lineno, node.args[0].value))
+    return sorted(found)
+
+
+def test_the_core_imports_nothing_of_prefect_flows_or_tasks():
+    files = sorted((ROOT / "eyas").rglob("*.py"))
+    assert len(files) > 40  # the walk found the core
+    bad = [f"{path.relative_to(ROOT)}:{line}: {module}"
+           for path in files for line, module in imports_of(ast.parse(path.read_text(), str(path)))
+           if _top(module) in FORBIDDEN]
+    assert not bad, "the core imports the Prefect layer:\n" + "\n".join(bad)
+
+
+def test_the_walk_sees_imports_inside_functions_and_by_name():
+    source = ("def f():\n    from prefect import flow\n"
+              "def g():\n    import flows.pipeline\n"
+              "importlib.import_module('tasks.extract')\n__import__('prefect.runtime')\n"
+              "from eyas.config import load_config\nfrom . import sibling\n")
+    assert [m for _, m in imports_of(ast.parse(source))] == ["prefect", "flows.pipeline", "tasks.extract",
+                                                             "prefect.runtime", "eyas.config"]

@@ -1,0 +1,101 @@
+"""KernelOptions holds the user's choices only; the elementwise regions run eagerly or through torch.compile."""
+
+import ast
+import dataclasses
+import importlib
+import pkgutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import eyas.training
+from eyas.config import TrainingConfig
+from eyas.training import kernels as fused
+from eyas.training.kernels import KernelOptions, kernel_options
+from eyas.training.losses import TTTObjective, draft_first_order, teacher_labels
+from eyas.training.target_head import TargetHead
+from tests.helpers_training import training_config
+from tests.unit.training.test_ttt_step import assert_same_step, loss_and_grads
+
+torch.set_num_threads(1)
+
+
+def test_kernel_options_are_the_training_configs_choices():
+    """Every option is a training config field of the same name; what exists only to measure an
+    optimisation against its absence lives in bench/train.py (OFF), not here."""
+    names = {f.name for f in dataclasses.fields(KernelOptions)}
+    assert names == {"compile", "fp8_gemms"} and names <= set(TrainingConfig.model_fields)
+
+
+def test_kernel_options_follow_the_training_config(tmp_path):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert kernel_options(training_config(tmp_path), cpu) == KernelOptions()  # compile: None = on a GPU only
+    assert kernel_options(training_config(tmp_path), gpu) == KernelOptions(compile=True)
+    assert kernel_options(training_config(tmp_path, compile=True), cpu).compile
+    assert not kernel_options(training_config(tmp_path, compile=False), gpu).compile
+    assert not kernel_options(training_config(tmp_path), cpu).fp8_gemms
+    assert kernel_options(training_config(tmp_path, fp8_gemms=True), gpu).fp8_gemms
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        KernelOptions().compile = True
+
+
+def test_compile_routes_every_region_through_torch_compile(monkeypatch):
+    """compile=True sends the elementwise regions through torch.compile (stubbed here to return the
+    function itself: the CPU would spend minutes compiling), with the same loss and gradients."""
+    seen = []
+
+    def fake_compile(fn, **kw):
+        seen.append(fn.__name__)
+        return fn
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(fused, "_compiled", {})
+    eager = loss_and_grads(KernelOptions())
+    assert not seen
+    assert_same_step(loss_and_grads(KernelOptions(compile=True)), eager, atol=1e-7, rtol=1e-6)
+    assert {"norm", "add_norm", "add_rope", "swiglu", "diag_forward", "diag_backward",
+            "_soft_ce_torch"} <= set(seen)
+    seen.clear()  # every step projecting its own concatenation (the FP8 GEMMs' path)
+    fused._compiled.clear()
+    monkeypatch.setattr(TTTObjective, "_shares_emb", lambda self: False)
+    assert_same_step(loss_and_grads(KernelOptions(compile=True)), loss_and_grads(KernelOptions()), atol=1e-7, rtol=1e-6)
+    assert {"norm_cat", "add_norm", "rope_qk", "swiglu"} <= set(seen)
+
+
+def test_compile_routes_the_teachers_softmax_through_torch_compile(monkeypatch):
+    """The teacher's argmax, max and softmax are one compiled region (stubbed as above): same labels."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(fn.__name__) or fn)
+    monkeypatch.setattr(fused, "_compiled", {})
+    g = torch.Generator().manual_seed(5)
+    t2d = torch.zeros(64, dtype=torch.bool)
+    t2d[torch.randperm(64, generator=g)[:40]] = True
+    head = TargetHead(torch.randn(64, 32, generator=g), None, 1e-6).reorder(draft_first_order(t2d))
+    last, mask = torch.randn(2, 9, 32, generator=g), torch.rand(2, 9, generator=g) > 0.2
+    eager = teacher_labels(head, last, mask, 40, chunk=5)
+    compiled = teacher_labels(head, last, mask, 40, chunk=5, kernels=KernelOptions(compile=True))
+    assert seen == ["teacher_softmax"]
+    assert torch.equal(compiled.target, eager.target) and torch.equal(compiled.probs, eager.probs)
+
+
+#: Module-level state that eyas/training may keep: caches and memos of what this process found, none a choice.
+MEMOS = {("attention", "_refused"), ("kernels", "_compiled"), ("gemm", "FP32_OUT"),
+         ("target_head", "_NAMES"), ("target_head", "_PREFIXES"),  # these two: constant lookup tables
+         ("loader", "_DTYPES")}  # a constant lookup table too
+#: Module-level strings that are names, not choices: a file name, its format tag, a thread name.
+NAMES = {("checkpoints", "SUMS"), ("checkpoints", "SUMS_FORMAT"), ("loader", "THREAD_PREFIX")}
+
+
+def test_no_module_level_switch_is_left():
+    for info in pkgutil.iter_modules(eyas.training.__path__):
+        module = importlib.import_module(f"eyas.training.{info.name}")
+        for name, value in vars(module).items():
+            if name.startswith("__") or name == "TYPE_CHECKING":
+                continue
+            if (info.name, name) not in NAMES:
+                assert not isinstance(value, (bool, str)), f"{info.name}.{name}"  # a flag or a mode
+            if isinstance(value, (dict, list, set)):
+                assert (info.name, name) in MEMOS, f"{info.name}.{name}"
+        tree = ast.parse(Path(module.__file__).read_text())
+        rebound = {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
+        assert rebound <= ({"_ce_kernel"} if info.name == "soft_ce" else set()), (info.name, rebound)
