@@ -45,7 +45,7 @@ def regenerate_data(ctx: ExtractionContext, cfg: PipelineConfig) -> str:
     """Answer the training conversations again with the target (resumable by part); returns the new file.
 
     Its progress: the artifact `regenerate-NAME` (conversations done, tokens/s, ETA)."""
-    return stage.regenerate_data(ctx, cfg, log=logger().info, warn=logger().warning,
+    return stage.regenerate_replies(ctx, cfg, log=logger().info, warn=logger().warning,
                                  on_progress=RegenerationPublisher(cfg.name))
 
 

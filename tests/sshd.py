@@ -19,6 +19,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from eyas.config import HostConfig
 from eyas.net import free_port
 
 SSHD = "/usr/sbin/sshd"
@@ -33,6 +34,13 @@ class Sshd:
     other_key: Path  # a key the server does not accept
     process: subprocess.Popen
     private_dirs: tuple[Path, ...] = ()  # tmpfs mounts only the SSH side sees
+
+
+def ssh_config(sshd: Sshd, **kw) -> HostConfig:
+    """The host config that reaches this sshd as its user, checking its host key (kw overrides a field)."""
+    base = dict(kind="ssh", name="loopback", hostname="127.0.0.1", port=sshd.port, user=sshd.user,
+                key_filename=sshd.client_key, known_hosts=sshd.known_hosts, connect_timeout_s=5)
+    return HostConfig(**{**base, **kw})
 
 
 

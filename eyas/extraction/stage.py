@@ -2,7 +2,7 @@
 
     with ExtractionContext(on_change=publisher) as ctx:   # one per extraction, handed to every step
         prepared = prepare(ctx, cfg, log=print)            # lock, clean, tokenize, plan, disk check
-        path = regenerate_data(ctx, cfg, log=print)        # optional: the target answers again
+        path = regenerate_replies(ctx, cfg, log=print)      # optional: the target answers again
         manifest = run_shard(ctx, cfg, plan, patch_version, log=print)
 
 Prefect-free. What lives for the length of an extraction is kept in its ExtractionContext, per
@@ -211,7 +211,7 @@ def regeneration_pending(cfg: PipelineConfig) -> list[int]:
                          max_length=cfg.data.max_length)
 
 
-def regenerate_data(ctx: ExtractionContext, cfg: PipelineConfig, *, log: Log, on_progress: Callable | None = None,
+def regenerate_replies(ctx: ExtractionContext, cfg: PipelineConfig, *, log: Log, on_progress: Callable | None = None,
                     warn: Log | None = None) -> str:
     """Answer the training conversations again with the target (resumable by part); the new file.
 

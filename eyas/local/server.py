@@ -41,7 +41,7 @@ from eyas import __version__
 from eyas.dump import DUMP_DIR_ENV, DumpWriter, dtype_from_env
 from eyas.local.arguments import parse_args
 from eyas.local.engine import BadRequest, Engine, Speculative, load_model, log, optional_tokenizer, resolve_capture_ids
-from eyas.local.launcher import exit_with_launcher
+from eyas.server.launcher import exit_with_launcher
 from eyas.local.replicas import Worker, exit_with_parent, start_workers, wait_ready
 from eyas.local.generate_request import parse_generate, parse_sampling
 from eyas.server.readiness import READY_LINE

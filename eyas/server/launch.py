@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, fields
 from eyas.config import PipelineConfig
 from eyas.dump import DUMP_DIR_ENV, server_layer_ids
 from eyas.errors import EyasError
-from eyas.local.launcher import LAUNCHER_ENV, launcher_identity
+from eyas.server.launcher import LAUNCHER_ENV, launcher_identity
 from eyas.target import trust_remote_code
 from eyas.secrets import PYDANTIC_MASK, redact, register, secret_flag_values
 from eyas.server.hosts import Host, HostError, make_host, wait_dead
@@ -254,7 +254,7 @@ def start_server(host: Host, cfg: PipelineConfig, owner: Owner | None = None, *,
     server lives, or server.dump_dir holds files eyas did not write.
 
     eyas's local server on this machine exits when this process dies without stopping it
-    (eyas/local/launcher.py), unless `leave_up` (a `serve` run's server, up on purpose)."""
+    (eyas/server/launcher.py), unless `leave_up` (a `serve` run's server, up on purpose)."""
     s, q, owner = cfg.server, shlex.quote, owner or Owner.new()
     secrets = launch_secrets(cfg)  # a missing secret fails before anything on the host changes
     old = read_record(host, cfg)

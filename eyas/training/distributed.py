@@ -20,6 +20,7 @@ host (a shared filesystem): the job file is copied to each host, nothing else is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -59,53 +60,55 @@ def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json:
     from eyas.training.train import TrainResult
 
     d = cfg.distributed
-    hosts = hosts or ([make_host(h, f"training.distributed.hosts[{i}]") for i, h in enumerate(d.hosts)]
-                      if d.hosts else [LocalHost()])
-    local = all(isinstance(h, LocalHost) for h in hosts)
-    master = "127.0.0.1" if local else (d.hosts[0].hostname or d.hosts[0].name)
-    python = d.python or (sys.executable if local else "python3")
-    folder = Path(cfg.output_dir) / "launch"
-    job, result, progress = folder / "job.json", folder / "result.json", folder / "progress.jsonl"
-    write_json_atomic(job, {"training": cfg.model_dump(mode="json"), "target": target.model_dump(mode="json"),
-                            "shards": [str(p) for p in shard_paths], "target_config_json": target_config_json,
-                            "result": str(result), "progress": str(progress), "stop_at_step": stop_at_step})
-    if result.exists():
-        result.unlink()
-    env = {"PYTHONPATH": str(Path(eyas.__file__).resolve().parents[1])} if local else {}
-    env.update(d.env)
-    nodes = []  # (host, pid, log path, rc path)
-    try:
-        for i, host in enumerate(hosts):
-            log_path, rc_path = folder / f"node-{i}.log", folder / f"node-{i}.rc"
-            host.run(f"rm -f {shlex.quote(str(rc_path))} {shlex.quote(str(log_path))}"
-                     + (f" {shlex.quote(str(progress))}" if i == 0 else ""), check=False)
-            if not local:
-                host.put(job, job)
-            cmd = _node_command(python, len(hosts), i, d.nproc_per_node, master, d.master_port, job, rc_path)
-            pid = host.start(cmd, log_path=log_path, env=env, cwd=str(folder))
-            log(f"[{host.name}] node {i}/{len(hosts)}: torchrun with {d.nproc_per_node} process(es), pid {pid}, "
-                f"log {log_path}")
-            nodes.append((host, pid, log_path, rc_path))
-        _wait(nodes, d.timeout_s, poll_s, log, progress, on_step)
-    finally:
-        for host, pid, _, _ in nodes:
-            if host.is_alive(pid):
-                host.kill_group(pid)
-    for i, (host, pid, log_path, rc_path) in enumerate(nodes):
-        rc_text, _ = host.read_from(rc_path, 0)
-        rc = int(rc_text.decode().strip() or -1) if rc_text else None
-        if rc != 0:
-            tail = host.read_from(log_path, 0, 1 << 24)[0].decode(errors="replace")[-3000:]
-            raise TrainingLaunchError(f"[{host.name}] training node {i}: torchrun exited "
-                                      f"{'without an exit code' if rc is None else rc}; see {log_path}\n{tail}")
-    if not local:  # rank 0 wrote it on node 0's host
+    with contextlib.ExitStack() as made:  # hosts made here are closed at the end; passed-in ones are the caller's
+        if hosts is None:
+            hosts = ([made.enter_context(make_host(h, f"training.distributed.hosts[{i}]"))
+                      for i, h in enumerate(d.hosts)] if d.hosts else [LocalHost()])
+        local = all(isinstance(h, LocalHost) for h in hosts)
+        master = "127.0.0.1" if local else (d.hosts[0].hostname or d.hosts[0].name)
+        python = d.python or (sys.executable if local else "python3")
+        folder = Path(cfg.output_dir) / "launch"
+        job, result, progress = folder / "job.json", folder / "result.json", folder / "progress.jsonl"
+        write_json_atomic(job, {"training": cfg.model_dump(mode="json"), "target": target.model_dump(mode="json"),
+                                "shards": [str(p) for p in shard_paths], "target_config_json": target_config_json,
+                                "result": str(result), "progress": str(progress), "stop_at_step": stop_at_step})
+        if result.exists():
+            result.unlink()
+        env = {"PYTHONPATH": str(Path(eyas.__file__).resolve().parents[1])} if local else {}
+        env.update(d.env)
+        nodes = []  # (host, pid, log path, rc path)
         try:
-            hosts[0].get(result, result)
-        except (OSError, HostError):
-            pass
-    if not result.exists():
-        raise TrainingLaunchError(f"every node exited 0 but rank 0 wrote no {result}; see {nodes[0][2]}")
-    return TrainResult(**json.loads(result.read_text()))
+            for i, host in enumerate(hosts):
+                log_path, rc_path = folder / f"node-{i}.log", folder / f"node-{i}.rc"
+                host.run(f"rm -f {shlex.quote(str(rc_path))} {shlex.quote(str(log_path))}"
+                         + (f" {shlex.quote(str(progress))}" if i == 0 else ""), check=False)
+                if not local:
+                    host.put(job, job)
+                cmd = _node_command(python, len(hosts), i, d.nproc_per_node, master, d.master_port, job, rc_path)
+                pid = host.start(cmd, log_path=log_path, env=env, cwd=str(folder))
+                log(f"[{host.name}] node {i}/{len(hosts)}: torchrun with {d.nproc_per_node} process(es), pid {pid}, "
+                    f"log {log_path}")
+                nodes.append((host, pid, log_path, rc_path))
+            _wait(nodes, d.timeout_s, poll_s, log, progress, on_step)
+        finally:
+            for host, pid, _, _ in nodes:
+                if host.is_alive(pid):
+                    host.kill_group(pid)
+        for i, (host, pid, log_path, rc_path) in enumerate(nodes):
+            rc_text, _ = host.read_from(rc_path, 0)
+            rc = int(rc_text.decode().strip() or -1) if rc_text else None
+            if rc != 0:
+                tail = host.read_from(log_path, 0, 1 << 24)[0].decode(errors="replace")[-3000:]
+                raise TrainingLaunchError(f"[{host.name}] training node {i}: torchrun exited "
+                                          f"{'without an exit code' if rc is None else rc}; see {log_path}\n{tail}")
+        if not local:  # rank 0 wrote it on node 0's host
+            try:
+                hosts[0].get(result, result)
+            except (OSError, HostError):
+                pass
+        if not result.exists():
+            raise TrainingLaunchError(f"every node exited 0 but rank 0 wrote no {result}; see {nodes[0][2]}")
+        return TrainResult(**json.loads(result.read_text()))
 
 
 class _Tail:

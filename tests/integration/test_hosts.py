@@ -1,19 +1,15 @@
+"""What both hosts, this machine and SSH to a real sshd, do alike: run, start detached, read, copy
+(the SSH host's own errors: test_ssh_host.py)."""
+
 import os
 import signal
 import time
 
 import pytest
 
-from eyas.config import HostConfig
-from eyas.server.hosts import HostAuthError, HostError, HostUnreachable, LocalHost, make_host, wait_dead
+from eyas.server.hosts import HostError, LocalHost, wait_dead
 from eyas.server.ssh_host import SSHHost
-
-
-def ssh_config(sshd, **kw) -> HostConfig:
-    base = dict(kind="ssh", name="loopback", hostname="127.0.0.1", port=sshd.port, user=sshd.user,
-                key_filename=sshd.client_key, known_hosts=sshd.known_hosts, connect_timeout_s=5)
-    return HostConfig(**{**base, **kw})
-
+from tests.sshd import ssh_config
 
 
 @pytest.fixture(params=["local", "ssh"])
@@ -76,44 +72,3 @@ def test_put_and_get_round_trip(host, tmp_path):
     host.put(src, tmp_path / "remote" / "copy.bin")
     host.get(tmp_path / "remote" / "copy.bin", tmp_path / "back" / "copy.bin")
     assert (tmp_path / "back" / "copy.bin").read_bytes() == src.read_bytes()
-
-
-def test_with_block_closes_the_ssh_connection_even_when_it_raises(sshd):
-    with make_host(ssh_config(sshd)) as h:
-        assert isinstance(h, SSHHost) and h.run("echo in").stdout == "in\n"
-        assert h._conn.is_connected
-    assert not h._conn.is_connected
-    with pytest.raises(HostError, match="exit 4"):
-        with make_host(ssh_config(sshd)) as h:
-            h.run("exit 4")
-    assert not h._conn.is_connected
-    with make_host(HostConfig(name="here")) as local:
-        assert isinstance(local, LocalHost) and local.run("echo ok").stdout == "ok\n"
-
-
-def test_ssh_wrong_key_is_an_auth_error(sshd):
-    h = SSHHost(ssh_config(sshd, key_filename=sshd.other_key))
-    with pytest.raises(HostAuthError):
-        h.run("true")
-
-
-def test_ssh_unknown_host_key_is_refused(sshd, tmp_path):
-    empty = tmp_path / "known_hosts"
-    empty.write_text("")
-    with pytest.raises(HostAuthError, match="unknown host key"):
-        SSHHost(ssh_config(sshd, known_hosts=empty)).run("true")
-
-
-def test_ssh_closed_port_is_unreachable(sshd):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
-    with pytest.raises(HostUnreachable):
-        SSHHost(ssh_config(sshd, port=closed)).run("true")
-
-
-def test_ssh_config_requires_known_hosts():
-    with pytest.raises(ValueError, match="known_hosts"):
-        HostConfig(kind="ssh", hostname="gpu-node-1")

@@ -16,10 +16,8 @@ import torch
 
 from eyas.dump import assemble, read_records
 from eyas.server.readiness import READY_LINE
-from eyas.local.engine import (BAR_FORMAT, Engine, fuse_experts, load_model,
-                               resolve_capture_ids, shard_files)
-from eyas.local.arguments import parse_args
-from eyas.local.server import _HTTPServer
+from eyas.local.engine import BAR_FORMAT, shard_files
+from tests.local_reference import SPEC_FLAGS, greedy_reference, prompt, reference_model
 
 CAPTURE = [2, 4, 6]
 CHUNK = 16
@@ -44,27 +42,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def reference(random_target):
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(random_target, dtype=torch.float32).eval()
-
-
-def greedy_reference(model, ids: list[int], max_new: int, eos: int = 1) -> list[int]:
-    """Plain greedy decoding: a full forward over the whole sequence for every new token."""
-    seq, out = list(ids), []
-    with torch.no_grad():
-        for _ in range(max_new):
-            token = int(model(torch.tensor([seq])).logits[0, -1].argmax())
-            out.append(token)
-            if token == eos:
-                break
-            seq.append(token)
-    return out
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return reference_model(random_target)
 
 
 # --- the log ---------------------------------------------------------------------------------
@@ -248,98 +226,9 @@ def test_a_bad_content_length_is_answered_at_once(client, server, header, status
     assert r.status_code == 200, r.text  # and the server serves on
 
 
-# --- in-process pieces -----------------------------------------------------------------------
-
-def test_tens_of_clients_connecting_at_once_wait_in_the_accept_queue():
-    """64 connections complete their handshake before the server accepts any: socketserver's own backlog
-    of 5 drops the seventh's SYN, which its kernel retries a second or more later (regeneration keeps
-    32 requests in flight per server, and several clients may share one)."""
-    from http.server import BaseHTTPRequestHandler
-
-    httpd = _HTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
-    socks = []
-    try:
-        for _ in range(64):
-            socks.append(socket.create_connection(httpd.server_address, timeout=0.5))
-    finally:
-        for s in socks:
-            s.close()
-        httpd.server_close()
-    assert len(socks) == 64
-
-
-def test_shard_loader_matches_from_pretrained(random_target, reference, tmp_path):
-    model = load_model(random_target)
-    ids = torch.tensor([prompt(9, seed=6)])
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
-    # chunk sizes that do and do not divide the prompt, against one unchunked forward
-    from eyas.dump import DumpWriter
-
-    ids = prompt(23, seed=7)
-    whole = None
-    for chunk in (-1, 1, 5, 16):
-        writer = DumpWriter(tmp_path / str(chunk), layer_ids=CAPTURE, dtype=torch.float32)
-        engine = Engine(model, None, chunk_size=chunk, writer=writer, capture_ids=CAPTURE)
-        engine.prefill(ids, "r")
-        sample = assemble(read_records(tmp_path / str(chunk), "r"), ids)
-        assert sample.meta["num_chunks"] == (1 if chunk == -1 else -(-23 // chunk))
-        if whole is None:
-            whole = sample
-        torch.testing.assert_close(sample.aux_hidden_states, whole.aux_hidden_states, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(sample.last_hidden_state, whole.last_hidden_state, rtol=1e-4, atol=1e-5)
-
-
-def test_capture_ids_follow_sglang():
-    assert resolve_capture_ids(None, 61) == [2, 30, 58]
-    assert resolve_capture_ids([1, 29, 57], 61) == [2, 30, 58]  # output-of ids, shifted as SGLang does
-    assert resolve_capture_ids([3, 31, 59], 61) == [3, 31, 59]
-    with pytest.raises(ValueError, match="aux layer id 61 out of range"):
-        resolve_capture_ids([2, 61], 61)
-
-
-def test_fuse_experts_layout():
-    e0g, e0u, e1g, e1u = (torch.full((2, 3), float(v)) for v in range(4))
-    state = {"m.experts.0.gate_proj.weight": e0g, "m.experts.0.up_proj.weight": e0u,
-             "m.experts.1.gate_proj.weight": e1g, "m.experts.1.up_proj.weight": e1u,
-             "m.experts.0.down_proj.weight": torch.zeros(3, 2), "m.experts.1.down_proj.weight": torch.ones(3, 2)}
-    out = fuse_experts(state, {"m.experts.gate_up_proj", "m.experts.down_proj"})
-    assert out["m.experts.gate_up_proj"].shape == (2, 4, 3) and out["m.experts.down_proj"].shape == (2, 3, 2)
-    assert out["m.experts.gate_up_proj"][1, :2].eq(2).all() and out["m.experts.gate_up_proj"][1, 2:].eq(3).all()
-
-
-def test_parse_args_checks():
-    args = parse_args(["--model-path", "m", "--return-aux-hidden-state-layer-ids", "2", "4", "--tp", "2"])
-    assert args.return_aux_hidden_state_layer_ids == [2, 4] and args.tp_size == 2
-    with pytest.raises(SystemExit):
-        parse_args(["--model-path", "m", "--chunked-prefill-size", "0"])
-    with pytest.raises(SystemExit):
-        parse_args(["--model-path", "m", "--return-aux-hidden-state-layer-ids", "2", "2"])
-
-
 # ---------------------------------------------------------------------------------------------
 # Speculative decoding with an exported EAGLE-3 drafter
 # ---------------------------------------------------------------------------------------------
-
-SPEC_FLAGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
-              "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--speculative-num-draft-tokens", "5"], "must be num-steps"),
-    (["--speculative-eagle-topk", "2"], "topk 1"),
-    (["--enable-return-aux-hidden-states"], "cannot be combined"),
-])
-def test_speculative_flags_are_checked(flags, message, capsys):
-    with pytest.raises(SystemExit):
-        parse_args(["--model-path", "x", *SPEC_FLAGS, "--speculative-draft-model-path", "d", *flags])
-    assert message in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parse_args(["--model-path", "x", "--speculative-draft-model-path", "d"])  # no EAGLE3
-    args = parse_args(["--model-path", "x", "--speculative-algorithm", "EAGLE3",
-                       "--speculative-draft-model-path", "d", "--speculative-num-steps", "7"])
-    assert args.speculative_num_draft_tokens == 8
-
 
 def test_speculative_server_matches_plain_greedy_and_reports_verify_steps(start_server, exported_drafter):
     from transformers import AutoModelForCausalLM

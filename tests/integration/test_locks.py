@@ -2,7 +2,7 @@
 
 The first run is a subprocess in its own session (with its temporary Prefect server), killed with
 SIGKILL as soon as the first shard file is published. The local target server it launched (its own
-session) exits with it (eyas/local/launcher.py). The second run, same command, must discard the
+session) exits with it (eyas/server/launcher.py). The second run, same command, must discard the
 partial file, serve the finished shards from Prefect's cache without rewriting them (same inode and
 mtime), give back the GPU-host slot the killed run kept, extract the rest, and complete. A server
 that outlives its run (one a `serve` run left up, an SGLang server) is stopped by the next run of its
@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from eyas.extraction.dataset import DiskSpaceError, check_disk_space
 from eyas.server.hosts import LocalHost, wait_dead
 from eyas.extraction.shards import ShardReader, verify_shard
 from eyas.net import free_port
@@ -138,32 +137,6 @@ def _artifacts(key: str):
         found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
     assert found, f"no artifact {key}"
     return max(found, key=lambda a: a.updated)
-
-
-def test_disk_space_estimate_counts_missing_shards_and_refuses_with_a_clear_error(tmp_path):
-    import torch
-
-    from eyas.extraction.data import TokenizedSample, write_shard_plans
-    from eyas.extraction.dataset import HEADER_BYTES, estimate_bytes
-    from eyas.extraction.shards import Sample, write_shard
-
-    plans = write_shard_plans([TokenizedSample([3] * n, [1] * n) for n in (10, 20, 30, 40)], 2, tmp_path / "plan")
-    per_token = 4 * 256 * 2 + 5  # 3 aux layers + last, H=256, bf16, + id and mask
-    full = estimate_bytes(plans, 256, 3, "bfloat16", "plain", tmp_path)
-    assert full == 100 * per_token + 8 * 6 + 2 * HEADER_BYTES
-    # A shard already on disk for this plan, dtype and encoding needs no more space.
-    m = write_shard(tmp_path / "shard-00000.safetensors",
-                    [Sample(torch.full((n,), 3), torch.ones(n, dtype=torch.bool), torch.zeros(n, 768, dtype=torch.bfloat16),
-                            torch.zeros(n, 256, dtype=torch.bfloat16)) for n in (10, 20)],
-                    {"content_hash": plans[0].content_hash})
-    assert estimate_bytes(plans, 256, 3, "bfloat16", "plain", tmp_path) == full - 30 * per_token - 8 * 3 - HEADER_BYTES
-    assert m["bytes"] <= 30 * per_token + 8 * 3 + HEADER_BYTES
-    fp8 = estimate_bytes(plans, 256, 3, "bfloat16", "fp8_e4m3", tmp_path / "elsewhere")
-    assert fp8 - 2 * HEADER_BYTES < (full - 2 * HEADER_BYTES) * 0.53
-    with pytest.raises(DiskSpaceError, match=r"needs 5\.00 GB more and must leave extraction\.keep_free_gb"
-                                             r"=1000000\.0 GB free, but the disk has .* GB free"):
-        check_disk_space(tmp_path / "out", 5_000_000_000, keep_free_gb=1e6)
-    assert check_disk_space(tmp_path / "out", 1000, keep_free_gb=0)["needed_bytes"] == 1000
 
 
 def test_output_lock_is_exclusive_and_dies_with_its_holder(tmp_path):

@@ -65,7 +65,7 @@ def test_a_second_run_of_a_busy_config_fails_at_once_and_leaves_the_first_runs_s
         first.wait(30)
         stop = subprocess.run(eyas_run.command("stop", sets), cwd=eyas_run.ROOT, env=env, capture_output=True,
                               text=True, timeout=120)
-        # the local server also exits by itself with the killed run (eyas/local/launcher.py): a race
+        # the local server also exits by itself with the killed run (eyas/server/launcher.py): a race
         assert stop.returncode == 0 and json.loads(stop.stdout)["outcome"] in ("terminated", "killed",
                                                                                "not running"), stop
         assert wait_dead(host, server, 5)

@@ -204,7 +204,7 @@ def test_a_rerun_reports_the_cached_measurement_unless_refreshed(prefect_harness
 def test_the_drafter_is_uploaded_once_to_an_ssh_server_host(sshd, exported_drafter, tmp_path):
     from eyas.server.ssh_host import SSHHost
     from eyas.evaluation.serving import DRAFTER_FILES, stage_drafter
-    from tests.integration.test_hosts import ssh_config
+    from tests.sshd import ssh_config
 
     _, drafter = exported_drafter
     host_cfg = ssh_config(sshd)

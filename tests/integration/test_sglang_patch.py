@@ -116,19 +116,6 @@ def test_manifest_matches_the_wheel_the_patch_and_the_hook(sglang_wheel):
     assert (SET_DIR / entry["patch"]).read_text().startswith(f"--- a/{entry['path']}\n+++ b/{entry['path']}\n")
 
 
-def test_apply_diff_is_strict_and_reversible():
-    old = "a\nb\nc\nd\n"
-    new = "a\nb\nB2\nc\nd"  # also drops the final newline
-    diff = "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), "a/f.py", "b/f.py"))
-    diff = diff.replace("+d", "+d\n\\ No newline at end of file")
-    assert apply_diff(old, diff) == new
-    assert apply_diff(new, diff, reverse=True) == old
-    with pytest.raises(PatchError, match="does not match"):
-        apply_diff(new, diff)  # already applied: the context no longer matches
-    with pytest.raises(PatchError, match="does not match"):
-        apply_diff(old.replace("b", "x"), diff)
-
-
 # ---------------------------------------------------------------------------------------------
 # On this machine
 # ---------------------------------------------------------------------------------------------
@@ -262,17 +249,6 @@ def test_an_unsupported_architecture_is_refused_naming_it_the_file_and_the_list(
     (tmp_path / "checkpoint" / "config.json").unlink()
     cfg = sglang_config(tmp_path, site, architectures=None)
     assert ensure_patched(LocalHost(), cfg, dry_run=True)["architecture"].startswith("unchecked: no config.json")
-
-
-def test_check_architecture_takes_a_version_a_manifest_or_a_patch_set():
-    manifest = json.loads((SET_DIR / "manifest.json").read_text())
-    for given in (VERSION, manifest, sglang_patch.load_patch_set(VERSION)):
-        assert sglang_patch.check_architecture(given, [TARGET_ARCH], "x/config.json") == TARGET_ARCH
-        with pytest.raises(PatchError, match=r"^x/config.json: architecture DeepseekVL2ForCausalLM is "
-                                             r"not supported .*attention_backend_setup"):
-            sglang_patch.check_architecture(given, ["DeepseekVL2ForCausalLM"], "x/config.json")
-    with pytest.raises(PatchError, match="sglang 0.5.22 has no eyas patch set"):
-        sglang_patch.check_architecture("0.5.22", [TARGET_ARCH], "x/config.json")
 
 
 # Wrappers whose call into the language model tests/unit/test_sglang_hook.py drives from the wheel's code.

@@ -135,7 +135,7 @@ def test_the_temporary_prefect_server_ends_with_its_eyas_process_even_on_kill_9(
 
 
 def test_kill_9_ends_the_runs_server_and_the_next_run_closes_its_flow_runs(tmp_path, prefect_harness):
-    """kill -9 of `eyas run`: its local target server exits with it (eyas/local/launcher.py), and the
+    """kill -9 of `eyas run`: its local target server exits with it (eyas/server/launcher.py), and the
     next run of the config, taking the output directory, sets the dead run's flow runs Crashed
     instead of leaving them Running in the UI."""
     from prefect.client.orchestration import get_client

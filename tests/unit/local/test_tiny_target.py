@@ -1,11 +1,10 @@
-"""Tests for eyas.local.tiny_target and eyas.local.tiny_corpus: the architecture, the Hugging Face
-folder, the tokenizer and chat template, and the committed fixtures (fixtures/tiny-target,
-fixtures/data/conversations.jsonl)."""
+"""Tests for eyas.local.tiny_target: the architecture, training, the Hugging Face folder it saves with
+the chat template, and the committed fixtures (fixtures/tiny-target, fixtures/data/conversations.jsonl).
+The corpus and tokenizer: test_tiny_corpus.py; the sharded folder's plan: test_hf_folder.py."""
 
 from __future__ import annotations
 
 import json
-import random
 import re
 from pathlib import Path
 
@@ -15,7 +14,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3ForCausalLM
 
 from eyas.config import load_config
-from eyas.local import hf_folder
 from eyas.local import tiny_corpus as tc
 from eyas.local import tiny_target as tt
 
@@ -80,12 +78,6 @@ CONVERSATION = [
 
 
 @pytest.fixture(scope="module")
-def small_tokenizer():
-    """A real BPE tokenizer, trained on a few standard-library files so that it is quick."""
-    return tc.train_tokenizer(tc.stdlib_files()[:40], vocab_size=600)
-
-
-@pytest.fixture(scope="module")
 def saved(small_tokenizer, tmp_path_factory):
     """A random-init tiny model saved with save_hf_folder, and the model it came from."""
     torch.manual_seed(0)
@@ -130,21 +122,7 @@ def test_hidden_states_are_the_inputs_of_the_decoder_layers():
     torch.testing.assert_close(model.lm_head(out.hidden_states[-1]), out.logits)
 
 
-# --- tokenizer and chat template -----------------------------------------------------------------------
-
-
-def test_tokenizer_round_trips_text_and_gives_special_tokens_the_first_ids(small_tokenizer):
-    text = 'def f(x):\n\treturn x + "h\u00e9llo \u2713"  # \u4e2d\u6587\n'
-    assert small_tokenizer.decode(small_tokenizer.encode(text).ids) == text
-    assert [small_tokenizer.token_to_id(t) for t in tc.SPECIAL_TOKENS] == list(range(len(tc.SPECIAL_TOKENS)))
-    assert small_tokenizer.token_to_id(tc.END) == tc.END_ID
-
-
-def test_train_tokenizer_rejects_bad_input():
-    with pytest.raises(ValueError, match="vocab_size"):
-        tc.train_tokenizer(tc.stdlib_files()[:1], vocab_size=10)
-    with pytest.raises(ValueError, match="at least one file"):
-        tc.train_tokenizer([], vocab_size=600)
+# --- the chat template --------------------------------------------------------------------------------
 
 
 def test_chat_template_renders_a_prefix_of_the_messages_as_a_token_prefix(saved):
@@ -160,37 +138,6 @@ def test_chat_template_renders_a_prefix_of_the_messages_as_a_token_prefix(saved)
             # The assistant's tokens are its content, then <|end|>: one contiguous span for a loss mask.
             assert full[: len(prompt)] == prompt and answer[-1] == tc.END_ID
             assert tokenizer.decode(answer[:-1]) == CONVERSATION[k]["content"]
-
-
-def test_chat_template_rejects_an_unknown_role(small_tokenizer):
-    with pytest.raises(Exception, match="unknown chat role: tool"):
-        tc.hf_tokenizer(small_tokenizer).apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
-
-
-def test_code_conversation_is_deterministic_and_needs_enough_lines():
-    lines = [f"x{i} = {i}\n" for i in range(60)]
-    first = tc.code_conversation(lines, random.Random(3), multi_turn=True)
-    assert first == tc.code_conversation(lines, random.Random(3), multi_turn=True)
-    assert [m["role"] for m in first] == ["user", "assistant", "user", "assistant"]
-    assert first[0]["content"].startswith(tc.CONTINUE_PROMPT)
-    assert tc.code_conversation(lines[:5], random.Random(3), multi_turn=False) is None
-
-
-# --- corpus --------------------------------------------------------------------------------------------
-
-
-def test_stdlib_files_leave_out_tests_and_split_stably():
-    files = tc.stdlib_files()
-    assert files and not any({"test", "tests", "idlelib", "site-packages"} & set(f.parts) for f in files)
-    # Pinned: the committed fixture's held-out files (docs/tiny-target.md) depend on this hash.
-    assert [tc.split_of(n) for n in ("functools.py", "argparse.py", "os.py")] == ["test", "val", "train"]
-    splits = [tc.split_of(f"m{i}.py") for i in range(5000)]
-    assert 0.01 < splits.count("test") / len(splits) < 0.03
-
-
-def test_stdlib_files_rejects_a_folder_without_python(tmp_path):
-    with pytest.raises(ValueError, match="no \\*.py files"):
-        tc.stdlib_files(tmp_path)
 
 
 # --- training and evaluation -------------------------------------------------------------------------
@@ -221,13 +168,6 @@ def test_train_settings_reject_nonsense():
 
 
 # --- the Hugging Face folder --------------------------------------------------------------------------
-
-
-def test_plan_shards_cuts_contiguous_runs_of_exactly_the_asked_number():
-    plan = hf_folder.plan_shards([100, 1, 1, 1, 50, 50, 1, 1, 1, 1], 8)
-    assert plan == sorted(plan) and set(plan) == set(range(8))
-    with pytest.raises(ValueError, match="num_shards"):
-        hf_folder.plan_shards([1, 2], 3)
 
 
 def test_save_hf_folder_writes_a_sharded_checkpoint_transformers_loads(saved):

@@ -10,7 +10,7 @@ from eyas.config import load_config
 from eyas.evaluation import suites
 from eyas.files import sha256_file
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _require(name: str):
