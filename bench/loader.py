@@ -107,7 +107,7 @@ def timed(fn, repeat: int) -> list[float]:
 
 
 def bench_encoding(paths: list[Path], B: int, repeat: int, workers: list[int]) -> dict:
-    data = ShardData(paths, num_heldout=0)
+    data = ShardData(paths, num_validation=0)
     n = len(data.lengths)
     batches = [list(range(s, s + B)) for s in range(0, n - B + 1, B)]
     nbytes = batch_bytes(data, batches[0])

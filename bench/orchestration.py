@@ -212,16 +212,13 @@ def scale_goals(sc: dict) -> dict:
 def _pipeline_twice(tmp: Path) -> dict:
     """The embedded default end to end, then again with the same inputs: extraction all cached
     (no server launched), training already at max_steps, evaluation and report redone."""
-    import socket
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from eyas.net import free_port
     from flows.pipeline import eagle3_pipeline
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    overrides = {"run_dir": str(tmp / "run"), "server.port": port, "server.workdir": str(tmp / "server"),
+    overrides = {"run_dir": str(tmp / "run"), "server.port": free_port(), "server.workdir": str(tmp / "server"),
                  "server.dump_dir": str(tmp / "server" / "dump"),
                  "extraction.output_dir": str(tmp / "shards"), "training.output_dir": str(tmp / "train")}
     t0 = time.perf_counter()

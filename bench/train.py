@@ -788,7 +788,7 @@ def run_from_shards(args, model, head, opt, sched, c, T, K, device, dtype, kerne
         log(f"batch {B} synthetic: {syn['tokens_per_s_mean']:.0f} tok/s (mean of {len(syn['step_s_all'])} steps), "
             f"peak {syn['peak_gb']:.1f} GB")
         for enc in args.shard_encodings:
-            data = ShardData(paths[enc], num_heldout=0, ttt_steps=K)
+            data = ShardData(paths[enc], num_validation=0, ttt_steps=K)
             obj = objective(model, kernels)
             teacher = lambda b, outside=None: teacher_labels(head, b["last"], b["loss_mask"], c.draft_vocab_size,  # noqa: E731
                                                              dtype, kernels=kernels, outside=outside)
@@ -827,7 +827,7 @@ def loader_matches_collate(paths: list[Path], device, dtype, K: int, steps: int 
     """The loader's batches on this device (pinned, side stream, FP8 dequantized here) against the
     synchronous collate's, bit for bit, for the first `steps` batches of 2."""
     from eyas.training.batches import collate
-    data = ShardData(paths, num_heldout=0, ttt_steps=K)
+    data = ShardData(paths, num_validation=0, ttt_steps=K)
     plan = plan_steps(data.lengths, data.train_ids, 2, 1, 0, 0, 0)
     items = [next(plan) for _ in range(steps)]
     ok = True

@@ -44,18 +44,6 @@ def is_disk_full(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-def find_disk_full(e: BaseException | None) -> OSError | None:
-    """The full-disk error behind e (itself or in its chain of causes: a DiskFull, or a bare ENOSPC from
-    a writer that does not name its file yet), if any: what retry conditions check."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if is_disk_full(e):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
-
-
 def write_json_atomic(path: str | Path, obj: Any) -> None:
     """obj as indented, key-sorted JSON at path, through a temp file beside it (fsynced, then renamed)."""
     path = Path(path)
@@ -72,6 +60,10 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
             raise disk_full(path, e) from e
         raise
     os.replace(tmp, path)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def sha256_file(path: str | Path) -> str:

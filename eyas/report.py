@@ -93,7 +93,7 @@ def build_report(*, name: str, config_source: str | None, extracted: Extracted, 
         # Per prompt set (held-out, and each suite): its source, and per chain acceptance and speed-up.
         "benchmarks": benchmarks(serving) if serving else None,
         "serving": asdict(serving) if serving else None,
-        "patch": extracted.patch,
+        "patch": extracted.patch.to_json(),
         "server": {"ready_seconds": ready.seconds if ready else None,
                    "shards_total": ready.shards_total if ready else None},
         "data": extracted.data_stats,

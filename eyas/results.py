@@ -5,9 +5,10 @@
     trained = Trained(result, drafter_dir, evaluation, stages)                   # flows/train.py
     report = build_report(name=..., extracted=..., trained=..., serving=..., stages=...)  # eyas/report.py
 
-The fields hold the objects the stages made (ServerHandle, ReadyReport, ShardManifest, TrainResult, EvalResult),
-never their dict forms: JSON is made once, where it is written (eyas/report.py). Prefect keeps task
-results with its default pickle serializer, which stores these dataclasses as they are.
+The fields hold the objects the stages made (ServerHandle, ReadyReport, PatchReport, ShardManifest,
+TrainResult, EvalResult), never their dict forms: JSON is made once, where it is written
+(eyas/report.py). Prefect keeps task results with its default pickle serializer, which stores
+these dataclasses as they are.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ if TYPE_CHECKING:  # training and evaluation import torch; a record needs none o
     from eyas.extraction.shards import ShardManifest
     from eyas.server.launch import ServerHandle
     from eyas.server.readiness import ReadyReport
+    from eyas.server.sglang_patch import PatchReport
     from eyas.training.train import TrainResult
 
 
@@ -29,7 +31,7 @@ class ServerUp:
 
     handle: ServerHandle          # pid, url, log path and offset, who launched it
     ready: ReadyReport            # seconds to ready, shards_total, the last loading bar
-    patch: dict                   # what the patch stage found or applied (sglang_patch's record)
+    patch: PatchReport            # what the patch stage found or applied
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage
 
 
@@ -39,8 +41,8 @@ class Extracted:
 
     manifests: list[ShardManifest]  # one per shard, in plan order (docs/data-format.md)
     prompts: list[list[int]]      # held-out prompts, token ids
-    data_stats: dict              # prepare-data's counts
-    patch: dict
+    data_stats: dict              # prepare-data's counts (JSON as report.json shows them)
+    patch: PatchReport
     ready: ReadyReport | None = None  # None when every shard was intact and no server was launched
     stages: dict[str, float] = field(default_factory=dict)
 

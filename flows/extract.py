@@ -2,8 +2,8 @@
 
     prefect deployment run 'eyas-extract/extract' --params '{"overrides": {"extraction.num_shards": 8}}'
 
-Holds the server host's GPU lock (a strict global concurrency limit with one slot) from launch to
-stop, so two runs never start two servers on the same GPUs; the second waits in Running.
+Holds the server host's GPU lock (flows/runtime/host_lock.py) from launch to stop, so two runs
+never start two servers on the same GPUs; the second waits in Running.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _extract(ctx: ExtractionContext, cfg: PipelineConfig) -> Extracted:
     # 2. The server host's SGLang, patched (the local backend needs nothing).
     with stage("patch"):
         patched = patch_host(cfg)
-    patch_version = patched.get("patch_version", "local")
+    patch_version = patched.patch_version or "local"
     # 3. Every shard intact on disk (a re-run): all cache hits, so no server and no GPU lock.
     #    (Pending regeneration replans the shards: checking the present ones would be wasted reading.)
     up = None

@@ -10,8 +10,8 @@ worker, "Engine execution exited with unexpected exception" with the traceback o
   message is the whole story; a bug keeps its traceback), remembers which task failed with which
   exception, and shortens the later records that would repeat the reason.
 - `checked_flow` (flows/common.py) turns whatever a flow body raises into `Failed("failed at TASK:
-  reason")` carrying the exception (callers' `state.result()` still raise it); `report_failure`
-  writes the top-level run's artifact `failure-NAME`.
+  reason")` carrying the exception (callers' `state.result()` still raise it) and writes the
+  top-level run's artifact `failure-NAME`.
 - On an operator's cancel, Prefect's "Crash detected! ... termination signal" and "Finished in state
   Running()" lines read "cancelled".
 """
@@ -23,6 +23,7 @@ import logging
 import re
 import threading
 
+from eyas.config import ConfigError
 from eyas.errors import EyasError
 
 LOGGERS = ("prefect.task_runs", "prefect.flow_runs")
@@ -43,7 +44,7 @@ def eyas_raised(exc: BaseException) -> bool:
 def reason_of(exc: BaseException) -> str:
     """An exception as one line: eyas's own by its message, anything else with its type."""
     text = str(exc).strip()
-    if type(exc).__name__ == "ConfigError":
+    if isinstance(exc, ConfigError):
         from flows.common import one_line
 
         text = one_line(exc) + " (fix the config file or the run's overrides)"

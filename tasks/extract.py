@@ -25,7 +25,7 @@ from tasks.retry import worth_retrying
 
 def extraction_context() -> ExtractionContext:
     """The context a flow makes for one extraction: its figures published as progress artifacts."""
-    return ExtractionContext(on_change=ExtractionPublisher)
+    return ExtractionContext(publisher_for=ExtractionPublisher)
 
 
 @task(task_run_name="prepare-data", cache_policy=NO_CACHE, timeout_seconds=6 * 3600)
@@ -46,7 +46,7 @@ def regenerate_data(ctx: ExtractionContext, cfg: PipelineConfig) -> str:
 
     Its progress: the artifact `regenerate-NAME` (conversations done, tokens/s, ETA)."""
     return stage.regenerate_replies(ctx, cfg, log=logger().info, warn=logger().warning,
-                                 on_progress=RegenerationPublisher(cfg.name))
+                                    on_progress=RegenerationPublisher(cfg.name))
 
 
 def _shard_cache_key(context, parameters) -> str:

@@ -41,7 +41,7 @@ class PipelineConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _tokenizer_is_the_local_copy(cls, raw):
-        """data.tokenizer, the older name of target.local_dir (its tokenizer and chat template)."""
+        """data.tokenizer, another name for target.local_dir (its tokenizer and chat template)."""
         data, target = (raw.get("data"), raw.get("target")) if isinstance(raw, dict) else (None, None)
         if not isinstance(data, dict) or "tokenizer" not in data or not isinstance(target, dict):
             return raw
@@ -49,7 +49,7 @@ class PipelineConfig(StrictModel):
         old = data.pop("tokenizer")
         if old is not None and target.get("local_dir") not in (None, old):
             raise ValueError(f"data.tokenizer={old} and target.local_dir={target['local_dir']}: data.tokenizer is "
-                             f"the older name of target.local_dir (the target's config and tokenizer on this "
+                             f"another name for target.local_dir (the target's config and tokenizer on this "
                              f"machine); keep target.local_dir")
         if old is not None:
             target["local_dir"] = old

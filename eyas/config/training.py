@@ -97,7 +97,7 @@ class TrainingConfig(StrictModel):
     checkpoint_every: int = Field(100, ge=1)
     #: the last shard sequences, kept out of training: the simulated acceptance length is measured on
     #: them; None = 5% of the data, at most 64. (data.num_heldout is another thing: the conversations
-    #: kept back before extraction as evaluation prompts.) `num_heldout` is its older name, still accepted
+    #: kept back before extraction as evaluation prompts.)
     num_validation_sequences: int | None = Field(None, ge=0)
     eval_every: int = Field(0, ge=0)  #: simulated acceptance length every N steps (0 = at the end only)
     #: warm start: the drafter begins as this one (an exported drafter folder such as an earlier run's
@@ -110,15 +110,10 @@ class TrainingConfig(StrictModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _num_heldout_is_the_older_name(cls, raw):
-        """training.num_heldout, the older name of training.num_validation_sequences."""
-        if not isinstance(raw, dict) or "num_heldout" not in raw:
-            return raw
-        raw = dict(raw)
-        old = raw.pop("num_heldout")
-        if raw.get("num_validation_sequences", old) != old:
-            raise ValueError(f"num_heldout={old} and num_validation_sequences={raw['num_validation_sequences']}: "
-                             f"num_heldout is the older name of num_validation_sequences; keep "
-                             f"num_validation_sequences")
-        raw["num_validation_sequences"] = old
+    def _num_heldout_is_a_data_setting(cls, raw):
+        """training.num_heldout is refused with the name it means: the two held-out counts differ."""
+        if isinstance(raw, dict) and "num_heldout" in raw:
+            raise ValueError("num_heldout is not a training setting: the shard sequences kept out of training "
+                             "are training.num_validation_sequences; the conversations kept back as "
+                             "evaluation prompts are data.num_heldout")
         return raw

@@ -1,4 +1,4 @@
-"""Async HTTP client for one or many target servers, shared by every shard of a process.
+"""Async HTTP client for one or many target servers, shared by every shard of an extraction.
 
     with ServerPool([Endpoint("http://gpu-1:30000", "/dev/shm/eyas-dump", 8),
                      Endpoint("http://gpu-2:30000", "/dev/shm/eyas-dump", 8)],
@@ -8,7 +8,7 @@
 
 One event loop runs in a daemon thread; callers in any thread get a concurrent.futures.Future.
 Each endpoint has a bounded number of requests in flight, across every shard task that shares the
-pool (tasks/extract.py keeps one pool per process and endpoint set), and a request goes to the
+pool (an extraction keeps one per endpoint set: stage.py's ExtractionContext), and a request goes to the
 endpoint with the most free slots. Transient failures (connection refused or reset, timeouts, 5xx,
 429) are retried with exponential backoff, on whichever endpoint is free and not backing off; a
 server answering 4xx (a bad request: ids outside the vocabulary, say) is never retried. An endpoint
@@ -69,17 +69,6 @@ class ServerStalled(RequestFailed):
 class ServersGone(RequestFailed):
     """Every server's process is gone: retrying the request cannot help; relaunching the server can."""
     retryable = False
-
-
-def gone_or_stalled(e: BaseException | None) -> RequestFailed | None:
-    """The ServersGone or ServerStalled behind e (itself or in its chain of causes), if any."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, (ServersGone, ServerStalled)):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The extraction stage as the tasks run it: one config in, plans, regenerated data and shards out.
 
-    with ExtractionContext(on_change=publisher) as ctx:   # one per extraction, handed to every step
+    with ExtractionContext(publisher_for=publisher) as ctx:  # one per extraction, handed to every step
         prepared = prepare(ctx, cfg, log=print)            # lock, clean, tokenize, plan, disk check
         path = regenerate_replies(ctx, cfg, log=print)      # optional: the target answers again
         manifest = run_shard(ctx, cfg, plan, patch_version, log=print)
@@ -51,11 +51,11 @@ class Prepared:
 
 class ExtractionContext:
     """What the steps of one extraction share, made by the caller and handed to each: the
-    ExtractionRun of each output dir (its figures; `on_change(run name)` makes the callback that
+    ExtractionRun of each output dir (its figures; `publisher_for(run name)` makes the callback that
     publishes them) and one server pool per endpoint set (closed with the context)."""
 
-    def __init__(self, on_change: Callable[[str], Callable] | None = None):
-        self.on_change = on_change  # run name -> on_change callback of its ExtractionRun
+    def __init__(self, publisher_for: Callable[[str], Callable] | None = None):
+        self.publisher_for = publisher_for  # run name -> the on_change callback of its ExtractionRun
         self._runs: dict[str, ExtractionRun] = {}
         self._pools: dict[tuple, ServerPool] = {}
         self._lock = threading.Lock()
@@ -73,7 +73,7 @@ class ExtractionContext:
             pool.close()
 
     def register(self, cfg: PipelineConfig, plans: list[ShardPlan], plan_info: dict) -> ExtractionRun:
-        on_change = self.on_change(cfg.name) if self.on_change else None
+        on_change = self.publisher_for(cfg.name) if self.publisher_for else None
         run = ExtractionRun(cfg.extraction.output_dir, plans, plan_info=plan_info, on_change=on_change)
         with self._lock:
             self._runs[_key(cfg)] = run
@@ -211,8 +211,8 @@ def regeneration_pending(cfg: PipelineConfig) -> list[int]:
                          max_length=cfg.data.max_length)
 
 
-def regenerate_replies(ctx: ExtractionContext, cfg: PipelineConfig, *, log: Log, on_progress: Callable | None = None,
-                    warn: Log | None = None) -> str:
+def regenerate_replies(ctx: ExtractionContext, cfg: PipelineConfig, *, log: Log,
+                       on_progress: Callable | None = None, warn: Log | None = None) -> str:
     """Answer the training conversations again with the target (resumable by part); the new file.
 
     on_progress gets a RegenerationProgress after every conversation (the caller throttles)."""

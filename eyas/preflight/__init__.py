@@ -81,7 +81,7 @@ def preflight(cfg: PipelineConfig, *, check_hosts: bool = True, check_tokenizer:
     """Run every check (see the module docstring). check_hosts=False skips SSH; check_tokenizer=False
     skips loading the tokenizer (its files and chat template are still checked); free_bytes replaces
     the free space measured at extraction.output_dir."""
-    from eyas.server.sglang_patch import PATCHES_DIR
+    from eyas.server.patch_sets import PATCHES_DIR
 
     patches_dir = Path(patches_dir or PATCHES_DIR)
     problems: list[str] = []

@@ -17,7 +17,7 @@ def run_on(hcfg: HostConfig, where: str, command: str, problems: list[str], env:
 
     try:
         host = make_host(hcfg)
-    except OSError as e:  # e.g. the known_hosts file is missing
+    except (OSError, HostError) as e:  # e.g. the known_hosts file is missing or unreadable
         problems.append(f"{where}.known_hosts={hcfg.known_hosts}: cannot be read ({e})")
         return None
     try:
@@ -45,7 +45,8 @@ def check_host_access(cfg: PipelineConfig, problems: list[str], notes: list[str]
         notes.append("host checks skipped (check_hosts=False): SSH reachability, host keys and the SGLang "
                      "version were not checked")
         return None
-    from eyas.server.sglang_patch import available_versions, server_python
+    from eyas.server.patch_sets import available_versions
+    from eyas.server.sglang_patch import server_python
 
     python = server_python(cfg)
     code = SGLANG_VERSION_CODE if s.backend == "sglang" else "import eyas"

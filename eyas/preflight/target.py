@@ -112,7 +112,7 @@ def layer_id_problems(target: TargetConfig, num_layers: int) -> list[str]:
 def architecture_problems(cfg: PipelineConfig, raw: dict, version: str | None, patches_dir: Path) -> list[str]:
     """The target's architecture against what the backend serves: the patch set's manifest for
     SGLang (the patch stage's own check, eyas/server/sglang_patch.py), DeepSeek-V3 for eyas-local."""
-    from eyas.server.sglang_patch import PatchError, available_versions, check_architecture
+    from eyas.server.patch_sets import PatchError, available_versions, check_architecture
 
     archs = raw.get("architectures") or (raw.get("text_config") or {}).get("architectures") or []
     source = f"{target_field(cfg)} (config.json)"

@@ -10,12 +10,12 @@ The patch stage (eyas/server/sglang_patch.py) installs a patch set on a host; pr
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyas.errors import EyasError
+from eyas.files import sha256_bytes
 from eyas.resources import shipped
 from eyas.server.diffs import DiffError, apply_diff as _apply, parse_diff
 
@@ -34,10 +34,6 @@ def apply_diff(text: str, diff: str, *, reverse: bool = False, name: str = "<fil
         return _apply(text, diff, reverse=reverse, name=name)
     except DiffError as e:
         raise PatchError(str(e)) from e
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,8 +80,8 @@ def load_patch_set(version: str, patches_dir: Path = PATCHES_DIR) -> PatchSet:
                          f"not {version}")
     hook = manifest["hook"]
     hook_bytes = (folder / hook["module"]).read_bytes()
-    if _sha256(hook_bytes) != hook["sha256"]:
-        raise PatchError(f"{folder / hook['module']} has sha256 {_sha256(hook_bytes)}, its manifest says "
+    if sha256_bytes(hook_bytes) != hook["sha256"]:
+        raise PatchError(f"{folder / hook['module']} has sha256 {sha256_bytes(hook_bytes)}, its manifest says "
                          f"{hook['sha256']}: run patches/sglang/refresh_manifest.py after editing it")
     files = [PatchedFile(f["path"], (folder / f["patch"]).read_text(), f["original_sha256"],
                          f["patched_sha256"]) for f in manifest["files"]]

@@ -30,17 +30,42 @@ import json
 import shlex
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eyas.config import PipelineConfig
-from eyas.server.patch_sets import (DUMP_MODULE, PATCHES_DIR, PatchedFile, PatchError, PatchSet,  # noqa: F401
-                                    _sha256, apply_diff, available_versions, check_architecture,
-                                    load_patch_set)
+from eyas.files import sha256_bytes
+from eyas.server.patch_sets import (DUMP_MODULE, PATCHES_DIR, PatchedFile, PatchError, PatchSet, apply_diff,
+                                    available_versions, check_architecture, load_patch_set)
 from eyas.server.hosts import Host
 
 STATE_NAME = ".eyas-patch.json"  #: in the sglang package folder; pip uninstall leaves it behind
 STATE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class PatchReport:
+    """What the patch stage found on a host and did there (or would do): report.json's `patch`."""
+
+    backend: str
+    host: str
+    status: str  # patched | already patched | would patch | reversed | not patched | not needed
+    reason: str | None = None  # why nothing was needed
+    python: str | None = None  # the server's interpreter
+    sglang_version: str | None = None
+    patch_version: str | None = None  # the patch set applied; shard cache keys carry it
+    capture: str | None = None  # server.capture
+    site_packages: str | None = None
+    state_path: str | None = None
+    actions: dict[str, str] = field(default_factory=dict)  # file or hook module -> what was done to it
+    dump_sha256: str | None = None  # of the dump writer installed beside SGLang
+    architecture: str | None = None  # the target's, as checked against the patch set
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+LOCAL_NEEDS_NONE = "eyas serve-local writes hidden-state dumps itself"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,11 +228,10 @@ def _usable_state(found: Probe) -> dict | None:
 # ---------------------------------------------------------------------------------------------
 
 def ensure_patched(host: Host, cfg: PipelineConfig, *, dry_run: bool = False,
-                   patches_dir: Path = PATCHES_DIR) -> dict:
+                   patches_dir: Path = PATCHES_DIR) -> PatchReport:
     """Bring the host to the patched state; returns what was found and done (or would be)."""
     if cfg.server.backend == "local":
-        return {"backend": "local", "host": host.name, "status": "not needed",
-                "reason": "eyas serve-local writes hidden-state dumps itself"}
+        return PatchReport("local", host.name, "not needed", reason=LOCAL_NEEDS_NONE)
     found = _find_install(host, cfg, patches_dir)
     try:
         pset = load_patch_set(found.version, patches_dir)
@@ -251,7 +275,7 @@ def ensure_patched(host: Host, cfg: PipelineConfig, *, dry_run: bool = False,
                 writes[rel] = _reversed_bytes(host, found, rel, old["diff"], old["original_sha256"])
     for name, data in pset.modules.items():
         current = found.sha256.get(name)
-        if current != _sha256(data):
+        if current != sha256_bytes(data):
             actions[name] = "installed" if current is None else "updated"
             writes[name] = data
         else:
@@ -264,7 +288,7 @@ def ensure_patched(host: Host, cfg: PipelineConfig, *, dry_run: bool = False,
         "sglang_version": pset.sglang_version, "capture": mode,
         "files": [{"path": f.path, "original_sha256": f.original_sha256,
                    "patched_sha256": f.patched_sha256, "diff": f.diff} for f in patched],
-        "modules": {name: _sha256(data) for name, data in pset.modules.items()},
+        "modules": {name: sha256_bytes(data) for name, data in pset.modules.items()},
     }
     steady = ("already patched", "up to date", ORIGINAL, LEFT)
     changed = found.state != new_state or any(a not in steady and not a.startswith("missing:")
@@ -275,11 +299,10 @@ def ensure_patched(host: Host, cfg: PipelineConfig, *, dry_run: bool = False,
         if found.state != new_state:
             _write(host, f"{found.package_dir}/{STATE_NAME}", json.dumps(new_state, indent=1).encode())
     status = "already patched" if not changed else ("would patch" if dry_run else "patched")
-    return {"backend": "sglang", "host": host.name, "status": status, "python": found.python,
-            "sglang_version": found.version, "patch_version": pset.patch_version, "capture": mode,
-            "site_packages": found.site_dir, "state_path": f"{found.package_dir}/{STATE_NAME}",
-            "actions": actions, "dump_sha256": _sha256(pset.modules[DUMP_MODULE]),
-            "architecture": architecture}
+    return PatchReport("sglang", host.name, status, python=found.python, sglang_version=found.version,
+                       patch_version=pset.patch_version, capture=mode, site_packages=found.site_dir,
+                       state_path=f"{found.package_dir}/{STATE_NAME}", actions=actions,
+                       dump_sha256=sha256_bytes(pset.modules[DUMP_MODULE]), architecture=architecture)
 
 
 ORIGINAL = "original: the forward hook needs no change"
@@ -336,13 +359,13 @@ def _patched_bytes(host: Host, found: Probe, f: PatchedFile, old: dict | None) -
     """The patched content of f, from the host's copy (reversing an older eyas patch first)."""
     where = _remote(found, f.path)
     data = _read(host, where)
-    if old and _sha256(data) == old["patched_sha256"]:
+    if old and sha256_bytes(data) == old["patched_sha256"]:
         data = apply_diff(data.decode(), old["diff"], reverse=True, name=where).encode()
-    if _sha256(data) != f.original_sha256:
-        raise _refuse_modified(host, found, f.path, _sha256(data), f.original_sha256, f.patched_sha256)
+    if sha256_bytes(data) != f.original_sha256:
+        raise _refuse_modified(host, found, f.path, sha256_bytes(data), f.original_sha256, f.patched_sha256)
     patched = apply_diff(data.decode(), f.diff, name=where).encode()
-    if _sha256(patched) != f.patched_sha256:
-        raise PatchError(f"{where}: the patch applied, but the result has sha256 {_sha256(patched)}, "
+    if sha256_bytes(patched) != f.patched_sha256:
+        raise PatchError(f"{where}: the patch applied, but the result has sha256 {sha256_bytes(patched)}, "
                          f"not the manifest's {f.patched_sha256}: the patch set is inconsistent")
     return patched
 
@@ -350,17 +373,16 @@ def _patched_bytes(host: Host, found: Probe, f: PatchedFile, old: dict | None) -
 def _reversed_bytes(host: Host, found: Probe, rel: str, diff: str, original_sha256: str) -> bytes:
     where = _remote(found, rel)
     restored = apply_diff(_read(host, where).decode(), diff, reverse=True, name=where).encode()
-    if _sha256(restored) != original_sha256:
+    if sha256_bytes(restored) != original_sha256:
         raise PatchError(f"[{host.name}] {where}: reversing the recorded patch gives sha256 "
-                         f"{_sha256(restored)}, not the original {original_sha256}")
+                         f"{sha256_bytes(restored)}, not the original {original_sha256}")
     return restored
 
 
-def reverse_patch(host: Host, cfg: PipelineConfig, *, patches_dir: Path = PATCHES_DIR) -> dict:
+def reverse_patch(host: Host, cfg: PipelineConfig, *, patches_dir: Path = PATCHES_DIR) -> PatchReport:
     """Restore the original bytes of every patched file and remove the hook modules and state."""
     if cfg.server.backend == "local":
-        return {"backend": "local", "host": host.name, "status": "not needed",
-                "reason": "eyas serve-local writes hidden-state dumps itself"}
+        return PatchReport("local", host.name, "not needed", reason=LOCAL_NEEDS_NONE)
     found = _find_install(host, cfg, patches_dir)
     state = _usable_state(found)
     claimed = state is not None  # the state names what eyas patched: anything else there is refused
@@ -399,8 +421,8 @@ def reverse_patch(host: Host, cfg: PipelineConfig, *, patches_dir: Path = PATCHE
     if doomed:
         host.run("rm -f " + " ".join(shlex.quote(p) for p in doomed))
     status = "reversed" if writes or doomed else "not patched"
-    return {"backend": "sglang", "host": host.name, "status": status, "python": found.python,
-            "sglang_version": found.version, "site_packages": found.site_dir, "actions": actions}
+    return PatchReport("sglang", host.name, status, python=found.python, sglang_version=found.version,
+                       site_packages=found.site_dir, actions=actions)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -422,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     except PatchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(result, indent=1))
+    print(json.dumps(result.to_json(), indent=1))
     return 0
 
 

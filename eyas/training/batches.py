@@ -1,6 +1,6 @@
 """From shards to training batches: the samples, the length-aware epoch plan, collation and aux noise.
 
-    data = ShardData(paths, num_heldout, ttt_steps)       # samples by global index; the last few held out
+    data = ShardData(paths, num_validation, ttt_steps)    # samples by global index; the last few held out
     meta = check_shard_meta(data.readers, target)         # the shards agree with each other and the target
     plan = epoch_plan(data.lengths, data.train_ids, batch_size, num_micro, seed, epoch)
     batch = add_aux_noise(collate([data.sample(i) for i in plan[0][0]], device), 0.1)
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # eyas.config needs pydantic; the GPU benchmark imports this 
 class ShardData:
     """Samples of several shards, read lazily by global index; the last few are held out."""
 
-    def __init__(self, paths: list[Path], num_heldout: int | None = None, ttt_steps: int = 1,
+    def __init__(self, paths: list[Path], num_validation: int | None = None, ttt_steps: int = 1,
                  all_positions: bool = False):
         if not paths:
             raise ValueError("train_drafter: no shard files given")
@@ -43,9 +43,9 @@ class ShardData:
             raise ValueError(f"shards disagree on (hidden_size, num_aux): {sorted(hs)}")
         (self.hidden_size, self.num_aux), = hs
         n = len(self.index)
-        self.num_heldout = min(64, n // 20) if num_heldout is None else min(num_heldout, n - 1)
-        self.train_ids = list(range(n - self.num_heldout))
-        self.heldout_ids = list(range(n - self.num_heldout, n))
+        self.num_validation = min(64, n // 20) if num_validation is None else min(num_validation, n - 1)
+        self.train_ids = list(range(n - self.num_validation))
+        self.validation_ids = list(range(n - self.num_validation, n))
         self.all_positions = all_positions  # every real token is a label, not only the loss mask's
         self.scored = self._scored_counts(ttt_steps)  # (n, K) positions scored per TTT step
 

@@ -50,11 +50,6 @@ class TrainState:
     init_from: dict | None = None  # a warm start's source (training.init_from): path, kind
 
 
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    found = sorted((output_dir / "checkpoints").glob("step-[0-9]*"))
-    return found[-1] if found else None
-
-
 def quarantine_dir(output_dir: Path) -> Path:
     return Path(output_dir) / "checkpoints.quarantine"
 
@@ -62,8 +57,8 @@ def quarantine_dir(output_dir: Path) -> Path:
 def damage(path: Path) -> str | None:
     """Why the checkpoint at path cannot be resumed as it was written (None: intact).
 
-    With checksums.json: every file's size, then its sha256. Without (written before eyas recorded
-    checksums): trusted if it loads, as before, so each file is read as resuming reads it."""
+    With checksums.json: every file's size, then its sha256. Without one (an eyas that recorded no
+    checksums wrote it): trusted if it loads, so each file is read as resuming reads it."""
     missing = [name for name in FILES if not (path / name).is_file()]
     if missing:
         return f"{', '.join(missing)} missing"

@@ -56,9 +56,9 @@ def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def cpu_bf16_gemm() -> bool:
-    """Whether this CPU has bf16 matrix units (AMX), where bf16 GEMMs beat fp32 ones ~8x (2.6 against
-    0.3 TFLOP/s on 2 cores: docs/performance.md, "Training on a CPU"); without them bf16 GEMMs are
-    emulated and slower."""
+    """Whether this CPU has bf16 matrix units (AMX), where bf16 GEMMs beat fp32 ones ~8x on the drafter's
+    shapes (bench/results/2026-12-03_cpu2_cpu-train-step.md); without them bf16 GEMMs are emulated and
+    slower."""
     init = getattr(torch._C._cpu, "_init_amx", None)  # True where AMX is there and the kernel lets us use it
     try:
         return bool(init()) if init is not None else False

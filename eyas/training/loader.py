@@ -43,6 +43,7 @@ READ_CHUNK = 64 << 20
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.uint8,  # bytes
            "I32": torch.int32, "U8": torch.uint8, "I64": torch.int64}
 THREAD_PREFIX = "eyas-loader"
+STOP_POLL_S = 0.2  #: how often an idle worker looks whether the loader stopped
 
 
 def plan_steps(lengths: list[int], ids: list[int], micro: int, num_micro: int, seed: int, epoch: int,
@@ -189,7 +190,12 @@ class BatchLoader:
         if self.cuda and self.device.index is not None:
             torch.cuda.set_device(self.device)  # page-locked memory is allocated for this device
         while True:
-            slot = self._jobs.get()
+            try:  # a timed wait: a worker ends once the loader stops, even if its None never comes
+                slot = self._jobs.get(timeout=STOP_POLL_S)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return
+                continue
             if slot is None:
                 return
             fut = slot["host"]

@@ -247,7 +247,7 @@ class TTTObjective(nn.Module):
         return TTTWeights(m, compute_dtype(device, m.fc.weight.dtype), self.gemm_dtype, fp8=kn.fp8_gemms,
                           compile=kn.compile, halves=self._shares_emb())
 
-    def _emb(self, ids, K: int, shared: TTTWeights, q_from: int = 0) -> SharedEmb | None:
+    def _emb(self, ids, K: int, weights: TTTWeights, q_from: int = 0) -> SharedEmb | None:
         """The embedding's share of q/k/v at every position a step reads (None: see _shares_emb). Step
         k at position t reads token t+1+k (0 past the end), which is ext[t+k] below, so step k's share
         at t is row t+k of one projection over the T+K-1 tokens (q's from q_from, the first query's
@@ -257,7 +257,7 @@ class TTTObjective(nn.Module):
         B, T = ids.shape
         ext = ids.new_zeros(B, T + K - 1)
         ext[:, :T - 1] = ids[:, 1:]
-        return emb_proj(self.drafter, ext, shared, self.kernels, q_from)
+        return emb_proj(self.drafter, ext, weights, self.kernels, q_from)
 
     def forward(self, ids, aux, labels: Labels, ttt_steps: int, decay: float, counts: torch.Tensor | None = None):
         """ids (B, T), aux (B, T, 3H) -> (loss, correct (K,), scored (K,)); counts (K,) the denominators."""
@@ -268,26 +268,26 @@ class TTTObjective(nn.Module):
             return self._forward_rows(ids, aux, labels, K, decay, counts, b, t)
         pos = torch.arange(T, device=ids.device)
         kv, normed = TTTKeys(), []
-        shared = self._weights(ids.device)
-        pe = self._emb(ids, K, shared, s)
+        weights = self._weights(ids.device)
+        pe = self._emb(ids, K, weights, s)
         for k in range(K):
             if pe is not None:  # the embedding's share of q/k/v from pe, shifted by k
                 if k == 0:  # keys and values on [0, e), the rest only on [s, e): the later steps read no more
-                    h, hn = ttt_step(m, aux[:, :e], pe.step(slice(s, e), slice(0, e)), pos[:e], kv, shared, kn,
+                    h, hn = ttt_step(m, aux[:, :e], pe.step(slice(s, e), slice(0, e)), pos[:e], kv, weights, kn,
                                      slice(s, None) if s else None)  # (B, e - s, H)
                 else:
                     rows = slice(s + k, e + k)
-                    h, hn = ttt_step(m, h, pe.step(rows, rows), pos[s:e] + k, kv, shared, kn)
+                    h, hn = ttt_step(m, h, pe.step(rows, rows), pos[s:e] + k, kv, weights, kn)
                 normed.append(hn)
                 continue
             nxt = torch.zeros_like(ids)
             nxt[:, :T - 1 - k] = ids[:, 1 + k:]  # step k at t reads token t+1+k
             if k == 0:  # all positions: step 0's keys are every later step's causal keys
-                h, hn = ttt_step_concat(m, nxt, aux, pos, kv, shared, kn)  # (B, T, H) pre-norm, normed
+                h, hn = ttt_step_concat(m, nxt, aux, pos, kv, weights, kn)  # (B, T, H) pre-norm, normed
                 if (s, e) != (0, T):  # later queries are the last rows of keys [0, e) (bottom-right causal)
                     h, hn, kv[0] = h[:, s:e], hn[:, s:e], tuple(t[:, :, :e] for t in kv[0])
             else:
-                h, hn = ttt_step_concat(m, nxt[:, s:e], h, pos[s:e] + k, kv, shared, kn)  # (B, L, H)
+                h, hn = ttt_step_concat(m, nxt[:, s:e], h, pos[s:e] + k, kv, weights, kn)  # (B, L, H)
             normed.append(hn)
         hn = torch.stack(normed)  # (K, B, L, H)
         normed.clear()  # the steps' own copies go before the head's chunks are allocated (peak memory)
@@ -308,26 +308,26 @@ class TTTObjective(nn.Module):
         scores (ttt_rows), as one (1, N) batch: step 0 runs on all of (B, T), since its keys are every
         later step's causal keys; the attention scatters the gathered queries back for its causal part."""
         m, T, kn = self.drafter, ids.shape[1], self.kernels
-        shared = self._weights(ids.device)
-        pe = self._emb(ids, K, shared)
+        weights = self._weights(ids.device)
+        pe = self._emb(ids, K, weights)
         kv, normed = TTTKeys(), []
         for k in range(K):
             if pe is not None:  # the embedding's share of q/k/v from pe, shifted by k
                 if k == 0:  # keys and values everywhere, queries and the rest at the gathered rows only
                     h, hn = ttt_step(m, aux, pe.step((b, t), slice(0, T)), torch.arange(T, device=ids.device),
-                                     kv, shared, kn, (b, t))  # (1, N, H)
+                                     kv, weights, kn, (b, t))  # (1, N, H)
                     kv.where = (b, t)
                 else:
-                    h, hn = ttt_step(m, h, pe.step((b, t + k), (b, t + k)), t + k, kv, shared, kn)
+                    h, hn = ttt_step(m, h, pe.step((b, t + k), (b, t + k)), t + k, kv, weights, kn)
                 normed.append(hn[0])
                 continue
             nxt = torch.zeros_like(ids)
             nxt[:, :T - 1 - k] = ids[:, 1 + k:]  # step k at t reads token t+1+k
             if k == 0:
-                h, hn = ttt_step_concat(m, nxt, aux, torch.arange(T, device=ids.device), kv, shared, kn)
+                h, hn = ttt_step_concat(m, nxt, aux, torch.arange(T, device=ids.device), kv, weights, kn)
                 h, hn, kv.where = h[b, t][None], hn[b, t][None], (b, t)  # (1, N, H)
             else:
-                h, hn = ttt_step_concat(m, nxt[b, t][None], h, t + k, kv, shared, kn)  # (1, N, H)
+                h, hn = ttt_step_concat(m, nxt[b, t][None], h, t + k, kv, weights, kn)  # (1, N, H)
             normed.append(hn[0])
         hn = torch.stack(normed)  # (K, N, H)
         normed.clear()

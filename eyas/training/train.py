@@ -19,8 +19,8 @@ j % world_size. The loss is normalised by the global batch's count of scored pos
 of one global batch (accumulation, ranks) gives the same loss and gradient. Each rank's
 micro-batches are read, collated and copied to the GPU ahead of the step by a BatchLoader
 (eyas/training/loader.py; training.loader_workers, 0 = inside the step, the same batches bit for
-bit). How the step computes
-(torch.compile, kernels, fusions) is one KernelOptions made from the config (eyas/training/kernels.py).
+bit). The step's choices a user makes (torch.compile, FP8 GEMMs) are one KernelOptions made from the
+config (eyas/training/kernels.py).
 
 Checkpoints (eyas/training/checkpoints.py: cfg.output_dir/checkpoints/step-NNNNNN/, each written whole then
 renamed into place) hold the trainable weights with d2t/t2d, drafter.json, and trainer_state.pt
@@ -253,7 +253,7 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
                                                      dtype, kernels=kernels, outside=outside)
     make_labels, memo = teacher, None
     log(f"training drafter: {sum(p.numel() for p in params) / 1e6:.2f}M params, {len(data.train_ids)} train / "
-        f"{data.num_heldout} held-out sequences, global batch {G} ({world} rank(s) x {cfg.grad_accum} x "
+        f"{data.num_validation} held-out sequences, global batch {G} ({world} rank(s) x {cfg.grad_accum} x "
         f"{cfg.batch_size}), draft vocab {cfg.draft_vocab_size}, device {device}{' (bf16 GEMMs)' * cpu_bf16}")
     # A CPU run's labels, once per sequence where they fit (a GPU computes them per batch)
     if device.type == "cpu" and cfg.teacher_cache_gb > 0:
@@ -381,9 +381,9 @@ def _all_reduce(t: torch.Tensor, device) -> torch.Tensor:
 def evaluate_heldout(objective, wrapped, make_labels, data: ShardData, cfg: TrainingConfig, device, dtype,
                      autocast, rank: int = 0, world: int = 1) -> list[float] | None:
     """Per-TTT-step accuracy on the held-out sequences; every rank runs the same number of forwards."""
-    if not data.heldout_ids:
+    if not data.validation_ids:
         return None
-    ids = data.heldout_ids
+    ids = data.validation_ids
     batches = [ids[s:s + cfg.batch_size] for s in range(0, len(ids), cfg.batch_size)]
     per_rank = -(-len(batches) // world)
     stats = torch.zeros(2 * cfg.ttt_steps, dtype=torch.float64)

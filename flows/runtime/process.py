@@ -156,10 +156,8 @@ def _global_settings_from_env() -> None:
     the API URL they were read with at import (none), its first log line makes Prefect start an
     ephemeral server of its own ("Starting temporary server"), which then runs beside the run to its
     end and slows it (a regeneration part of the embedded default 27 s instead of 18)."""
-    try:
-        from prefect.context import refresh_global_settings_context
-    except ImportError:  # an older Prefect: threads keep the import-time settings
-        return
+    from prefect.context import refresh_global_settings_context
+
     refresh_global_settings_context()
 
 
@@ -168,7 +166,9 @@ def _hand_over(timeout_s: float = 15.0) -> None:
     up. Left to the interpreter's exit, it finds the server gone: "Error logging to API", retries,
     and Prefect starting an ephemeral server of its own to deliver them (15 to 70 s between the
     pipeline's end and the process's on the embedded default:
-    bench/results/2026-12-04_cpu2_readme-pipeline.md)."""
+    bench/results/2026-12-04_cpu2_readme-pipeline.md). Prefect 3.9.1 drains each queue through its
+    worker class (APILogWorker, EventsWorker: `drain_all`); their private base drains every queue
+    at once, and the public log flush is the fallback should that base change."""
     try:
         from prefect._internal.concurrency.services import _QueueServiceBase
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from eyas.server.sglang_patch import PATCHES_DIR, apply_diff  # noqa: E402
+from eyas.server.patch_sets import PATCHES_DIR, apply_diff  # noqa: E402
 
 
 def refresh(version: str, wheel: Path) -> dict:

@@ -32,7 +32,7 @@ def test_patch_launch_sense_stop_over_ssh(tmp_path, sshd, random_target):
     cfg = ssh_stage_config(tmp_path, sshd, random_target)
     host = SSHHost(cfg.server.host)
     try:
-        assert sglang_patch.ensure_patched(host, cfg)["status"] == "not needed"
+        assert sglang_patch.ensure_patched(host, cfg).status == "not needed"
         handle = start_server(host, cfg)
         try:
             progress = []

@@ -45,7 +45,7 @@ def test_the_installed_package_finds_its_files_away_from_the_checkout(installed,
     script = (
         "import json, eyas\n"
         "from eyas.resources import shipped, shipped_root\n"
-        "from eyas.server.sglang_patch import available_versions, load_patch_set\n"
+        "from eyas.server.patch_sets import available_versions, load_patch_set\n"
         "from eyas.config import load_config\n"
         "cfg = load_config(shipped('configs', 'local-tiny.yaml'))\n"
         "print(json.dumps({'eyas': eyas.__file__, 'root': str(shipped_root()),\n"

@@ -118,7 +118,7 @@ def real_sglang(tmp_path_factory, figures):
     host = LocalHost()
     t0 = time.monotonic()
     patch = ensure_patched(host, cfg)
-    figures["patch"] = {"status": patch["status"], "actions": patch["actions"], "seconds": time.monotonic() - t0}
+    figures["patch"] = {"status": patch.status, "actions": patch.actions, "seconds": time.monotonic() - t0}
     progress = []
     handle = None
     try:
@@ -140,7 +140,7 @@ def real_sglang(tmp_path_factory, figures):
         if handle is not None:
             figures["server_log_tail"] = Path(handle.log_path).read_text(errors="replace")[-3000:]
             stop_server(host, cfg, handle)
-        figures["reverse"] = reverse_patch(host, cfg)["status"]
+        figures["reverse"] = reverse_patch(host, cfg).status
 
 
 def test_patch_stage_installs_the_hook_and_changes_no_sglang_file(real_sglang):
@@ -149,9 +149,9 @@ def test_patch_stage_installs_the_hook_and_changes_no_sglang_file(real_sglang):
     from eyas.server.patch_sets import load_patch_set
 
     cfg, _, _, patch, _, _ = real_sglang
-    assert patch["status"] in ("patched", "already patched"), patch
-    assert patch["sglang_version"] == VERSION
-    site = Path(patch["site_packages"])
+    assert patch.status in ("patched", "already patched"), patch
+    assert patch.sglang_version == VERSION
+    site = Path(patch.site_packages)
     assert (site / "eyas_sglang_hook.py").is_file() and (site / "eyas_dump.py").is_file()
     for f in load_patch_set(VERSION).files:  # deepseek_v2.py: the wheel's bytes
         assert hashlib.sha256((site / f.path).read_bytes()).hexdigest() == f.original_sha256, f.path
@@ -187,7 +187,7 @@ def test_extracted_shards_hold_the_targets_hidden_states(real_sglang, figures):
     assert len(prepared.plans) == 3
     t0 = time.monotonic()
     with stage.ExtractionContext() as ctx:
-        manifests = [stage.run_shard(ctx, cfg, plan, patch["patch_version"], log=log) for plan in prepared.plans]
+        manifests = [stage.run_shard(ctx, cfg, plan, patch.patch_version, log=log) for plan in prepared.plans]
     seconds = time.monotonic() - t0
     tokens = sum(m.num_tokens for m in manifests)
     figures["extraction"] = {"shards": len(manifests), "samples": sum(m.num_samples for m in manifests),

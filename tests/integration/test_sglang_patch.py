@@ -24,11 +24,12 @@ import pytest
 from eyas.server import patch_sets, sglang_patch
 from eyas.server.hosts import LocalHost
 from eyas.server.ssh_host import SSHHost
-from eyas.server.sglang_patch import PatchError, apply_diff, ensure_patched, reverse_patch
+from eyas.server.patch_sets import PATCHES_DIR, PatchError, apply_diff
+from eyas.server.sglang_patch import ensure_patched, reverse_patch
 from tests.sglang_wheel import DSV2, TARGET_ARCH, VERSION, make_site, sglang_config, wheel_text  # noqa: F401
 from tests.stage_config import stage_config
 
-SET_DIR = sglang_patch.PATCHES_DIR / VERSION
+SET_DIR = PATCHES_DIR / VERSION
 HOOK = "eyas_sglang_hook.py"
 
 
@@ -50,14 +51,14 @@ def test_the_forward_hook_alone_changes_no_sglang_file_and_reverses(tmp_path, si
     assert stage_config(tmp_path, tmp_path / "c").server.capture == "forward_hook"  # the default
     original = (site / DSV2).read_bytes()
     done = ensure_patched(host, cfg)
-    assert done["status"] == "patched" and done["capture"] == "forward_hook"
-    assert done["actions"] == {DSV2: sglang_patch.ORIGINAL, HOOK: "installed", "eyas_dump.py": "installed"}
+    assert done.status == "patched" and done.capture == "forward_hook"
+    assert done.actions == {DSV2: sglang_patch.ORIGINAL, HOOK: "installed", "eyas_dump.py": "installed"}
     assert (site / DSV2).read_bytes() == original and (site / HOOK).is_file()
     state = json.loads((site / "sglang" / ".eyas-patch.json").read_text())
     assert state["capture"] == "forward_hook" and state["files"] == []
-    assert ensure_patched(host, cfg)["status"] == "already patched"
+    assert ensure_patched(host, cfg).status == "already patched"
     undone = reverse_patch(host, cfg)
-    assert undone["status"] == "reversed" and not (site / HOOK).exists()
+    assert undone.status == "reversed" and not (site / HOOK).exists()
     assert (site / DSV2).read_bytes() == original
 
 
@@ -67,9 +68,9 @@ def test_an_earlier_source_patch_is_restored_when_the_hook_alone_captures(tmp_pa
     assert (site / DSV2).read_bytes() != original
     cfg = sglang_config(tmp_path, site, capture="forward_hook")
     planned = ensure_patched(host, cfg, dry_run=True)
-    assert planned["actions"][DSV2].startswith("restored") and (site / DSV2).read_bytes() != original
+    assert planned.actions[DSV2].startswith("restored") and (site / DSV2).read_bytes() != original
     done = ensure_patched(host, cfg)
-    assert done["actions"][DSV2].startswith("restored") and (site / DSV2).read_bytes() == original
+    assert done.actions[DSV2].startswith("restored") and (site / DSV2).read_bytes() == original
 
 
 def test_an_sglang_patched_by_hand_is_accepted_while_its_capture_code_is_there(tmp_path, site):
@@ -81,8 +82,8 @@ def test_an_sglang_patched_by_hand_is_accepted_while_its_capture_code_is_there(t
     with pytest.raises(PatchError, match="modified locally"):
         ensure_patched(LocalHost(), sglang_config(tmp_path, site, capture="source_patch"))
     done = ensure_patched(LocalHost(), sglang_config(tmp_path, site, capture="forward_hook"))
-    assert done["actions"][DSV2] == sglang_patch.LEFT and (site / DSV2).read_bytes() == hand
-    assert reverse_patch(LocalHost(), sglang_config(tmp_path, site, capture="forward_hook"))["status"] == "reversed"
+    assert done.actions[DSV2] == sglang_patch.LEFT and (site / DSV2).read_bytes() == hand
+    assert reverse_patch(LocalHost(), sglang_config(tmp_path, site, capture="forward_hook")).status == "reversed"
     assert (site / DSV2).read_bytes() == hand  # reverse leaves what eyas did not write
 
     (site / DSV2).write_text(text.replace("def set_eagle3_layers_to_capture", "def _layers_off"))
@@ -93,7 +94,7 @@ def test_an_sglang_patched_by_hand_is_accepted_while_its_capture_code_is_there(t
 
 def test_a_llama_target_is_captured_by_the_forward_hook_alone(tmp_path, site):
     cfg = sglang_config(tmp_path, site, architectures=["LlamaForCausalLM"], capture="forward_hook")
-    assert ensure_patched(LocalHost(), cfg)["architecture"] == "LlamaForCausalLM"
+    assert ensure_patched(LocalHost(), cfg).architecture == "LlamaForCausalLM"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,13 +127,13 @@ def test_apply_is_idempotent_and_reverse_restores_the_original_bytes(tmp_path, s
     manifest = json.loads((SET_DIR / "manifest.json").read_text())
 
     planned = ensure_patched(host, cfg, dry_run=True)
-    assert planned["status"] == "would patch" and (site / DSV2).read_bytes() == original
+    assert planned.status == "would patch" and (site / DSV2).read_bytes() == original
     assert not (site / HOOK).exists()
 
     done = ensure_patched(host, cfg)
-    assert done["status"] == "patched" and done["sglang_version"] == VERSION
-    assert done["patch_version"] == manifest["patch_version"] and done["architecture"] == TARGET_ARCH
-    assert done["actions"] == {DSV2: "patched", HOOK: "installed", "eyas_dump.py": "installed"}
+    assert done.status == "patched" and done.sglang_version == VERSION
+    assert done.patch_version == manifest["patch_version"] and done.architecture == TARGET_ARCH
+    assert done.actions == {DSV2: "patched", HOOK: "installed", "eyas_dump.py": "installed"}
     assert sha(site / DSV2) == manifest["files"][0]["patched_sha256"]
     assert (site / HOOK).read_bytes() == (SET_DIR / HOOK).read_bytes()
     assert (site / "eyas_dump.py").read_bytes() == patch_sets.DUMP_SOURCE.read_bytes()
@@ -144,16 +145,16 @@ def test_apply_is_idempotent_and_reverse_restores_the_original_bytes(tmp_path, s
 
     stamp = (site / DSV2).stat().st_mtime_ns
     again = ensure_patched(host, cfg)
-    assert again["status"] == "already patched" and again["patch_version"] == done["patch_version"]
-    assert set(again["actions"].values()) == {"already patched", "up to date"}
+    assert again.status == "already patched" and again.patch_version == done.patch_version
+    assert set(again.actions.values()) == {"already patched", "up to date"}
     assert (site / DSV2).stat().st_mtime_ns == stamp
 
     undone = reverse_patch(host, cfg)
-    assert undone["status"] == "reversed" and undone["actions"][DSV2] == "restored"
+    assert undone.status == "reversed" and undone.actions[DSV2] == "restored"
     assert (site / DSV2).read_bytes() == original
     assert not (site / HOOK).exists() and not (site / "eyas_dump.py").exists()
     assert not (site / "sglang" / ".eyas-patch.json").exists()
-    assert reverse_patch(host, cfg)["status"] == "not patched"
+    assert reverse_patch(host, cfg).status == "not patched"
 
 
 def test_another_sglang_version_is_refused_naming_it(tmp_path, sglang_wheel):
@@ -181,8 +182,8 @@ def test_missing_sglang_and_the_local_backend(tmp_path, site):
     with pytest.raises(PatchError, match="sglang is not installed for"):
         ensure_patched(LocalHost(), cfg)
     local = stage_config(tmp_path, tmp_path / "checkpoint")
-    assert ensure_patched(LocalHost(), local)["status"] == "not needed"
-    assert reverse_patch(LocalHost(), local)["status"] == "not needed"
+    assert ensure_patched(LocalHost(), local).status == "not needed"
+    assert reverse_patch(LocalHost(), local).status == "not needed"
 
 
 def test_a_changed_module_or_a_reinstalled_sglang_is_redone(tmp_path, site, sglang_wheel):
@@ -190,13 +191,13 @@ def test_a_changed_module_or_a_reinstalled_sglang_is_redone(tmp_path, site, sgla
     ensure_patched(host, cfg)
     (site / "eyas_dump.py").write_text("# stale\n")
     redo = ensure_patched(host, cfg)
-    assert redo["status"] == "patched" and redo["actions"]["eyas_dump.py"] == "updated"
-    assert redo["actions"][DSV2] == "already patched"
+    assert redo.status == "patched" and redo.actions["eyas_dump.py"] == "updated"
+    assert redo.actions[DSV2] == "already patched"
     assert (site / "eyas_dump.py").read_bytes() == patch_sets.DUMP_SOURCE.read_bytes()
     # pip install --force-reinstall puts the original back but leaves the state file behind
     (site / DSV2).write_text(wheel_text(sglang_wheel, DSV2))
-    assert ensure_patched(host, cfg, dry_run=True)["status"] == "would patch"
-    assert ensure_patched(host, cfg)["actions"][DSV2] == "patched"
+    assert ensure_patched(host, cfg, dry_run=True).status == "would patch"
+    assert ensure_patched(host, cfg).actions[DSV2] == "patched"
 
 
 def test_an_older_eyas_patch_is_replaced(tmp_path, site):
@@ -213,7 +214,7 @@ def test_an_older_eyas_patch_is_replaced(tmp_path, site):
         "files": [{"path": DSV2, "diff": diff, "original_sha256": hashlib.sha256(original.encode()).hexdigest(),
                    "patched_sha256": hashlib.sha256(older.encode()).hexdigest()}], "modules": {}}))
     done = ensure_patched(host, cfg)
-    assert done["actions"][DSV2] == "re-patched (was eyas-sglang-0.5.23-r0)"
+    assert done.actions[DSV2] == "re-patched (was eyas-sglang-0.5.23-r0)"
     assert sha(site / DSV2) == json.loads((SET_DIR / "manifest.json").read_text())["files"][0]["patched_sha256"]
     reverse_patch(host, cfg)
     assert (site / DSV2).read_text() == original
@@ -242,13 +243,13 @@ def test_an_unsupported_architecture_is_refused_naming_it_the_file_and_the_list(
 
     # the first name is what SGLang's registry builds; an empty list is refused too
     cfg = sglang_config(tmp_path, site, architectures=["DeepseekV3ForCausalLM", "LlamaForCausalLM"])
-    assert ensure_patched(LocalHost(), cfg, dry_run=True)["architecture"] == "DeepseekV3ForCausalLM"
+    assert ensure_patched(LocalHost(), cfg, dry_run=True).architecture == "DeepseekV3ForCausalLM"
     with pytest.raises(PatchError, match="names no architectures"):
         ensure_patched(LocalHost(), sglang_config(tmp_path, site, architectures=[]), dry_run=True)
     # no config.json on the host: reported, not refused (the server refuses to start without one)
     (tmp_path / "checkpoint" / "config.json").unlink()
     cfg = sglang_config(tmp_path, site, architectures=None)
-    assert ensure_patched(LocalHost(), cfg, dry_run=True)["architecture"].startswith("unchecked: no config.json")
+    assert ensure_patched(LocalHost(), cfg, dry_run=True).architecture.startswith("unchecked: no config.json")
 
 
 # Wrappers whose call into the language model tests/unit/test_sglang_hook.py drives from the wheel's code.
@@ -357,11 +358,11 @@ def test_the_same_over_ssh(tmp_path, sglang_wheel, sshd):
     original = (site / DSV2).read_bytes()
     host = SSHHost(cfg.server.host)
     try:
-        assert ensure_patched(host, cfg)["status"] == "patched"
+        assert ensure_patched(host, cfg).status == "patched"
         assert (site / HOOK).read_bytes() == (SET_DIR / HOOK).read_bytes()
         py_compile.compile(str(site / DSV2), cfile=str(tmp_path / "dsv2.pyc"), doraise=True)
-        assert ensure_patched(host, cfg)["status"] == "already patched"
-        assert reverse_patch(host, cfg)["status"] == "reversed"
+        assert ensure_patched(host, cfg).status == "already patched"
+        assert reverse_patch(host, cfg).status == "reversed"
         assert (site / DSV2).read_bytes() == original and not (site / HOOK).exists()
 
         (site / DSV2).write_bytes(original + b"# drift\n")

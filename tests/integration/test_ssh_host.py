@@ -39,10 +39,7 @@ def test_ssh_unknown_host_key_is_refused(sshd, tmp_path):
 
 
 def test_ssh_closed_port_is_unreachable(sshd):
-    import socket
+    from eyas.net import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
     with pytest.raises(HostUnreachable):
-        SSHHost(ssh_config(sshd, port=closed)).run("true")
+        SSHHost(ssh_config(sshd, port=free_port())).run("true")

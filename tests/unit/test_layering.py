@@ -1,5 +1,6 @@
 """The core (eyas/) is Prefect-free: no module under it imports Prefect, the flows or the tasks, at
-the top or inside a function, by an import statement or by name through importlib / __import__."""
+the top or inside a function, by an import statement or by name through importlib / __import__. And no
+import in the core runs back up a layer: a stage imports only the stages below it."""
 
 import ast
 from pathlib import Path
@@ -45,3 +46,52 @@ def test_the_walk_sees_imports_inside_functions_and_by_name():
               "from eyas.config import load_config\nfrom . import sibling\n")
     assert [m for _, m in imports_of(ast.parse(source))] == ["prefect", "flows.pipeline", "tasks.extract",
                                                              "prefect.runtime", "eyas.config"]
+
+
+#: The core's layers, lowest first: a module imports only its own package and packages of its layer
+#: or below (the stages in DAG order; what assembles stages last).
+LAYERS = [
+    {"errors", "files", "net", "resources", "secrets"},
+    {"config", "dump", "target"},
+    {"server"},
+    {"extraction"},
+    {"training"},
+    {"evaluation"},
+    {"local", "plan", "preflight", "results", "report", "cli", "__main__"},
+]
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def eyas_imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, first name under eyas) of every import of the core, `from eyas import x` naming x."""
+    found = []
+    for line, module in imports_of(tree):
+        parts = module.split(".")
+        if parts[0] == "eyas" and len(parts) > 1:
+            found.append((line, parts[1]))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "eyas":
+            found += [(node.lineno, a.name) for a in node.names]
+    return found
+
+
+def test_no_import_in_the_core_runs_back_up_a_layer():
+    files = sorted((ROOT / "eyas").rglob("*.py"))
+    packages = {p.relative_to(ROOT / "eyas").parts[0].removesuffix(".py") for p in files} - {"__init__", "_shipped"}
+    assert packages <= set(RANK), f"place these in LAYERS: {sorted(packages - set(RANK))}"
+    bad = []
+    for path in files:
+        rel = path.relative_to(ROOT / "eyas").parts
+        own = rel[0].removesuffix(".py")
+        if own not in RANK:
+            continue
+        for line, name in eyas_imports(ast.parse(path.read_text(), str(path))):
+            if name != own and RANK.get(name, -1) > RANK[own]:
+                bad.append(f"eyas/{'/'.join(rel)}:{line}: {own} imports {name}")
+    assert not bad, "imports that run back up a layer:\n" + "\n".join(bad)
+
+
+def test_the_layer_check_sees_an_upward_import():
+    tree = ast.parse("def f():\n    from eyas.evaluation.evaluate import x\nfrom eyas import resources\n")
+    assert eyas_imports(tree) == [(2, "evaluation"), (3, "resources")]
+    assert RANK["evaluation"] > RANK["training"]

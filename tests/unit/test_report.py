@@ -6,6 +6,7 @@ from eyas.evaluation.evaluate import EvalResult
 from eyas.extraction.shards import ShardManifest
 from eyas.report import build_report, extraction_summary, training_summary
 from eyas.results import Extracted, Trained
+from eyas.server.sglang_patch import PatchReport
 from eyas.server.readiness import ReadyReport
 from eyas.training.train import TrainResult
 from eyas.training.progress import StepStats
@@ -16,13 +17,16 @@ def _manifest(i: int, reused: bool) -> ShardManifest:
                          dtype="bfloat16", encoding="plain", hidden_size=8, num_aux_layers=3, reused=reused)
 
 
+LOCAL_PATCH = PatchReport("local", "localhost", "not needed", reason="eyas serve-local writes hidden-state dumps itself")
+
+
 def _report(manifests, resumed_from=0, ready=None):
     evaluation = EvalResult(acceptance_length=2.0, num_prompts=1, total_new_tokens=4, verify_steps=2,
                             identical_to_target=True, seconds=1.0, setting="3/1/4")
     result = TrainResult(final_loss=1.0, first_loss=2.0, losses=[2.0, 1.0], accuracies=[[0.5], [0.6]], steps=10,
                          tokens=1, seconds=1.0, checkpoint_dir="/c", draft_vocab_size=32,
                          resumed_from_step=resumed_from)
-    return build_report(name="t", config_source=None, extracted=Extracted(manifests, [], {}, {}, ready),
+    return build_report(name="t", config_source=None, extracted=Extracted(manifests, [], {}, LOCAL_PATCH, ready),
                         trained=Trained(result, "/d", evaluation), serving=None, stages={"extract": 4.0})
 
 
@@ -31,6 +35,8 @@ def test_the_stages_records_become_json_in_the_report():
     report = _report([_manifest(0, False)], ready=ready)
     assert json.loads(json.dumps(report)) == report  # plain JSON, nothing left as a dataclass
     assert report["server"] == {"ready_seconds": 3.5, "shards_total": 8}
+    assert report["patch"] == {"backend": "local", "host": "localhost", "status": "not needed", "actions": {},
+                               "reason": "eyas serve-local writes hidden-state dumps itself"}
     assert report["evaluation"]["setting"] == "3/1/4" and report["acceptance_length"] == 2.0
     assert report["training"]["steps"] == 10 and report["training"]["history"] == []
     assert _report([_manifest(0, True)])["server"] == {"ready_seconds": None, "shards_total": None}

@@ -1,6 +1,6 @@
 """PipelineConfig's checks across sections: paths on an SSH host are absolute, evaluation is served (never
 in process with SGLang), the serving launches' environment holds no secrets, and data.tokenizer is read
-as target.local_dir, its older name."""
+as target.local_dir, another name for it."""
 
 from __future__ import annotations
 
@@ -49,5 +49,5 @@ def test_data_tokenizer_is_read_as_target_local_dir(tmp_path):
     assert cfg.target.local_dir == tmp_path / "copy" and "tokenizer" not in cfg.data.model_dump()
     same = {**raw, "target": {**raw["target"], "local_dir": "copy"}}
     assert config_from_dict(same, base_dir=tmp_path).target.local_dir == tmp_path / "copy"
-    with pytest.raises(ConfigError, match="data.tokenizer is the older name of target.local_dir"):
+    with pytest.raises(ConfigError, match="data.tokenizer is another name for target.local_dir"):
         config_from_dict({**raw, "target": {**raw["target"], "local_dir": "other"}}, base_dir=tmp_path)

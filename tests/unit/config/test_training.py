@@ -1,5 +1,5 @@
 """The training section: training.num_validation_sequences (the shard sequences kept out of training
-for the simulated acceptance length), and num_heldout, its older name, still read."""
+for the simulated acceptance length) is not data.num_heldout, and training.num_heldout says which it is."""
 
 from __future__ import annotations
 
@@ -11,15 +11,12 @@ from tests.stage_config import ROOT
 TINY = ROOT / "configs" / "local-tiny.yaml"
 
 
-def test_num_heldout_is_read_as_num_validation_sequences():
+def test_training_num_heldout_is_refused_naming_both_settings():
     assert load_config(TINY).training.num_validation_sequences is None
-    assert load_config(TINY, {"training.num_heldout": 5}).training.num_validation_sequences == 5
-    same = load_config(TINY, {"training.num_heldout": 5, "training.num_validation_sequences": 5})
-    assert same.training.num_validation_sequences == 5
-    assert "num_heldout" not in same.training.model_dump()  # stored and shown under the one name
-    with pytest.raises(ConfigError, match=r"training: .*num_heldout=5 and num_validation_sequences=4: num_heldout "
-                                          r"is the older name"):
-        load_config(TINY, {"training.num_heldout": 5, "training.num_validation_sequences": 4})
+    assert load_config(TINY, {"training.num_validation_sequences": 5}).training.num_validation_sequences == 5
+    with pytest.raises(ConfigError, match=r"training: .*num_heldout is not a training setting: .* are "
+                                          r"training.num_validation_sequences; .* are data.num_heldout"):
+        load_config(TINY, {"training.num_heldout": 5})
 
 
 def test_data_num_heldout_is_another_setting():

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,7 @@ def same(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("all_positions", [False, True], ids=["mask", "all"])
 def test_batches_are_bit_for_bit_those_of_collate_in_plan_order(shard_sets, kind, dtype, all_positions):
-    data = ShardData(shard_sets[kind], num_heldout=2, ttt_steps=2, all_positions=all_positions)
+    data = ShardData(shard_sets[kind], num_validation=2, ttt_steps=2, all_positions=all_positions)
     steps = list(itertools.islice(plan_steps(data.lengths, data.train_ids, 3, 2, seed=5, epoch=0, pos=1, window=2), 7))
     assert [(e, p) for e, p, _ in steps] == [(0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
     with BatchLoader(data, steps, "cpu", dtype, workers=3, ahead=3) as loader:
@@ -91,7 +92,7 @@ def test_fp8_is_dequantized_as_the_reader_does():
 
 
 def test_each_rank_reads_only_its_micro_batches(shard_sets):
-    data = ShardData(shard_sets["bf16"], num_heldout=0)
+    data = ShardData(shard_sets["bf16"], num_validation=0)
     steps = list(itertools.islice(plan_steps(data.lengths, data.train_ids, 2, 4, seed=0, epoch=0, pos=0), 3))
     read = {}
     for rank in (0, 1):
@@ -112,7 +113,7 @@ def test_a_worker_error_reaches_the_step_and_no_thread_is_left(shard_sets, tmp_p
     paths = [tmp_path / p.name for p in shard_sets["bf16"]]
     for src, dst in zip(shard_sets["bf16"], paths):
         shutil.copy(src, dst)
-    data = ShardData(paths, num_heldout=0)
+    data = ShardData(paths, num_validation=0)
     steps = list(itertools.islice(plan_steps(data.lengths, data.train_ids, 2, 1, seed=0, epoch=0, pos=0), 6))
     cut = tmp_path / "cut"
     cut.write_bytes(paths[1].read_bytes()[:4096])
@@ -125,7 +126,7 @@ def test_a_worker_error_reaches_the_step_and_no_thread_is_left(shard_sets, tmp_p
 
 
 def test_closing_mid_epoch_drops_what_was_read_ahead(shard_sets):
-    data = ShardData(shard_sets["fp8"], num_heldout=0)
+    data = ShardData(shard_sets["fp8"], num_validation=0)
     steps = plan_steps(data.lengths, data.train_ids, 2, 1, seed=0, epoch=0, pos=0)  # endless
     with pytest.raises(KeyboardInterrupt):
         with BatchLoader(data, steps, "cpu", torch.float32, workers=3, ahead=4) as loader:
@@ -159,7 +160,7 @@ def test_training_is_bit_for_bit_the_synchronous_path_and_resumes(sharp_target, 
 def test_fp8_shards_train_as_the_reader_dequantizes_them(sharp_target, shards, tmp_path):
     fp8 = []
     for p in shards:
-        data = ShardData([p], num_heldout=0)
+        data = ShardData([p], num_validation=0)
         q = tmp_path / "fp8" / p.name
         write_shard(q, [data.sample(i) for i in range(len(data.lengths))], dict(data.readers[0].meta),
                     encoding="fp8_e4m3")
@@ -186,10 +187,11 @@ def test_an_exception_in_training_leaves_no_loader_thread(sharp_target, shards, 
 
 
 SIGTERM_SCRIPT = textwrap.dedent("""
-    import signal, sys, threading
+    import faulthandler, signal, sys, threading
     import torch
     from pathlib import Path
     from eyas.training.loader import threads_left
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks where a hang is
     from eyas.training.train import train_drafter
     from tests.helpers_training import target_config, training_config
     torch.set_num_threads(1)
@@ -216,7 +218,13 @@ def test_sigterm_mid_training_ends_the_process_with_no_loader_thread(sharp_targe
             if line.startswith("step 2"):
                 p.send_signal(signal.SIGTERM)
                 break
-        out, _ = p.communicate(timeout=60)
+        try:
+            out, _ = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGUSR1)  # every thread's stack, then fail with it
+            time.sleep(2)
+            p.kill()
+            raise AssertionError("no exit 60 s after SIGTERM; stacks:\n" + p.communicate()[0][-6000:]) from None
     finally:
         p.kill()
     assert p.returncode == 143, out

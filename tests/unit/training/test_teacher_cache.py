@@ -20,7 +20,7 @@ def uneven(sharp_target, tmp_path_factory):
 
 
 def test_cached_labels_equal_the_teachers_on_every_scored_position(uneven, sharp_target):
-    data = ShardData(uneven, num_heldout=2)
+    data = ShardData(uneven, num_validation=2)
     head = TargetHead.from_checkpoint(sharp_target, last_hidden_norm="post")
     V = head.weight.shape[0]
     t2d = torch.zeros(V, dtype=torch.bool)
@@ -41,7 +41,7 @@ def test_cached_labels_equal_the_teachers_on_every_scored_position(uneven, sharp
 
 
 def test_over_budget_gives_none(shards):
-    data = ShardData(shards, num_heldout=2)
+    data = ShardData(shards, num_validation=2)
     need = TeacherCache.nbytes(data, VD, torch.float32)
     assert need == sum(data.lengths) * VD * 4
     assert TeacherCache.build(data, lambda b: None, VD, torch.float32, budget_gb=need / 2**30 / 2) is None
@@ -50,7 +50,7 @@ def test_over_budget_gives_none(shards):
 # ----------------------------------------------------------------------------- ArgmaxMemo
 
 def _head_and_data(sharp_target, uneven):
-    data = ShardData(uneven, num_heldout=2)
+    data = ShardData(uneven, num_validation=2)
     head = TargetHead.from_checkpoint(sharp_target, last_hidden_norm="post")
     V = head.weight.shape[0]
     t2d = torch.zeros(V, dtype=torch.bool)

@@ -12,7 +12,7 @@ import torch
 
 from eyas.extraction import shards
 from eyas.extraction.shards import Sample, ShardWriter, manifest_path, verify_shard, write_shard
-from eyas.files import DiskFull, find_disk_full, write_json_atomic
+from eyas.files import DiskFull, write_json_atomic
 
 H, K = 64, 3  # bf16: (K + 1) * H * 2 + 5 = 517 bytes a token
 
@@ -129,18 +129,6 @@ def test_an_injected_enospc_at_the_shard_writer(tmp_path, monkeypatch):
     assert got.value.filename == str(path) and free_in(str(got.value), tmp_path) > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-00000.json", "shard-00000.safetensors"]
     assert_untouched(first, manifest)
-
-
-def test_find_disk_full_sees_through_wrapping():
-    inner = OSError(errno.ENOSPC, "No space left on device")
-    try:
-        try:
-            raise inner
-        except OSError as e:
-            raise RuntimeError("extract-shard-00001 failed") from e
-    except RuntimeError as outer:
-        assert find_disk_full(outer) is inner
-    assert find_disk_full(OSError(errno.EIO, "I/O error")) is None and find_disk_full(ValueError()) is None
 
 
 def test_the_extraction_tasks_do_not_retry_a_full_disk(small_disk, monkeypatch, prefect_harness):
