@@ -67,7 +67,6 @@ class PatchReport:
 
 LOCAL_NEEDS_NONE = "eyas serve-local writes hidden-state dumps itself"
 
-
 # ---------------------------------------------------------------------------------------------
 # What the host has: one probe through the server's python (importing neither sglang nor torch)
 # ---------------------------------------------------------------------------------------------
@@ -437,10 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(argv[1])
     try:
         with make_host(cfg.server.host) as host:
-            if argv[0] == "reverse":
-                result = reverse_patch(host, cfg)
-            else:
-                result = ensure_patched(host, cfg, dry_run=argv[0] == "status")
+            result = (reverse_patch(host, cfg) if argv[0] == "reverse"
+                      else ensure_patched(host, cfg, dry_run=argv[0] == "status"))
     except PatchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,6 +1,7 @@
 """The core (eyas/) is Prefect-free: no module under it imports Prefect, the flows or the tasks, at
 the top or inside a function, by an import statement or by name through importlib / __import__. And no
-import in the core runs back up a layer: a stage imports only the stages below it."""
+import in the core runs back up a layer: a stage imports only the stages below it. No file of
+eyas/, tasks/ or flows/ is over 450 lines."""
 
 import ast
 from pathlib import Path
@@ -95,3 +96,9 @@ def test_the_layer_check_sees_an_upward_import():
     tree = ast.parse("def f():\n    from eyas.evaluation.evaluate import x\nfrom eyas import resources\n")
     assert eyas_imports(tree) == [(2, "evaluation"), (3, "resources")]
     assert RANK["evaluation"] > RANK["training"]
+
+
+def test_no_room_of_the_code_is_over_450_lines():
+    long = {str(p.relative_to(ROOT)): n for folder in ("eyas", "tasks", "flows")
+            for p in sorted((ROOT / folder).rglob("*.py")) if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, f"split these into modules of one concept each: {long}"
