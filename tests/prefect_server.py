@@ -16,12 +16,14 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
 from eyas.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 POOL = "eyas"
 DOCS = ("README.md", "docs/operations.md")
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}  #: a flow run's final state types
 
 
 @dataclass
@@ -156,3 +158,23 @@ def deploy_as_documented(server: PrefectServer, webhook_url: str) -> None:
             sh(server, line)
     notify = next(c for c in doc_commands() if "notifications.py" in c)
     sh(server, notify.replace("https://hooks.example.com/eyas", webhook_url))
+
+
+def deployment_run(server, name: str, overrides: dict) -> str:
+    out = server.cli("deployment", "run", name, "--params", json.dumps({"overrides": overrides}))
+    return re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1)
+
+
+def wait_flow_run(server, run_id: str, timeout: float = 240) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = server.get(f"/flow_runs/{run_id}")
+        if run["state"]["type"] in TERMINAL:
+            return run
+        time.sleep(1)
+    raise AssertionError(f"flow run {run_id} not finished in {timeout}s: {run['state']}\n"
+                         + (server.home / "worker.log").read_text()[-4000:])
+
+
+def runs_named(server, pattern: str) -> list[dict]:
+    return server.post("/flow_runs/filter", {"flow_runs": {"name": {"like_": pattern}}})

@@ -16,6 +16,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,19 @@ def ssh_config(sshd: Sshd, **kw) -> HostConfig:
     base = dict(kind="ssh", name="loopback", hostname="127.0.0.1", port=sshd.port, user=sshd.user,
                 key_filename=sshd.client_key, known_hosts=sshd.known_hosts, connect_timeout_s=5)
     return HostConfig(**{**base, **kw})
+
+
+def ssh_host_fields(sshd: Sshd, **kw) -> dict:
+    """ssh_config as the mapping a config file (or `server.host` override) holds."""
+    return ssh_config(sshd, **kw).model_dump(mode="json")
+
+
+def sglang_stand_in(folder: Path) -> Path:
+    """An executable that answers the SGLang version question as an SGLang 0.5.23 interpreter would."""
+    stand_in = folder / "python"
+    stand_in.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'print(\"0.5.23\")'\n")
+    stand_in.chmod(0o755)
+    return stand_in
 
 
 

@@ -1,13 +1,12 @@
 """Deployments against a real Prefect server: `prefect deploy` from deployments/prefect.yaml, a
 process worker, `prefect deployment run`, and everything asserted through the server's API.
 
-One module-scoped server (about 10 s to start) serves every test here; runs use a small slice of
-the embedded default (40 conversations, 20 training steps) so the whole module stays near 2 minutes.
+The session's deployed server (tests/integration/conftest.py) serves every test here; runs use a small
+slice of the embedded default (40 conversations, 20 training steps: the `small` fixture).
 """
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -16,52 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from eyas.net import free_port
 from eyas.server.hosts import LocalHost
-from tests.prefect_server import ROOT
+from tests.prefect_server import ROOT, TERMINAL, deployment_run, runs_named, wait_flow_run
 
 pytestmark = pytest.mark.slow
-TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
 @pytest.fixture(scope="module")
 def server(deployed):
     return deployed
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    """Dotted overrides: the tiny target on 40 conversations, 20 steps, own dirs and port."""
-    def make(name: str, **extra) -> dict:
-        tmp = tmp_path_factory.mktemp(name)
-        data = tmp / "conversations.jsonl"
-        lines = (ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:40]
-        data.write_text("\n".join(lines) + "\n")
-        return {"name": name, "run_dir": str(tmp / "run"), "server.port": free_port(),
-                "server.workdir": str(tmp / "server"), "server.dump_dir": str(tmp / "server" / "dump"),
-                "data.path": str(data), "data.max_length": 128, "data.num_heldout": 2,
-                "extraction.output_dir": str(tmp / "shards"), "training.output_dir": str(tmp / "train"),
-                "training.max_steps": 20, "training.warmup_steps": 2, "training.checkpoint_every": 10,
-                "training.batch_size": 4, "evaluation.num_prompts": 2,
-                "evaluation.max_new_tokens": 8, "benchmark.suites": [], "sensor.poll_interval_s": 0.1,
-                "server.dp_size": None, **extra}  # one replica: these runs share 2 cores with other tests
-    return make
-
-
-def deployment_run(server, name: str, overrides: dict) -> str:
-    out = server.cli("deployment", "run", name, "--params", json.dumps({"overrides": overrides}))
-    return re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1)
-
-
-def wait_flow_run(server, run_id: str, timeout: float = 240) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        run = server.get(f"/flow_runs/{run_id}")
-        if run["state"]["type"] in TERMINAL:
-            return run
-        time.sleep(1)
-    raise AssertionError(f"flow run {run_id} not finished in {timeout}s: {run['state']}\n"
-                         + (server.home / "worker.log").read_text()[-4000:])
 
 
 def why(server, run: dict) -> str:
@@ -73,10 +35,6 @@ def why(server, run: dict) -> str:
     lines = [f"{l['timestamp']} {l['message']}"[:2000] for l in logs
              if not l["message"].startswith("Timeout of ")]  # Prefect's worker-thread notice
     return "\n".join([f"{run['state']['type']}: {run['state'].get('message')}", *lines])
-
-
-def runs_named(server, pattern: str) -> list[dict]:
-    return server.post("/flow_runs/filter", {"flow_runs": {"name": {"like_": pattern}}})
 
 
 def task_runs(server, flow_run_ids: list[str]) -> dict[str, dict]:

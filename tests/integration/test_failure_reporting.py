@@ -15,15 +15,9 @@ import time
 import pytest
 
 from tests import eyas_run
-from tests.integration.test_deployments import deployment_run, runs_named, small, wait_flow_run  # noqa: F401
-from tests.prefect_server import ROOT
+from tests.prefect_server import ROOT, deployment_run, runs_named, wait_flow_run
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def hooks(webhooks):
-    return webhooks
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +46,13 @@ def family(server, run: dict, name: str) -> list[str]:
     return sorted({run["id"], *(r["id"] for r in runs_named(server, f"%-{name}@localhost"))})
 
 
-def posts_about(hooks, name: str, settle_s: float = 8.0, timeout_s: float = 60.0) -> list[dict]:
+def posts_about(webhooks, name: str, settle_s: float = 8.0, timeout_s: float = 60.0) -> list[dict]:
     """Webhook POSTs naming `name`, once the first came and a subflow's would have followed."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not [p for p in hooks.posts if name in p["body"]]:
+    while time.monotonic() < deadline and not [p for p in webhooks.posts if name in p["body"]]:
         time.sleep(0.5)
     time.sleep(settle_s)
-    return [p for p in hooks.posts if name in p["body"]]
+    return [p for p in webhooks.posts if name in p["body"]]
 
 
 def test_a_bad_config_fails_with_one_line_no_traceback_and_an_artifact(server):
@@ -78,7 +72,7 @@ def test_a_bad_config_fails_with_one_line_no_traceback_and_an_artifact(server):
     assert art and message in art[0]["data"], art
 
 
-def test_a_launch_failure_posts_once_with_the_run_link_deployment_task_and_reason(server, small, hooks):
+def test_a_launch_failure_posts_once_with_the_run_link_deployment_task_and_reason(server, small, webhooks):
     """A launch refused deep in `serve` (its port taken) fails serve, extract and the pipeline: one
     POST, for the pipeline's deployment run."""
     blocker = socket.socket()
@@ -97,7 +91,7 @@ def test_a_launch_failure_posts_once_with_the_run_link_deployment_task_and_reaso
     logs = logs_of(server, family(server, run, "fail-launch"))
     assert not any("Traceback" in line for line in logs), logs
     assert [line for line in logs if f"port {port} is already in use" in line] == [state["message"]], logs
-    posts = posts_about(hooks, "fail-launch")
+    posts = posts_about(webhooks, "fail-launch")
     assert len(posts) == 1, posts
     body = posts[0]["body"]
     assert body.startswith(f"eagle3-fail-launch@localhost ended Failed: {state['message']}\n"), body

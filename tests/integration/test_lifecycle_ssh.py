@@ -8,15 +8,14 @@ import pytest
 from eyas.server import readiness, sglang_patch
 from eyas.server.ssh_host import SSHHost
 from eyas.server.launch import start_server, stop_server
+from tests.sshd import ssh_host_fields
 from tests.stage_config import stage_config
 
 pytestmark = pytest.mark.ssh
 
 
 def ssh_stage_config(tmp, sshd, target, **extra):
-    host = {"kind": "ssh", "name": "loopback", "hostname": "127.0.0.1", "port": sshd.port,
-            "user": sshd.user, "key_filename": str(sshd.client_key), "known_hosts": str(sshd.known_hosts),
-            "connect_timeout_s": 5}
+    host = ssh_host_fields(sshd)
     return stage_config(tmp, target, **{"server.host": host, "server.python": sys.executable,
                                         "server.url_host": "127.0.0.1",
                                         "server.env": {"OMP_NUM_THREADS": "1"}, **extra})

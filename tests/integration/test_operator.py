@@ -14,8 +14,7 @@ import time
 import pytest
 
 from eyas.net import free_port
-from tests.integration.test_deployments import wait_flow_run
-from tests.prefect_server import doc_commands, sh
+from tests.prefect_server import doc_commands, sh, wait_flow_run
 
 pytestmark = pytest.mark.slow
 
@@ -64,11 +63,6 @@ def server(deployed):
     return deployed
 
 
-@pytest.fixture(scope="module")
-def receiver(webhooks):
-    return webhooks
-
-
 def run_deployment(server, name: str, params: dict) -> str:
     out = server.cli("deployment", "run", name, "--params", json.dumps(params))
     return re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1)
@@ -81,7 +75,7 @@ BAD = [  # parameters, the run's name, what the one-line message names
 ]
 
 
-def test_a_bad_config_fails_with_the_reason_under_a_readable_name_and_notifies(server, receiver):
+def test_a_bad_config_fails_with_the_reason_under_a_readable_name_and_notifies(server, webhooks):
     ids = [run_deployment(server, "eagle3-pipeline/pipeline", params) for params, _, _ in BAD]
     for run_id, (params, name, reason) in zip(ids, BAD):
         run = wait_flow_run(server, run_id, timeout=180)
@@ -92,13 +86,13 @@ def test_a_bad_config_fails_with_the_reason_under_a_readable_name_and_notifies(s
     # The failure webhook: one POST per failed run, naming it and the reason (the receiver is the
     # session's: other modules' runs post to it too).
     def posted(name: str, reason: str) -> bool:
-        return any(p["body"].startswith(f"{name} ended Failed: ") and reason in p["body"] for p in receiver.posts)
+        return any(p["body"].startswith(f"{name} ended Failed: ") and reason in p["body"] for p in webhooks.posts)
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not all(posted(name, reason) for _, name, reason in BAD):
         time.sleep(1)
     for _, name, reason in BAD:
-        assert posted(name, reason), [p["body"] for p in receiver.posts]
+        assert posted(name, reason), [p["body"] for p in webhooks.posts]
 
 
 def test_overrides_are_typed_in_the_run_form(server):

@@ -5,24 +5,21 @@ and a host that cannot be reached is reported once, by the host check."""
 from __future__ import annotations
 
 import re
-import sys
 import uuid
 
 import pytest
 
 from eyas.preflight import preflight
 from eyas.preflight.dump_dir import dump_bytes_needed
+from tests.sshd import sglang_stand_in, ssh_host_fields
 from tests.tiny_config import TINY, fields, tiny
 
 pytestmark = pytest.mark.ssh
 
 
 def _ssh_config(tmp_path, sshd, **overrides):
-    stand_in = tmp_path / "python"  # answers the version question as an SGLang 0.5.23 interpreter would
-    stand_in.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'print(\"0.5.23\")'\n")
-    stand_in.chmod(0o755)
-    host = {"kind": "ssh", "name": "loopback", "hostname": "127.0.0.1", "port": sshd.port, "user": sshd.user,
-            "key_filename": str(sshd.client_key), "known_hosts": str(sshd.known_hosts), "connect_timeout_s": 5}
+    stand_in = sglang_stand_in(tmp_path)
+    host = ssh_host_fields(sshd)
     return tiny(tmp_path, **{"server.backend": "sglang", "server.host": host, "target.checkpoint": str(TINY),
                              "server.workdir": "/tmp/w", "server.python": str(stand_in), **overrides})
 

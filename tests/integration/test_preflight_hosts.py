@@ -8,17 +8,15 @@ import sys
 import pytest
 
 from eyas.preflight import preflight
+from tests.sshd import sglang_stand_in, ssh_host_fields
 from tests.tiny_config import TINY, fields, tiny
 
 pytestmark = pytest.mark.ssh
 
 
 def test_ssh_host_key_and_sglang_version_through_a_real_sshd(tmp_path, sshd):
-    stand_in = tmp_path / "python"  # answers the version question as an SGLang 0.5.23 interpreter would
-    stand_in.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'print(\"0.5.23\")'\n")
-    stand_in.chmod(0o755)
-    host = {"kind": "ssh", "name": "loopback", "hostname": "127.0.0.1", "port": sshd.port, "user": sshd.user,
-            "key_filename": str(sshd.client_key), "known_hosts": str(sshd.known_hosts), "connect_timeout_s": 5}
+    stand_in = sglang_stand_in(tmp_path)
+    host = ssh_host_fields(sshd)
     base = {"server.backend": "sglang", "server.host": host, "target.checkpoint": str(TINY),
             "server.workdir": "/tmp/w", "server.dump_dir": "/tmp/d", "server.python": str(stand_in)}
     assert preflight(tiny(tmp_path, **base)).ok

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 
 import pytest
 
 from eyas.preflight import preflight
+from tests.sshd import sglang_stand_in, ssh_host_fields
 from tests.tiny_config import TINY, fields, tiny
 
 pytestmark = pytest.mark.ssh
@@ -26,11 +26,8 @@ def small_files(src, dst, **changes):
 
 
 def test_the_local_copy_is_checked_against_the_checkpoint_on_the_host(tmp_path, sshd):
-    stand_in = tmp_path / "python"  # answers the version question as an SGLang 0.5.23 interpreter would
-    stand_in.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'print(\"0.5.23\")'\n")
-    stand_in.chmod(0o755)
-    host = {"kind": "ssh", "name": "loopback", "hostname": "127.0.0.1", "port": sshd.port, "user": sshd.user,
-            "key_filename": str(sshd.client_key), "known_hosts": str(sshd.known_hosts), "connect_timeout_s": 5}
+    stand_in = sglang_stand_in(tmp_path)
+    host = ssh_host_fields(sshd)
     node = tmp_path / "node"  # the checkpoint's folder "on the node" (the loopback sshd's filesystem)
     node.mkdir()
     shutil.copy(TINY / "config.json", node)

@@ -24,6 +24,7 @@ from eyas.server.hosts import LocalHost
 from eyas.server.ssh_host import SSHHost
 from eyas.training.distributed import TrainingLaunchError, launch_training
 from tests.helpers_training import training_config
+from tests.sshd import ssh_host_fields
 from tests.stage_config import ROOT, stage_config
 
 TINY = ROOT / "fixtures" / "tiny-target"
@@ -36,18 +37,13 @@ def evil(marker: Path) -> str:
     return f"x; touch {m} $(touch {m}) `touch {m}` 'sq' \"dq\" back\\slash\nnew line; touch {m}"
 
 
-def ssh_host_config(sshd) -> dict:
-    return {"kind": "ssh", "name": "loopback", "hostname": "127.0.0.1", "port": sshd.port, "user": sshd.user,
-            "key_filename": str(sshd.client_key), "known_hosts": str(sshd.known_hosts), "connect_timeout_s": 5}
-
-
 @pytest.fixture(params=["local", "ssh"])
 def where(request):
     return request.param
 
 
 def _host_cfg(where, request) -> dict | None:
-    return ssh_host_config(request.getfixturevalue("sshd")) if where == "ssh" else None
+    return ssh_host_fields(request.getfixturevalue("sshd")) if where == "ssh" else None
 
 
 def _make_host(host_cfg):

@@ -17,7 +17,8 @@ def _manifest(num_tokens: int) -> ShardManifest:
 
 
 def test_extracted_counts_the_tokens_of_every_shard_and_is_frozen():
-    extracted = Extracted([_manifest(100), _manifest(23)], prompts=[[1, 2]], data_stats={}, patch=PatchReport("local", "localhost", "not needed"))
+    extracted = Extracted([_manifest(100), _manifest(23)], prompts=[[1, 2]], data_stats={},
+                          patch=PatchReport("local", "localhost", "not needed"))
     assert extracted.num_tokens == 123
     assert extracted.ready is None and extracted.stages == {}
     with pytest.raises(dataclasses.FrozenInstanceError):

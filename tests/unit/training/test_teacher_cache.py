@@ -19,13 +19,18 @@ def uneven(sharp_target, tmp_path_factory):
                          seed=n)[0] for n in (24, 40)]
 
 
-def test_cached_labels_equal_the_teachers_on_every_scored_position(uneven, sharp_target):
+def _head_and_data(sharp_target, uneven, seed: int = 1):
+    """The shards, and the target's head reordered draft-first for a random draft vocabulary of VD."""
     data = ShardData(uneven, num_validation=2)
     head = TargetHead.from_checkpoint(sharp_target, last_hidden_norm="post")
     V = head.weight.shape[0]
     t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[torch.randperm(V, generator=torch.Generator().manual_seed(0))[:VD]] = True
-    head.reorder(draft_first_order(t2d))
+    t2d[torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:VD]] = True
+    return data, head.reorder(draft_first_order(t2d))
+
+
+def test_cached_labels_equal_the_teachers_on_every_scored_position(uneven, sharp_target):
+    data, head = _head_and_data(sharp_target, uneven, seed=0)
     teacher = lambda b: teacher_labels(head, b["last"], b["loss_mask"], VD)  # noqa: E731
     cache = TeacherCache.build(data, teacher, VD, torch.float32, budget_gb=1.0)
     assert cache is not None and len(cache.probs) == len(data.lengths)
@@ -48,14 +53,6 @@ def test_over_budget_gives_none(shards):
 
 
 # ----------------------------------------------------------------------------- ArgmaxMemo
-
-def _head_and_data(sharp_target, uneven):
-    data = ShardData(uneven, num_validation=2)
-    head = TargetHead.from_checkpoint(sharp_target, last_hidden_norm="post")
-    V = head.weight.shape[0]
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[torch.randperm(V, generator=torch.Generator().manual_seed(1))[:VD]] = True
-    return data, head.reorder(draft_first_order(t2d))
 
 
 def test_memo_labels_equal_the_full_teachers_and_skip_the_rest_of_the_vocabulary(uneven, sharp_target, monkeypatch):
