@@ -34,8 +34,6 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from eyas.errors import EyasError
-
 DUMP_DIR_ENV = "EYAS_DUMP_DIR"  #: set on the server: where records go (unset = no dump)
 DUMP_DTYPE_ENV = "EYAS_DUMP_DTYPE"  #: optional: bfloat16 (default), float16 or float32
 
@@ -80,8 +78,14 @@ MAX_RID_LENGTH = 200
 _SKIP_PREFIXES = ("HEALTH_CHECK", "WARMUP")
 
 
-class DumpError(EyasError, ValueError):
-    """Dump records that cannot be turned into a sample; the message names the rid and the fault."""
+class DumpError(ValueError):
+    """Dump records that cannot be turned into a sample; the message names the rid and the fault.
+
+    Not an EyasError: this module runs inside SGLang's python, where eyas is not installed. The
+    collector wraps it in an ExtractionError (eyas/extraction/extract.py).
+    """
+
+    retryable = False  # the same records read again are wrong again
 
     def __init__(self, rid: str | None, message: str):
         self.rid = rid

@@ -152,6 +152,45 @@ def probe(host: Host, python: str, env: dict[str, str] | None = None,
         raise PatchError(f"[{host.name}] unexpected probe output from {python}: {r.stdout[-500:]!r}") from e
 
 
+# Imports the hook as SGLang will, from a folder holding exactly the bytes about to be installed, in
+# the server's own python and environment: a module that needs something SGLang's python lacks
+# (eyas itself, say) fails here in seconds instead of in every TP rank after a ten-minute load.
+_IMPORT_CHECK = r"""
+import json, sys
+sys.path[:] = [sys.argv[1]] + [p for p in sys.path if p]
+try:
+    import eyas_sglang_hook
+except BaseException as e:
+    print(json.dumps({"error": f"{type(e).__name__}: {e}", "missing": getattr(e, "name", None)}))
+else:
+    print(json.dumps({"error": None, "file": eyas_sglang_hook.__file__}))
+"""
+
+
+def check_modules_import(host: Host, python: str, env: dict[str, str] | None,
+                         modules: dict[str, bytes]) -> None:
+    """Refuse (PatchError naming the missing module) a hook that `python` on the host cannot import."""
+    staging = host.run("mktemp -d /tmp/eyas-hook-check.XXXXXX", timeout=30).stdout.strip()
+    try:
+        with tempfile.TemporaryDirectory(prefix="eyas-patch-") as tmp:
+            for name, data in modules.items():
+                (Path(tmp) / name).write_bytes(data)
+                host.put(Path(tmp) / name, f"{staging}/{name}")
+        cmd = " ".join(shlex.quote(a) for a in [python, "-c", _IMPORT_CHECK, staging])
+        r = host.run(cmd, check=False, timeout=300, env=env)
+    finally:
+        host.remove_tree(staging)
+    try:
+        result = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise PatchError(f"[{host.name}] {python} could not run the hook import check "
+                         f"(exit {r.exit_code}): {(r.stderr or r.stdout).strip()[-1000:]}") from None
+    if result["error"]:
+        missing = f" (module {result['missing']!r} is missing there)" if result["missing"] else ""
+        raise PatchError(f"[{host.name}] the eyas hook does not import in the server's python {python}"
+                         f"{missing}: {result['error']}; nothing was installed")
+
+
 def sglang_version(host: Host, python: str, env: dict[str, str] | None = None) -> str | None:
     """The sglang version importable by `python` on the host, or None."""
     return probe(host, python, env).version
@@ -243,6 +282,7 @@ def ensure_patched(host: Host, cfg: PipelineConfig, *, dry_run: bool = False,
                          f"which the hook needs")
     if not found.writable:
         raise PatchError(f"[{host.name}] {found.site_dir} is not writable by this user")
+    check_modules_import(host, found.python, cfg.server.env, pset.modules)
 
     # 1. Plan every file before writing anything, so a refusal leaves the host untouched.
     state = _usable_state(found)

@@ -177,6 +177,28 @@ def test_a_locally_modified_file_is_refused_and_nothing_is_written(tmp_path, sit
     assert not (site / HOOK).exists() and not (site / "sglang" / ".eyas-patch.json").exists()
 
 
+def test_a_hook_that_does_not_import_in_the_server_python_is_refused_before_any_write(
+        tmp_path, site, monkeypatch):
+    """The server's python has no eyas (as on a GPU host): a dump module that imports eyas, as one
+    did, is refused at the patch stage, naming the missing module; nothing is written."""
+    from tests.without_eyas import without_eyas
+
+    cfg = sglang_config(tmp_path, site, capture="forward_hook")
+    env = {"PYTHONPATH": f"{without_eyas(tmp_path)}:{site}"}
+    cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"env": env})})
+    importing_eyas = tmp_path / "dump.py"
+    source = patch_sets.DUMP_SOURCE.read_text()
+    importing_eyas.write_text(source.replace("import torch\n", "import torch\n\nfrom eyas.errors import EyasError\n", 1))
+    monkeypatch.setattr(patch_sets, "DUMP_SOURCE", importing_eyas)
+    with pytest.raises(PatchError) as e:
+        ensure_patched(LocalHost(), cfg)
+    assert "does not import in the server's python" in str(e.value) and "'eyas'" in str(e.value)
+    assert not (site / HOOK).exists() and not (site / "eyas_dump.py").exists()
+    assert not (site / "sglang" / ".eyas-patch.json").exists()
+    monkeypatch.undo()  # the real dump module imports there
+    assert ensure_patched(LocalHost(), cfg).status == "patched"
+
+
 def test_missing_sglang_and_the_local_backend(tmp_path, site):
     cfg = sglang_config(tmp_path, tmp_path / "empty")
     with pytest.raises(PatchError, match="sglang is not installed for"):

@@ -743,3 +743,38 @@ def test_the_wheel_logits_processor_keeps_last_states_in_capture_only_mode(
     ns["_eyas_dump_hook"].flush()
     sample = assemble(read_records(dump_dir, seq.rid), seq.tokens.tolist())
     assert torch.equal(sample.aux_hidden_states, torch.cat(seq.aux, dim=-1).to(sample.aux_hidden_states.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang's python has no eyas: the installed pair imports without it
+# ---------------------------------------------------------------------------------------------
+
+def test_the_installed_hook_and_dump_writer_import_in_a_python_without_eyas(tmp_path):
+    """The patch stage's modules, byte for byte, imported and used where `import eyas` fails."""
+    import subprocess
+
+    from eyas.server.patch_sets import available_versions, load_patch_set
+    from tests.without_eyas import without_eyas
+
+    env = {"PATH": "/usr/bin:/bin"}
+    for version in available_versions():
+        site = tmp_path / version
+        site.mkdir()
+        for name, data in load_patch_set(version).modules.items():
+            (site / name).write_bytes(data)
+        script = (
+            "import sys\n"
+            "try:\n    import eyas\nexcept ModuleNotFoundError:\n    pass\n"
+            "else:\n    sys.exit('eyas is importable: the check proves nothing')\n"
+            "import eyas_sglang_hook as h, torch\n"
+            "hook = h.make_hook({'dump_dir': sys.argv[1], 'layer_ids': [2, 4, 5], 'max_pending': 0})\n"
+            "hook.writer.write('eyas-0', 0, torch.arange(3, dtype=torch.int32), torch.zeros(3, 12), "
+            "torch.zeros(3, 4))\n"
+            "print(sorted(n for n in sys.modules if n.split('.')[0] not in sys.stdlib_module_names))\n")
+        r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "dump" / version)], cwd=tmp_path,
+                           env={**env, "PYTHONPATH": f"{without_eyas(tmp_path)}:{site}"},
+                           capture_output=True, text=True, timeout=300, check=False)
+        assert r.returncode == 0, f"{version}: {r.stderr[-2000:]}"
+        top = {n.split(".")[0] for n in ast.literal_eval(r.stdout.strip().splitlines()[-1])}
+        assert "eyas" not in top and {"eyas_sglang_hook", "eyas_dump", "torch", "safetensors"} <= top
+        assert read_records(tmp_path / "dump" / version, "eyas-0")[0].token_ids.tolist() == [0, 1, 2]
