@@ -60,20 +60,20 @@ def sglang_config(tmp: Path, site: Path, host: dict | None = None,
     return stage_config(tmp, checkpoint, **overrides)
 
 
-def download_wheel() -> Path:
-    """The sglang 0.5.23 wheel, downloaded once per machine with pip (skips if that fails)."""
-    found = sorted(WHEEL_CACHE.glob(f"sglang-{VERSION}-*.whl"))
+def download_wheel(version: str = VERSION) -> Path:
+    """The sglang wheel of `version`, downloaded once per machine with pip (skips if that fails)."""
+    found = sorted(WHEEL_CACHE.glob(f"sglang-{version}-*.whl"))
     if not found:
         WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", f"sglang=={VERSION}", "--no-deps",
+        cmd = [sys.executable, "-m", "pip", "download", f"sglang=={version}", "--no-deps",
                "-d", str(WHEEL_CACHE)]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
             why = f"exit {r.returncode}: {(r.stderr or r.stdout).strip()[-300:]}"
         except (OSError, subprocess.TimeoutExpired) as e:
             why = f"{type(e).__name__}: {e}"
-        found = sorted(WHEEL_CACHE.glob(f"sglang-{VERSION}-*.whl"))
+        found = sorted(WHEEL_CACHE.glob(f"sglang-{version}-*.whl"))
         if not found:
-            pytest.skip(f"`pip download sglang=={VERSION} --no-deps` failed ({why}); put the wheel "
+            pytest.skip(f"`pip download sglang=={version} --no-deps` failed ({why}); put the wheel "
                         f"in {WHEEL_CACHE} to run this test")
     return found[0]

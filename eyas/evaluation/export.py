@@ -25,41 +25,17 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.config import ExportConfig, TargetConfig
 from eyas.dump import DTYPES
 from eyas.files import sha256_file
-from eyas.training.drafter import DrafterConfig, Eagle3Drafter
+from eyas.draft_format import DrafterConfig, expected_weights, sglang_config
+from eyas.training.drafter import Eagle3Drafter
 from eyas.target import local_copy
 from eyas.training.target_head import load_target_tensors, read_target_config
 from eyas.training.warm_start import drafter_config_from_sglang
 
-
-
-def expected_weights(dcfg: DrafterConfig) -> dict[str, tuple[list[int], torch.dtype | None]]:
-    """SGLang's weight names and shapes for this drafter (dtype None = the export dtype)."""
-    H, nh, nkv, hd, inter = (dcfg.hidden_size, dcfg.num_attention_heads, dcfg.num_key_value_heads,
-                             dcfg.head_dim, dcfg.intermediate_size)
-    a, m = "midlayer.self_attn.", "midlayer.mlp."
-    return {
-        "fc.weight": ([H, dcfg.num_aux * dcfg.target_hidden_size], None),
-        a + "q_proj.weight": ([nh * hd, 2 * H], None),
-        a + "k_proj.weight": ([nkv * hd, 2 * H], None),
-        a + "v_proj.weight": ([nkv * hd, 2 * H], None),
-        a + "o_proj.weight": ([H, nh * hd], None),
-        m + "gate_proj.weight": ([inter, H], None),
-        m + "up_proj.weight": ([inter, H], None),
-        m + "down_proj.weight": ([H, inter], None),
-        "midlayer.input_layernorm.weight": ([H], None),
-        "midlayer.hidden_norm.weight": ([H], None),
-        "midlayer.post_attention_layernorm.weight": ([H], None),
-        "norm.weight": ([H], None),
-        "lm_head.weight": ([dcfg.draft_vocab_size, H], None),
-        "d2t": ([dcfg.draft_vocab_size], torch.int64),
-        "t2d": ([dcfg.vocab_size], torch.bool),
-    }
 
 
 def _shard_capture_ids(shard_meta: dict) -> list[int]:
@@ -141,32 +117,6 @@ def export_drafter(checkpoint, out_dir: str | Path, *, target: TargetConfig, exp
         "capture_ids": capture, "last_hidden_norm": shard_meta.get("last_hidden_norm"),
         "trained_checkpoint": str(ckpt)})
     return _write_dir_atomic(Path(out_dir), config, tensors)
-
-
-def sglang_config(dcfg: DrafterConfig, capture_ids: list[int], dtype: str, provenance: dict) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "hidden_size": dcfg.hidden_size,
-        "target_hidden_size": dcfg.target_hidden_size,
-        "num_attention_heads": dcfg.num_attention_heads,
-        "num_key_value_heads": dcfg.num_key_value_heads,
-        "head_dim": dcfg.head_dim,
-        "intermediate_size": dcfg.intermediate_size,
-        "hidden_act": "silu",
-        "vocab_size": dcfg.vocab_size,
-        "draft_vocab_size": dcfg.draft_vocab_size,
-        "rms_norm_eps": dcfg.rms_norm_eps,
-        "rope_theta": dcfg.rope_theta,
-        "rope_scaling": None,
-        "max_position_embeddings": dcfg.max_position_embeddings,
-        "tie_word_embeddings": False,  # SGLang would otherwise use the embedding as lm_head
-        "attention_bias": False,
-        "torch_dtype": dtype,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(capture_ids), "use_aux_hidden_state": True},
-        "eyas": provenance,
-    }
 
 
 def _write_dir_atomic(out_dir: Path, config: dict, tensors: dict) -> Path:

@@ -46,7 +46,7 @@ def check_host_access(cfg: PipelineConfig, problems: list[str], notes: list[str]
                      "version were not checked")
         return None
     from eyas.server.patch_sets import available_versions
-    from eyas.server.sglang_patch import server_python
+    from eyas.server.sglang_probe import server_python
 
     python = server_python(cfg)
     code = SGLANG_VERSION_CODE if s.backend == "sglang" else "import eyas"

@@ -128,6 +128,7 @@ def architecture_problems(cfg: PipelineConfig, raw: dict, version: str | None, p
             check_architecture(v, archs, source, patches_dir, capture=cfg.server.capture)
         except PatchError as e:
             problems.append(f"{e} (server.backend=sglang)")
+            break  # one refusal is the answer; the other versions' would say the same again
         except (OSError, ValueError):
             continue  # no patch set for that version: the host check reports it
     return problems

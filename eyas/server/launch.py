@@ -37,7 +37,10 @@ from eyas.errors import EyasError
 from eyas.server.launcher import LAUNCHER_ENV, launcher_identity
 from eyas.target import trust_remote_code
 from eyas.secrets import PYDANTIC_MASK, redact, register, secret_flag_values
+from eyas.server.capture_draft import FOLDER as CAPTURE_DRAFT, capture_draft_args, install_capture_draft
 from eyas.server.hosts import Host, HostError, make_host, wait_dead
+from eyas.server.patch_sets import available_versions, load_patch_set
+from eyas.server.sglang_probe import server_python, sglang_version
 from eyas.server.ownership import Owner, clean_dump_dir, prepare_dump_dir, verdict
 
 # The forward hook that the patch stage installs on SGLang hosts (patches/sglang/<version>/).
@@ -82,19 +85,24 @@ class ServerHandle:
         return cls(**{**values, "pid": int(record["pid"]), "runs": tuple(values.get("runs") or ())})
 
 
-def launch_command(cfg: PipelineConfig, architecture: str | None = None) -> str:
+def launch_command(cfg: PipelineConfig, architecture: str | None = None, capture_draft: str | None = None) -> str:
     """The shell command that starts the configured server backend.
 
     `architecture` (the target config.json's first one, read on the server host) picks how SGLang's
     model class maps --return-aux-hidden-state-layer-ids to captured layers (eyas/dump.py); None:
-    DeepSeek-V2's rule.
+    DeepSeek-V2's rule. `capture_draft` (an SGLang without capture-only mode, 0.5.18): the folder of
+    the stub EAGLE-3 draft whose eagle_config names the layers, which the capture launch loads
+    instead of passing the capture-only flags (eyas/server/capture_draft.py).
     """
     s, t = cfg.server, cfg.target
     python = s.python or (sys.executable if s.host.kind == "local" else "python3")
     ids = t.capture_ids() if s.backend == "local" else server_layer_ids(t.capture_ids(), architecture)
     capture = [str(i) for i in ids]
-    common = ["--model-path", str(t.checkpoint), "--host", s.bind, "--port", str(s.port),
-              "--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids", *capture,
+    if capture_draft is None:
+        capture_flags = ["--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids", *capture]
+    else:
+        capture_flags = capture_draft_args(capture_draft)
+    common = ["--model-path", str(t.checkpoint), "--host", s.bind, "--port", str(s.port), *capture_flags,
               "--disable-radix-cache", "--chunked-prefill-size", str(s.chunked_prefill_size)]
     if s.max_running_requests is not None:
         common += ["--max-running-requests", str(s.max_running_requests)]
@@ -108,9 +116,10 @@ def launch_command(cfg: PipelineConfig, architecture: str | None = None) -> str:
         return shlex.join([*args, *s.launch_args])
     if s.backend == "sglang":
         common += _trust(cfg)
-        # EAGLE3 only names the layer-id convention here; SGLang loads no draft (docs/sglang-hook.md).
-        args = [python, "-m", "sglang.launch_server", *common, "--speculative-algorithm", "EAGLE3",
-                "--disable-prefill-cuda-graph"]
+        # With capture-only mode EAGLE3 only names the layer-id convention; SGLang loads no draft
+        # (docs/sglang-hook.md). Without it, the stub draft's flags above name EAGLE3 already.
+        speculative = ["--speculative-algorithm", "EAGLE3"] if capture_draft is None else []
+        args = [python, "-m", "sglang.launch_server", *common, *speculative, "--disable-prefill-cuda-graph"]
         if s.capture == "forward_hook":  # source_patch: the patched model file dumps (EYAS_DUMP_DIR)
             config = {"dump_dir": str(s.dump_dir), "layer_ids": t.capture_ids(), "dtype": cfg.extraction.dtype}
             if architecture:
@@ -140,20 +149,39 @@ def launch_env(cfg: PipelineConfig) -> dict[str, str]:
     return {**s.env, **s.capture_env, DUMP_DIR_ENV: str(s.dump_dir), "PYTHONUNBUFFERED": "1"}
 
 
-def target_architecture(host: Host, cfg: PipelineConfig) -> str | None:
-    """The first `architectures` entry of the target's config.json on the server host, or None."""
+def target_config(host: Host, cfg: PipelineConfig) -> dict | None:
+    """The target's config.json as the server host has it, or None."""
     path = f"{str(cfg.target.checkpoint).rstrip('/')}/config.json"
     r = host.run(f"cat {shlex.quote(path)}", check=False, timeout=30)
     try:
-        names = json.loads(r.stdout).get("architectures") if r.ok else None
-    except (ValueError, AttributeError):
+        found = json.loads(r.stdout) if r.ok else None
+    except ValueError:
         return None
+    return found if isinstance(found, dict) else None
+
+
+def target_architecture(host: Host, cfg: PipelineConfig) -> str | None:
+    """The first `architectures` entry of the target's config.json on the server host, or None."""
+    names = (target_config(host, cfg) or {}).get("architectures")
     return names[0] if isinstance(names, list) and names and isinstance(names[0], str) else None
 
 
+def needs_capture_draft(host: Host, cfg: PipelineConfig) -> bool:
+    """True for a capture launch of an SGLang without capture-only mode (its patch set says so)."""
+    s = cfg.server
+    if s.backend != "sglang" or not s.capture_aux:
+        return False
+    version = sglang_version(host, server_python(cfg), s.env)
+    return version in available_versions() and not load_patch_set(version).capture_only_mode
+
+
 def host_launch_command(host: Host, cfg: PipelineConfig) -> str:
-    """launch_command for the target as the server host has it (SGLang: its architecture's id rule)."""
-    return launch_command(cfg, target_architecture(host, cfg) if cfg.server.backend == "sglang" else None)
+    """launch_command for the target as the server host has it (SGLang: its architecture's id rule,
+    and the stub draft's folder where the version has no capture-only mode)."""
+    if cfg.server.backend != "sglang":
+        return launch_command(cfg)
+    draft = f"{str(cfg.server.workdir).rstrip('/')}/{CAPTURE_DRAFT}" if needs_capture_draft(host, cfg) else None
+    return launch_command(cfg, target_architecture(host, cfg), draft)
 
 
 def launch_secrets(cfg: PipelineConfig, environ=os.environ) -> dict[str, str]:
@@ -271,6 +299,12 @@ def start_server(host: Host, cfg: PipelineConfig, owner: Owner | None = None, *,
                           f"({', '.join(dump['foreign'])}); eyas deletes that folder's contents, so point "
                           f"server.dump_dir at a new or empty folder")
     size = host.run(f"stat -c %s {q(str(s.log_path))} 2>/dev/null || echo 0", check=False).stdout.strip()
+    if needs_capture_draft(host, cfg):
+        config = target_config(host, cfg)
+        if config is None:
+            raise LaunchError(f"[{host.name}] no readable config.json in {cfg.target.checkpoint}: the capture "
+                              f"draft this SGLang needs is shaped after it")
+        install_capture_draft(host, cfg, config, target_architecture(host, cfg))
     command = host_launch_command(host, cfg)
     env = launch_env(cfg)
     if s.backend == "local" and s.host.kind == "local" and not leave_up:

@@ -61,6 +61,14 @@ class PatchSet:
     #: further classes whose forward hands aux hidden states to the logits processor as the hook
     #: reads them: supported with server.capture forward_hook only (the source patch is DeepSeek's)
     hook_architectures: list[str] = field(default_factory=list)
+    #: SGLang has --enable-return-aux-hidden-states; without it (0.5.18) the capture launch loads a
+    #: stub EAGLE-3 draft that names the layers (eyas/server/capture_draft.py)
+    capture_only_mode: bool = True
+
+
+def hook_source(module: str, patches_dir: Path = PATCHES_DIR) -> Path:
+    """The hook module's source: one file beside the version folders, shared by every patch set."""
+    return Path(patches_dir) / module
 
 
 def available_versions(patches_dir: Path = PATCHES_DIR) -> list[str]:
@@ -79,9 +87,10 @@ def load_patch_set(version: str, patches_dir: Path = PATCHES_DIR) -> PatchSet:
         raise PatchError(f"{folder}/manifest.json is for sglang {manifest['sglang_version']}, "
                          f"not {version}")
     hook = manifest["hook"]
-    hook_bytes = (folder / hook["module"]).read_bytes()
+    hook_path = hook_source(hook["module"], patches_dir)
+    hook_bytes = hook_path.read_bytes()
     if sha256_bytes(hook_bytes) != hook["sha256"]:
-        raise PatchError(f"{folder / hook['module']} has sha256 {sha256_bytes(hook_bytes)}, its manifest says "
+        raise PatchError(f"{hook_path} has sha256 {sha256_bytes(hook_bytes)}, {folder}/manifest.json says "
                          f"{hook['sha256']}: run patches/sglang/refresh_manifest.py after editing it")
     files = [PatchedFile(f["path"], (folder / f["patch"]).read_text(), f["original_sha256"],
                          f["patched_sha256"]) for f in manifest["files"]]
@@ -94,7 +103,8 @@ def load_patch_set(version: str, patches_dir: Path = PATCHES_DIR) -> PatchSet:
         raise PatchError(f"{folder}/manifest.json lists no supported architectures")
     return PatchSet(version, manifest["patch_version"], files, modules, list(manifest["architectures"]),
                     dict(manifest.get("unsupported_architectures", {})),
-                    list(manifest.get("hook_architectures", [])))
+                    list(manifest.get("hook_architectures", [])),
+                    bool(manifest.get("capture_only_mode", True)))
 
 
 def check_architecture(manifest_or_version: PatchSet | dict | str, architectures: list[str] | None,

@@ -37,9 +37,10 @@ from eyas.config import PipelineConfig
 from eyas.files import sha256_bytes
 from eyas.server.patch_sets import (DUMP_MODULE, PATCHES_DIR, PatchedFile, PatchError, PatchSet, apply_diff,
                                     available_versions, check_architecture, load_patch_set)
+from eyas.server.hook_import import check_modules_import
 from eyas.server.hosts import Host
+from eyas.server.sglang_probe import STATE_NAME, Probe, find_install
 
-STATE_NAME = ".eyas-patch.json"  #: in the sglang package folder; pip uninstall leaves it behind
 STATE_FORMAT = 1
 
 
@@ -66,158 +67,6 @@ class PatchReport:
 
 
 LOCAL_NEEDS_NONE = "eyas serve-local writes hidden-state dumps itself"
-
-# ---------------------------------------------------------------------------------------------
-# What the host has: one probe through the server's python (importing neither sglang nor torch)
-# ---------------------------------------------------------------------------------------------
-
-_PROBE = r"""
-import hashlib, importlib.metadata as md, importlib.util as iu, json, os, sys
-sys.path[:] = [p for p in sys.path if p]  # not the login directory: what the server imports
-args = sys.argv[1:]
-out = {"python": sys.executable, "version": None, "package_dir": None, "site_dir": None,
-       "state": None, "sha256": {}, "writable": False, "target_config": None}
-if args[:1] == ["--target-config"]:
-    path, args = args[1], args[2:]
-    out["target_config"] = {"path": path}
-    try:
-        with open(path) as f:
-            out["target_config"]["architectures"] = json.load(f).get("architectures")
-    except FileNotFoundError:
-        out["target_config"]["missing"] = True
-    except (OSError, ValueError, AttributeError) as e:
-        out["target_config"]["error"] = f"{type(e).__name__}: {e}"
-try:
-    out["version"] = md.version("sglang")
-except md.PackageNotFoundError:
-    pass
-spec = iu.find_spec("sglang")
-if spec is not None and spec.submodule_search_locations:
-    pkg = list(spec.submodule_search_locations)[0]
-    site = os.path.dirname(pkg)
-    out.update(package_dir=pkg, site_dir=site,
-               writable=os.access(site, os.W_OK) and os.access(pkg, os.W_OK))
-    try:
-        with open(os.path.join(pkg, STATE)) as f:
-            out["state"] = json.load(f)
-    except FileNotFoundError:
-        pass
-    except ValueError as e:
-        out["state"] = {"unreadable": str(e)}
-    paths = args + [f["path"] for f in (out["state"] or {}).get("files", [])]
-    for rel in paths:
-        try:
-            with open(os.path.join(site, rel), "rb") as f:
-                out["sha256"][rel] = hashlib.sha256(f.read()).hexdigest()
-        except FileNotFoundError:
-            out["sha256"][rel] = None
-out["missing_modules"] = [m for m in ("torch", "safetensors") if iu.find_spec(m) is None]
-print(json.dumps(out))
-""".replace("STATE", repr(STATE_NAME))
-
-
-@dataclass
-class Probe:
-    python: str
-    version: str | None
-    package_dir: str | None
-    site_dir: str | None
-    state: dict | None
-    sha256: dict[str, str | None]
-    writable: bool
-    missing_modules: list[str]
-    #: {"path", and "architectures" | "missing" | "error"} when asked for; None otherwise
-    target_config: dict | None = None
-
-
-def server_python(cfg: PipelineConfig) -> str:
-    """The interpreter the server runs with (the same default as eyas/server/launch.py)."""
-    s = cfg.server
-    return s.python or (sys.executable if s.host.kind == "local" else "python3")
-
-
-def probe(host: Host, python: str, env: dict[str, str] | None = None,
-          paths: list[str] | tuple[str, ...] = (), target_config: str | None = None) -> Probe:
-    """Where sglang is installed for `python` on the host, its version, the sha256 of paths, and
-    (with target_config) the `architectures` of that config.json on the host."""
-    extra = ["--target-config", target_config] if target_config else []
-    cmd = " ".join(shlex.quote(a) for a in [python, "-c", _PROBE, *extra, *paths])
-    r = host.run(cmd, check=False, timeout=120, env=env)
-    if not r.ok:
-        raise PatchError(f"[{host.name}] cannot run {python} to look for sglang "
-                         f"(exit {r.exit_code}): {r.stderr.strip()[-1000:]}")
-    try:
-        return Probe(**json.loads(r.stdout.strip().splitlines()[-1]))
-    except (ValueError, IndexError, TypeError) as e:
-        raise PatchError(f"[{host.name}] unexpected probe output from {python}: {r.stdout[-500:]!r}") from e
-
-
-# Imports the hook as SGLang will, from a folder holding exactly the bytes about to be installed, in
-# the server's own python and environment: a module that needs something SGLang's python lacks
-# (eyas itself, say) fails here in seconds instead of in every TP rank after a ten-minute load.
-_IMPORT_CHECK = r"""
-import json, sys
-sys.path[:] = [sys.argv[1]] + [p for p in sys.path if p]
-try:
-    import eyas_sglang_hook
-except BaseException as e:
-    print(json.dumps({"error": f"{type(e).__name__}: {e}", "missing": getattr(e, "name", None)}))
-else:
-    print(json.dumps({"error": None, "file": eyas_sglang_hook.__file__}))
-"""
-
-
-def check_modules_import(host: Host, python: str, env: dict[str, str] | None,
-                         modules: dict[str, bytes]) -> None:
-    """Refuse (PatchError naming the missing module) a hook that `python` on the host cannot import."""
-    staging = host.run("mktemp -d /tmp/eyas-hook-check.XXXXXX", timeout=30).stdout.strip()
-    try:
-        with tempfile.TemporaryDirectory(prefix="eyas-patch-") as tmp:
-            for name, data in modules.items():
-                (Path(tmp) / name).write_bytes(data)
-                host.put(Path(tmp) / name, f"{staging}/{name}")
-        cmd = " ".join(shlex.quote(a) for a in [python, "-c", _IMPORT_CHECK, staging])
-        r = host.run(cmd, check=False, timeout=300, env=env)
-    finally:
-        host.remove_tree(staging)
-    try:
-        result = json.loads(r.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise PatchError(f"[{host.name}] {python} could not run the hook import check "
-                         f"(exit {r.exit_code}): {(r.stderr or r.stdout).strip()[-1000:]}") from None
-    if result["error"]:
-        missing = f" (module {result['missing']!r} is missing there)" if result["missing"] else ""
-        raise PatchError(f"[{host.name}] the eyas hook does not import in the server's python {python}"
-                         f"{missing}: {result['error']}; nothing was installed")
-
-
-def sglang_version(host: Host, python: str, env: dict[str, str] | None = None) -> str | None:
-    """The sglang version importable by `python` on the host, or None."""
-    return probe(host, python, env).version
-
-
-def _probe_paths(patches_dir: Path) -> list[str]:
-    paths = {DUMP_MODULE}
-    for version in available_versions(patches_dir):
-        manifest = json.loads((Path(patches_dir) / version / "manifest.json").read_text())
-        paths.update(f["path"] for f in manifest["files"])
-        paths.add(manifest["hook"]["module"])
-    return sorted(paths)
-
-
-def target_config_path(cfg: PipelineConfig) -> str:
-    """The target's config.json on the server host."""
-    return f"{str(cfg.target.checkpoint).rstrip('/')}/config.json"
-
-
-def _find_install(host: Host, cfg: PipelineConfig, patches_dir: Path) -> Probe:
-    python = server_python(cfg)
-    found = probe(host, python, cfg.server.env, _probe_paths(patches_dir), target_config_path(cfg))
-    if found.version is None or found.site_dir is None:
-        raise PatchError(f"[{host.name}] sglang is not installed for {python} "
-                         f"(importlib finds {'no package' if found.site_dir is None else 'no metadata'})")
-    return found
-
 
 # ---------------------------------------------------------------------------------------------
 # Remote files
@@ -270,7 +119,7 @@ def ensure_patched(host: Host, cfg: PipelineConfig, *, dry_run: bool = False,
     """Bring the host to the patched state; returns what was found and done (or would be)."""
     if cfg.server.backend == "local":
         return PatchReport("local", host.name, "not needed", reason=LOCAL_NEEDS_NONE)
-    found = _find_install(host, cfg, patches_dir)
+    found = find_install(host, cfg, patches_dir)
     try:
         pset = load_patch_set(found.version, patches_dir)
     except PatchError as e:
@@ -422,7 +271,7 @@ def reverse_patch(host: Host, cfg: PipelineConfig, *, patches_dir: Path = PATCHE
     """Restore the original bytes of every patched file and remove the hook modules and state."""
     if cfg.server.backend == "local":
         return PatchReport("local", host.name, "not needed", reason=LOCAL_NEEDS_NONE)
-    found = _find_install(host, cfg, patches_dir)
+    found = find_install(host, cfg, patches_dir)
     state = _usable_state(found)
     claimed = state is not None  # the state names what eyas patched: anything else there is refused
     if state is not None:

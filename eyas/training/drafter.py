@@ -23,37 +23,12 @@ function through fused kernels that never form those scores (eyas/training/ttt_s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-@dataclass
-class DrafterConfig:
-    hidden_size: int
-    target_hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int  # the target's vocabulary
-    draft_vocab_size: int
-    num_aux: int = 3  # target layers fused by fc
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-
-    def __post_init__(self):
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"DrafterConfig: num_attention_heads={self.num_attention_heads} is not a "
-                             f"multiple of num_key_value_heads={self.num_key_value_heads}")
-        if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"DrafterConfig: draft_vocab_size={self.draft_vocab_size} exceeds the "
-                             f"target vocab_size={self.vocab_size}")
-        if self.head_dim % 2:
-            raise ValueError(f"DrafterConfig: head_dim={self.head_dim} must be even for RoPE")
+from eyas.draft_format import DrafterConfig
 
 
 class RMSNorm(nn.Module):

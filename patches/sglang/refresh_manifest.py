@@ -5,7 +5,8 @@
 
 For every file already listed in the manifest it reads the original from the wheel, applies the
 patch (strictly, as the patch stage does), checks that the result compiles, and writes both
-sha256s; it also records the hook module's sha256. Bump `patch_version` by hand when the installed
+sha256s; it also records the sha256 of the hook module (patches/sglang/eyas_sglang_hook.py, one for
+every version). Bump `patch_version` by hand when the installed
 bytes change, so that extraction caches keyed on it are not reused.
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from eyas.server.patch_sets import PATCHES_DIR, apply_diff  # noqa: E402
+from eyas.server.patch_sets import PATCHES_DIR, apply_diff, hook_source  # noqa: E402
 
 
 def refresh(version: str, wheel: Path) -> dict:
@@ -34,7 +35,7 @@ def refresh(version: str, wheel: Path) -> dict:
             entry["original_sha256"] = hashlib.sha256(original).hexdigest()
             entry["patched_sha256"] = hashlib.sha256(patched).hexdigest()
     hook = manifest["hook"]
-    hook["sha256"] = hashlib.sha256((folder / hook["module"]).read_bytes()).hexdigest()
+    hook["sha256"] = hashlib.sha256(hook_source(hook["module"]).read_bytes()).hexdigest()
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 

@@ -34,7 +34,7 @@ def test_the_wheel_holds_the_code_and_the_shipped_files(installed):
     for path in ("eyas/training/train.py", "eyas/extraction/stage.py", "tasks/extract.py", "flows/pipeline.py",
                  "flows/runtime/cli.py",  # the `eyas` script's entry point
                  "eyas/_shipped/patches/sglang/0.5.23/manifest.json",
-                 "eyas/_shipped/patches/sglang/0.5.23/eyas_sglang_hook.py",
+                 "eyas/_shipped/patches/sglang/eyas_sglang_hook.py",
                  "eyas/_shipped/configs/local-tiny.yaml", "eyas/_shipped/configs/kimi-k2.5-sglang.yaml",
                  "eyas/_shipped/fixtures/tiny-target/config.json"):
         assert path in names, path

@@ -19,7 +19,7 @@ import pytest
 
 from eyas.config import ConfigError, HostConfig, TargetConfig, load_config
 from eyas.evaluation.serve_bench import stage_drafter
-from eyas.server import launch, sglang_patch
+from eyas.server import launch, sglang_probe
 from eyas.server.hosts import LocalHost
 from eyas.server.ssh_host import SSHHost
 from eyas.training.distributed import TrainingLaunchError, launch_training
@@ -102,7 +102,7 @@ def test_metacharacters_in_every_launch_field_arrive_intact_and_run_nothing(tmp_
         assert not cfg.server.dump_dir.exists()
         # the patch stage's probe runs server.python with server.env, paths as arguments
         (python.parent / "ran").unlink()
-        probe = sglang_patch.probe(host, str(python), {"EYAS_EVIL": bad}, [bad])
+        probe = sglang_probe.probe(host, str(python), {"EYAS_EVIL": bad}, [bad])
         assert probe.python == REAL_PYTHON or probe.python.endswith("python3")
         assert (python.parent / "ran").read_text() == str(python)
         # the serving benchmark's drafter upload (SSH: under server.workdir)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from eyas.server import patch_sets, sglang_patch
+from eyas.server import patch_sets, sglang_patch, sglang_probe
 from eyas.server.hosts import LocalHost
 from eyas.server.ssh_host import SSHHost
 from eyas.server.patch_sets import PATCHES_DIR, PatchError, apply_diff
@@ -101,20 +101,26 @@ def test_a_llama_target_is_captured_by_the_forward_hook_alone(tmp_path, site):
 # The patch set itself
 # ---------------------------------------------------------------------------------------------
 
-def test_manifest_matches_the_wheel_the_patch_and_the_hook(sglang_wheel):
-    manifest = json.loads((SET_DIR / "manifest.json").read_text())
-    assert manifest["sglang_version"] == VERSION and manifest["patch_version"].startswith("eyas-sglang-")
+@pytest.mark.parametrize("version", patch_sets.available_versions())
+def test_manifest_matches_the_wheel_the_patch_and_the_hook(version):
+    from tests.sglang_wheel import download_wheel
+
+    wheel, folder = download_wheel(version), PATCHES_DIR / version
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["sglang_version"] == version
+    assert manifest["patch_version"].startswith(f"eyas-sglang-{version}-r")
     [entry] = manifest["files"]
-    original = wheel_text(sglang_wheel, entry["path"])
+    original = wheel_text(wheel, entry["path"])
     assert hashlib.sha256(original.encode()).hexdigest() == entry["original_sha256"]
-    patched = apply_diff(original, (SET_DIR / entry["patch"]).read_text())
+    patch = (folder / entry["patch"]).read_text()
+    patched = apply_diff(original, patch)
     assert hashlib.sha256(patched.encode()).hexdigest() == entry["patched_sha256"]
     compile(patched, entry["path"], "exec")
-    assert sha(SET_DIR / manifest["hook"]["module"]) == manifest["hook"]["sha256"]
-    # the hook names the same patch version the manifest gives the extraction cache key
-    assert f'PATCH_VERSION = "{manifest["patch_version"]}"' in (SET_DIR / HOOK).read_text()
+    assert sha(PATCHES_DIR / manifest["hook"]["module"]) == manifest["hook"]["sha256"]
+    # the patched file says which patch set wrote it
+    assert f"patches/sglang/{version}/deepseek_v2.patch, {manifest['patch_version']}" in patched
     # the patch is a plain unified diff: `patch -p1` applies it in site-packages
-    assert (SET_DIR / entry["patch"]).read_text().startswith(f"--- a/{entry['path']}\n+++ b/{entry['path']}\n")
+    assert patch.startswith(f"--- a/{entry['path']}\n+++ b/{entry['path']}\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +141,7 @@ def test_apply_is_idempotent_and_reverse_restores_the_original_bytes(tmp_path, s
     assert done.patch_version == manifest["patch_version"] and done.architecture == TARGET_ARCH
     assert done.actions == {DSV2: "patched", HOOK: "installed", "eyas_dump.py": "installed"}
     assert sha(site / DSV2) == manifest["files"][0]["patched_sha256"]
-    assert (site / HOOK).read_bytes() == (SET_DIR / HOOK).read_bytes()
+    assert (site / HOOK).read_bytes() == (PATCHES_DIR / HOOK).read_bytes()
     assert (site / "eyas_dump.py").read_bytes() == patch_sets.DUMP_SOURCE.read_bytes()
     state = json.loads((site / "sglang" / ".eyas-patch.json").read_text())
     assert state["patch_version"] == manifest["patch_version"] and state["sglang_version"] == VERSION
@@ -162,7 +168,7 @@ def test_another_sglang_version_is_refused_naming_it(tmp_path, sglang_wheel):
     with pytest.raises(PatchError) as e:
         ensure_patched(LocalHost(), sglang_config(tmp_path, site))
     assert "sglang 0.5.22 has no eyas patch set" in str(e.value) and VERSION in str(e.value)
-    assert sglang_patch.sglang_version(LocalHost(), sys.executable, {"PYTHONPATH": str(site)}) == "0.5.22"
+    assert sglang_probe.sglang_version(LocalHost(), sys.executable, {"PYTHONPATH": str(site)}) == "0.5.22"
 
 
 def test_a_locally_modified_file_is_refused_and_nothing_is_written(tmp_path, site):
@@ -381,7 +387,7 @@ def test_the_same_over_ssh(tmp_path, sglang_wheel, sshd):
     host = SSHHost(cfg.server.host)
     try:
         assert ensure_patched(host, cfg).status == "patched"
-        assert (site / HOOK).read_bytes() == (SET_DIR / HOOK).read_bytes()
+        assert (site / HOOK).read_bytes() == (PATCHES_DIR / HOOK).read_bytes()
         py_compile.compile(str(site / DSV2), cfile=str(tmp_path / "dsv2.pyc"), doraise=True)
         assert ensure_patched(host, cfg).status == "already patched"
         assert reverse_patch(host, cfg).status == "reversed"

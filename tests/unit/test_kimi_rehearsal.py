@@ -36,6 +36,8 @@ def kimi(tmp_path, **overrides):
 
 
 def rehearse(cfg, **kw):
+    # the disk check reads the production node's free bytes; this machine's are not under test
+    kw.setdefault("free_bytes", 10**12)
     return preflight(cfg, check_hosts=False, check_tokenizer=False, **kw)
 
 
@@ -105,10 +107,10 @@ def test_preflight_plans_the_seeds_node_8x96_gb_at_16k_tokens(tmp_path):
 
 
 def test_the_fixture_tokenizer_does_not_load_and_preflight_says_so(tmp_path):
-    r = preflight(kimi(tmp_path), check_hosts=False)  # trusted (backend sglang), but no tokenization_kimi.py
+    r = preflight(kimi(tmp_path), check_hosts=False, free_bytes=10**12)  # trusted (backend sglang), but no tokenization_kimi.py
     assert fields(r) == ["target.local_dir"] and "load_tokenizer" in r.problems[0]
     assert "tokenization_kimi" in r.problems[0]
-    r = preflight(kimi(tmp_path, **{"target.trust_remote_code": False}), check_hosts=False)
+    r = preflight(kimi(tmp_path, **{"target.trust_remote_code": False}), check_hosts=False, free_bytes=10**12)
     assert fields(r) == ["target.trust_remote_code"] and "TikTokenTokenizer" in r.problems[0]
 
 

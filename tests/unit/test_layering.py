@@ -53,7 +53,7 @@ def test_the_walk_sees_imports_inside_functions_and_by_name():
 #: or below (the stages in DAG order; what assembles stages last).
 LAYERS = [
     {"errors", "files", "net", "resources", "secrets"},
-    {"config", "dump", "target"},
+    {"config", "dump", "draft_format", "target"},
     {"server"},
     {"extraction"},
     {"training"},

@@ -1,8 +1,9 @@
 """eyas's SGLang forward hook: write every prefill chunk's hidden states as eyas dump records.
 
 Installed by the patch stage (eyas/server/sglang_patch.py) as a top-level module in the server's
-site-packages, beside `eyas_dump.py` (a byte copy of eyas/dump.py, the one dump writer). SGLang
-registers it on the logits processor, after CUDA graph capture:
+site-packages, beside `eyas_dump.py` (a byte copy of eyas/dump.py, the one dump writer); one module
+for every SGLang version that has a patch set. SGLang registers it on the logits processor, after
+CUDA graph capture. On SGLang 0.5.23, in capture-only mode:
 
     python -m sglang.launch_server ... --enable-return-aux-hidden-states \
         --speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids 2 30 58 \
@@ -25,6 +26,15 @@ hands that None on to the logits processor (module `language_model.logits_proces
 ids are then read from `forward_batch.input_ids`, the tensor the model runner passed to the
 wrapper. A forward that carried image/video/audio inputs is not dumped: mm_utils.embed_mm_inputs
 has replaced those rows' ids by clamped pad values in that same tensor.
+
+SGLang 0.5.18 has no capture-only mode (no --enable-return-aux-hidden-states, no
+`last_hidden_states` in LogitsProcessorOutput, no `aux_hidden_state_capture` feature): its target
+captures aux hidden states only for a loaded EAGLE3 draft. eyas's capture launch there loads a stub
+draft whose `eagle_config.eagle_aux_hidden_state_layer_ids` names the capture layers
+(eyas/server/capture_draft.py); the target's extend forwards then run in full capture mode, the
+packed aux states are the output's `hidden_states`, and the last (post-norm) hidden states are the
+logits processor's own input, args[1]. The draft model's logits processor matches
+`*logits_processor` too; it is handed no aux states and is passed over.
 
 Config keys: `dump_dir` (default $EYAS_DUMP_DIR), `layer_ids` (capture-before ids the model
 captures; default: derived from --return-aux-hidden-state-layer-ids), `rid_prefix` (default
@@ -57,7 +67,6 @@ import eyas_dump as dump
 
 logger = logging.getLogger("eyas_sglang_hook")
 
-PATCH_VERSION = "eyas-sglang-0.5.23-r3"
 CONFIG_KEYS = ("dump_dir", "layer_ids", "rid_prefix", "dtype", "max_pending", "architecture")
 _MAX_TRACKED_RIDS = 65536  # rids whose prefill finished, to tell later decode rows apart
 
@@ -89,6 +98,9 @@ def captured_layer_ids(server_ids: list[int], architecture: str | None = None) -
     return dump.captured_layer_ids(server_ids, architecture)
 
 
+_ABSENT = object()  # a feature this SGLang version does not have
+
+
 def _capture_features() -> Any | None:
     """SGLang's resolved exec features (None outside SGLang)."""
     try:
@@ -96,6 +108,12 @@ def _capture_features() -> Any | None:
     except ImportError:
         return None
     return get_exec().features
+
+
+def _capture_only_mode(features: Any) -> Any:
+    """features.aux_hidden_state_capture: None when capture-only mode is off, _ABSENT on an SGLang
+    without that mode (0.5.18), where only an EAGLE3 draft makes the target capture."""
+    return getattr(features, "aux_hidden_state_capture", _ABSENT)
 
 
 def _server_layer_ids() -> list[int] | None:
@@ -106,8 +124,8 @@ def _server_layer_ids() -> list[int] | None:
     features = _capture_features()
     if features is None:
         return None
-    ids = features.return_aux_hidden_state_layer_ids
-    if features.aux_hidden_state_capture is None or ids is None:
+    ids = getattr(features, "return_aux_hidden_state_layer_ids", None)
+    if _capture_only_mode(features) in (None, _ABSENT) or ids is None:
         return None
     return [int(i) for i in ids]
 
@@ -195,12 +213,17 @@ class DumpHook:
             return None  # decode / idle / verify forwards hold no prefill rows
         if output.next_token_logits is None:
             return None  # an autotune dummy run or a scoring path: not a real prefill
-        aux, last = output.hidden_states, output.last_hidden_states
+        aux, last = output.hidden_states, self._last_hidden_states(args, output)
+        if last is _ABSENT:
+            return None  # SGLang 0.5.18: a logits processor handed no aux states (the draft model's)
         if aux is None or last is None:
             # No capture-only mode: an EAGLE3 speculative launch's target captures aux states for
             # its draft but keeps no last states (LogitsProcessor._get_last_hidden_states_to_store),
             # and its first prefill is SGLang's own warm-up. Nothing to dump; never a reason to fail.
             self._tell_no_states()
+            return None
+        if aux.shape[0] != last.shape[0]:
+            self._tell_no_states()  # capture of the last rows only: not a full prefill capture
             return None
         self._check_capture(aux, last)
         if self._writes is None:
@@ -218,6 +241,15 @@ class DumpHook:
             return None
         self._dump(rows, self._input_ids(args[0], forward_batch), aux, last)
         return None
+
+    @staticmethod
+    def _last_hidden_states(args: tuple, output) -> torch.Tensor | None | object:
+        """The forward's final post-norm hidden states: SGLang 0.5.23's output.last_hidden_states;
+        on 0.5.18 the logits processor's hidden_states argument, when it was handed aux states
+        (_ABSENT when it was not: that processor captures nothing)."""
+        if hasattr(output, "last_hidden_states"):
+            return output.last_hidden_states
+        return args[1] if len(args) > 4 and args[4] is not None else _ABSENT
 
     @staticmethod
     def _input_ids(positional: torch.Tensor | None, forward_batch) -> torch.Tensor:
@@ -351,7 +383,7 @@ def make_hook(config: dict, *, parallel: Any = None, via_forward_hooks: bool = T
     if not dump_dir:
         raise HookError(f"eyas hook: no dump_dir in the hook config and {dump.DUMP_DIR_ENV} unset")
     features = _capture_features()
-    if via_forward_hooks and features is not None and features.aux_hidden_state_capture is None:
+    if via_forward_hooks and features is not None and _capture_only_mode(features) is None:
         # Registered through --forward-hooks (eyas passes it to capture launches only), but the
         # server keeps no last hidden states: every request would wait for records in vain.
         raise HookError("eyas hook: registered through --forward-hooks, but SGLang runs without "
@@ -365,7 +397,7 @@ def make_hook(config: dict, *, parallel: Any = None, via_forward_hooks: bool = T
     rid_prefix = config.get("rid_prefix", "eyas-") or None
     writer = dump.DumpWriter(dump_dir, layer_ids=layer_ids, layer_convention="capture-before",
                              last_hidden_norm="post", dtype=dtype, rid_prefix=rid_prefix)
-    logger.info("eyas hook %s: dumping prefill rows of rids %s* to %s, layers %s (capture-before), %s",
-                PATCH_VERSION, rid_prefix or "", dump_dir, layer_ids, dtype)
+    logger.info("eyas hook: dumping prefill rows of rids %s* to %s, layers %s (capture-before), %s",
+                rid_prefix or "", dump_dir, layer_ids, dtype)
     return DumpHook(writer, parallel=parallel, max_pending=int(config.get("max_pending", 4)),
                     via_forward_hooks=via_forward_hooks)
