@@ -34,7 +34,8 @@ draft whose `eagle_config.eagle_aux_hidden_state_layer_ids` names the capture la
 (eyas/server/capture_draft.py); the target's extend forwards then run in full capture mode, the
 packed aux states are the output's `hidden_states`, and the last (post-norm) hidden states are the
 logits processor's own input, args[1]. The draft model's logits processor matches
-`*logits_processor` too; it is handed no aux states and is passed over.
+`*logits_processor` too; its model config names an EAGLE draft (`is_draft_model`), and it is
+passed over.
 
 Config keys: `dump_dir` (default $EYAS_DUMP_DIR), `layer_ids` (capture-before ids the model
 captures; default: derived from --return-aux-hidden-state-layer-ids), `rid_prefix` (default
@@ -158,6 +159,21 @@ def writes_here(parallel: Any) -> bool:
     return parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0
 
 
+_DRAFT_NAMES = ("Eagle", "NextN", "MTP")
+
+
+def is_draft_model(logits_processor: Any) -> bool:
+    """True for the logits processor of a speculative draft model (SGLang's LogitsProcessor keeps its
+    model's config): an EAGLE draft's config has eagle_config or an Eagle/NextN/MTP architecture.
+    A capture launch on SGLang 0.5.18 loads such a draft beside the target."""
+    config = getattr(logits_processor, "config", None)
+    if config is None:
+        return False
+    names = getattr(config, "architectures", None) or []
+    return getattr(config, "eagle_config", None) is not None or any(
+        marker in str(name) for name in names for marker in _DRAFT_NAMES)
+
+
 def _runtime_parallel() -> Any | None:
     try:
         from sglang.srt.runtime_context import get_parallel
@@ -207,6 +223,8 @@ class DumpHook:
             raise HookError(f"eyas hook: the logits processor got {len(args)} positional arguments; "
                             f"the hook needs (input_ids, hidden_states, lm_head, forward_batch, ...) "
                             f"positionally (a forward hook does not see keyword arguments)")
+        if is_draft_model(module):
+            return None  # `*logits_processor` matches a loaded EAGLE/NextN draft's processor too
         forward_batch = args[3]
         mode = forward_batch.forward_mode
         if not mode.is_extend() or mode.is_target_verify():
@@ -215,7 +233,7 @@ class DumpHook:
             return None  # an autotune dummy run or a scoring path: not a real prefill
         aux, last = output.hidden_states, self._last_hidden_states(args, output)
         if last is _ABSENT:
-            return None  # SGLang 0.5.18: a logits processor handed no aux states (the draft model's)
+            return None  # SGLang 0.5.18: a logits processor handed no aux states captures nothing
         if aux is None or last is None:
             # No capture-only mode: an EAGLE3 speculative launch's target captures aux states for
             # its draft but keeps no last states (LogitsProcessor._get_last_hidden_states_to_store),
