@@ -12,6 +12,9 @@ training on a lent GPU that has torch but not this project's venv):
         --steps 3000 --device cuda --max-seconds 400              # on the GPU machine
     python scripts/build_tiny_target.py fixtures/tiny-target --stage assemble \\
         --workdir .gpu_in/inputs --state PATH/TO/state                # back here
+
+fixtures/tiny-target-cpu, the variant real SGLang's CPU kernels serve, was built the same way with
+`--variant cpu` added to the train and assemble stages (same inputs, steps and seed).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-seconds", type=float, default=None, help="stop training early after this long")
+    parser.add_argument("--variant", choices=sorted(tiny_target.VARIANTS), default="default",
+                        help="cpu: the widths real SGLang's CPU kernels accept (train, assemble, all)")
     args = parser.parse_args(argv)
     needs = {
         "all": ["out"], "prepare": ["workdir"], "train": ["workdir", "state"], "assemble": ["out", "workdir", "state"]
@@ -47,16 +52,18 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.stage == "all":
         result = tiny_target.build_tiny_target(
-            args.out, steps=args.steps, device=args.device, seed=args.seed, max_seconds=args.max_seconds
+            args.out, steps=args.steps, device=args.device, seed=args.seed, max_seconds=args.max_seconds,
+            variant=args.variant,
         )
     elif args.stage == "prepare":
         result = tiny_corpus.prepare_inputs(args.workdir, seed=args.seed)
     elif args.stage == "train":
         result = tiny_target.train_from_inputs(
-            args.workdir, args.state, steps=args.steps, device=args.device, seed=args.seed, max_seconds=args.max_seconds
+            args.workdir, args.state, steps=args.steps, device=args.device, seed=args.seed,
+            max_seconds=args.max_seconds, variant=args.variant,
         )
     else:
-        result = tiny_target.assemble(args.workdir, args.state, args.out)
+        result = tiny_target.assemble(args.workdir, args.state, args.out, variant=args.variant)
     summary = {k: v for k, v in result.items() if k not in ("history", "training", "test_files", "val_files")}
     print(json.dumps(summary, indent=2))
 

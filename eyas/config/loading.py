@@ -48,6 +48,8 @@ def config_from_dict(raw: dict[str, Any], base_dir: Path, source: str = "<dict>"
     fields = _LOCAL_PATHS + (_SERVER_PATHS if cfg.server.host.kind == "local" else [])
     for dotted in fields:
         _resolve(cfg, dotted, base_dir)
+    if cfg.server.host.kind == "local" and cfg.server.python:
+        cfg.server.python = _local_python(cfg.server.python, base_dir)
     _check_server_folders(cfg, source)
     return cfg
 
@@ -93,6 +95,16 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) -> di
             node = node.setdefault(key, {})
         node[leaf] = value
     return raw
+
+
+def _local_python(python: str, base_dir: Path) -> str:
+    """server.python on this machine: `~` expanded, a relative path read from the config's folder,
+    a bare command name (python3) left for the shell's PATH."""
+    if python.startswith("~"):
+        return os.path.expanduser(python)
+    if "/" in python and not Path(python).is_absolute():
+        return str((base_dir / python).resolve())
+    return python
 
 
 def _resolve(cfg: BaseModel, dotted: str, base_dir: Path) -> None:

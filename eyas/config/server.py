@@ -20,7 +20,8 @@ class ServerConfig(StrictModel):
     bind: Address = "127.0.0.1"  #: address the server listens on (on its host)
     url_host: Address | None = None  #: address the pipeline uses to reach it; default host.hostname or bind
     port: int = Field(30000, ge=1, le=65535)
-    #: interpreter on the server host; None = this interpreter (local host) or python3 (ssh)
+    #: interpreter on the server host; None = this interpreter (local host) or python3 (ssh). On a
+    #: local host `~` is expanded and a relative path is read from the config file's folder
     python: str | None = None
     #: extra flags appended to every launch command, capture and serving (an --api-key value is never shown)
     launch_args: list[str] = []

@@ -7,6 +7,9 @@ parameters), trained on the Python standard library so that its hidden states ca
     python scripts/build_tiny_target.py fixtures/tiny-target --steps 3000 --device cuda
     build_tiny_target(Path("fixtures/tiny-target"), steps=3000, device="cuda")   # the same, from Python
 
+Variant "cpu" (fixtures/tiny-target-cpu, `--variant cpu`) is the same model at the widths real SGLang's
+CPU kernels accept (CPU_VARIANT): 128 experts of 32, top-8, and larger heads, so about 26M parameters.
+
 The build has three stages, which may run on different machines (the committed fixture was made so:
 the tokenizer here, the training on a lent GPU, the assembly here again):
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import platform
 import tempfile
 import time
@@ -45,11 +49,14 @@ from eyas.training.optim import lr_factor, resolve_device
 # ---------------------------------------------------------------------------------------------------
 
 
-def tiny_config(vocab_size: int) -> DeepseekV3Config:
-    """The tiny DeepSeek-V3 architecture: every structural feature of the real one, at toy widths."""
+def tiny_config(vocab_size: int, variant: str = "default") -> DeepseekV3Config:
+    """The tiny DeepSeek-V3 architecture: every structural feature of the real one, at toy widths.
+    variant "cpu" (CPU_VARIANT) is the same model at widths real SGLang's CPU kernels serve."""
     if vocab_size < MIN_VOCAB:
         raise ValueError(f"vocab_size must be at least {MIN_VOCAB}, got {vocab_size}")
-    return DeepseekV3Config(
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+    widths = dict(
         vocab_size=vocab_size,
         hidden_size=256,
         intermediate_size=512,  # the dense MLP of layer 0
@@ -88,6 +95,29 @@ def tiny_config(vocab_size: int) -> DeepseekV3Config:
         scoring_func="sigmoid",
         moe_layer_freq=1,
     )
+    return DeepseekV3Config(**{**widths, **VARIANTS[variant]})
+
+
+#: The "cpu" variant: the widths SGLang's CPU kernels accept (the intel_amx attention backend, the
+#: fused MoE and its top-k router, the rope), with the default's structure otherwise.
+CPU_VARIANT = dict(
+    # Attention head sizes must be multiples of 32: q/k 32 + 32 (RoPE), v 32, and the compressed KV
+    # cache row that MLA decodes against, kv_lora_rank + qk_rope_head_dim = 96.
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=32,
+    v_head_dim=32,
+    kv_lora_rank=64,
+    # The top-k kernel routes top-8 over 128, 192, 256 or 384 experts; the fused expert kernel takes
+    # intermediate sizes in blocks of 32, so 32 is the smallest expert.
+    n_routed_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=32,
+    # The CPU rope implements only DeepSeek's YaRN, and SGLang requires rope_scaling; YaRN with
+    # factor 1.0 (original_max_position_embeddings equal to max_position_embeddings) is plain RoPE.
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0,
+                     "original_max_position_embeddings": 1024},
+)
+VARIANTS = {"default": {}, "cpu": CPU_VARIANT}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -278,19 +308,21 @@ def train_model(
 
 
 def train_from_inputs(
-    workdir: Path, state_dir: Path, *, steps: int, device: str = "auto", seed: int = 0, **settings
+    workdir: Path, state_dir: Path, *, steps: int, device: str = "auto", seed: int = 0, variant: str = "default",
+    **settings,
 ) -> dict:
     """Train on the token streams prepare_inputs wrote; write the weights (sharded, bf16) and metrics."""
     workdir, device = Path(workdir), resolve_device(device)
     info = json.loads((workdir / "inputs.json").read_text())
     tokens = np.load(workdir / "tokens.npz")
     s = TrainSettings(steps=steps, **settings)
-    config = tiny_config(info["vocab_size"])
+    config = tiny_config(info["vocab_size"], variant)
     model, run = train_model(config, tokens["train"], tokens["val"], s, device=device, seed=seed)
     test = evaluate(model, tokens["test"], s.seq_len, device)
     metrics = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
+        "variant": variant,
         "settings": asdict(s),
         "seed": seed,
         "num_parameters": sum(p.numel() for p in model.parameters()),
@@ -301,8 +333,11 @@ def train_from_inputs(
     }
     print(f"test loss {test['loss']:.4f} test accuracy {test['accuracy']:.4f}")
     state = {k: v if "e_score_correction_bias" in k else v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    # Files of about 10 MiB (at least two), so that each, one tensor over, stays under the 16 MiB a file
+    # that a lent GPU's command may return.
+    num_shards = max(2, math.ceil(sum(v.numel() * v.element_size() for v in state.values()) / (10 << 20)))
     with atomic_dir(Path(state_dir)) as tmp:
-        write_shards(state, tmp, num_shards=2, prefix="state")  # two files, each under the lent GPU's 16 MiB
+        write_shards(state, tmp, num_shards=num_shards, prefix="state")
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
 
@@ -356,14 +391,16 @@ def save_hf_folder(
 # ---------------------------------------------------------------------------------------------------
 
 
-def assemble(workdir: Path, state_dir: Path, out: Path, *, num_shards: int = 8) -> dict:
+def assemble(workdir: Path, state_dir: Path, out: Path, *, num_shards: int = 8, variant: str = "default") -> dict:
     """Load the trained weights into a model, re-measure it here, and write the Hugging Face folder."""
     workdir, state_dir = Path(workdir), Path(state_dir)
     info = json.loads((workdir / "inputs.json").read_text())
     trained = json.loads((state_dir / "metrics.json").read_text())
+    if trained.get("variant", "default") != variant:
+        raise ValueError(f"{state_dir} holds a {trained['variant']!r} model, not {variant!r}")
     tokens = np.load(workdir / "tokens.npz")
     tokenizer = Tokenizer.from_file(str(workdir / "tokenizer.json"))
-    model = DeepseekV3ForCausalLM(tiny_config(tokenizer.get_vocab_size()))
+    model = DeepseekV3ForCausalLM(tiny_config(tokenizer.get_vocab_size(), variant))
     model.load_state_dict({k: v.float() for k, v in read_shards(state_dir, "state").items()}, strict=True)
     # Measured again here, in fp32 on the bf16 weights that ship: what the local server will serve.
     test = evaluate(model.eval(), tokens["test"], trained["settings"]["seq_len"], "cpu")
@@ -380,10 +417,12 @@ def assemble(workdir: Path, state_dir: Path, out: Path, *, num_shards: int = 8) 
 
 
 def build_tiny_target(
-    out: Path, *, steps: int, device: str = "auto", seed: int = 0, vocab_size: int = 4096, **settings
+    out: Path, *, steps: int, device: str = "auto", seed: int = 0, vocab_size: int = 4096, variant: str = "default",
+    **settings,
 ) -> dict:
     """Build the whole fixture in one place: corpus, tokenizer, training, Hugging Face folder at `out`."""
     with tempfile.TemporaryDirectory(prefix="eyas-tiny-target-") as tmp:
         prepare_inputs(Path(tmp) / "inputs", vocab_size=vocab_size, seed=seed)
-        train_from_inputs(Path(tmp) / "inputs", Path(tmp) / "state", steps=steps, device=device, seed=seed, **settings)
-        return assemble(Path(tmp) / "inputs", Path(tmp) / "state", Path(out))
+        train_from_inputs(Path(tmp) / "inputs", Path(tmp) / "state", steps=steps, device=device, seed=seed,
+                          variant=variant, **settings)
+        return assemble(Path(tmp) / "inputs", Path(tmp) / "state", Path(out), variant=variant)

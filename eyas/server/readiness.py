@@ -107,6 +107,11 @@ def _interval_s(text: str) -> float | None:
     return float(days * 86400 + seconds)
 
 
+def bar_totals(line: str) -> list[int]:
+    """The totals of every loading-bar update on this line (tqdm's \r-separated updates)."""
+    return [int(m.group(4)) for m in _BAR_RE.finditer(line)]
+
+
 def parse_progress(line: str) -> Progress | None:
     """The loading bar's state on this line (the last one, if a line holds several), or None."""
     matches = list(_BAR_RE.finditer(line))
@@ -183,7 +188,7 @@ class ServerFailed(EyasError, RuntimeError):
 @dataclass
 class ReadyReport:
     seconds: float  # from the call to HTTP confirmation
-    shards_total: int | None  # from the last loading bar seen (None if none was printed)
+    shards_total: int | None  # the widest loading bar's total: the target's checkpoint (None: no bar)
     last_progress: Progress | None
     log_offset: int  # bytes of the log read so far: a later reader can start there
 
@@ -199,6 +204,9 @@ class _LogWatch:
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.last_activity = clock()  # launch: the stall clock starts here
         self.progress: Progress | None = None
+        # The most steps any bar counted: the target's shards. A capture launch that loads a stub
+        # EAGLE-3 draft (SGLang 0.5.18) prints the draft's one-file bar after it, on the same line.
+        self.shards_total: int | None = None
         self.fatal: list[tuple[str, str]] = []  # (reason, line), oldest first
         self.ready = False
 
@@ -212,6 +220,7 @@ class _LogWatch:
                 self.tail.append(line)
             if bar is not None:
                 newest = bar
+                self.shards_total = max([self.shards_total or 0, *bar_totals(line)])
             else:
                 self.last_activity = self.clock()  # any other new line: the server is moving
             reason = classify_fatal(line)
@@ -222,6 +231,7 @@ class _LogWatch:
         newest = parse_progress(self.cursor.pending) or newest
         if newest and (self.progress is None or newest.key != self.progress.key):
             self.progress = newest
+            self.shards_total = max(self.shards_total or 0, newest.total)
             self.last_activity = self.clock()
             if self.on_progress:
                 self.on_progress(newest)
@@ -318,7 +328,7 @@ def wait_until_ready(host: Host, *, log_path: str | Path, pid: int, url: str,
             _confirm_http(url, http_timeout_s, min(start + deadline_s, now + http_timeout_s),
                           clock, sleep, failed)
             p = watch.progress
-            return ReadyReport(seconds=clock() - start, shards_total=p.total if p else None,
+            return ReadyReport(seconds=clock() - start, shards_total=watch.shards_total,
                                last_progress=p, log_offset=watch.cursor.offset)
         if not alive:
             raise fail_with_log("process died", f"server process {pid} exited before it was ready",

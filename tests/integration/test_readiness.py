@@ -251,3 +251,19 @@ def test_unreachable_host_gives_up_after_three_tries(free_port):
                          sleep=sleeps.append)
     assert e.value.reason == "host unreachable"
     assert str(e.value).startswith("host unreachable: [gpu-x] host unreachable") and len(sleeps) == 2
+
+
+def test_a_stub_drafts_bar_after_the_targets_leaves_the_targets_shard_count(tmp_path, free_port):
+    """A capture launch on SGLang 0.5.18 loads a one-file stub draft after the target: its bar follows
+    the target's on the same \\r-separated line, and the report still counts the target's shards."""
+    host, port = LocalHost(), free_port
+    bars = real_bar_text(5, 0.0).rstrip("\n") + real_bar_text(1, 0.0)
+    script = HARMLESS_TRACEBACK.replace('print("Traceback', f"print({bars!r}, end='', flush=True)\n#", 1)
+    log = tmp_path / "server.log"
+    pid = host.start(shlex.join([sys.executable, "-c", script, str(port)]), log_path=log)
+    try:
+        report = wait_until_ready(host, log_path=log, pid=pid, url=f"http://127.0.0.1:{port}",
+                                  poll_interval_s=POLL, stall_timeout_s=30, deadline_s=30, http_timeout_s=5)
+        assert report.shards_total == 5 and report.last_progress.total == 1
+    finally:
+        host.kill_group(pid, 9)

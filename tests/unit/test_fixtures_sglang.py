@@ -313,6 +313,21 @@ def test_the_builder_writes_the_committed_tiny_config():
     assert tt.hf_config_dict(tt.tiny_config(committed["vocab_size"])) == committed
 
 
+def test_the_builder_writes_the_committed_cpu_variant_config():
+    """fixtures/tiny-target-cpu, the real-SGLang tier's target, is tiny_config's "cpu" variant, at the
+    widths SGLang's CPU kernels take: heads and the MLA cache row in multiples of 32, top-8 of 128
+    experts of 32, YaRN rope with factor 1 (plain RoPE)."""
+    from eyas.local import tiny_target as tt
+
+    committed = json.loads((TINY.parent / "tiny-target-cpu" / "config.json").read_text())
+    assert tt.hf_config_dict(tt.tiny_config(committed["vocab_size"], "cpu")) == committed
+    c = committed
+    assert (c["qk_nope_head_dim"] + c["qk_rope_head_dim"]) % 32 == 0 == c["v_head_dim"] % 32
+    assert (c["kv_lora_rank"] + c["qk_rope_head_dim"]) % 32 == 0
+    assert (c["n_routed_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"] % 32) == (128, 8, 0)
+    assert c["rope_parameters"]["rope_type"] == "yarn" and c["rope_parameters"]["factor"] == 1.0
+
+
 def test_transformers_ignores_the_keys_only_sglang_reads():
     """eyas's local server (transformers' DeepseekV3) computes the same with and without them, so the
     fixture's weights and every figure measured on them stay as they were."""

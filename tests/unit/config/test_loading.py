@@ -61,3 +61,13 @@ def test_missing_and_malformed_files(tmp_path):
     (tmp_path / "x.yaml").write_text("name: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(tmp_path / "x.yaml")
+
+
+def test_a_local_server_python_is_expanded_and_read_from_the_configs_folder(monkeypatch):
+    monkeypatch.setenv("HOME", "/home/op")
+    cfg = ROOT / "configs" / "local-tiny.yaml"
+    assert load_config(cfg, {"server.python": "~/envs/sglang/bin/python"}).server.python == "/home/op/envs/sglang/bin/python"
+    assert load_config(cfg, {"server.python": "../venv/bin/python"}).server.python == str(ROOT / "venv" / "bin" / "python")
+    assert load_config(cfg, {"server.python": "python3"}).server.python == "python3"  # the shell's PATH finds it
+    ssh = load_config(ROOT / "configs" / "kimi-k2.5-sglang.yaml", {"server.python": "~/sglang/bin/python"})
+    assert ssh.server.python == "~/sglang/bin/python"  # the GPU host's home, not this machine's
