@@ -36,8 +36,11 @@ def test_the_wheel_holds_the_code_and_the_shipped_files(installed):
                  "eyas/_shipped/patches/sglang/0.5.23/manifest.json",
                  "eyas/_shipped/patches/sglang/eyas_sglang_hook.py",
                  "eyas/_shipped/configs/local-tiny.yaml", "eyas/_shipped/configs/kimi-k2.5-sglang.yaml",
+                 "eyas/_shipped/patches/sglang/0.5.18/manifest.json",
                  "eyas/_shipped/fixtures/tiny-target/config.json"):
         assert path in names, path
+    # the real-SGLang tier's target stays in the repository
+    assert not [n for n in names if n.startswith("eyas/_shipped/fixtures/tiny-target-cpu/")]
 
 
 def test_the_installed_package_finds_its_files_away_from_the_checkout(installed, tmp_path):
@@ -59,5 +62,5 @@ def test_the_installed_package_finds_its_files_away_from_the_checkout(installed,
 
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["eyas"].startswith(str(site)) and got["root"] == str(site / "eyas" / "_shipped")
-    assert got["versions"] == ["0.5.23"] and got["patch"].startswith("eyas-sglang-0.5.23-")
+    assert got["versions"] == ["0.5.18", "0.5.23"] and got["patch"].startswith("eyas-sglang-0.5.23-")
     assert got["target"].startswith(str(site)) and got["target_ok"]
