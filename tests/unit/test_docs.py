@@ -62,3 +62,14 @@ def test_the_first_screen_answers_how_fast_and_how_to_check():
     """The summary table (figure, goal, machine, commit, command) starts within the first 20 lines."""
     head = PERFORMANCE.read_text().splitlines()[:20]
     assert any(re.match(r"\| what \| figure \| goal \| machine \| commit \| command \|", line) for line in head)
+
+
+def test_the_runbooks_capture_launch_is_the_one_eyas_builds():
+    """docs/production.md shows the Kimi capture launch whole: a hand-copied launch must be eyas's own."""
+    from eyas.config import load_config
+    from eyas.server.launch import launch_command
+
+    text = (ROOT / "docs" / "production.md").read_text()
+    shown = re.search(r"## 3\. The launches on this node.*?```\n(.+?)\n```", text, re.S)
+    cfg = load_config(ROOT / "configs" / "kimi-k2.5-sglang.yaml")
+    assert shown and shown.group(1) == launch_command(cfg, "KimiK25ForConditionalGeneration")
