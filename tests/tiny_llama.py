@@ -49,21 +49,6 @@ def write_tiny_llama(folder: str | Path, *, seed: int = 0, max_shard_size: str =
     return folder
 
 
-def reference_hidden_states(folder: str | Path, input_ids: list[int], capture_ids: list[int]):
-    """What SGLang should capture for `input_ids`, computed by transformers on the same weights:
-    (aux [T, K*H] = HF hidden_states[i] for each capture-before id i, concatenated; last [T, H] =
-    the final normed state), in float32."""
-    import torch
-    import transformers
-
-    model = transformers.LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        out = model(torch.tensor([input_ids]), output_hidden_states=True)
-    states = out.hidden_states  # embeddings, then each layer's output; the last is post-norm
-    aux = torch.cat([states[i][0].float() for i in capture_ids], dim=-1)
-    return aux, states[-1][0].float()
-
-
 if __name__ == "__main__":
     import sys
 

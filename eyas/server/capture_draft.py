@@ -1,6 +1,6 @@
 """The stub EAGLE-3 draft that makes an SGLang without capture-only mode capture hidden states.
 
-    folder = install_capture_draft(host, cfg, target_config)   # <server.workdir>/capture-draft
+    folder = install_capture_draft(host, cfg, target_config, architecture)   # <server.workdir>/capture-draft
     capture_draft_args(folder)   # --speculative-algorithm EAGLE3 --speculative-draft-model-path ...
 
 SGLang 0.5.18 has no `--enable-return-aux-hidden-states`: its target keeps aux hidden states only

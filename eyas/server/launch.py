@@ -160,9 +160,8 @@ def target_config(host: Host, cfg: PipelineConfig) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
-def target_architecture(host: Host, cfg: PipelineConfig) -> str | None:
-    """The first `architectures` entry of the target's config.json on the server host, or None."""
-    names = (target_config(host, cfg) or {}).get("architectures")
+def _first_architecture(config: dict | None) -> str | None:
+    names = (config or {}).get("architectures")
     return names[0] if isinstance(names, list) and names and isinstance(names[0], str) else None
 
 
@@ -175,13 +174,22 @@ def needs_capture_draft(host: Host, cfg: PipelineConfig) -> bool:
     return version in available_versions() and not load_patch_set(version).capture_only_mode
 
 
-def host_launch_command(host: Host, cfg: PipelineConfig) -> str:
+def host_launch_command(host: Host, cfg: PipelineConfig, *, install_draft: bool = False) -> str:
     """launch_command for the target as the server host has it (SGLang: its architecture's id rule,
-    and the stub draft's folder where the version has no capture-only mode)."""
+    and the stub draft's folder where the version has no capture-only mode). `install_draft`
+    (start_server): write that draft there too."""
     if cfg.server.backend != "sglang":
         return launch_command(cfg)
-    draft = f"{str(cfg.server.workdir).rstrip('/')}/{CAPTURE_DRAFT}" if needs_capture_draft(host, cfg) else None
-    return launch_command(cfg, target_architecture(host, cfg), draft)
+    config = target_config(host, cfg)
+    architecture, draft = _first_architecture(config), None
+    if needs_capture_draft(host, cfg):
+        draft = f"{str(cfg.server.workdir).rstrip('/')}/{CAPTURE_DRAFT}"
+        if install_draft:
+            if config is None:
+                raise LaunchError(f"[{host.name}] no readable config.json in {cfg.target.checkpoint}: the "
+                                  f"capture draft this SGLang needs is shaped after it")
+            install_capture_draft(host, cfg, config, architecture)
+    return launch_command(cfg, architecture, draft)
 
 
 def launch_secrets(cfg: PipelineConfig, environ=os.environ) -> dict[str, str]:
@@ -299,13 +307,7 @@ def start_server(host: Host, cfg: PipelineConfig, owner: Owner | None = None, *,
                           f"({', '.join(dump['foreign'])}); eyas deletes that folder's contents, so point "
                           f"server.dump_dir at a new or empty folder")
     size = host.run(f"stat -c %s {q(str(s.log_path))} 2>/dev/null || echo 0", check=False).stdout.strip()
-    if needs_capture_draft(host, cfg):
-        config = target_config(host, cfg)
-        if config is None:
-            raise LaunchError(f"[{host.name}] no readable config.json in {cfg.target.checkpoint}: the capture "
-                              f"draft this SGLang needs is shaped after it")
-        install_capture_draft(host, cfg, config, target_architecture(host, cfg))
-    command = host_launch_command(host, cfg)
+    command = host_launch_command(host, cfg, install_draft=True)
     env = launch_env(cfg)
     if s.backend == "local" and s.host.kind == "local" and not leave_up:
         env[LAUNCHER_ENV] = launcher_identity() or ""

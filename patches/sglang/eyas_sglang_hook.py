@@ -44,9 +44,10 @@ is not), `dtype` (default $EYAS_DUMP_DTYPE or bfloat16), `max_pending` (default 
 for the background writer; 0 writes inside the forward), `architecture` (the target's model class:
 which rule maps --return-aux-hidden-state-layer-ids to captured layers; default DeepSeek-V2's).
 
-A forward without both aux and last hidden states (a server without capture-only mode, such as an
-EAGLE3 speculative launch's target) is not dumped and never fails; a hook registered through
---forward-hooks in such a server fails at registration instead, naming the missing flag.
+A forward without both aux and last hidden states (on 0.5.23 a server without capture-only mode,
+such as an EAGLE3 speculative launch's target) is not dumped and never fails; a hook registered
+through --forward-hooks in a 0.5.23 server without capture-only mode fails at registration instead,
+naming the missing flag.
 
 Imports only stdlib, torch and eyas_dump (torch + safetensors): it runs in SGLang's python.
 """
