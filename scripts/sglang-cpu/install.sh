@@ -19,12 +19,14 @@
 #   3. sglang's own requirements, less two the registry cannot satisfy on a CPU machine:
 #      `sglang-kernel` (the CUDA kernel, which owns the module name sgl_kernel that the CPU kernel
 #      replaces) and a pre-release `cuda-tile` pin with no wheel. Then sglang itself with --no-deps.
-#   4. The CPU kernel wheel with --no-deps, and a smoke check: sglang and sgl_kernel import and the
-#      CPU attention op is registered.
+#   4. The CPU kernel wheel with --no-deps.
+#   5. Fixes to SGLang's CPU path from scripts/sglang-cpu/patches/VERSION/ (each file says what it
+#      fixes; none touches what a GPU runs), applied to the installed package.
+#   6. A smoke check: sglang and sgl_kernel import and the CPU attention op is registered.
 set -euo pipefail
 
 if [ $# -lt 2 ] || [ $# -gt 3 ]; then
-  sed -n '2,24p' "$0" >&2
+  sed -n '2,25p' "$0" >&2
   exit 2
 fi
 VERSION=$1
@@ -34,11 +36,14 @@ PYTHON=${PYTHON:-python3.11}
 SKIP="sglang-kernel cuda-tile"
 [ -f "$KERNEL" ] || { echo "error: no kernel wheel at $2" >&2; exit 1; }
 KERNEL_SHA=$(sha256sum "$KERNEL" | cut -d' ' -f1)
+FIXES=$(dirname "$(realpath "$0")")/patches/$VERSION
+# One hash over the kernel and the fixes: a changed fix means a reinstall, like a changed kernel.
+BUILD_SHA=$( { echo "$KERNEL_SHA"; cat "$FIXES"/*.patch 2>/dev/null; } | sha256sum | cut -d' ' -f1)
 log() { printf '[%s] sglang-cpu %s: %s\n' "$(date +%H:%M:%S)" "$VERSION" "$*" >&2; }
 
 # The stamp names what was installed: another version or kernel wheel means a rebuild.
 STAMP="$DEST/ready.json"
-if [ -f "$STAMP" ] && grep -q "\"sglang\": \"$VERSION\"" "$STAMP" && grep -q "$KERNEL_SHA" "$STAMP" \
+if [ -f "$STAMP" ] && grep -q "\"sglang\": \"$VERSION\"" "$STAMP" && grep -q "$BUILD_SHA" "$STAMP" \
    && [ -x "$DEST/bin/python" ]; then
   log "ready ($STAMP)"
   echo "$DEST/bin/python"
@@ -77,14 +82,20 @@ log "installing its requirements ($(wc -l <"$DEST/requirements.txt") packages, t
 run "${PIP[@]}" install -r "$DEST/requirements.txt"
 run "${PIP[@]}" install --no-deps "$WHEELS"/sglang-"$VERSION"-*.whl "$KERNEL"
 rm -rf "$WHEELS"
+SITE=$("$DEST/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+for fix in "$FIXES"/*.patch; do
+  [ -f "$fix" ] || continue
+  log "applying $(basename "$fix")"
+  run patch -p1 -d "$SITE" --forward --batch -i "$fix"
+done
 
 log "checking"
-SGLANG_USE_CPU_ENGINE=1 "$DEST/bin/python" - "$STAMP" "$KERNEL_SHA" <<'EOF' >>"$LOGFILE" 2>&1 || { tail -30 "$LOGFILE" >&2; exit 1; }
+SGLANG_USE_CPU_ENGINE=1 "$DEST/bin/python" - "$STAMP" "$KERNEL_SHA" "$BUILD_SHA" <<'EOF' >>"$LOGFILE" 2>&1 || { tail -30 "$LOGFILE" >&2; exit 1; }
 import importlib.metadata as md, json, os, sys
 import sgl_kernel, sglang, torch  # noqa: F401
 assert hasattr(torch.ops.sgl_kernel, "extend_attention_cpu"), "the CPU kernel's ops are not registered"
 info = {"sglang": md.version("sglang"), "torch": md.version("torch"), "kernel_sha256": sys.argv[2],
-        "transformers": md.version("transformers")}
+        "build_sha256": sys.argv[3], "transformers": md.version("transformers")}
 with open(sys.argv[1] + ".tmp", "w") as f:
     json.dump(info, f)
 os.replace(sys.argv[1] + ".tmp", sys.argv[1])
