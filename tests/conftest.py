@@ -185,6 +185,18 @@ DEPLOYED_SERVER_MODULES = {f"tests/integration/{name}.py" for name in
                            ("test_deployments", "test_failure_reporting", "test_operator")}
 
 
+#: The longest work units, longest first: the workers start on them, so none is left running alone
+#: at the end while the others idle (the rest keep their collection order).
+LONGEST_FIRST = ["tests/integration/test_sglang_cpu_dsv3.py", *sorted(DEPLOYED_SERVER_MODULES),
+                 "tests/integration/test_sglang_cpu.py", "tests/integration/test_serve_bench.py",
+                 "tests/integration/test_pipeline.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile`, except that the modules sharing the deployed server are one work unit."""

@@ -83,6 +83,11 @@ class BenchmarkConfig(StrictModel):
     #: CPU servers share the cores); shown and stored: no secrets
     server_env: dict[EnvName, str] = {}
     request_timeout_s: float = Field(300.0, gt=0)
+    #: with server.backend sglang on a local host: serve the same drafter on eyas's own server as well
+    #: (plainly and per chain, the same prompt sets, no speed passes), so the report holds both
+    #: servers' acceptance side by side (report.json's serving.reference): a check of the stand-in
+    #: against the real server, for targets small enough for eyas's server (configs/sglang-cpu.yaml)
+    reference_backend: Literal["local"] | None = None
 
     @field_serializer("launch_args", "speculative_launch_args", when_used="json")
     def _hide_secret_flags(self, v: list[str]) -> list[str]:

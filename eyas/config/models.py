@@ -63,6 +63,14 @@ class PipelineConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _reference_beside_sglang(self) -> "PipelineConfig":
+        if self.benchmark.reference_backend and (self.server.backend != "sglang" or self.server.host.kind != "local"):
+            raise ValueError(f"benchmark.reference_backend: {self.benchmark.reference_backend} serves the drafter on "
+                             f"eyas's own server beside SGLang on this machine: it needs server.backend sglang on a "
+                             f"local host, got {self.server.backend} on {self.server.host.kind}")
+        return self
+
+    @model_validator(mode="after")
     def _bench_env_not_secret(self) -> "PipelineConfig":
         if twice := set(self.benchmark.server_env) & (set(self.server.secret_env) | set(self.server.env_from)):
             raise ValueError(f"benchmark.server_env: {sorted(twice)} also set in server.secret_env or "

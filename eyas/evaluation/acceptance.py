@@ -20,10 +20,13 @@ def chain_name(steps: int, topk: int = 1, draft_tokens: int | None = None) -> st
 
 def prompt_record(prompt_tokens: int, output: list[int], verify_steps: int,
                   reference: list[int] | None = None) -> dict:
-    """One prompt's figures; `identical` compares with the reference output (None: no reference)."""
+    """One prompt's figures; `identical` compares with the reference output and `same_prefix` counts
+    the leading tokens both share (None: no reference)."""
+    same = None if reference is None else next(
+        (i for i, (a, b) in enumerate(zip(output, reference)) if a != b), min(len(output), len(reference)))
     return {"prompt_tokens": prompt_tokens, "new_tokens": len(output), "verify_steps": verify_steps,
             "acceptance_length": round(len(output) / verify_steps, 4) if verify_steps else None,
-            "identical": None if reference is None else list(output) == list(reference)}
+            "identical": None if reference is None else list(output) == list(reference), "same_prefix": same}
 
 
 def pooled(records: list[dict]) -> dict:

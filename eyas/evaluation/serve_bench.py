@@ -24,6 +24,10 @@ server is up beside it (port + 1), and their passes alternate, so a change in th
 hits both alike; otherwise one server at a time, plain first. With `concurrent` as well, the two
 passes run at the same time instead (each server single-threaded on its own core, say: the
 embedded default's 2 cores), which halves the stage where one server cannot use the machine.
+
+With `reference_backend` (a real SGLang beside eyas's own server on this machine), the same launches
+are made once more on eyas's server, acceptance only, and the result's `reference` sets its figures
+beside SGLang's per chain and prompt set.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -65,6 +69,7 @@ class ServeBenchResult:
     speedup: dict | None = None  # speculative over plain: single stream, concurrent, TTFT, per pass
     break_even_acceptance_length: float | None = None  # where this machine's round would break even
     identical_outputs: bool | None = None  # the greedy speed passes' outputs (None: sampled, or no passes)
+    reference: dict | None = None  # benchmark.reference_backend: the same drafter on eyas's server, per chain and set
 
 
 def heldout_prompts(cfg: PipelineConfig) -> list[list[int]]:
@@ -91,8 +96,22 @@ def chains(cfg: PipelineConfig) -> tuple[list[Chain], Chain | None]:
 def launches(cfg: PipelineConfig, drafter_dir: str | Path | None = None) -> list[PipelineConfig]:
     """The configs of every launch of the stage, plain first (the stop hook stops each of them)."""
     offset = 1 if cfg.benchmark.interleave else 0
-    return [server_config(cfg, "plain", None),
-            *(server_config(cfg, c.label, drafter_dir or "-", chain=c, port_offset=offset) for c in chains(cfg)[0])]
+    own = [server_config(cfg, "plain", None),
+           *(server_config(cfg, c.label, drafter_dir or "-", chain=c, port_offset=offset) for c in chains(cfg)[0])]
+    return own + (launches(reference_config(cfg), drafter_dir) if cfg.benchmark.reference_backend else [])
+
+
+def reference_config(cfg: PipelineConfig) -> PipelineConfig:
+    """The config of the reference launches: eyas's own server on the same target, drafter and chains,
+    in its own workdir and ports, without SGLang's flags and environment, acceptance only."""
+    s = cfg.server
+    server = s.model_copy(update={"backend": cfg.benchmark.reference_backend, "python": None, "env": {},
+                                  "launch_args": [], "capture_launch_args": [], "port": s.port + 2,
+                                  "workdir": Path(s.workdir) / "reference",
+                                  "dump_dir": Path(s.workdir) / "reference" / "dump"})
+    bench = cfg.benchmark.model_copy(update={"enabled": False, "reference_backend": None, "interleave": False,
+                                             "launch_args": [], "speculative_launch_args": [], "server_env": {}})
+    return cfg.model_copy(update={"server": server, "benchmark": bench})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,7 +246,32 @@ def run_serve_bench(cfg: PipelineConfig, drafter_dir: str | Path, sets: dict[str
         measure = _interleaved if b.interleave else _one_at_a_time
         runs = measure(cfg, host, sets, speed_prompts, configs, bench.name if bench else None, log, owner,
                        on_launch)
-    return _assemble(cfg, drafter_dir, sets, len(speed_prompts), served, bench, runs, time.monotonic() - t0)
+        reference = None
+        if b.reference_backend:
+            log(f"serving the same drafter on the reference backend ({b.reference_backend}) for comparison")
+            reference = run_serve_bench(reference_config(cfg), drafter_dir, sets, host, log, owner)
+    result = _assemble(cfg, drafter_dir, sets, len(speed_prompts), served, bench, runs, time.monotonic() - t0)
+    return result if reference is None else replace(result, reference=compare(result, reference))
+
+
+def compare(result: ServeBenchResult, reference: ServeBenchResult) -> dict:
+    """The reference server's acceptance beside this result's, per chain and prompt set, with
+    relative_difference = reference / this - 1."""
+    chains_ = {chain: {name: {"acceptance_length": r["acceptance_length"],
+                              "served_acceptance_length": c["sets"][name]["acceptance_length"],
+                              "relative_difference": _relative(r["acceptance_length"],
+                                                               c["sets"][name]["acceptance_length"]),
+                              "identical_to_target": r["identical_to_target"],
+                              "per_prompt": [p["acceptance_length"] for p in r["per_prompt"]]}
+                       for name, r in reference.chains[chain]["sets"].items()}
+               for chain, c in result.chains.items()}
+    return {"backend": reference.settings["backend"], "seconds": reference.seconds, "chains": chains_,
+            "largest_relative_difference": max(abs(x["relative_difference"]) for c in chains_.values()
+                                               for x in c.values())}
+
+
+def _relative(a: float, b: float) -> float:
+    return round(a / b - 1, 4)
 
 
 def _assemble(cfg, drafter_dir, sets, num_speed_prompts, served, bench, runs, seconds) -> ServeBenchResult:
@@ -336,6 +380,15 @@ def benchmarks_markdown(per_set: dict[str, dict]) -> str:
     return "\n".join([head, rule, *rows]) + "\n"
 
 
+def reference_markdown(reference: dict) -> str:
+    """The same drafter served by the reference backend: acceptance beside the served one."""
+    rows = [f"| {chain} | {name} | {x['served_acceptance_length']:.3f} | {x['acceptance_length']:.3f} | "
+            f"{x['relative_difference']:+.1%} |" for chain, sets in reference["chains"].items()
+            for name, x in sets.items()]
+    return (f"## The same drafter on {reference['backend']}\n\n| chain | prompt set | acceptance served | "
+            f"acceptance on {reference['backend']} | difference |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+
+
 def markdown(result: ServeBenchResult) -> str:
     """The Prefect artifact: acceptance per chain and set, then plain vs speculative speed."""
     b = result.settings
@@ -344,6 +397,8 @@ def markdown(result: ServeBenchResult) -> str:
             f"serving: {result.identical_to_target})\n\n{benchmarks_markdown(benchmarks(result))}\n"
             f"Acceptance: each prompt alone, greedy, up to {b['evaluation']['max_new_tokens']} new tokens; "
             f"speed-up: that pass's output tokens/s over the plain server's.\n")
+    if result.reference:
+        text += "\n" + reference_markdown(result.reference)
     if result.speedup is None:
         return text
     p, s, r = result.plain, result.speculative, result.speedup

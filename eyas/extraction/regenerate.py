@@ -176,7 +176,7 @@ def pending_parts(records: list[Record], tokenizer, out_dir: str | Path, cfg: Re
 
 
 def _params(cfg: RegenerateConfig, stop_ids: list[int], max_length: int, target: str) -> dict:
-    params = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
+    params = {"max_new_tokens": cfg.max_new_tokens, **cfg.sampling(), "seed": cfg.seed,
               "stop_token_ids": stop_ids, "max_length": max_length, "target": target}
     if cfg.thinking is not None:  # only then: parts a target without thinking finished stay reusable
         params["thinking"] = {cfg.thinking_kwarg: cfg.thinking}

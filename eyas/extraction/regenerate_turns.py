@@ -125,9 +125,9 @@ def split_reasoning(prompt: list[int], output: list[int], th: Thinking) -> tuple
 def _ask(pool: ServerPool, prompt: list[int], conv_index: int, j: int, cfg: RegenerateConfig,
          stop_ids: list[int], max_length: int, where: str):
     """The target's reply to turn j of conversation conv_index (a Reply), within max_length."""
-    params = {"max_new_tokens": min(cfg.max_new_tokens, max_length - len(prompt)),
-              "temperature": cfg.temperature, "stop_token_ids": stop_ids}
-    if cfg.temperature > 0:
+    params = {"max_new_tokens": min(cfg.max_new_tokens, max_length - len(prompt)), **cfg.sampling(),
+              "stop_token_ids": stop_ids}
+    if params["temperature"] > 0:
         params["sampling_seed"] = _seed(conv_index, j, cfg.seed)
     try:
         return pool.generate(prompt, f"{RID_PREFIX}{conv_index:07d}-{j:03d}", params).result()

@@ -85,7 +85,8 @@ def _ask(pool, tok, prompt, rid):
 def test_thinking_on_keeps_each_reasoning_reply_as_emitted_after_the_templates_history(server, tok, tmp_path,
                                                                                          target):
     records, heldout = _data(tmp_path)
-    rcfg = RegenerateConfig(enabled=True, max_new_tokens=MAX_NEW, num_parts=2, thinking=True)
+    # greedy, so that each reply can be asked again and compared (thinking's default samples)
+    rcfg = RegenerateConfig(enabled=True, max_new_tokens=MAX_NEW, num_parts=2, thinking=True, temperature=0.0)
     with ServerPool([Endpoint(server.url, tmp_path / "no-dump", 4)], retries=1, backoff_s=0.2) as pool:
         path, summary = regenerate(records, tok, pool, tmp_path / "regen", rcfg, passthrough=heldout,
                                    target="thinking", max_length=512)
@@ -124,7 +125,8 @@ def test_thinking_on_keeps_each_reasoning_reply_as_emitted_after_the_templates_h
         assert prepared.stats["sequences"] == 7 and prepared.stats["loss_tokens"] == 6 * MAX_NEW + 2
         # The extraction stage prepares them, and report.json counts their reasoning tokens.
         cfg = stage_config(tmp_path, target, **{"data.path": str(path), "data.num_heldout": 1,
-                                                "data.max_length": 512, "data.regenerate.thinking": True})
+                                                "data.max_length": 512, "data.regenerate.thinking": True,
+                                                "data.regenerate.temperature": 0.0})
         staged = stage.prepare(stage.ExtractionContext(), cfg, str(path), take_dir=False, log=lambda *a: None)
         section = regeneration_section(staged.stats)
         assert (section["thinking"], section["reasoning_tokens"], section["output_tokens"]) == (True, 24, 60)

@@ -9,8 +9,8 @@ import torch
 from eyas.config import ConfigError, load_config
 from eyas.server.launch import launch_command
 from eyas.evaluation.acceptance import pooled, prompt_record
-from eyas.evaluation.serve_bench import (OutputMismatch, ServeBenchResult, benchmarks, chains, check_outputs, launches,
-                                         markdown, run_serve_bench)
+from eyas.evaluation.serve_bench import (OutputMismatch, ServeBenchResult, benchmarks, chains, check_outputs, compare,
+                                         launches, markdown, reference_markdown, run_serve_bench)
 from eyas.evaluation.serving import Chain, server_config
 from tests.stage_config import ROOT, stage_config
 
@@ -74,6 +74,37 @@ def test_a_changed_greedy_output_fails_on_eyas_local_and_is_only_recorded_on_sgl
         check_outputs(local, result)
     sglang = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{"server.backend": "sglang"})
     check_outputs(sglang, result)  # recorded in the figures, never raised
+
+
+def test_a_reference_backend_serves_the_same_chains_on_eyas_and_sets_its_acceptance_beside(tmp_path):
+    """benchmark.reference_backend: eyas's own server beside a real SGLang, same chains, own workdir and
+    ports, none of SGLang's flags; its acceptance per chain and set beside the served one."""
+    with pytest.raises(ConfigError, match="reference_backend.*server.backend sglang"):
+        load_config(ROOT / "configs" / "local-tiny.yaml", {"benchmark.reference_backend": "local"})
+    cfg = load_config(ROOT / "configs" / "sglang-cpu.yaml")
+    assert cfg.benchmark.reference_backend == "local"
+    configs = launches(cfg, "/d")
+    assert [c.server.backend for c in configs] == ["sglang", "sglang", "local", "local"]  # the stop hook stops all
+    ref_plain, ref_spec = configs[2:]
+    assert ref_plain.server.workdir == cfg.server.workdir / "reference" / "bench-plain"
+    assert {ref_plain.server.port, ref_spec.server.port} == {cfg.server.port + 2}
+    command = launch_command(ref_spec)
+    assert " -m eyas serve-local " in command and "--device" not in command and "--speculative-num-steps 3" in command
+    assert ref_spec.server.env == {} and not ref_spec.benchmark.enabled
+
+    def result(per_prompt: list[tuple[int, int]]) -> ServeBenchResult:
+        sets = {"heldout": pooled([prompt_record(4, [0] * n, v, reference=[0] * n) for n, v in per_prompt])}
+        return ServeBenchResult(acceptance_length=sets["heldout"]["acceptance_length"], headline_chain="3/1/4",
+                                chains={"3/1/4": {"sets": sets}}, identical_to_target=True, sets={}, plain={},
+                                benchmark_chain=None, drafter_dir="/d", seconds=2.0,
+                                settings={"backend": "local"}, machine={})
+    served, ref = result([(20, 10), (10, 5)]), result([(21, 10), (10, 5)])  # 2.0 and 31/15
+    figures = compare(served, ref)
+    x = figures["chains"]["3/1/4"]["heldout"]
+    assert (x["served_acceptance_length"], x["acceptance_length"]) == (2.0, 31 / 15)
+    assert x["relative_difference"] == round(31 / 30 - 1, 4) == figures["largest_relative_difference"]
+    assert x["per_prompt"] == [2.1, 2.0] and figures["backend"] == "local"
+    assert "| 3/1/4 | heldout | 2.000 | 2.067 | +3.3% |" in reference_markdown(figures)
 
 
 @pytest.mark.parametrize("interleave, concurrent", [(True, False), (True, True), (False, False)],

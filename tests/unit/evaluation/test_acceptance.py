@@ -12,8 +12,10 @@ def test_chain_names_are_sglangs_steps_topk_draft_tokens():
 def test_one_prompt_is_completion_tokens_over_verify_steps():
     rec = prompt_record(prompt_tokens=9, output=list(range(10)), verify_steps=4, reference=list(range(10)))
     assert rec == {"prompt_tokens": 9, "new_tokens": 10, "verify_steps": 4, "acceptance_length": 2.5,
-                   "identical": True}
-    assert prompt_record(9, [1, 2], 1, reference=[1, 3])["identical"] is False
+                   "identical": True, "same_prefix": 10}
+    differs = prompt_record(9, [1, 2], 1, reference=[1, 3])
+    assert differs["identical"] is False and differs["same_prefix"] == 1
+    assert prompt_record(9, [1, 2, 3], 1, reference=[1, 2])["same_prefix"] == 2  # an earlier eos
     assert prompt_record(9, [1, 2], 1)["identical"] is None  # nothing to compare with
     # the prefill's token alone: no verify step, no per-prompt figure
     assert prompt_record(9, [5], 0)["acceptance_length"] is None
