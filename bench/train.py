@@ -141,8 +141,9 @@ def _attention_error(ts: list[torch.Tensor], K: int, hd: int, kernels: KernelOpt
     return max([rel(y, yr)] + [rel(a, b) for a, b in zip(grads, gr)])
 
 
-def check_kernels(device, dtype, kernels: KernelOptions = KernelOptions()) -> dict:
+def check_kernels(device, dtype, kernels: KernelOptions | None = None) -> dict:
     """Fast paths (as `kernels` picks them) against plain autograd math in float64, on fresh random inputs."""
+    kernels = kernels or KernelOptions()
     g = torch.Generator(device="cpu").manual_seed(1)
     out = {}
     B, nh, T, hd = 2, 4, 256, 128

@@ -375,7 +375,8 @@ def _all_finite(x: torch.Tensor, rows: int = 256) -> bool:
     return all(int((bits[a:a + rows] & mask).max(initial=0)) != mask for a in range(0, bits.shape[0], rows))
 
 
-def validate(records: list[DumpRecord], expected_token_ids: list[int], *, rid: str | None = None) -> dict[str, Any]:
+# One check per property of the records, each refused with its own message: a flat list reads best.
+def validate(records: list[DumpRecord], expected_token_ids: list[int], *, rid: str | None = None) -> dict[str, Any]:  # noqa: C901
     """assemble's checks without concatenating (a collector can then write chunk by chunk).
 
     `records` must be sorted by prefix_offset (read_records returns them so). Returns the metadata

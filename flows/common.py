@@ -163,7 +163,7 @@ def _refuse_secrets(raw: dict, where: str) -> None:
     The masks a loaded config is stored with (a failure hook reads them back) pass."""
     server = raw.get("server") if isinstance(raw.get("server"), dict) else {}
     named = [f"server.secret_env.{k}" for k, v in (server.get("secret_env") or {}).items()
-             if str(getattr(v, "get_secret_value", lambda: v)()) != PYDANTIC_MASK]
+             if str(getattr(v, "get_secret_value", lambda v=v: v)()) != PYDANTIC_MASK]
     if any(v != MASK for v in secret_flag_values(map(str, server.get("launch_args") or []))):
         named.append("server.launch_args (--api-key)")
     if named:

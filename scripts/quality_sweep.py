@@ -19,11 +19,17 @@ written from the same recomputed states, so plain and fp8 variants differ in the
 Train on the CPU with `"training.device": "cpu"` in a variant's overrides (the figure of record is
 CPU-trained); `"evaluation.draft_steps": [3, 7]` measures 7/1/8 too (`al_by_setting`).
 """
-import argparse, json, os, subprocess, sys, time, collections
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import torch
+import torch  # noqa: E402 - after the checkout joins sys.path, as the eyas imports below
 
 def shard_dir(out, data, encoding="plain"):
     """Where a data variant's shards in one encoding live (plain keeps its old name)."""

@@ -221,69 +221,80 @@ def prepare(records: list, tokenizer, cfg: DataConfig, *, vocab_size: int | None
                for k, r in enumerate(records)]
     num_heldout = min(cfg.num_heldout, len(records) - 1)
     train_recs, heldout = records[: len(records) - num_heldout], records[len(records) - num_heldout:]
-    skipped = list(skipped or [])
-    stats: dict[str, Any] = {"conversations": len(train_recs), "truncated": 0, "dropped_overlong": 0,
-                             "dropped_no_loss": 0, "skipped_bad_lines": len(skipped)}
-
-    def skip(reason: str) -> None:
-        if cfg.bad_lines != "skip":
-            raise DataError(reason)
-        stats["skipped_bad_lines"] += 1
-        skipped.append(reason)
-
-    limit = context_limit(tokenizer)
+    policy = _LengthPolicy(tokenizer, cfg, vocab_size, list(skipped or []), len(train_recs))
     warned = getattr(tokenizer, "deprecation_warnings", None)
     if isinstance(warned, dict):  # Hugging Face's "longer than the maximum" warning names no line; eyas does
         warned["sequence-length-is-longer-than-the-specified-maximum"] = True
-    train = []
-    for r in train_recs:
+    train = [s for s in map(policy.sequence, train_recs) if s is not None]
+    stats = policy.stats
+    if not train:
+        raise DataError(f"{cfg.path}: no trainable sequence left after the length policy ({stats})")
+    prompts = [p for p in map(policy.prompt, heldout) if p is not None]
+    stats["sequences"] = len(train)
+    stats["tokens"] = sum(len(s.input_ids) for s in train)
+    stats["loss_tokens"] = sum(sum(s.loss_mask) for s in train)
+    stats["skipped_lines"] = policy.skipped[:MAX_NAMED_SKIPS]
+    return Prepared(train, prompts, stats)
+
+
+class _LengthPolicy:
+    """data.max_length, data.overlong and data.bad_lines applied record by record, counting and
+    naming every record left out."""
+
+    def __init__(self, tokenizer, cfg: DataConfig, vocab_size: int | None, skipped: list[str], conversations: int):
+        self.tokenizer, self.cfg, self.vocab_size, self.skipped = tokenizer, cfg, vocab_size, skipped
+        self.limit = context_limit(tokenizer)
+        self.stats: dict[str, Any] = {"conversations": conversations, "truncated": 0, "dropped_overlong": 0,
+                                      "dropped_no_loss": 0, "skipped_bad_lines": len(skipped)}
+
+    def skip(self, reason: str) -> None:
+        if self.cfg.bad_lines != "skip":
+            raise DataError(reason)
+        self.stats["skipped_bad_lines"] += 1
+        self.skipped.append(reason)
+
+    def sequence(self, r: Record) -> TokenizedSample | None:
+        """The record's training sequence within the length policy, or None where it is left out."""
+        cfg, stats = self.cfg, self.stats
         try:
-            s = r.tokens or tokenize_conversation(tokenizer, r.messages)
+            s = r.tokens or tokenize_conversation(self.tokenizer, r.messages)
         except Exception as e:  # noqa: BLE001 - a template that rejects the conversation: name the line
-            skip(_render_error(tokenizer, r.messages, r.where, e))
-            continue
+            return self.skip(_render_error(self.tokenizer, r.messages, r.where, e))
         if r.messages is not None:
             try:
-                check_ids(s.input_ids, vocab_size, f"{r.where} (after tokenizing)")
+                check_ids(s.input_ids, self.vocab_size, f"{r.where} (after tokenizing)")
             except DataError as e:
-                skip(str(e))
-                continue
+                return self.skip(str(e))
         if len(s.input_ids) > cfg.max_length:
             if cfg.overlong == "drop":
                 stats["dropped_overlong"] += 1
-                skipped.append(f"{r.where}: {len(s.input_ids)} tokens > data.max_length {cfg.max_length}, dropped")
-                continue
+                self.skipped.append(f"{r.where}: {len(s.input_ids)} tokens > data.max_length {cfg.max_length}, dropped")
+                return None
             s = TokenizedSample(s.input_ids[: cfg.max_length], s.loss_mask[: cfg.max_length])
             stats["truncated"] += 1
         if not any(s.loss_mask):
             stats["dropped_no_loss"] += 1  # truncation cut every assistant token
-            skipped.append(f"{r.where}: no assistant token left within data.max_length, dropped")
-            continue
-        if limit is not None and len(s.input_ids) >= limit:  # the server would refuse it (SGLang: >=)
-            skip(f"{r.where}: {len(s.input_ids)} tokens (after data.overlong {cfg.overlong} at "
-                 f"data.max_length {cfg.max_length}) are too many for the target (its tokenizer's "
-                 f"model_max_length is {limit}; a server takes fewer); set data.max_length below {limit}")
-            continue
-        train.append(s)
-    if not train:
-        raise DataError(f"{cfg.path}: no trainable sequence left after the length policy ({stats})")
-    prompts = []
-    for r in heldout:
-        if r.messages is not None:
-            first = next(j for j, m in enumerate(r.messages) if m["role"] == "assistant")
-            try:
-                prompt = render_chat(tokenizer, r.messages[:first], add_generation_prompt=True, **prompt_kwargs(cfg))
-            except Exception as e:  # noqa: BLE001 - as for training records: name the line and message
-                skip(_render_error(tokenizer, r.messages[:first], r.where, e) + " (a held-out prompt)")
-                continue
-        else:
+            self.skipped.append(f"{r.where}: no assistant token left within data.max_length, dropped")
+            return None
+        if self.limit is not None and len(s.input_ids) >= self.limit:  # the server would refuse it (SGLang: >=)
+            return self.skip(f"{r.where}: {len(s.input_ids)} tokens (after data.overlong {cfg.overlong} at "
+                             f"data.max_length {cfg.max_length}) are too many for the target (its tokenizer's "
+                             f"model_max_length is {self.limit}; a server takes fewer); set data.max_length "
+                             f"below {self.limit}")
+        return s
+
+    def prompt(self, r: Record) -> list[int] | None:
+        """A held-out record's prompt: its conversation up to the first assistant turn."""
+        if r.messages is None:
             prompt = r.tokens.input_ids[: r.tokens.loss_mask.index(1)] or r.tokens.input_ids[:1]
-        prompts.append(prompt[-cfg.max_length:])
-    stats["sequences"] = len(train)
-    stats["tokens"] = sum(len(s.input_ids) for s in train)
-    stats["loss_tokens"] = sum(sum(s.loss_mask) for s in train)
-    stats["skipped_lines"] = skipped[:MAX_NAMED_SKIPS]
-    return Prepared(train, prompts, stats)
+            return prompt[-self.cfg.max_length:]
+        first = next(j for j, m in enumerate(r.messages) if m["role"] == "assistant")
+        try:
+            prompt = render_chat(self.tokenizer, r.messages[:first], add_generation_prompt=True,
+                                 **prompt_kwargs(self.cfg))
+        except Exception as e:  # noqa: BLE001 - as for training records: name the line and message
+            return self.skip(_render_error(self.tokenizer, r.messages[:first], r.where, e) + " (a held-out prompt)")
+        return prompt[-self.cfg.max_length:]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -143,55 +143,98 @@ def extract_shard(plan: ShardPlan, out_dir: str | Path, *, capture_ids: list[int
     if plan_file_hash(plan.path) != plan.content_hash:
         raise ExtractionError(f"{plan.name}: plan file {plan.path} changed since it was planned "
                               f"(content hash differs); run the prepare stage again")
-    samples = read_shard_plan(plan.path)
-    path = shard_path(out_dir, plan)
-    partial_path(path).unlink(missing_ok=True)  # a killed attempt's leftover
-    nonce = uuid.uuid4().hex[:8]  # a retry never reads records left by an earlier attempt
-    state = {"writer": None, "norm": None}
-    writer_lock, cancel = threading.Lock(), threading.Event()
-    collect = threading.Semaphore(collect_workers)
-    t0 = time.monotonic()
+    job = _ShardJob(plan, out_dir, pool, capture_ids, dtype, encoding, meta, record_timeout_s, collect_workers)
+    window = pool.capacity + collect_workers  # keep every server busy while a few are collected
+    per_token = None
+    done = tokens = 0
+    samples = job.samples
+    num_tokens = sum(len(s.input_ids) for s in samples)
+    ex = concurrent.futures.ThreadPoolExecutor(window, thread_name_prefix=f"eyas-{plan.name}")
+    try:
+        pending, nxt = set(), 0
+        while nxt < len(samples) or pending:
+            while nxt < len(samples) and len(pending) < window:
+                pending.add(ex.submit(job.one, nxt))
+                nxt += 1
+            finished, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            for f in finished:
+                tokens += f.result()
+                done += 1
+            if on_progress:
+                w = job.writer
+                per_token = per_token or bytes_per_token(w.hidden_size, w.num_aux, dtype, encoding)
+                on_progress(ShardProgress(plan.name, done, len(samples), tokens, num_tokens,
+                                          tokens * per_token, time.monotonic() - job.t0))
+    except BaseException:
+        job.cancel.set()
+        ex.shutdown(wait=True, cancel_futures=True)
+        if job.writer is not None:
+            job.writer.abort()
+        raise
+    ex.shutdown(wait=True)
+    return job.writer.close({"seconds": round(time.monotonic() - job.t0, 3)})
 
-    def writer_for(got_meta: dict, hidden: int) -> ShardWriter:
-        with writer_lock:
-            if state["writer"] is None:
-                state["norm"] = got_meta["last_hidden_norm"]
-                state["writer"] = ShardWriter(
-                    path, [len(s.input_ids) for s in samples], hidden_size=hidden, num_aux=len(capture_ids),
-                    dtype=DTYPES[dtype], encoding=encoding,
-                    meta={**meta, "shard_index": plan.index, "num_shards": plan.num_shards,
-                          "content_hash": plan.content_hash, "last_hidden_norm": state["norm"]})
-            elif got_meta["last_hidden_norm"] != state["norm"]:
-                raise ExtractionError(f"{plan.name}: the server's last_hidden_norm changed from "
-                                      f"{state['norm']!r} to {got_meta['last_hidden_norm']!r} within the shard")
-            return state["writer"]
 
-    def wait_reply(fut: concurrent.futures.Future):
+class _ShardJob:
+    """One shard's sequences, each sent through the pool and its records written as they come."""
+
+    def __init__(self, plan: ShardPlan, out_dir, pool: ServerPool, capture_ids: list[int], dtype: str,
+                 encoding: str, meta: dict[str, Any], record_timeout_s: float, collect_workers: int):
+        self.plan, self.pool, self.capture_ids, self.dtype, self.encoding = plan, pool, capture_ids, dtype, encoding
+        self.meta, self.record_timeout_s = meta, record_timeout_s
+        self.samples = read_shard_plan(plan.path)
+        self.path = shard_path(out_dir, plan)
+        partial_path(self.path).unlink(missing_ok=True)  # a killed attempt's leftover
+        self.nonce = uuid.uuid4().hex[:8]  # a retry never reads records left by an earlier attempt
+        self.writer: ShardWriter | None = None
+        self.norm = None
+        self.writer_lock, self.cancel = threading.Lock(), threading.Event()
+        self.collect = threading.Semaphore(collect_workers)
+        self.t0 = time.monotonic()
+
+    def writer_for(self, got_meta: dict, hidden: int) -> ShardWriter:
+        """The shard's writer, made from the first reply's shape; every later reply must agree."""
+        with self.writer_lock:
+            if self.writer is None:
+                self.norm = got_meta["last_hidden_norm"]
+                plan = self.plan
+                self.writer = ShardWriter(
+                    self.path, [len(s.input_ids) for s in self.samples], hidden_size=hidden,
+                    num_aux=len(self.capture_ids), dtype=DTYPES[self.dtype], encoding=self.encoding,
+                    meta={**self.meta, "shard_index": plan.index, "num_shards": plan.num_shards,
+                          "content_hash": plan.content_hash, "last_hidden_norm": self.norm})
+            elif got_meta["last_hidden_norm"] != self.norm:
+                raise ExtractionError(f"{self.plan.name}: the server's last_hidden_norm changed from "
+                                      f"{self.norm!r} to {got_meta['last_hidden_norm']!r} within the shard")
+            return self.writer
+
+    def wait_reply(self, fut: concurrent.futures.Future):
         while True:
             try:
                 return fut.result(timeout=0.2)
             except concurrent.futures.TimeoutError:
-                if cancel.is_set():
+                if self.cancel.is_set():
                     fut.cancel()
                     raise _Cancelled() from None
 
-    def one(i: int) -> int:
-        s = samples[i]
-        rid = f"eyas-{plan.name}-{i:06d}-{nonce}"
-        where = f"{plan.name} sequence {i} (rid {rid})"
+    def one(self, i: int) -> int:
+        """Sequence i: asked, its records collected, checked and written -> its token count."""
+        s = self.samples[i]
+        rid = f"eyas-{self.plan.name}-{i:06d}-{self.nonce}"
+        where = f"{self.plan.name} sequence {i} (rid {rid})"
         try:
-            reply = wait_reply(pool.generate(s.input_ids, rid, SAMPLING))
-            with collect:
-                if cancel.is_set():
+            reply = self.wait_reply(self.pool.generate(s.input_ids, rid, SAMPLING))
+            with self.collect:
+                if self.cancel.is_set():
                     raise _Cancelled()
-                records = _wait_records(reply.endpoint.records, reply.rid, len(s.input_ids), record_timeout_s)
+                records = _wait_records(reply.endpoint.records, reply.rid, len(s.input_ids), self.record_timeout_s)
                 got = validate(records, s.input_ids)
                 captured = _capture_ids(got)
-                if captured != list(capture_ids):
+                if captured != list(self.capture_ids):
                     raise ExtractionError(f"{where}: server {reply.endpoint.url} captured layers {captured} "
                                           f"({got.get('layer_convention')}), config expects capture-before "
-                                          f"{list(capture_ids)}")
-                w = writer_for(got, got["hidden_size"])
+                                          f"{list(self.capture_ids)}")
+                w = self.writer_for(got, got["hidden_size"])
                 mask = torch.tensor(s.loss_mask, dtype=torch.bool)
                 for rec in records:
                     a, n = rec.prefix_offset, rec.token_ids.shape[0]
@@ -204,38 +247,9 @@ def extract_shard(plan: ShardPlan, out_dir: str | Path, *, capture_ids: list[int
         except HostError as e:
             raise ExtractionError(f"{where}: reading its records in {reply.endpoint.records.where}: {e}") from e
         finally:
-            for ep in pool.endpoints:
-                ep.records.remove(attempt_rids(rid, pool.retries))
+            for ep in self.pool.endpoints:
+                ep.records.remove(attempt_rids(rid, self.pool.retries))
         return len(s.input_ids)
-
-    window = pool.capacity + collect_workers  # keep every server busy while a few are collected
-    per_token = None
-    done = tokens = 0
-    num_tokens = sum(len(s.input_ids) for s in samples)
-    ex = concurrent.futures.ThreadPoolExecutor(window, thread_name_prefix=f"eyas-{plan.name}")
-    try:
-        pending, nxt = set(), 0
-        while nxt < len(samples) or pending:
-            while nxt < len(samples) and len(pending) < window:
-                pending.add(ex.submit(one, nxt))
-                nxt += 1
-            finished, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-            for f in finished:
-                tokens += f.result()
-                done += 1
-            if on_progress:
-                w = state["writer"]
-                per_token = per_token or bytes_per_token(w.hidden_size, w.num_aux, dtype, encoding)
-                on_progress(ShardProgress(plan.name, done, len(samples), tokens, num_tokens,
-                                          tokens * per_token, time.monotonic() - t0))
-    except BaseException:
-        cancel.set()
-        ex.shutdown(wait=True, cancel_futures=True)
-        if state["writer"] is not None:
-            state["writer"].abort()
-        raise
-    ex.shutdown(wait=True)
-    return state["writer"].close({"seconds": round(time.monotonic() - t0, 3)})
 
 
 def _wait_records(store: DumpStore, rid: str, num_tokens: int, timeout: float):

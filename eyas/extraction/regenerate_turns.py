@@ -166,10 +166,7 @@ def regenerate_conversation_ids(messages: list[dict], conv_index: int, tokenizer
             break
         reply = _ask(pool, prompt, conv_index, j, cfg, stop_ids, max_length, where)
         output = [int(t) for t in reply.body.get("output_ids") or []]
-        served = (reply.body.get("meta_info") or {}).get("reasoning_tokens")
-        if isinstance(served, int) and not isinstance(served, bool):  # SGLang with a reasoning parser
-            counts["server_reasoning_tokens"] += served
-            counts["server_reasoning_replies"] += 1
+        _count_server_reasoning(counts, reply.body)
         if not output:  # nothing to train on; the dataset's answer stands in the history
             history.append(dict(m))
             counts["kept_original_turns"] += 1
@@ -186,16 +183,29 @@ def regenerate_conversation_ids(messages: list[dict], conv_index: int, tokenizer
         reasoning, answer, finished = split_reasoning(prompt, output, th)
         counts["reasoning_tokens"] += len(reasoning or [])
         counts["unfinished_reasoning_turns"] += not finished
-        text = tokenizer.decode(answer, skip_special_tokens=True)
-        if not text.strip():  # cut inside its reasoning: the dataset's answer stands in later turns' history
-            history.append(dict(m))
-            continue
-        turn = {"role": "assistant", "content": text}
-        if reasoning is not None:  # as a chat client sends it back; the template decides what to keep
-            turn["reasoning_content"] = tokenizer.decode(reasoning, skip_special_tokens=True)
-        history.append(turn)
+        # cut inside its reasoning: the dataset's answer stands in later turns' history
+        history.append(_history_turn(tokenizer, reasoning, answer) or dict(m))
     close()
     return records, counts
+
+
+def _count_server_reasoning(counts: dict[str, int], body: dict) -> None:
+    served = (body.get("meta_info") or {}).get("reasoning_tokens")
+    if isinstance(served, int) and not isinstance(served, bool):  # SGLang with a reasoning parser
+        counts["server_reasoning_tokens"] += served
+        counts["server_reasoning_replies"] += 1
+
+
+def _history_turn(tokenizer, reasoning: list[int] | None, answer: list[int]) -> dict | None:
+    """The reply as a chat client sends it back (the template decides what to keep of the
+    reasoning); None where it has no answer text."""
+    text = tokenizer.decode(answer, skip_special_tokens=True)
+    if not text.strip():
+        return None
+    turn = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        turn["reasoning_content"] = tokenizer.decode(reasoning, skip_special_tokens=True)
+    return turn
 
 
 def regenerate_conversation(messages: list[dict], conv_index: int, tokenizer, pool: ServerPool,

@@ -10,7 +10,8 @@ from eyas.local.engine import FAULTS
 DESCRIPTION = "eyas's local target server: a CPU stand-in for SGLang that speaks its HTTP API and its log lines."
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """The flags: SGLang's names, with eyas-local's meaning in each help text."""
     p = argparse.ArgumentParser(prog="eyas serve-local", description=DESCRIPTION)
     p.add_argument("--model-path", required=True, help="Hugging Face folder with config.json and shards")
     p.add_argument("--served-model-name", default=None)
@@ -52,26 +53,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault-shard", type=int, default=0, help="the fault fires after this many shards loaded")
     p.add_argument("--think-tokens", type=int, default=0, help="play a thinking model: a reply inside the "
                    "<think> its prompt opened reasons this many tokens, then </think> (0: off)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser()
     args = p.parse_args(argv)
+    if args.speculative_draft_model_path is not None:
+        _check_speculative(p, args)
     if args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1:
         p.error(f"--chunked-prefill-size must be positive or -1, got {args.chunked_prefill_size}")
-    if args.speculative_draft_model_path is not None:
-        if args.speculative_algorithm != "EAGLE3":
-            p.error(f"--speculative-draft-model-path needs --speculative-algorithm EAGLE3, "
-                    f"got {args.speculative_algorithm!r}")
-        if args.enable_return_aux_hidden_states:
-            p.error("--enable-return-aux-hidden-states cannot be combined with "
-                    "--speculative-draft-model-path (SGLang refuses it too)")
-        if args.speculative_num_steps < 1:
-            p.error(f"--speculative-num-steps must be >= 1, got {args.speculative_num_steps}")
-        if args.speculative_eagle_topk != 1:
-            p.error(f"--speculative-eagle-topk {args.speculative_eagle_topk}: eyas-local drafts a chain "
-                    f"(topk 1) only")
-        if args.speculative_num_draft_tokens is None:
-            args.speculative_num_draft_tokens = args.speculative_num_steps + 1
-        if args.speculative_num_draft_tokens != args.speculative_num_steps + 1:
-            p.error(f"--speculative-num-draft-tokens must be num-steps + 1 = {args.speculative_num_steps + 1} "
-                    f"with topk 1, got {args.speculative_num_draft_tokens}")
     if args.max_running_requests < 1:
         p.error(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
     if args.dp_size < 1:
@@ -80,3 +71,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if ids is not None and (len(set(ids)) != len(ids) or min(ids) < 0):
         p.error(f"--return-aux-hidden-state-layer-ids must be unique and non-negative, got {ids}")
     return args
+
+
+def _check_speculative(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A drafter's launch: EAGLE3, a chain, no aux capture; num-draft-tokens filled in."""
+    if args.speculative_algorithm != "EAGLE3":
+        p.error(f"--speculative-draft-model-path needs --speculative-algorithm EAGLE3, "
+                f"got {args.speculative_algorithm!r}")
+    if args.enable_return_aux_hidden_states:
+        p.error("--enable-return-aux-hidden-states cannot be combined with "
+                "--speculative-draft-model-path (SGLang refuses it too)")
+    if args.speculative_num_steps < 1:
+        p.error(f"--speculative-num-steps must be >= 1, got {args.speculative_num_steps}")
+    if args.speculative_eagle_topk != 1:
+        p.error(f"--speculative-eagle-topk {args.speculative_eagle_topk}: eyas-local drafts a chain "
+                f"(topk 1) only")
+    if args.speculative_num_draft_tokens is None:
+        args.speculative_num_draft_tokens = args.speculative_num_steps + 1
+    if args.speculative_num_draft_tokens != args.speculative_num_steps + 1:
+        p.error(f"--speculative-num-draft-tokens must be num-steps + 1 = {args.speculative_num_steps + 1} "
+                f"with topk 1, got {args.speculative_num_draft_tokens}")

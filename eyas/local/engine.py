@@ -95,7 +95,7 @@ def fuse_experts(state: dict[str, torch.Tensor], expected: set[str]) -> dict[str
         else:
             out[key] = value
     for prefix, parts in groups.items():
-        def stacked(name: str) -> torch.Tensor:
+        def stacked(name: str, parts=parts) -> torch.Tensor:
             return torch.stack([parts[name][e] for e in sorted(parts[name])])
         out[f"{prefix}.gate_up_proj"] = torch.cat([stacked("gate_proj"), stacked("up_proj")], dim=1)
         out[f"{prefix}.down_proj"] = stacked("down_proj")

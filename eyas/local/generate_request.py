@@ -54,7 +54,33 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def parse_generate(body: Any, vocab_size: int, tokenizer) -> tuple[list[tuple[list[int], str, dict]], bool]:
+def _texts(texts: Any, tokenizer) -> tuple[list[list[int]], bool]:
+    if tokenizer is None:
+        raise BadRequest("text needs a tokenizer, and the model folder has no tokenizer.json; send input_ids")
+    batched = isinstance(texts, list)
+    texts = texts if batched else [texts]
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise BadRequest("text must be a string or a non-empty list of strings")
+    return [tokenizer.encode(t) for t in texts], batched
+
+
+def _input_ids(raw: Any, vocab_size: int) -> tuple[list[list[int]], bool]:
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("input_ids must be a non-empty list of token ids, or a list of such lists")
+    batched = isinstance(raw[0], list)
+    seqs = raw if batched else [raw]
+    for b, seq in enumerate(seqs):
+        name = f"input_ids[{b}]" if batched else "input_ids"
+        if not isinstance(seq, list) or not seq:
+            raise BadRequest(f"{name} must be a non-empty list of token ids")
+        for i, tok in enumerate(seq):
+            if not _is_int(tok) or not 0 <= tok < vocab_size:
+                raise BadRequest(f"{name}[{i}] = {tok!r} is outside the vocabulary (0..{vocab_size - 1})")
+    return seqs, batched
+
+
+# One check per field of SGLang's /generate body, each refused by name: a flat list reads best.
+def parse_generate(body: Any, vocab_size: int, tokenizer) -> tuple[list[tuple[list[int], str, dict]], bool]:  # noqa: C901
     """A /generate body -> ([(input_ids, rid, sampling)], batched) or BadRequest naming the field."""
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -70,29 +96,7 @@ def parse_generate(body: Any, vocab_size: int, tokenizer) -> tuple[list[tuple[li
     if ("input_ids" in body) == ("text" in body):
         raise BadRequest("give exactly one of input_ids and text")
 
-    if "text" in body:
-        if tokenizer is None:
-            raise BadRequest("text needs a tokenizer, and the model folder has no tokenizer.json; "
-                             "send input_ids")
-        texts, batched = body["text"], isinstance(body["text"], list)
-        texts = texts if batched else [texts]
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise BadRequest("text must be a string or a non-empty list of strings")
-        seqs = [tokenizer.encode(t) for t in texts]
-    else:
-        raw = body["input_ids"]
-        if not isinstance(raw, list) or not raw:
-            raise BadRequest("input_ids must be a non-empty list of token ids, or a list of such lists")
-        batched = isinstance(raw[0], list)
-        seqs = raw if batched else [raw]
-        for b, seq in enumerate(seqs):
-            name = f"input_ids[{b}]" if batched else "input_ids"
-            if not isinstance(seq, list) or not seq:
-                raise BadRequest(f"{name} must be a non-empty list of token ids")
-            for i, tok in enumerate(seq):
-                if not _is_int(tok) or not 0 <= tok < vocab_size:
-                    raise BadRequest(f"{name}[{i}] = {tok!r} is outside the vocabulary (0..{vocab_size - 1})")
-
+    seqs, batched = _texts(body["text"], tokenizer) if "text" in body else _input_ids(body["input_ids"], vocab_size)
     rids = body.get("rid")
     if rids is None:
         rids = [uuid.uuid4().hex for _ in seqs]

@@ -230,6 +230,36 @@ class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
 
+def _dump_writer(args, capture_ids: list[int]) -> DumpWriter | None:
+    """Hidden-state capture: dump only when asked for on the command line and given a folder."""
+    dump_dir = os.environ.get(DUMP_DIR_ENV)
+    if args.enable_return_aux_hidden_states and dump_dir:
+        writer = DumpWriter(dump_dir, layer_ids=capture_ids, dtype=dtype_from_env())
+        log(f"Dumping aux hidden states of layers {capture_ids} to {dump_dir} ({writer.dtype})")
+        return writer
+    if dump_dir:
+        log(f"{DUMP_DIR_ENV} is set but --enable-return-aux-hidden-states is not: no dump")
+    return None
+
+
+def _infos(args, shown: dict, model, engine, writer: DumpWriter | None, capture_ids: list[int]) -> tuple[dict, dict]:
+    """(/model_info, /server_info) as SGLang answers them, with eyas-local's capture settings."""
+    served = args.served_model_name or args.model_path
+    model_info = {"model_path": args.model_path, "tokenizer_path": args.model_path,
+                  "served_model_name": served, "is_generation": True,
+                  "architectures": list(model.config.architectures or [type(model).__name__]),
+                  "model_type": model.config.model_type, "weight_version": "default",
+                  "preferred_sampling_params": None, "has_image_understanding": False,
+                  "has_audio_understanding": False}
+    server_info = {**shown, "served_model_name": served, "version": __version__,
+                   "backend": "eyas-local", "dump_dir": os.environ.get(DUMP_DIR_ENV) if writer else None,
+                   "aux_hidden_state_layer_ids": capture_ids if writer else None,
+                   "layer_convention": "capture-before", "hidden_size": model.config.hidden_size,
+                   "num_hidden_layers": model.config.num_hidden_layers, "vocab_size": model.config.vocab_size,
+                   "context_length": engine.context_len, "internal_states": [{}]}
+    return model_info, server_info
+
+
 def main(argv: list[str] | None = None) -> int:
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw_argv)
@@ -256,13 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     # 2. Hidden-state capture: dump only when asked for on the command line and given a folder
     num_layers = model.config.num_hidden_layers
     capture_ids = resolve_capture_ids(args.return_aux_hidden_state_layer_ids, num_layers)
-    dump_dir = os.environ.get(DUMP_DIR_ENV)
-    writer = None
-    if args.enable_return_aux_hidden_states and dump_dir:
-        writer = DumpWriter(dump_dir, layer_ids=capture_ids, dtype=dtype_from_env())
-        log(f"Dumping aux hidden states of layers {capture_ids} to {dump_dir} ({writer.dtype})")
-    elif dump_dir:
-        log(f"{DUMP_DIR_ENV} is set but --enable-return-aux-hidden-states is not: no dump")
+    writer = _dump_writer(args, capture_ids)
     speculative = None
     if args.speculative_draft_model_path is not None:
         speculative = Speculative.load(args.speculative_draft_model_path, args.model_path,
@@ -276,19 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             f"besides this one); each request goes to the least busy")
 
     # 3. Serve, then warm up over HTTP and announce readiness
-    served = args.served_model_name or args.model_path
-    model_info = {"model_path": args.model_path, "tokenizer_path": args.model_path,
-                  "served_model_name": served, "is_generation": True,
-                  "architectures": list(model.config.architectures or [type(model).__name__]),
-                  "model_type": model.config.model_type, "weight_version": "default",
-                  "preferred_sampling_params": None, "has_image_understanding": False,
-                  "has_audio_understanding": False}
-    server_info = {**shown, "served_model_name": served, "version": __version__,
-                   "backend": "eyas-local", "dump_dir": dump_dir if writer else None,
-                   "aux_hidden_state_layer_ids": capture_ids if writer else None,
-                   "layer_convention": "capture-before", "hidden_size": model.config.hidden_size,
-                   "num_hidden_layers": num_layers, "vocab_size": model.config.vocab_size,
-                   "context_length": engine.context_len, "internal_states": [{}]}
+    model_info, server_info = _infos(args, shown, model, engine, writer, capture_ids)
     httpd = _HTTPServer((args.host, args.port), Handler)
     httpd.state = ServerState(engine, args, model_info, server_info, workers)  # type: ignore[attr-defined]
     url = f"http://{args.host}:{args.port}"

@@ -240,6 +240,19 @@ def _pick_experts_implementation(model: DeepseekV3ForCausalLM, x: torch.Tensor, 
     model.zero_grad(set_to_none=True)
 
 
+def _optimizer(model, s: TrainSettings, device: torch.device):
+    """AdamW with weight decay on matrices and expert stacks (not norms), and its warm-up-cosine schedule."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    keep = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": s.weight_decay}, {"params": keep, "weight_decay": 0.0}],
+        lr=s.lr, betas=(0.9, 0.95), fused=device.type == "cuda",
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, s.warmup_steps, s.steps, s.min_lr_ratio))
+    return optimizer, schedule
+
+
 def train_model(
     config: DeepseekV3Config,
     train_ids: np.ndarray,
@@ -266,14 +279,7 @@ def train_model(
         return data[starts + offsets]  # (B, T+1)
 
     _pick_experts_implementation(model, batch()[:2, :-1], device, log)
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices and expert stacks; not norms
-    keep = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": s.weight_decay}, {"params": keep, "weight_decay": 0.0}],
-        lr=s.lr, betas=(0.9, 0.95), fused=device.type == "cuda",
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, s.warmup_steps, s.steps, s.min_lr_ratio))
+    optimizer, schedule = _optimizer(model, s, device)
     loads = _count_routes(model)
     history, best, started = [], None, time.monotonic()
     for step in range(1, s.steps + 1):

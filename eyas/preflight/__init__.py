@@ -105,19 +105,27 @@ def preflight(cfg: PipelineConfig, *, check_hosts: bool = True, check_tokenizer:
         problems += warm_start_problems(cfg, dcfg)
     tokenizer, pending = checked_tokenizer(cfg, notes, check_tokenizer)
     count = count_data(cfg, tokenizer, tcfg, problems, pending, small_data_bytes)
-    if count is not None and count.bad_lines and cfg.data.bad_lines == "skip":
-        notes.append(bad_lines_message(cfg, count.bad_lines))
-    if count is not None and not count.conversations:
-        notes.append("data.path holds pre-tokenized records only: the chat template is not used")
-    if count is not None and cfg.data.regenerate.enabled:
-        notes.append("data.regenerate.enabled: extraction sends the target's own answers; the tokens are "
-                     "counted on the data's answers")
+    if count is not None:
+        notes += _data_notes(cfg, count)
     if free_bytes is None:
         free_bytes = shutil.disk_usage(existing_parent(Path(cfg.extraction.output_dir))).free
     plan = make_plan(cfg, tcfg, count, free_bytes=free_bytes, dcfg=dcfg)
     plan = check_disk_rate(cfg, plan, problems, notes, check_hosts)
     problems += budget_problems(cfg, plan)
     return Preflight(problems, plan, notes)
+
+
+def _data_notes(cfg: PipelineConfig, count) -> list[str]:
+    """What the count of the data says that the plan's figures do not."""
+    notes = []
+    if count.bad_lines and cfg.data.bad_lines == "skip":
+        notes.append(bad_lines_message(cfg, count.bad_lines))
+    if not count.conversations:
+        notes.append("data.path holds pre-tokenized records only: the chat template is not used")
+    if cfg.data.regenerate.enabled:
+        notes.append("data.regenerate.enabled: extraction sends the target's own answers; the tokens are "
+                     "counted on the data's answers")
+    return notes
 
 
 def format_preflight(result: Preflight, cfg: PipelineConfig) -> str:

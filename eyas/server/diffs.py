@@ -32,7 +32,8 @@ class Hunk:
     new_lines: list[str]
 
 
-def parse_diff(diff: str) -> tuple[str, list[Hunk]]:
+# A line-by-line reader of the unified diff format, one branch per kind of line.
+def parse_diff(diff: str) -> tuple[str, list[Hunk]]:  # noqa: C901
     """The target path (from `+++ b/<path>`) and hunks of a one-file unified diff."""
     path, hunks = None, []
     hunk, left_old, left_new, last_kind = None, 0, 0, None

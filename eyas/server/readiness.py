@@ -285,67 +285,79 @@ def wait_until_ready(host: Host, *, log_path: str | Path, pid: int, url: str,
     start_offset: where this launch's output begins in the log. Host.start appends to the log, so
     after a relaunch pass the log's size from before it, or an earlier run's lines are read too.
     """
-    start = clock()
-    watch = _LogWatch(host, log_path, start_offset, clock, on_progress)
-    unreachable = 0
-    traceback_grace_s = max(10.0, 3 * poll_interval_s)
-    traceback_seen_at: float | None = None
-
-    def failed(reason: str, detail: str) -> ServerFailed:
-        where = f"log {log_path} on {getattr(host, 'name', 'host')}, pid {pid}"
-        return ServerFailed(reason, watch.lines(), f"{detail} ({where})", [l for _, l in watch.fatal])
-
-    def fail_with_log(default: str, detail: str, dead: bool = False) -> ServerFailed:
-        """Name the worst failure in the log's last lines. A live process may still be writing
-        its traceback, so it gets a moment; a dead one has written everything it will."""
-        if not dead:
-            sleep(min(poll_interval_s, 0.2))
-        try:
-            watch.read()
-        except HostUnreachable:
-            pass
-        if watch.fatal:
-            reason = min((r for r, _ in watch.fatal), key=_RANK.__getitem__)
-            return failed(reason, detail or "fatal line in the server log")
-        return failed(default, detail)
-
+    wait = _Wait(host, log_path, pid, poll_interval_s, clock, sleep,
+                 _LogWatch(host, log_path, start_offset, clock, on_progress))
     while True:
         try:
-            watch.read()
-            alive = watch.ready or watch.confirmed_fatal() or host.is_alive(pid)
-            unreachable = 0
+            wait.watch.read()
+            alive = wait.watch.ready or wait.watch.confirmed_fatal() or host.is_alive(pid)
+            wait.unreachable = 0
         except HostUnreachable as e:
-            unreachable += 1
-            if unreachable >= MAX_UNREACHABLE:
-                raise failed("host unreachable", f"{e} ({unreachable} tries in a row)") from e
+            wait.unreachable += 1
+            if wait.unreachable >= MAX_UNREACHABLE:
+                raise wait.failed("host unreachable", f"{e} ({wait.unreachable} tries in a row)") from e
             sleep(poll_interval_s)
             continue
         now = clock()
+        if wait.watch.confirmed_fatal():
+            raise wait.fail_with_log("crashed", "")
+        if wait.watch.ready:
+            _confirm_http(url, http_timeout_s, min(wait.start + deadline_s, now + http_timeout_s),
+                          clock, sleep, wait.failed)
+            return ReadyReport(seconds=clock() - wait.start, shards_total=wait.watch.shards_total,
+                               last_progress=wait.watch.progress, log_offset=wait.watch.cursor.offset)
+        wait.check(now, alive, stall_timeout_s, deadline_s)
+        sleep(max(0.0, min(poll_interval_s, wait.start + deadline_s - now)))
 
-        if watch.confirmed_fatal():
-            raise fail_with_log("crashed", "")
-        if watch.ready:
-            _confirm_http(url, http_timeout_s, min(start + deadline_s, now + http_timeout_s),
-                          clock, sleep, failed)
-            p = watch.progress
-            return ReadyReport(seconds=clock() - start, shards_total=watch.shards_total,
-                               last_progress=p, log_offset=watch.cursor.offset)
+
+class _Wait:
+    """One wait for readiness: the log being watched, and how each way of failing is named."""
+
+    def __init__(self, host: Host, log_path, pid: int, poll_interval_s: float, clock, sleep, watch: _LogWatch):
+        self.host, self.log_path, self.pid, self.poll_interval_s = host, log_path, pid, poll_interval_s
+        self.clock, self.sleep, self.watch = clock, sleep, watch
+        self.start = clock()
+        self.unreachable = 0
+        self.traceback_grace_s = max(10.0, 3 * poll_interval_s)
+        self.traceback_seen_at: float | None = None
+
+    def failed(self, reason: str, detail: str) -> ServerFailed:
+        where = f"log {self.log_path} on {getattr(self.host, 'name', 'host')}, pid {self.pid}"
+        return ServerFailed(reason, self.watch.lines(), f"{detail} ({where})", [line for _, line in self.watch.fatal])
+
+    def fail_with_log(self, default: str, detail: str, dead: bool = False) -> ServerFailed:
+        """Name the worst failure in the log's last lines. A live process may still be writing
+        its traceback, so it gets a moment; a dead one has written everything it will."""
+        if not dead:
+            self.sleep(min(self.poll_interval_s, 0.2))
+        try:
+            self.watch.read()
+        except HostUnreachable:
+            pass
+        if self.watch.fatal:
+            reason = min((r for r, _ in self.watch.fatal), key=_RANK.__getitem__)
+            return self.failed(reason, detail or "fatal line in the server log")
+        return self.failed(default, detail)
+
+    def check(self, now: float, alive: bool, stall_timeout_s: float, deadline_s: float) -> None:
+        """Raise ServerFailed if the server cannot become ready any more: a dead process, a stall,
+        the deadline. A bare traceback the process outlives is forgotten."""
+        watch = self.watch
         if not alive:
-            raise fail_with_log("process died", f"server process {pid} exited before it was ready",
-                                dead=True)
-        if watch.fatal and traceback_seen_at is None:
-            traceback_seen_at = now
-        if traceback_seen_at is not None and now - traceback_seen_at > traceback_grace_s:
+            raise self.fail_with_log("process died", f"server process {self.pid} exited before it was ready",
+                                     dead=True)
+        if watch.fatal and self.traceback_seen_at is None:
+            self.traceback_seen_at = now
+        if self.traceback_seen_at is not None and now - self.traceback_seen_at > self.traceback_grace_s:
             watch.fatal.clear()  # the process outlived its traceback: it was not fatal
-            traceback_seen_at = None
+            self.traceback_seen_at = None
         if now - watch.last_activity > stall_timeout_s:
             p = watch.progress
             at = f" at {p.done}/{p.total} shards" if p else ""
-            raise failed("stalled", f"no loading progress or log output for {now - watch.last_activity:.1f}s"
-                                    f"{at} (stall_timeout_s={stall_timeout_s})")
-        if now - start > deadline_s:
-            raise failed("deadline", f"not ready after {now - start:.1f}s (deadline_s={deadline_s})")
-        sleep(max(0.0, min(poll_interval_s, start + deadline_s - now)))
+            raise self.failed("stalled", f"no loading progress or log output for {now - watch.last_activity:.1f}s"
+                                         f"{at} (stall_timeout_s={stall_timeout_s})")
+        if now - self.start > deadline_s:
+            raise self.failed("deadline", f"not ready after {now - self.start:.1f}s (deadline_s={deadline_s})")
 
 
 def _confirm_http(url: str, http_timeout_s: float, until: float, clock: Callable[[], float],

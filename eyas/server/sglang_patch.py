@@ -119,21 +119,49 @@ def ensure_patched(host: Host, cfg: PipelineConfig, *, dry_run: bool = False,
     """Bring the host to the patched state; returns what was found and done (or would be)."""
     if cfg.server.backend == "local":
         return PatchReport("local", host.name, "not needed", reason=LOCAL_NEEDS_NONE)
+    mode = cfg.server.capture
+    found, pset, architecture = _checked_install(host, cfg, patches_dir)
+    # 1. Plan every file before writing anything, so a refusal leaves the host untouched.
+    writes, actions = _plan(host, found, pset, mode, dry_run)
+    # 2. Write: the modules first (the patched model file imports the hook), the state last.
+    new_state = _state(pset, mode)
+    steady = ("already patched", "up to date", ORIGINAL, LEFT)
+    changed = found.state != new_state or any(a not in steady and not a.startswith("missing:")
+                                              for a in actions.values())
+    if not dry_run:
+        for name in sorted(writes, key=lambda n: n not in pset.modules):
+            _write(host, _remote(found, name), writes[name])
+        if found.state != new_state:
+            _write(host, f"{found.package_dir}/{STATE_NAME}", json.dumps(new_state, indent=1).encode())
+    status = "already patched" if not changed else ("would patch" if dry_run else "patched")
+    return PatchReport("sglang", host.name, status, python=found.python, sglang_version=found.version,
+                       patch_version=pset.patch_version, capture=mode, site_packages=found.site_dir,
+                       state_path=f"{found.package_dir}/{STATE_NAME}", actions=actions,
+                       dump_sha256=sha256_bytes(pset.modules[DUMP_MODULE]), architecture=architecture)
+
+
+def _checked_install(host: Host, cfg: PipelineConfig, patches_dir: Path) -> tuple[Probe, PatchSet, str | None]:
+    """The install found on the host, its patch set and the target's architecture, once everything
+    the patch needs is there: a known version and target, the hook's imports, a writable site."""
     found = find_install(host, cfg, patches_dir)
     try:
         pset = load_patch_set(found.version, patches_dir)
     except PatchError as e:
         raise PatchError(f"[{host.name}] {e} (python {found.python}, {found.package_dir})") from None
-    mode = cfg.server.capture
-    architecture = _check_target(host, found, pset, mode)
+    architecture = _check_target(host, found, pset, cfg.server.capture)
     if found.missing_modules:
         raise PatchError(f"[{host.name}] {found.python} cannot import {found.missing_modules}, "
                          f"which the hook needs")
     if not found.writable:
         raise PatchError(f"[{host.name}] {found.site_dir} is not writable by this user")
     check_modules_import(host, found.python, cfg.server.env, pset.modules)
+    return found, pset, architecture
 
-    # 1. Plan every file before writing anything, so a refusal leaves the host untouched.
+
+# One branch per state a file can be found in (patched, original, an older patch set's, changed by
+# hand) and per capture mode: the decision table reads best flat.
+def _plan(host: Host, found: Probe, pset: PatchSet, mode: str, dry_run: bool) -> tuple[dict[str, bytes], dict]:  # noqa: C901
+    """(the bytes to write per file, what happens to each file), refusing a file changed by hand."""
     state = _usable_state(found)
     stale = {f["path"]: f for f in (state or {}).get("files", [])
              if state["patch_version"] != pset.patch_version}
@@ -168,29 +196,19 @@ def ensure_patched(host: Host, cfg: PipelineConfig, *, dry_run: bool = False,
             writes[name] = data
         else:
             actions[name] = "up to date"
+    return writes, actions
 
-    # 2. Write: the modules first (the patched model file imports the hook), the state last.
+
+def _state(pset: PatchSet, mode: str) -> dict:
+    """The state file's contents once patched: which files changed how, and the modules' digests."""
     patched = pset.files if mode == "source_patch" else []
-    new_state = {
+    return {
         "format": STATE_FORMAT, "patch_version": pset.patch_version,
         "sglang_version": pset.sglang_version, "capture": mode,
         "files": [{"path": f.path, "original_sha256": f.original_sha256,
                    "patched_sha256": f.patched_sha256, "diff": f.diff} for f in patched],
         "modules": {name: sha256_bytes(data) for name, data in pset.modules.items()},
     }
-    steady = ("already patched", "up to date", ORIGINAL, LEFT)
-    changed = found.state != new_state or any(a not in steady and not a.startswith("missing:")
-                                              for a in actions.values())
-    if not dry_run:
-        for name in sorted(writes, key=lambda n: n not in pset.modules):
-            _write(host, _remote(found, name), writes[name])
-        if found.state != new_state:
-            _write(host, f"{found.package_dir}/{STATE_NAME}", json.dumps(new_state, indent=1).encode())
-    status = "already patched" if not changed else ("would patch" if dry_run else "patched")
-    return PatchReport("sglang", host.name, status, python=found.python, sglang_version=found.version,
-                       patch_version=pset.patch_version, capture=mode, site_packages=found.site_dir,
-                       state_path=f"{found.package_dir}/{STATE_NAME}", actions=actions,
-                       dump_sha256=sha256_bytes(pset.modules[DUMP_MODULE]), architecture=architecture)
 
 
 ORIGINAL = "original: the forward hook needs no change"
@@ -267,23 +285,26 @@ def _reversed_bytes(host: Host, found: Probe, rel: str, diff: str, original_sha2
     return restored
 
 
+def _patched_records(found: Probe, patches_dir: Path) -> tuple[list[dict], list[str]]:
+    """(the files eyas patched, with their diffs and digests; the modules it installed): from the
+    state file, else from the version's manifest where the state was lost, else the hook's modules."""
+    state = _usable_state(found)
+    if state is not None:
+        return state["files"], list(state.get("modules", {}))
+    if found.version in available_versions(patches_dir):
+        pset = load_patch_set(found.version, patches_dir)
+        return ([{"path": f.path, "diff": f.diff, "original_sha256": f.original_sha256,
+                  "patched_sha256": f.patched_sha256} for f in pset.files], list(pset.modules))
+    return [], [DUMP_MODULE, "eyas_sglang_hook.py"]
+
+
 def reverse_patch(host: Host, cfg: PipelineConfig, *, patches_dir: Path = PATCHES_DIR) -> PatchReport:
     """Restore the original bytes of every patched file and remove the hook modules and state."""
     if cfg.server.backend == "local":
         return PatchReport("local", host.name, "not needed", reason=LOCAL_NEEDS_NONE)
     found = find_install(host, cfg, patches_dir)
-    state = _usable_state(found)
-    claimed = state is not None  # the state names what eyas patched: anything else there is refused
-    if state is not None:
-        records, modules = state["files"], list(state.get("modules", {}))
-    elif found.version in available_versions(patches_dir):  # state lost: use the manifest
-        pset = load_patch_set(found.version, patches_dir)
-        records = [{"path": f.path, "diff": f.diff, "original_sha256": f.original_sha256,
-                    "patched_sha256": f.patched_sha256} for f in pset.files]
-        modules = list(pset.modules)
-    else:
-        records, modules = [], [DUMP_MODULE, "eyas_sglang_hook.py"]
-
+    claimed = _usable_state(found) is not None  # the state names what eyas patched: anything else is refused
+    records, modules = _patched_records(found, patches_dir)
     writes, actions = {}, {}
     for rec in records:
         current = found.sha256.get(rec["path"])

@@ -21,6 +21,7 @@ host (a shared filesystem): the job file is copied to each host, nothing else is
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 import json
 import os
 import shlex
@@ -47,6 +48,21 @@ def _node_command(python: str, nnodes: int, node: int, nproc: int, master: str, 
            f"--nproc-per-node {nproc} --master-addr {shlex.quote(master)} --master-port {port} "
            f"-m eyas.training.distributed {shlex.quote(str(job))}")
     return f"sh -c {shlex.quote(f'{run}; echo $? > {shlex.quote(str(rc_path))}')}"
+
+
+def _start_node(host, i: int, num_nodes: int, nproc: int, command, folder: Path, progress: Path | None, upload: Path | None,
+                env: dict, log) -> tuple:
+    """Node i's torchrun started on its host (its old log, rc and progress files removed first, the
+    job file uploaded to a remote one) -> (host, pid, log path, rc path)."""
+    log_path, rc_path = folder / f"node-{i}.log", folder / f"node-{i}.rc"
+    host.run(f"rm -f {shlex.quote(str(rc_path))} {shlex.quote(str(log_path))}"
+             + (f" {shlex.quote(str(progress))}" if progress is not None else ""), check=False)
+    if upload is not None:
+        host.put(upload, upload)
+    pid = host.start(command(rc_path), log_path=log_path, env=env, cwd=str(folder))
+    log(f"[{host.name}] node {i}/{num_nodes}: torchrun with {nproc} process(es), pid {pid}, "
+        f"log {log_path}")
+    return host, pid, log_path, rc_path
 
 
 def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json: dict | None = None,
@@ -79,28 +95,16 @@ def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json:
         nodes = []  # (host, pid, log path, rc path)
         try:
             for i, host in enumerate(hosts):
-                log_path, rc_path = folder / f"node-{i}.log", folder / f"node-{i}.rc"
-                host.run(f"rm -f {shlex.quote(str(rc_path))} {shlex.quote(str(log_path))}"
-                         + (f" {shlex.quote(str(progress))}" if i == 0 else ""), check=False)
-                if not local:
-                    host.put(job, job)
-                cmd = _node_command(python, len(hosts), i, d.nproc_per_node, master, d.master_port, job, rc_path)
-                pid = host.start(cmd, log_path=log_path, env=env, cwd=str(folder))
-                log(f"[{host.name}] node {i}/{len(hosts)}: torchrun with {d.nproc_per_node} process(es), pid {pid}, "
-                    f"log {log_path}")
-                nodes.append((host, pid, log_path, rc_path))
+                command = partial(_node_command, python, len(hosts), i, d.nproc_per_node, master, d.master_port, job)
+                nodes.append(_start_node(host, i, len(hosts), d.nproc_per_node, command, folder, progress if i == 0 else None,
+                                         None if local else job, env, log))
             _wait(nodes, d.timeout_s, poll_s, log, progress, on_step)
         finally:
             for host, pid, _, _ in nodes:
                 if host.is_alive(pid):
                     host.kill_group(pid)
-        for i, (host, pid, log_path, rc_path) in enumerate(nodes):
-            rc_text, _ = host.read_from(rc_path, 0)
-            rc = int(rc_text.decode().strip() or -1) if rc_text else None
-            if rc != 0:
-                tail = host.read_from(log_path, 0, 1 << 24)[0].decode(errors="replace")[-3000:]
-                raise TrainingLaunchError(f"[{host.name}] training node {i}: torchrun exited "
-                                          f"{'without an exit code' if rc is None else rc}; see {log_path}\n{tail}")
+        for i, node in enumerate(nodes):
+            _check_exit(i, *node)
         if not local:  # rank 0 wrote it on node 0's host
             try:
                 hosts[0].get(result, result)
@@ -109,6 +113,16 @@ def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json:
         if not result.exists():
             raise TrainingLaunchError(f"every node exited 0 but rank 0 wrote no {result}; see {nodes[0][2]}")
         return TrainResult(**json.loads(result.read_text()))
+
+
+def _check_exit(i: int, host, pid: int, log_path: Path, rc_path: Path) -> None:
+    """Node i's torchrun exited 0, or TrainingLaunchError with its log's last lines."""
+    rc_text, _ = host.read_from(rc_path, 0)
+    rc = int(rc_text.decode().strip() or -1) if rc_text else None
+    if rc != 0:
+        tail = host.read_from(log_path, 0, 1 << 24)[0].decode(errors="replace")[-3000:]
+        raise TrainingLaunchError(f"[{host.name}] training node {i}: torchrun exited "
+                                  f"{'without an exit code' if rc is None else rc}; see {log_path}\n{tail}")
 
 
 class _Tail:

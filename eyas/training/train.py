@@ -161,16 +161,68 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     (cheap; the caller decides how often to show them). The step's kernels (torch.compile per
     training.compile, training.fp8_gemms) come from kernel_options, made once here and passed down.
     """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    log = log if rank == 0 else (lambda _: None)
+    stop = min(cfg.max_steps, stop_at_step or cfg.max_steps)
+    run = set_up(cfg, target, shard_paths, target_config_json, stop, log)
+    loop = _Loop(run, cfg, stop, log, log_every or max(1, cfg.max_steps // 20), on_step if rank == 0 else None)
+    run.labels = Labeller(run, cfg, log)  # after the clock started: its teacher work counts as training time
+    final_held = loop.train()
+    # held-out accuracy per TTT step -> simulated acceptance length (a finished run resumed: again)
+    if final_held is None and run.state.step >= cfg.max_steps:
+        final_held = evaluate_heldout(run, cfg)
+    state = run.state
+    tail = state.losses[-max(1, min(10, len(state.losses) // 10)):]
+    return TrainResult(
+        final_loss=sum(tail) / len(tail), first_loss=state.losses[0], losses=state.losses,
+        accuracies=state.accuracies, steps=state.step, tokens=state.tokens,
+        seconds=round(state.seconds + time.monotonic() - loop.t_run, 3), checkpoint_dir=str(run.ckpt),
+        draft_vocab_size=cfg.draft_vocab_size, heldout_accuracies=final_held,
+        simulated_acceptance_length=None if final_held is None else simulated_acceptance_length(final_held),
+        heldout_history=state.heldout_history, resumed_from_step=loop.resumed_from, world_size=run.world,
+        global_batch=run.global_batch, history=state.history, init_from=state.init_from)
+
+
+# ----------------------------------------------------------------------------- one run's set-up
+
+@dataclass
+class RunSetup:
+    """What one call trains with, made before its first step."""
+
+    rank: int
+    world: int
+    device: torch.device
+    data: ShardData
+    global_batch: int  # sequences per optimizer step, over every rank
+    objective: TTTObjective
+    wrapped: torch.nn.Module  # the objective, or its DDP / FSDP wrapper
+    head: TargetHead  # the target's lm_head, rows in draft-first order: the teacher
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    ema: WeightEMA | None
+    state: TrainState
+    info: dict  # what every checkpoint records: drafter, fingerprint, shard meta, target, warm start
+    bf16: bool  # a GPU in bf16 autocast
+    cpu_bf16: bool  # a CPU with bf16 matrix units: the GEMMs in bf16
+    kernels: object  # KernelOptions
+    ckpt: Path | None  # the newest checkpoint of this run
+    labels: "Labeller | None" = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+
+def set_up(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[Path], target_config_json: dict | None,
+           stop: int, log) -> RunSetup:
+    """The data, where the weights start (this run's newest checkpoint, else init_from's drafter, else
+    the target's rows), the drafter and its objective, the teacher's head, the optimizer."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = resolve_device(cfg.device, local_rank)
+    device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kernels = kernel_options(cfg, device)
-    log = log if rank == 0 else (lambda _: None)
-    on_step = on_step if rank == 0 else None
     out_dir = Path(cfg.output_dir)
-    # 1. data, and what the shards say about how they were made
     data = ShardData([Path(p) for p in shard_paths], cfg.num_validation_sequences, cfg.ttt_steps,
                      cfg.loss_positions == "all")
     meta = check_shard_meta(data.readers, target)
@@ -179,15 +231,7 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     if G > len(data.train_ids):
         raise ValueError(f"global batch of {G} sequences (batch_size {cfg.batch_size} x grad_accum "
                          f"{cfg.grad_accum} x {world} ranks) exceeds the {len(data.train_ids)} training sequences")
-    fingerprint = {**cfg.model_dump(mode="json", exclude={"output_dir", "checkpoint_every", "device", "eval_every",
-                                                          "batch_size", "grad_accum", "distributed", "compile",
-                                                          "teacher_cache_gb", "loader_workers", "disk_check"}),
-                   "global_batch": G, "shards": [[Path(r.path).name, r.num_tokens] for r in data.readers],
-                   "data_sha256": data_digest(data.readers), "capture_ids": target.capture_ids(),
-                   "last_hidden_norm": meta["last_hidden_norm"]}
-    if not cfg.ema_decay:  # off (the default): checkpoints written before the field existed still resume
-        fingerprint.pop("ema_decay")
-    # 2. where the weights start: this run's newest checkpoint, else init_from's drafter, else the target's
+    fingerprint = _fingerprint(cfg, target, data, meta, G)
     ckpt = resumable_checkpoint(out_dir, log)  # damaged newer ones: named, quarantined, skipped
     differ = checkpoint_differs(ckpt, fingerprint, can_warm_start=cfg.init_from is not None) if ckpt else []
     resume = ckpt if ckpt is not None and not differ else None
@@ -196,22 +240,14 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
     if init is not None:
         warm_start.check_init(init, dcfg, target.capture_ids())
     d2t, t2d = _draft_vocab(cfg, data, tcfg, resume, init, log)
-    # 3. the drafter (seeded, the same on every rank), the target's head, the optimizer
     bf16 = device.type == "cuda" and cfg.precision == "bf16"
-    torch.manual_seed(cfg.seed)
-    model = Eagle3Drafter(dcfg)
-    init_from_target(model, target.checkpoint, d2t, t2d)
-    if init is not None:
-        warm_start.load_init(model, init)  # every trainable weight; the optimizer and schedule start fresh
+    model = _drafter(cfg, dcfg, target, d2t, t2d, init, bf16, device)
     if differ:  # another run's checkpoints (init_from is set): set aside, never resumed nor mixed with ours
         if dist.is_initialized():
             dist.barrier()  # every rank has read what it needs from them
         if rank == 0:
             log(f"{ckpt.parent} holds another run's checkpoints ({', '.join(differ)} differ): set aside to "
                 f"{warm_start.set_aside(out_dir)}")
-    if bf16:
-        model.embed_tokens.to(torch.bfloat16)  # frozen: no master copy needed
-    model.to(device)
     # A CPU with bf16 matrix units runs the GEMMs in bf16 (the rest fp32): the step in 0.7 of the
     # fp32 step's time (docs/performance.md, "Training on a CPU")
     cpu_bf16 = device.type == "cpu" and cfg.precision == "bf16" and gemm.cpu_bf16_gemm()
@@ -232,115 +268,175 @@ def train_drafter(cfg: TrainingConfig, target: TargetConfig, shard_paths: list[P
             "target": {"checkpoint": str(target.checkpoint), "revision": target.revision,
                        "layer_ids": target.layer_ids, "layer_convention": target.layer_convention,
                        "capture_ids": target.capture_ids()}}
-    state = TrainState(init_from=init and {"path": str(init.path), "kind": init.kind})
-    stop = min(cfg.max_steps, stop_at_step or cfg.max_steps)
+    run = RunSetup(rank, world, device, data, G, objective, wrapped, head, opt, sched, ema,
+                   TrainState(init_from=init and {"path": str(init.path), "kind": init.kind}), info, bf16, cpu_bf16,
+                   kernels, ckpt)
     if resume is not None:
-        state = load_checkpoint(resume, objective, opt, sched, fingerprint, log, ema)
-        log(f"resumed from {resume} at step {state.step}")
-    info["init_from"] = state.init_from
-    if resume is not None and ema is not None:
-        if ema.swapped and state.step < stop:
-            ema.swap()  # a finished run trained on past its old max_steps: from the raw weights again
-        elif not ema.swapped and state.step >= cfg.max_steps:
-            ema.swap()  # a mid-run checkpoint finished by a lower max_steps: its final checkpoint is the average
-            ckpt = save_checkpoint(out_dir, objective, opt, sched, state, info, rank=rank, ema=ema)
-    resumed_from, tokens_from, t_run = state.step, state.tokens, time.monotonic()
-    t_log = t_loop = t_run
-    log_every = log_every or max(1, cfg.max_steps // 20)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16)
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    teacher = lambda b, outside=None: teacher_labels(head, b["last"], b["loss_mask"], cfg.draft_vocab_size,  # noqa: E731
-                                                     dtype, kernels=kernels, outside=outside)
-    make_labels, memo = teacher, None
-    log(f"training drafter: {sum(p.numel() for p in params) / 1e6:.2f}M params, {len(data.train_ids)} train / "
-        f"{data.num_validation} held-out sequences, global batch {G} ({world} rank(s) x {cfg.grad_accum} x "
-        f"{cfg.batch_size}), draft vocab {cfg.draft_vocab_size}, device {device}{' (bf16 GEMMs)' * cpu_bf16}")
-    # A CPU run's labels, once per sequence where they fit (a GPU computes them per batch)
-    if device.type == "cpu" and cfg.teacher_cache_gb > 0:
-        cache = TeacherCache.build(data, make_labels, cfg.draft_vocab_size, dtype, cfg.teacher_cache_gb)
-        if cache is not None:
-            make_labels = cache.labels
-            log(f"teacher labels of all {len(data.lengths)} sequences computed once "
-                f"({TeacherCache.nbytes(data, cfg.draft_vocab_size, dtype) / 2**30:.2f} GB)")
-    # Labels per batch (a GPU, or too many to cache): each position's full-vocabulary argmax bit is
-    # remembered from its sequence's first epoch, and later epochs run the draft vocabulary's rows only
-    if make_labels is teacher:
-        memo = ArgmaxMemo(data.lengths, device)
-        make_labels = lambda b: memo.labels(b, teacher)  # noqa: E731
+        _resume(run, cfg, resume, fingerprint, stop, log)
+    info["init_from"] = run.state.init_from
+    return run
 
-    # 4. the loop: this rank's micro-batches read, collated and copied ahead of the step (eyas/training/loader.py)
-    steps = itertools.islice(plan_steps(data.lengths, data.train_ids, cfg.batch_size, cfg.grad_accum * world, cfg.seed,
-                                        state.epoch, state.batch_pos, cfg.length_grouping), max(0, stop - state.step))
-    final_held, waited = None, 0.0  # per-TTT-step held-out accuracy at max_steps; data wait since the last log
-    workers = cfg.loader_workers if cfg.loader_workers is not None else (2 if device.type == "cuda" else 0)
-    with BatchLoader(data, steps, device, dtype, rank=rank, world=world, workers=workers) as loader:
-        for (epoch, pos, micro), mine in loader:
-            if epoch != state.epoch:
-                state.epoch = epoch
-                if memo is not None:
-                    memo.share()  # the next epoch deals the sequences out anew
-                    log(f"epoch {state.epoch + 1}: the teacher's full-vocabulary argmax remembered for "
-                        f"{int(memo.known.sum())} of {len(data.lengths)} sequences (their teacher: the draft "
-                        f"vocabulary's rows only)")
-            counts = data.scored[[i for m in micro for i in m]].sum(0)  # (K,) the global batch's scored positions
-            lr = sched.get_last_lr()[0]
-            stats = optimizer_step(objective, wrapped, opt, sched, (add_aux_noise(b, cfg.aux_noise) for b in mine),
-                                   make_labels, ttt_steps=cfg.ttt_steps, decay=cfg.loss_decay, counts=counts,
-                                   grad_clip=cfg.grad_clip, autocast=autocast, world=world)
-            if ema is not None:
-                ema.update(state.step)
-            stats = _all_reduce(stats, device)
-            state.batch_pos = pos + 1
-            state.step += 1
-            if ema is not None and state.step == cfg.max_steps:
-                ema.swap()  # the average is what is evaluated, checkpointed and exported from here on
-            state.tokens += sum(data.lengths[i] for m in micro for i in m)
-            K = cfg.ttt_steps
-            state.losses.append(float(stats[0]))
-            state.accuracies.append((stats[1:1 + K] / stats[1 + K:].clamp(min=1)).tolist())
-            if state.step % log_every == 0 or state.step == stop:
-                acc = " ".join(f"{a:.2f}" for a in state.accuracies[-1])
-                log(f"step {state.step}/{cfg.max_steps} loss {state.losses[-1]:.4f} acc [{acc}] "
-                    f"lr {lr:.2e} {time.monotonic() - t_log:.1f}s ({loader.wait_s - waited:.1f}s waiting for data)")
-                waited = loader.wait_s
-            simulated = None  # held-out simulated acceptance length, every eval_every steps and at max_steps
-            if state.step == cfg.max_steps or (cfg.eval_every and state.step % cfg.eval_every == 0):
-                held = evaluate_heldout(objective, wrapped, make_labels, data, cfg, device, dtype, autocast, rank,
-                                        world)
-                simulated = None if held is None else simulated_acceptance_length(held)
-                if state.step == cfg.max_steps:
-                    final_held = held
-                elif simulated is not None:
-                    state.heldout_history.append([state.step, simulated])
-                    log(f"step {state.step}: held-out simulated acceptance length {simulated:.3f}")
-            report = StepStats(step=state.step, max_steps=cfg.max_steps, loss=state.losses[-1],
-                               accuracies=tuple(state.accuracies[-1]), lr=lr, tokens=state.tokens,
-                               seconds=time.monotonic() - t_loop, start_step=resumed_from, start_tokens=tokens_from,
-                               heldout_acceptance=simulated,
-                               in_history=keeps_row(state.step, cfg.max_steps, evaluated=simulated is not None,
-                                                    last=state.step == stop))
-            if report.in_history:
-                state.history.append(report.row())
-            if on_step is not None:
-                on_step(report)
-            if state.step % cfg.checkpoint_every == 0 or state.step == stop:
-                state.seconds += time.monotonic() - t_run
-                t_run = time.monotonic()
-                ckpt = save_checkpoint(out_dir, objective, opt, sched, state, info, rank=rank, ema=ema)
 
-    # 5. held-out accuracy per TTT step -> simulated acceptance length (a finished run resumed: again)
-    if final_held is None and state.step >= cfg.max_steps:
-        final_held = evaluate_heldout(objective, wrapped, make_labels, data, cfg, device, dtype, autocast, rank,
-                                      world)
-    tail = state.losses[-max(1, min(10, len(state.losses) // 10)):]
-    return TrainResult(
-        final_loss=sum(tail) / len(tail), first_loss=state.losses[0], losses=state.losses,
-        accuracies=state.accuracies, steps=state.step, tokens=state.tokens,
-        seconds=round(state.seconds + time.monotonic() - t_run, 3), checkpoint_dir=str(ckpt),
-        draft_vocab_size=cfg.draft_vocab_size, heldout_accuracies=final_held,
-        simulated_acceptance_length=None if final_held is None else simulated_acceptance_length(final_held),
-        heldout_history=state.heldout_history, resumed_from_step=resumed_from, world_size=world, global_batch=G,
-        history=state.history, init_from=state.init_from)
+def _fingerprint(cfg: TrainingConfig, target: TargetConfig, data: ShardData, meta: dict, G: int) -> dict:
+    """What a checkpoint must share with this call to be resumed: the training settings that shape
+    the weights, the global batch, the shards and the layers they hold."""
+    fingerprint = {**cfg.model_dump(mode="json", exclude={"output_dir", "checkpoint_every", "device", "eval_every",
+                                                          "batch_size", "grad_accum", "distributed", "compile",
+                                                          "teacher_cache_gb", "loader_workers", "disk_check"}),
+                   "global_batch": G, "shards": [[Path(r.path).name, r.num_tokens] for r in data.readers],
+                   "data_sha256": data_digest(data.readers), "capture_ids": target.capture_ids(),
+                   "last_hidden_norm": meta["last_hidden_norm"]}
+    if not cfg.ema_decay:  # off (the default): checkpoints written before the field existed still resume
+        fingerprint.pop("ema_decay")
+    return fingerprint
+
+
+def _drafter(cfg: TrainingConfig, dcfg: DrafterConfig, target: TargetConfig, d2t, t2d, init, bf16: bool,
+             device) -> Eagle3Drafter:
+    """The drafter, seeded (the same on every rank), its frozen parts from the target, its trainable
+    weights from the warm start where there is one."""
+    torch.manual_seed(cfg.seed)
+    model = Eagle3Drafter(dcfg)
+    init_from_target(model, target.checkpoint, d2t, t2d)
+    if init is not None:
+        warm_start.load_init(model, init)  # every trainable weight; the optimizer and schedule start fresh
+    if bf16:
+        model.embed_tokens.to(torch.bfloat16)  # frozen: no master copy needed
+    return model.to(device)
+
+
+def _resume(run: RunSetup, cfg: TrainingConfig, resume: Path, fingerprint: dict, stop: int, log) -> None:
+    """Load the checkpoint's weights, optimizer and position; put the EMA's average in or out as the
+    steps left ask."""
+    run.state = load_checkpoint(resume, run.objective, run.opt, run.sched, fingerprint, log, run.ema)
+    log(f"resumed from {resume} at step {run.state.step}")
+    ema = run.ema
+    if ema is None:
+        return
+    if ema.swapped and run.state.step < stop:
+        ema.swap()  # a finished run trained on past its old max_steps: from the raw weights again
+    elif not ema.swapped and run.state.step >= cfg.max_steps:
+        ema.swap()  # a mid-run checkpoint finished by a lower max_steps: its final checkpoint is the average
+        run.info["init_from"] = run.state.init_from
+        run.ckpt = save_checkpoint(Path(cfg.output_dir), run.objective, run.opt, run.sched, run.state, run.info,
+                                   rank=run.rank, ema=ema)
+
+
+class Labeller:
+    """The teacher's labels for a batch. A CPU run computes them once per sequence where they fit
+    (eyas/training/teacher_cache.py); otherwise per batch, each position's full-vocabulary argmax
+    remembered from its sequence's first epoch, so later epochs run the draft vocabulary's rows only."""
+
+    def __init__(self, run: RunSetup, cfg: TrainingConfig, log):
+        head, vocab, dtype, kernels = run.head, cfg.draft_vocab_size, run.dtype, run.kernels
+        self.teacher = lambda b, outside=None: teacher_labels(head, b["last"], b["loss_mask"], vocab, dtype,
+                                                              kernels=kernels, outside=outside)
+        self.memo = None
+        self.labels = self.teacher
+        log(f"training drafter: {sum(p.numel() for p in run.objective.parameters() if p.requires_grad) / 1e6:.2f}M params, "
+            f"{len(run.data.train_ids)} train / {run.data.num_validation} held-out sequences, global batch "
+            f"{run.global_batch} ({run.world} rank(s) x {cfg.grad_accum} x {cfg.batch_size}), draft vocab "
+            f"{vocab}, device {run.device}{' (bf16 GEMMs)' * run.cpu_bf16}")
+        if run.device.type == "cpu" and cfg.teacher_cache_gb > 0:
+            cache = TeacherCache.build(run.data, self.teacher, vocab, dtype, cfg.teacher_cache_gb)
+            if cache is not None:
+                self.labels = cache.labels
+                log(f"teacher labels of all {len(run.data.lengths)} sequences computed once "
+                    f"({TeacherCache.nbytes(run.data, vocab, dtype) / 2**30:.2f} GB)")
+        if self.labels is self.teacher:
+            self.memo = ArgmaxMemo(run.data.lengths, run.device)
+            self.labels = lambda b: self.memo.labels(b, self.teacher)
+
+    def __call__(self, batch: dict) -> torch.Tensor:
+        return self.labels(batch)
+
+    def new_epoch(self, epoch: int, num_sequences: int, log) -> None:
+        if self.memo is not None:
+            self.memo.share()  # the next epoch deals the sequences out anew
+            log(f"epoch {epoch + 1}: the teacher's full-vocabulary argmax remembered for "
+                f"{int(self.memo.known.sum())} of {num_sequences} sequences (their teacher: the draft "
+                f"vocabulary's rows only)")
+
+
+# ----------------------------------------------------------------------------- the loop
+
+class _Loop:
+    """This rank's micro-batches read, collated and copied ahead of the step (eyas/training/loader.py),
+    stepped, logged, evaluated every eval_every steps and checkpointed."""
+
+    def __init__(self, run: RunSetup, cfg: TrainingConfig, stop: int, log, log_every: int, on_step):
+        self.run, self.cfg, self.stop, self.log, self.log_every, self.on_step = run, cfg, stop, log, log_every, on_step
+        self.resumed_from, self.tokens_from, self.t_run = run.state.step, run.state.tokens, time.monotonic()
+        self.t_log = self.t_loop = self.t_run
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.bf16)
+        self.final_held = None  # per-TTT-step held-out accuracy at max_steps
+        self.waited = 0.0  # data wait until the last log line
+
+    def train(self) -> list[float] | None:
+        """Every step up to `stop` -> the held-out accuracies at max_steps, if the loop reached it."""
+        run, cfg, state = self.run, self.cfg, self.run.state
+        data, world = run.data, run.world
+        steps = itertools.islice(plan_steps(data.lengths, data.train_ids, cfg.batch_size, cfg.grad_accum * world,
+                                            cfg.seed, state.epoch, state.batch_pos, cfg.length_grouping),
+                                 max(0, self.stop - state.step))
+        workers = cfg.loader_workers if cfg.loader_workers is not None else (2 if run.device.type == "cuda" else 0)
+        with BatchLoader(data, steps, run.device, run.dtype, rank=run.rank, world=world, workers=workers) as loader:
+            for (epoch, pos, micro), mine in loader:
+                if epoch != state.epoch:
+                    state.epoch = epoch
+                    run.labels.new_epoch(state.epoch, len(data.lengths), self.log)
+                counts = data.scored[[i for m in micro for i in m]].sum(0)  # (K,) the global batch's scored positions
+                lr = run.sched.get_last_lr()[0]
+                stats = optimizer_step(run.objective, run.wrapped, run.opt, run.sched,
+                                       (add_aux_noise(b, cfg.aux_noise) for b in mine), run.labels,
+                                       ttt_steps=cfg.ttt_steps, decay=cfg.loss_decay, counts=counts,
+                                       grad_clip=cfg.grad_clip, autocast=self.autocast, world=world)
+                if run.ema is not None:
+                    run.ema.update(state.step)
+                stats = _all_reduce(stats, run.device)
+                state.batch_pos = pos + 1
+                state.step += 1
+                if run.ema is not None and state.step == cfg.max_steps:
+                    run.ema.swap()  # the average is what is evaluated, checkpointed and exported from here on
+                state.tokens += sum(data.lengths[i] for m in micro for i in m)
+                self.after_step(stats, lr, loader.wait_s)
+        return self.final_held
+
+    def after_step(self, stats: torch.Tensor, lr: float, wait_s: float) -> None:
+        """The step's losses and accuracies recorded; its log line, held-out evaluation, history row,
+        StepStats and checkpoint where they are due."""
+        run, cfg, state, K = self.run, self.cfg, self.run.state, self.cfg.ttt_steps
+        state.losses.append(float(stats[0]))
+        state.accuracies.append((stats[1:1 + K] / stats[1 + K:].clamp(min=1)).tolist())
+        if state.step % self.log_every == 0 or state.step == self.stop:
+            acc = " ".join(f"{a:.2f}" for a in state.accuracies[-1])
+            self.log(f"step {state.step}/{cfg.max_steps} loss {state.losses[-1]:.4f} acc [{acc}] "
+                     f"lr {lr:.2e} {time.monotonic() - self.t_log:.1f}s ({wait_s - self.waited:.1f}s waiting for data)")
+            self.waited = wait_s
+        simulated = None  # held-out simulated acceptance length, every eval_every steps and at max_steps
+        if state.step == cfg.max_steps or (cfg.eval_every and state.step % cfg.eval_every == 0):
+            held = evaluate_heldout(run, cfg, self.autocast)
+            simulated = None if held is None else simulated_acceptance_length(held)
+            if state.step == cfg.max_steps:
+                self.final_held = held
+            elif simulated is not None:
+                state.heldout_history.append([state.step, simulated])
+                self.log(f"step {state.step}: held-out simulated acceptance length {simulated:.3f}")
+        report = StepStats(step=state.step, max_steps=cfg.max_steps, loss=state.losses[-1],
+                           accuracies=tuple(state.accuracies[-1]), lr=lr, tokens=state.tokens,
+                           seconds=time.monotonic() - self.t_loop, start_step=self.resumed_from,
+                           start_tokens=self.tokens_from, heldout_acceptance=simulated,
+                           in_history=keeps_row(state.step, cfg.max_steps, evaluated=simulated is not None,
+                                                last=state.step == self.stop))
+        if report.in_history:
+            state.history.append(report.row())
+        if self.on_step is not None:
+            self.on_step(report)
+        if state.step % cfg.checkpoint_every == 0 or state.step == self.stop:
+            state.seconds += time.monotonic() - self.t_run
+            self.t_run = time.monotonic()
+            run.ckpt = save_checkpoint(Path(cfg.output_dir), run.objective, run.opt, run.sched, state, run.info,
+                                       rank=run.rank, ema=run.ema)
 
 
 def _draft_vocab(cfg: TrainingConfig, data: ShardData, tcfg: dict, resume: Path | None, init, log):
@@ -378,9 +474,10 @@ def _all_reduce(t: torch.Tensor, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_heldout(objective, wrapped, make_labels, data: ShardData, cfg: TrainingConfig, device, dtype,
-                     autocast, rank: int = 0, world: int = 1) -> list[float] | None:
+def evaluate_heldout(run: RunSetup, cfg: TrainingConfig, autocast=None) -> list[float] | None:
     """Per-TTT-step accuracy on the held-out sequences; every rank runs the same number of forwards."""
+    data, device, dtype, rank, world = run.data, run.device, run.dtype, run.rank, run.world
+    autocast = autocast if autocast is not None else torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.bf16)
     if not data.validation_ids:
         return None
     ids = data.validation_ids
@@ -392,7 +489,7 @@ def evaluate_heldout(objective, wrapped, make_labels, data: ShardData, cfg: Trai
         batch = collate([data.sample(i) for i in batches[idx % len(batches)]], device, dtype,
                         ids=batches[idx % len(batches)])
         with autocast:
-            _, c, n = wrapped(batch["ids"], batch["aux"], make_labels(batch), cfg.ttt_steps, cfg.loss_decay)
+            _, c, n = run.wrapped(batch["ids"], batch["aux"], run.labels(batch), cfg.ttt_steps, cfg.loss_decay)
         if idx < len(batches):  # a rank past the end repeats a batch (FSDP needs every rank) and drops it
             stats += torch.cat([c, n]).double().cpu()
     stats = _all_reduce(stats, device)

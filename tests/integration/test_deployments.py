@@ -32,8 +32,8 @@ def why(server, run: dict) -> str:
     subs = server.post("/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [run["id"]]}}})
     logs = server.post("/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"], *(r["id"] for r in subs)]},
                                                  "level": {"ge_": 30}}, "limit": 50, "sort": "TIMESTAMP_ASC"})
-    lines = [f"{l['timestamp']} {l['message']}"[:2000] for l in logs
-             if not l["message"].startswith("Timeout of ")]  # Prefect's worker-thread notice
+    lines = [f"{x['timestamp']} {x['message']}"[:2000] for x in logs
+             if not x["message"].startswith("Timeout of ")]  # Prefect's worker-thread notice
     return "\n".join([f"{run['state']['type']}: {run['state'].get('message')}", *lines])
 
 

@@ -29,7 +29,7 @@ def logs_of(server, run_ids: list[str], last: str = "Finished", timeout_s: float
     """The runs' log lines, once one starting with `last` is there (the flow-run process sends its
     last batch after the state is final)."""
     def newest() -> list[str]:  # the newest 200 lines (the API's page), oldest first: a run's end is asserted on
-        return [l["message"] for l in server.post("/logs/filter", {
+        return [x["message"] for x in server.post("/logs/filter", {
             "logs": {"flow_run_id": {"any_": run_ids}}, "limit": 200, "sort": "TIMESTAMP_DESC"})][::-1]
 
     deadline = time.monotonic() + timeout_s

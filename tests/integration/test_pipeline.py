@@ -162,7 +162,7 @@ def test_report_ends_with_the_serving_speedup(run):
     assert report["stages_seconds"]["serve_bench"] > 0
     sets = report["benchmarks"]
     assert list(sets) == ["heldout", *(s["name"] for s in SUITES)]
-    for name, s in sets.items():
+    for s in sets.values():
         assert set(s["chains"]) == {"3/1/4", "7/1/8"} and s["chains"]["3/1/4"]["acceptance_length"] >= 1.0
         assert all(c["identical_to_target"] for c in s["chains"].values())
     if SUITES:

@@ -179,8 +179,8 @@ def test_oom_is_named_and_quoted(slow_failures):
     with pytest.raises(ServerFailed) as e:
         wait(proc)
     assert e.value.reason == "oom"
-    assert any("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate" in l for l in e.value.fatal_lines)
-    assert any("Scheduler hit an exception" in l for l in e.value.fatal_lines)
+    assert any("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate" in x for x in e.value.fatal_lines)
+    assert any("Scheduler hit an exception" in x for x in e.value.fatal_lines)
     assert "CUDA out of memory" in str(e.value)
 
 

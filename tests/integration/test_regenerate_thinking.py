@@ -112,7 +112,7 @@ def test_thinking_on_keeps_each_reasoning_reply_as_emitted_after_the_templates_h
         # history (reasoning dropped to <think></think>), the reasoning of neither.
         conv = records[2].messages
         history = []
-        for j, (prompt, reply) in zip((1, 3), answers[3:5]):
+        for j, (_, reply) in zip((1, 3), answers[3:5]):
             history += [conv[j - 1], {"role": "assistant", "content": tok.decode(reply[BUDGET + 1:]),
                                       "reasoning_content": tok.decode(reply[:BUDGET])}]
         expected = render_chat(tok, history + [conv[4]], add_generation_prompt=True, thinking=True)

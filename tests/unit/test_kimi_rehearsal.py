@@ -225,9 +225,9 @@ def test_capture_and_serving_launches_get_the_seeds_node_flags_where_they_belong
         assert "--disable-cuda-graph" not in args and "--disable-prefill-cuda-graph" not in args
         assert args[args.index("--num-continuous-decode-steps") + 1] == "4"
     assert "--speculative-draft-model-path" in serving[1] and "--speculative-draft-model-path" not in serving[0]
-    # NCCL: Ring everywhere as the team ran; LL (small messages) for decode only, not for prefill
+    # NCCL: Ring everywhere and LL on the capture, as the team's working capture launch ran
     env = launch_env(cfg)
-    assert env["NCCL_ALGO"] == "Ring" and "NCCL_PROTO" not in env and DUMP_DIR_ENV in env
+    assert env["NCCL_ALGO"] == "Ring" and env["NCCL_PROTO"] == "LL" and DUMP_DIR_ENV in env
     for c in (plain, spec):
         env = launch_env(c)
         assert (env["NCCL_ALGO"], env["NCCL_PROTO"]) == ("Ring", "LL") and DUMP_DIR_ENV not in env

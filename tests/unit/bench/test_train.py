@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from bench import masks
+from bench import masks  # noqa: E402 - bench/ is a folder of scripts, found through sys.path
 
 
 def test_prefix_masks_shape_and_share():

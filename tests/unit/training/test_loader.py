@@ -99,7 +99,7 @@ def test_each_rank_reads_only_its_micro_batches(shard_sets):
         loader = BatchLoader(data, steps, "cpu", torch.float32, rank=rank, world=2, workers=2)
         seen = []
         original = loader.host_batch
-        loader.host_batch = lambda ids, f=original: (seen.append(list(ids)), f(ids))[1]
+        loader.host_batch = lambda ids, f=original, seen=seen: (seen.append(list(ids)), f(ids))[1]
         with loader:
             out = list(loader)
         assert [[b["sample_ids"] for b in batches] for _, batches in out] == [s[-1][rank::2] for s in steps]

@@ -28,7 +28,8 @@ def case(seed: int = 4):
     return m, ids, aux, labels
 
 
-def loss_and_grads(kernels: KernelOptions = KernelOptions(), gemm_dtype=None):
+def loss_and_grads(kernels: KernelOptions | None = None, gemm_dtype=None):
+    kernels = kernels or KernelOptions()
     m, ids, aux, labels = case()
     params = [p for p in m.parameters() if p.requires_grad]
     loss, correct, scored = TTTObjective(m, gemm_dtype=gemm_dtype, kernels=kernels)(ids, aux, labels, K, 0.8)
@@ -63,7 +64,7 @@ def test_shared_embedding_projection_gives_the_same_loss_and_gradients(monkeypat
         with monkeypatch.context() as mp:
             mp.setattr(TTTObjective, "_shares_emb", lambda self: False)
             return loss_and_grads(gemm_dtype=gemm_dtype)
-    for name, patches in LAYOUTS.items():
+    for patches in LAYOUTS.values():
         with monkeypatch.context() as mp:
             for attr, value in patches.items():
                 mp.setattr(losses, attr, value)
