@@ -60,14 +60,25 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="eyas-dump-read-"))
     private = Path(tempfile.mkdtemp(prefix="eyas-dump-read-", dir="/dev/shm"))
     sshd = start_sshd(scratch / "sshd", private_dirs=[private / "node"])
-    cfg = HostConfig(kind="ssh", name="loopback", hostname="127.0.0.1", port=sshd.port, user=sshd.user,
-                     key_filename=sshd.client_key, known_hosts=sshd.known_hosts)
+    cfg = HostConfig(
+        kind="ssh",
+        name="loopback",
+        hostname="127.0.0.1",
+        port=sshd.port,
+        user=sshd.user,
+        key_filename=sshd.client_key,
+        known_hosts=sshd.known_hosts,
+    )
     host = SSHHost(cfg)
     try:
         local = private / "here"
         DumpWriter(local, layer_ids=LAYERS).write(
-            rid, 0, torch.arange(n, dtype=torch.int32), torch.randn(n, 3 * HIDDEN).to(torch.bfloat16),
-            torch.randn(n, HIDDEN).to(torch.bfloat16))
+            rid,
+            0,
+            torch.arange(n, dtype=torch.int32),
+            torch.randn(n, 3 * HIDDEN).to(torch.bfloat16),
+            torch.randn(n, HIDDEN).to(torch.bfloat16),
+        )
         record = local / rid / "0000000000.safetensors"
         size = record.stat().st_size
         remote = private / "node" / "dump"
@@ -79,7 +90,10 @@ def main() -> None:
         figures["local"] = best(lambda: validate(here.read(rid), ids), args.reps)
         figures["host"] = best(lambda: validate(there.read(rid), ids), args.reps)
         assert there.route == "host", there.route
-        stream, ssh_host.STREAM_BYTES = ssh_host.STREAM_BYTES, 0  # each path on the same file, whatever its size
+        stream, ssh_host.STREAM_BYTES = (
+            ssh_host.STREAM_BYTES,
+            0,
+        )  # each path on the same file, whatever its size
         figures["cat"] = best(lambda: host.read_file(remote / rid / record.name), args.reps)
         ssh_host.STREAM_BYTES = size + 1
         figures["sftp"] = best(lambda: host.read_file(remote / rid / record.name), args.reps)

@@ -1,4 +1,5 @@
-"""CPU benchmark of the training data path alone at Kimi-K2.5 size (docs/performance.md, "The data path").
+"""CPU benchmark of the training data path alone at Kimi-K2.5 size (docs/performance.md, "The data
+path").
 
     python bench/loader.py --out .perf/loader            # shards in a temp folder beside --out
     python bench/loader.py --tiny                        # a smoke run (tests)
@@ -7,12 +8,15 @@ Writes shards with eyas's own ShardWriter (H 7168, 3 aux layers, sequences of 40
 states with per-token norms spread over decades, prompt masks of --prompt-fraction), bf16 and FP8,
 then times, per encoding:
 
-- `sync_collate`: the synchronous path, collate([data.sample(i) ...]) (what the step did before the loader);
-- `worker`: one loader worker's host work for a GPU run (eyas/training/loader.py BatchLoader.host_batch:
+- `sync_collate`: the synchronous path, collate([data.sample(i) ...]) (what the step did before the
+loader);
+- `worker`: one loader worker's host work for a GPU run (eyas/training/loader.py
+BatchLoader.host_batch:
   read each sample's rows straight into the batch's buffer; FP8 stays FP8), warm (page cache) and
   cold (each file's pages dropped first): GB/s read and batches/s;
 - `worker_reused_buffers`: the same into buffers used before (a GPU run's page-locked buffers come
-  back from CUDA's caching host allocator, already mapped; fresh memory costs a page fault per 4 KB);
+  back from CUDA's caching host allocator, already mapped; fresh memory costs a page fault per 4
+  KB);
 - `workers_N`: N threads at once over distinct batches, warm, reused buffers: batches/s (the
   machine's cores and memory bandwidth bound it);
 - `disk_probe`: eyas's preflight probe (disk_read_rate) on one shard.
@@ -53,28 +57,63 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def write_shards(folder: Path, sequences: int, *, hidden_size: int, num_aux: int, seq: int, encoding: str,
-                 per_shard: int = 8, prompt_fraction: float = 0.3, seed: int = 0, device: str = "cpu",
-                 vocab: int = 163840) -> list[Path]:
-    """Shards of random states (bf16; each token's norm drawn over four decades, as a residual stream's
-    vary) and chat-shaped masks (a leading prompt of prompt_fraction unscored), written by ShardWriter
-    with a thread per sample. device: where the random states are drawn (a GPU draws them faster)."""
+def write_shards(
+    folder: Path,
+    sequences: int,
+    *,
+    hidden_size: int,
+    num_aux: int,
+    seq: int,
+    encoding: str,
+    per_shard: int = 8,
+    prompt_fraction: float = 0.3,
+    seed: int = 0,
+    device: str = "cpu",
+    vocab: int = 163840,
+) -> list[Path]:
+    """Shards of random states (bf16; each token's norm drawn over four decades, as a residual
+    stream's vary) and chat-shaped masks (a leading prompt of prompt_fraction unscored), written by
+    ShardWriter with a thread per sample. device: where the random states are drawn (a GPU draws
+    them faster)."""
     folder.mkdir(parents=True, exist_ok=True)
     H, K, T = hidden_size, num_aux, seq
     mask = torch.from_numpy(masks.prefix_masks(1, T, prompt_fraction))[0]
-    meta = {"layer_ids": [1, 29, 57], "layer_convention": "capture-before", "capture_ids": [1, 29, 57],
-            "last_hidden_norm": "post", "content_hash": f"bench-{seed}-{sequences}-{encoding}"}
+    meta = {
+        "layer_ids": [1, 29, 57],
+        "layer_convention": "capture-before",
+        "capture_ids": [1, 29, 57],
+        "last_hidden_norm": "post",
+        "content_hash": f"bench-{seed}-{sequences}-{encoding}",
+    }
     paths, done = [], 0
     while done < sequences:
         n = min(per_shard, sequences - done)
         path = folder / f"shard-{len(paths):05d}.safetensors"
-        w = ShardWriter(path, [T] * n, hidden_size=H, num_aux=K, dtype=torch.bfloat16, meta=meta, encoding=encoding)
+        w = ShardWriter(
+            path,
+            [T] * n,
+            hidden_size=H,
+            num_aux=K,
+            dtype=torch.bfloat16,
+            meta=meta,
+            encoding=encoding,
+        )
 
         def put(i, base=done):
             g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + base + i)
-            norm = torch.logspace(-1, 3, T, device=device)[torch.randperm(T, generator=g, device=device)]
-            aux = (torch.randn(T, K * H, generator=g, device=device) * norm[:, None]).to(torch.bfloat16).cpu()
-            last = (torch.randn(T, H, generator=g, device=device) * norm[:, None]).to(torch.bfloat16).cpu()
+            norm = torch.logspace(-1, 3, T, device=device)[
+                torch.randperm(T, generator=g, device=device)
+            ]
+            aux = (
+                (torch.randn(T, K * H, generator=g, device=device) * norm[:, None])
+                .to(torch.bfloat16)
+                .cpu()
+            )
+            last = (
+                (torch.randn(T, H, generator=g, device=device) * norm[:, None])
+                .to(torch.bfloat16)
+                .cpu()
+            )
             ids = torch.randint(0, vocab, (T,), generator=g, device=device).cpu()
             w.put_rows(i, 0, ids, mask, aux, last)
 
@@ -93,6 +132,7 @@ def batch_bytes(data: ShardData, ids: list[int]) -> int:
 
 def _bytes_per_token(data: ShardData) -> int:
     from eyas.extraction.shards import bytes_per_token
+
     r = data.readers[0]
     return bytes_per_token(data.hidden_size, data.num_aux, "bfloat16", r.encoding)
 
@@ -112,7 +152,9 @@ def bench_encoding(paths: list[Path], B: int, repeat: int, workers: list[int]) -
     batches = [list(range(s, s + B)) for s in range(0, n - B + 1, B)]
     nbytes = batch_bytes(data, batches[0])
     loader = BatchLoader(data, [], "cpu", torch.bfloat16, workers=0)
-    loader.cuda = True  # the GPU path's host work: the states stay as stored (FP8 as FP8), unpinned here
+    loader.cuda = (
+        True  # the GPU path's host work: the states stay as stored (FP8 as FP8), unpinned here
+    )
     out: dict = {"batch": B, "batch_bytes": nbytes, "sequences": n}
     k = [0]
 
@@ -128,12 +170,15 @@ def bench_encoding(paths: list[Path], B: int, repeat: int, workers: list[int]) -
             t0 = time.perf_counter()
             fn()
             return time.perf_counter() - t0
+
         return run
 
     one = lambda: loader.host_batch(next_batch())  # noqa: E731
     cache = threading.local()
 
-    def reused(shape, dtype, pin_memory=False):  # as CUDA's caching host allocator hands a freed block back
+    def reused(
+        shape, dtype, pin_memory=False
+    ):  # as CUDA's caching host allocator hands a freed block back
         key = (tuple(shape), dtype)
         bufs = cache.__dict__.setdefault("bufs", {})
         if key not in bufs:
@@ -146,16 +191,29 @@ def bench_encoding(paths: list[Path], B: int, repeat: int, workers: list[int]) -
             loader.host_batch(next_batch())
         finally:
             loader.empty = torch.empty
+
     sync = lambda: collate([data.sample(i) for i in next_batch()], "cpu", torch.bfloat16)  # noqa: E731
-    for name, fn in (("sync_collate", sync), ("worker", one), ("worker_reused_buffers", one_reused)):
+    for name, fn in (
+        ("sync_collate", sync),
+        ("worker", one),
+        ("worker_reused_buffers", one_reused),
+    ):
         fn()  # warm: every page read once
         warm = statistics.median(timed(fn, repeat))
         c = statistics.median([cold(fn)() for _ in range(max(2, repeat // 2))])
-        out[name] = {"warm_s": round(warm, 4), "warm_gb_s": round(nbytes / warm / 1e9, 3),
-                     "warm_batches_s": round(1 / warm, 3), "cold_s": round(c, 4),
-                     "cold_gb_s": round(nbytes / c / 1e9, 3), "cold_batches_s": round(1 / c, 3)}
-        log(f"{paths[0].parent.name} {name}: warm {warm:.3f} s/batch ({nbytes / warm / 1e9:.2f} GB/s), "
-            f"cold {c:.3f} s ({nbytes / c / 1e9:.2f} GB/s)")
+        out[name] = {
+            "warm_s": round(warm, 4),
+            "warm_gb_s": round(nbytes / warm / 1e9, 3),
+            "warm_batches_s": round(1 / warm, 3),
+            "cold_s": round(c, 4),
+            "cold_gb_s": round(nbytes / c / 1e9, 3),
+            "cold_batches_s": round(1 / c, 3),
+        }
+        log(
+            f"{paths[0].parent.name} {name}: warm {warm:.3f} s/batch ({nbytes / warm / 1e9:.2f} "
+            f"GB/s), "
+            f"cold {c:.3f} s ({nbytes / c / 1e9:.2f} GB/s)"
+        )
     for w in workers:
         jobs = [next_batch() for _ in range(w * repeat)]
         t0 = time.perf_counter()
@@ -164,8 +222,14 @@ def bench_encoding(paths: list[Path], B: int, repeat: int, workers: list[int]) -
             list(pool.map(loader.host_batch, jobs))
         loader.empty = torch.empty
         s = time.perf_counter() - t0
-        out[f"workers_{w}"] = {"batches_s": round(len(jobs) / s, 3), "gb_s": round(len(jobs) * nbytes / s / 1e9, 3)}
-        log(f"{paths[0].parent.name} {w} worker(s): {len(jobs) / s:.2f} batches/s ({len(jobs) * nbytes / s / 1e9:.2f} GB/s)")
+        out[f"workers_{w}"] = {
+            "batches_s": round(len(jobs) / s, 3),
+            "gb_s": round(len(jobs) * nbytes / s / 1e9, 3),
+        }
+        log(
+            f"{paths[0].parent.name} {w} worker(s): {len(jobs) / s:.2f} batches/s "
+            f"({len(jobs) * nbytes / s / 1e9:.2f} GB/s)"
+        )
     rate, nread = disk_read_rate(paths[0], 256 << 20)
     out["disk_probe"] = {"gb_s": round(rate / 1e9, 3), "bytes": nread}
     log(f"{paths[0].parent.name} disk probe: {rate / 1e9:.2f} GB/s over {nread / 1e6:.0f} MB")
@@ -176,24 +240,37 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a smoke run)")
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--sequences", type=int, default=8, help="sequences per encoding (8 = 1.88 GB in bf16)")
+    ap.add_argument(
+        "--sequences", type=int, default=8, help="sequences per encoding (8 = 1.88 GB in bf16)"
+    )
     ap.add_argument("--repeat", type=int, default=4)
     ap.add_argument("--workers", type=int, nargs="*", default=[1, 2])
-    ap.add_argument("--encodings", nargs="+", default=["plain", "fp8_e4m3"], choices=["plain", "fp8_e4m3"])
-    ap.add_argument("--dir", default=None, help="where to write the shards (default: a temp folder)")
+    ap.add_argument(
+        "--encodings", nargs="+", default=["plain", "fp8_e4m3"], choices=["plain", "fp8_e4m3"]
+    )
+    ap.add_argument(
+        "--dir", default=None, help="where to write the shards (default: a temp folder)"
+    )
     ap.add_argument("--out", default=None, help="folder for bench_loader.json")
     args = ap.parse_args()
     size = TINY if args.tiny else KIMI
     threads = torch.get_num_threads()
     root = Path(tempfile.mkdtemp(prefix="eyas-bench-loader-", dir=args.dir))
-    figures: dict = {"size": size, "cpus": os.cpu_count(), "torch_threads": threads, "torch": torch.__version__,
-                     "threads_per_worker": 1}
+    figures: dict = {
+        "size": size,
+        "cpus": os.cpu_count(),
+        "torch_threads": threads,
+        "torch": torch.__version__,
+        "threads_per_worker": 1,
+    }
     try:
         for enc in args.encodings:
             t0 = time.perf_counter()
             paths = write_shards(root / enc, args.sequences, encoding=enc, **size)
-            log(f"wrote {args.sequences} sequences ({enc}) in {time.perf_counter() - t0:.1f}s: "
-                f"{sum(p.stat().st_size for p in paths) / 1e9:.2f} GB")
+            log(
+                f"wrote {args.sequences} sequences ({enc}) in {time.perf_counter() - t0:.1f}s: "
+                f"{sum(p.stat().st_size for p in paths) / 1e9:.2f} GB"
+            )
             torch.set_num_threads(1)  # a worker is one thread
             figures[enc] = bench_encoding(paths, args.batch, args.repeat, args.workers)
             torch.set_num_threads(threads)

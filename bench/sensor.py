@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eyas.server import readiness  # noqa: E402
 from eyas.net import free_port  # noqa: E402
+from eyas.server import readiness  # noqa: E402
 from eyas.server.hosts import LocalHost  # noqa: E402
 
 TARGET = ROOT / "fixtures" / "tiny-target"
@@ -36,8 +36,19 @@ TARGET = ROOT / "fixtures" / "tiny-target"
 
 def start(host, workdir: Path, *flags: str) -> tuple[int, Path, str]:
     port, log = free_port(), workdir / "server.log"
-    cmd = shlex.join([sys.executable, "-m", "eyas.local.server", "--model-path", str(TARGET),
-                      "--port", str(port), "--skip-server-warmup", *flags])
+    cmd = shlex.join(
+        [
+            sys.executable,
+            "-m",
+            "eyas.local.server",
+            "--model-path",
+            str(TARGET),
+            "--port",
+            str(port),
+            "--skip-server-warmup",
+            *flags,
+        ]
+    )
     pid = host.start(cmd, log_path=log, env={"OMP_NUM_THREADS": "1"})
     return pid, log, f"http://127.0.0.1:{port}"
 
@@ -64,8 +75,11 @@ def log_has(log: Path, needle: bytes):
 def scenario(kind: str, poll: float, stall_s: float) -> float:
     host = LocalHost()
     with tempfile.TemporaryDirectory() as tmp:
-        flags = {"ready": [], "crash": ["--fault", "die-at-shard", "--fault-shard", "5"],
-                 "stall": ["--fault", "hang-at-shard", "--fault-shard", "5"]}[kind]
+        flags = {
+            "ready": [],
+            "crash": ["--fault", "die-at-shard", "--fault-shard", "5"],
+            "stall": ["--fault", "hang-at-shard", "--fault-shard", "5"],
+        }[kind]
         pid, log, url = start(host, Path(tmp), *flags)
         stop = threading.Event()
         if kind == "ready":
@@ -77,9 +91,16 @@ def scenario(kind: str, poll: float, stall_s: float) -> float:
         try:
             # Only the stall scenario uses the short stall timeout: model start-up after the bar
             # (imports, building the model) is silent for a few seconds on a busy CPU.
-            readiness.wait_until_ready(host, log_path=log, pid=pid, url=url, poll_interval_s=poll,
-                                       stall_timeout_s=stall_s if kind == "stall" else 60,
-                                       deadline_s=120, http_timeout_s=5)
+            readiness.wait_until_ready(
+                host,
+                log_path=log,
+                pid=pid,
+                url=url,
+                poll_interval_s=poll,
+                stall_timeout_s=stall_s if kind == "stall" else 60,
+                deadline_s=120,
+                http_timeout_s=5,
+            )
             outcome = "ready"
         except readiness.ServerFailed as e:
             outcome = e.reason
@@ -104,16 +125,27 @@ def ssh_poll_ms(n: int = 50) -> float | None:
         sshd = start_sshd(Path(tmp) / "sshd")
         log = Path(tmp) / "server.log"
         log.write_bytes(b"Multi-thread loading shards:   0% Completed | 0/8 [00:00<?, ?it/s]")
-        host = SSHHost(HostConfig(kind="ssh", name="bench", hostname="127.0.0.1", port=sshd.port,
-                                  user=sshd.user, key_filename=sshd.client_key,
-                                  known_hosts=sshd.known_hosts))
+        host = SSHHost(
+            HostConfig(
+                kind="ssh",
+                name="bench",
+                hostname="127.0.0.1",
+                port=sshd.port,
+                user=sshd.user,
+                key_filename=sshd.client_key,
+                known_hosts=sshd.known_hosts,
+            )
+        )
         try:
             cursor = readiness.LogCursor(host, log)
             cursor.poll(), host.is_alive(os.getpid())  # connect once: the sensor reuses it
             times = []
             for i in range(n):
                 with open(log, "ab") as f:
-                    f.write(f"\rMulti-thread loading shards:  {i}% Completed | 1/8 [00:01<00:07,  1.0it/s]".encode())
+                    f.write(
+                        f"\rMulti-thread loading shards:  {i}% Completed | 1/8 [00:01<00:07,  "
+                        f"1.0it/s]".encode()
+                    )
                 t0 = time.perf_counter()
                 cursor.poll()
                 host.is_alive(os.getpid())
@@ -133,17 +165,26 @@ def main() -> None:
     figures: dict = {"poll_interval_s": args.poll, "stall_timeout_s": args.stall}
     for kind in ("ready", "crash", "stall"):
         lat = [scenario(kind, args.poll, args.stall) for _ in range(args.repeats)]
-        figures[f"{kind}_latency_s"] = {"max": round(max(lat), 3), "median": round(statistics.median(lat), 3),
-                                        "runs": [round(x, 3) for x in lat]}
+        figures[f"{kind}_latency_s"] = {
+            "max": round(max(lat), 3),
+            "median": round(statistics.median(lat), 3),
+            "runs": [round(x, 3) for x in lat],
+        }
         print(f"{kind}: latency {lat}", flush=True)
     ssh_ms = ssh_poll_ms()
     figures["ssh_poll_ms_median"] = None if ssh_ms is None else round(ssh_ms, 2)
     bound = args.poll + 0.5
     goals = {
-        "ready_latency_s": {"value": figures["ready_latency_s"]["max"], "goal": f"<= {bound}",
-                            "met": figures["ready_latency_s"]["max"] <= bound},
-        "crash_latency_s": {"value": figures["crash_latency_s"]["max"], "goal": f"<= {bound}",
-                            "met": figures["crash_latency_s"]["max"] <= bound},
+        "ready_latency_s": {
+            "value": figures["ready_latency_s"]["max"],
+            "goal": f"<= {bound}",
+            "met": figures["ready_latency_s"]["max"] <= bound,
+        },
+        "crash_latency_s": {
+            "value": figures["crash_latency_s"]["max"],
+            "goal": f"<= {bound}",
+            "met": figures["crash_latency_s"]["max"] <= bound,
+        },
     }
     if ssh_ms is not None:
         goals["ssh_poll_ms"] = {"value": round(ssh_ms, 2), "goal": "<= 20", "met": ssh_ms <= 20}

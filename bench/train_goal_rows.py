@@ -1,13 +1,17 @@
-"""The training step's goal rows alone (bench/train.py's chat-shaped rows at batch 4), for a code tree.
+"""The training step's goal rows alone (bench/train.py's chat-shaped rows at batch 4), for a code
+tree.
 
-    python bench/masks.py --out .perf/chat_masks.npy                        # once, where the fixtures are
-    git archive COMMIT | tar -x -C _base                                     # the commit to compare with
+    # once, where the fixtures are
+    python bench/masks.py --out .perf/chat_masks.npy
+    # the commit to compare with
+    git archive COMMIT | tar -x -C _base
     python3 bench/train_goal_rows.py --root _base --out $OUT/base.jsonl
     python3 bench/train_goal_rows.py --out $OUT/new.jsonl
 
 Imports bench/train.py and eyas from --root (so one call can time two commits one after the other on
 one GPU) and runs only its goal rows: the Kimi-size step at --batch over real conversations packed,
-a prompt of 0.3 and every position scored, with the default variant (a run's later epochs) and, while
+a prompt of 0.3 and every position scored, with the default variant (a run's later epochs) and,
+while
 --budget-s lasts, `nomemo` (its first epoch). Skips the kernel checks, eager rows, breakdown and
 profile that bench/train.py adds (minutes of compiling). One JSON line per row, appended to --out as
 it is measured, so a call cut short keeps what it measured; the last line is the usual
@@ -29,16 +33,31 @@ ROWS = (("masks-from", "file"), ("prompt-0.3", "prefix:0.3"), ("all-scored", "pr
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--root", default=str(Path(__file__).resolve().parents[1]), help="the code tree to time")
-    ap.add_argument("--masks-from", default=str(Path(__file__).resolve().parents[1] / ".perf" / "chat_masks.npy"),
-                    help="bool [N, T] .npy of packed conversations (bench/masks.py; default .perf/chat_masks.npy)")
+    ap.add_argument(
+        "--root", default=str(Path(__file__).resolve().parents[1]), help="the code tree to time"
+    )
+    ap.add_argument(
+        "--masks-from",
+        default=str(Path(__file__).resolve().parents[1] / ".perf" / "chat_masks.npy"),
+        help="bool [N, T] .npy of packed conversations (bench/masks.py; default "
+        ".perf/chat_masks.npy)",
+    )
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--variants", nargs="+", default=["default", "nomemo"], choices=["default", "nomemo"],
-                    help="the later epochs' step (default) and the first epoch's (nomemo), in this order")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["default", "nomemo"],
+        choices=["default", "nomemo"],
+        help="the later epochs' step (default) and the first epoch's (nomemo), in this order",
+    )
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--budget-s", type=float, default=240.0, help="no nomemo row starts after this many seconds")
-    ap.add_argument("--tiny", action="store_true", help="a tiny drafter on the CPU: a smoke run of this script")
+    ap.add_argument(
+        "--budget-s", type=float, default=240.0, help="no nomemo row starts after this many seconds"
+    )
+    ap.add_argument(
+        "--tiny", action="store_true", help="a tiny drafter on the CPU: a smoke run of this script"
+    )
     ap.add_argument("--out", default=None, help="JSON lines, one per row, appended as measured")
     args = ap.parse_args()
     root = str(Path(args.root).resolve())
@@ -46,15 +65,29 @@ def main() -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 
-    if not torch.cuda.is_available() and not args.tiny:  # the Kimi-size step needs a GPU's memory and speed
-        print(json.dumps({"bench": "train_goal_rows", "figures": {"skipped": "needs a CUDA GPU"}, "goals": {}}))
+    if (
+        not torch.cuda.is_available() and not args.tiny
+    ):  # the Kimi-size step needs a GPU's memory and speed
+        print(
+            json.dumps(
+                {
+                    "bench": "train_goal_rows",
+                    "figures": {"skipped": "needs a CUDA GPU"},
+                    "goals": {},
+                }
+            )
+        )
         return
     import eyas
     from bench import train as bench
     from eyas.training.optim import lr_factor, make_optimizer
 
     t0 = time.perf_counter()
-    device, dtype = (torch.device("cpu"), torch.float32) if args.tiny else (torch.device("cuda"), torch.bfloat16)
+    device, dtype = (
+        (torch.device("cpu"), torch.float32)
+        if args.tiny
+        else (torch.device("cuda"), torch.bfloat16)
+    )
     c = bench.DrafterConfig(**(bench.TINY if args.tiny else bench.KIMI))
     T, K, B = 64 if args.tiny else 4096, 7, args.batch
     model, head = bench.build(c, device, dtype)
@@ -62,8 +95,11 @@ def main() -> None:
     opt = make_optimizer(params, 1e-4, 0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 10, 1000))
     run = SimpleNamespace(warmup=args.warmup, steps=args.steps)
-    env = {"eyas": eyas.__file__, "torch": torch.__version__,
-           "device": "cpu" if args.tiny else torch.cuda.get_device_name()}
+    env = {
+        "eyas": eyas.__file__,
+        "torch": torch.__version__,
+        "device": "cpu" if args.tiny else torch.cuda.get_device_name(),
+    }
     print(json.dumps(env), flush=True)
     out = Path(args.out) if args.out else None
     rows = []
@@ -72,21 +108,49 @@ def main() -> None:
             if i and time.perf_counter() - t0 > args.budget_s:
                 continue
             fn = bench.mask_source(kind, T, args.masks_from)
-            r = bench.run_batch(model, head, opt, sched, c, B, T, K, device, dtype, run,
-                                bench.variant(variant, not args.tiny), mask_fn=fn, name=variant)
-            r.update(mask=name, variant=variant, root=root, elapsed_s=round(time.perf_counter() - t0, 1))
+            r = bench.run_batch(
+                model,
+                head,
+                opt,
+                sched,
+                c,
+                B,
+                T,
+                K,
+                device,
+                dtype,
+                run,
+                bench.variant(variant, not args.tiny),
+                mask_fn=fn,
+                name=variant,
+            )
+            r.update(
+                mask=name, variant=variant, root=root, elapsed_s=round(time.perf_counter() - t0, 1)
+            )
             if out is not None:
                 with out.open("a") as f:
                     f.write(json.dumps(bench.clean(r)) + "\n")
-            print(f"{name} b{B} {variant}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tok/s, "
-                  f"peak {r['peak_gb']:.1f} GB, steps {r['step_s_all']}", flush=True)
+            print(
+                f"{name} b{B} {variant}: {r['step_s'] * 1e3:.1f} ms/step, "
+                f"{r['tokens_per_s']:.0f} tok/s, "
+                f"peak {r['peak_gb']:.1f} GB, steps {r['step_s_all']}",
+                flush=True,
+            )
             rows.append(r)
             torch.cuda.empty_cache()
-    figures = {"env": env, "rows": [{k: r[k] for k in ("mask", "variant", "step_s", "tokens_per_s", "peak_gb")}
-                                    for r in rows]}
+    figures = {
+        "env": env,
+        "rows": [
+            {k: r[k] for k in ("mask", "variant", "step_s", "tokens_per_s", "peak_gb")}
+            for r in rows
+        ],
+    }
     goals = bench.specforge_goals(rows, args.tiny, "default", 10)  # B's goals (nomemo: first epoch)
     goals = {k: v for k, v in goals.items() if f"_b{B}_" in k}
-    print(json.dumps(bench.clean({"bench": "train_goal_rows", "figures": figures, "goals": goals})), flush=True)
+    print(
+        json.dumps(bench.clean({"bench": "train_goal_rows", "figures": figures, "goals": goals})),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

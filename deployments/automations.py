@@ -18,20 +18,22 @@ import json
 from prefect.automations import Automation
 from prefect.client.orchestration import get_client
 from prefect.events.actions import RunDeployment
-from prefect.exceptions import ObjectNotFound
 from prefect.events.schemas.automations import EventTrigger, Posture
+from prefect.exceptions import ObjectNotFound
 
 
 def replace_automation(name: str) -> None:
-    """Delete the automation called `name`, if any: re-running a script replaces, never duplicates."""
+    """Delete the automation called `name`, if any: re-running a script replaces, never
+    duplicates."""
     try:
         Automation.read(name=name).delete()
     except (ValueError, ObjectNotFound):
         pass
 
 
-def train_after_extraction(run_name: str, parameters: dict | None = None,
-                           deployment: str = "eyas-train/train") -> Automation:
+def train_after_extraction(
+    run_name: str, parameters: dict | None = None, deployment: str = "eyas-train/train"
+) -> Automation:
     with get_client(sync_client=True) as client:
         deployment_id = client.read_deployment_by_name(deployment).id
     name = f"train-after-extraction-{run_name}"
@@ -39,11 +41,15 @@ def train_after_extraction(run_name: str, parameters: dict | None = None,
     return Automation(
         name=name,
         description=f"When a standalone extraction of {run_name} completes, run {deployment}.",
-        trigger=EventTrigger(expect={"eyas.extraction.completed"},
-                             match={"prefect.resource.id": f"eyas.run.{run_name}", "eyas.standalone": "true"},
-                             posture=Posture.Reactive, threshold=1),
-        actions=[RunDeployment(source="selected", deployment_id=deployment_id,
-                               parameters=parameters)],
+        trigger=EventTrigger(
+            expect={"eyas.extraction.completed"},
+            match={"prefect.resource.id": f"eyas.run.{run_name}", "eyas.standalone": "true"},
+            posture=Posture.Reactive,
+            threshold=1,
+        ),
+        actions=[
+            RunDeployment(source="selected", deployment_id=deployment_id, parameters=parameters)
+        ],
     ).create()
 
 

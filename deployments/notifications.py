@@ -1,6 +1,8 @@
-"""Failure notifications: one POST to the operator's webhook per failed or crashed eyas deployment run.
+"""Failure notifications: one POST to the operator's webhook per failed or crashed eyas deployment
+run.
 
-    PREFECT_API_URL=http://prefect-host:4200/api python deployments/notifications.py https://hooks.example/eyas
+    PREFECT_API_URL=http://prefect-host:4200/api python deployments/notifications.py
+    https://hooks.example/eyas
 
 Creates (or replaces) a custom-webhook block `eyas-failure-webhook` holding the URL, and the
 automation `eyas-failure-notification`: on `prefect.flow-run.Failed` / `prefect.flow-run.Crashed`
@@ -24,25 +26,33 @@ from __future__ import annotations
 
 import argparse
 
+from automations import (
+    replace_automation,  # deployments/automations.py: these run as scripts from here
+)
 from prefect.automations import Automation
 from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.events.actions import SendNotification
 from prefect.events.schemas.automations import EventTrigger, Posture
 
-from automations import replace_automation  # deployments/automations.py: these run as scripts from here
-
 BLOCK = "eyas-failure-webhook"
 AUTOMATION = "eyas-failure-notification"
 SUBJECT = "eyas: flow run {{ flow_run.name }} {{ flow_run.state.name }}"
-BODY = ("{{ flow_run.name }} ended {{ flow_run.state.name }}: {{ flow_run.state.message }}\n"
-        "run: {{ flow_run|ui_url }}\ndeployment: {{ flow.name }}/{{ deployment.name }}")
+BODY = (
+    "{{ flow_run.name }} ended {{ flow_run.state.name }}: {{ flow_run.state.message }}\n"
+    "run: {{ flow_run|ui_url }}\ndeployment: {{ flow.name }}/{{ deployment.name }}"
+)
 
 
-def failure_notification(url: str, flows: tuple[str, ...] = ("eagle3-pipeline", "eyas-*")) -> Automation:
+def failure_notification(
+    url: str, flows: tuple[str, ...] = ("eagle3-pipeline", "eyas-*")
+) -> Automation:
     """The webhook block for `url` and the automation that posts to it; re-running replaces both."""
     block = CustomWebhookNotificationBlock(
-        name=BLOCK, url=url, method="POST",
-        json_data={"subject": "{{subject}}", "body": "{{body}}", "source": "{{name}}"})
+        name=BLOCK,
+        url=url,
+        method="POST",
+        json_data={"subject": "{{subject}}", "body": "{{body}}", "source": "{{name}}"},
+    )
     block_id = block.save(BLOCK, overwrite=True)
     replace_automation(AUTOMATION)
     return Automation(
@@ -52,9 +62,13 @@ def failure_notification(url: str, flows: tuple[str, ...] = ("eagle3-pipeline", 
             expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
             match={"prefect.resource.id": "prefect.flow-run.*"},
             # a deployment's own run only: a subflow has no deployment, so a failure posts once
-            match_related=[{"prefect.resource.role": "flow", "prefect.resource.name": list(flows)},
-                           {"prefect.resource.role": "deployment"}],
-            posture=Posture.Reactive, threshold=1),
+            match_related=[
+                {"prefect.resource.role": "flow", "prefect.resource.name": list(flows)},
+                {"prefect.resource.role": "deployment"},
+            ],
+            posture=Posture.Reactive,
+            threshold=1,
+        ),
         actions=[SendNotification(block_document_id=block_id, subject=SUBJECT, body=BODY)],
     ).create()
 

@@ -8,9 +8,10 @@ deployment and work pool, its subflow runs on the timeline with the report artif
 beside it (`-artifacts.png`) the Artifacts page: the report, the loading, extraction, regeneration
 and training progress, the shard table, the serving benchmark; and (`-training.png`) the newest
 training loss table (`train-losses-NAME`: loss and per-TTT-step accuracy as training went).
-`EYAS_UI_SCREENSHOT=docs/images/prefect-pipeline-run.png pytest tests/integration/test_deployments.py` retakes
-it from the deployment tests' own server and pipeline run. Needs Debian's chromium
-(`apt-get install -y chromium`); runs it headless with the flags this sandboxed, offline machine needs.
+`EYAS_UI_SCREENSHOT=docs/images/prefect-pipeline-run.png pytest
+tests/integration/test_deployments.py` retakes it from the deployment tests' own server and pipeline
+run. Needs Debian's chromium (`apt-get install -y chromium`); runs it headless with the flags this
+sandboxed, offline machine needs.
 """
 
 from __future__ import annotations
@@ -24,16 +25,26 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--hide-scrollbars"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+]
 
 
 def newest_pipeline_run(api: str) -> str:
-    body = json.dumps({"flows": {"name": {"any_": ["eagle3-pipeline"]}}, "sort": "START_TIME_DESC",
-                       "limit": 1}).encode()
-    req = urllib.request.Request(f"{api}/flow_runs/filter", data=body,
-                                 headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {"flows": {"name": {"any_": ["eagle3-pipeline"]}}, "sort": "START_TIME_DESC", "limit": 1}
+    ).encode()
+    req = urllib.request.Request(
+        f"{api}/flow_runs/filter", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         runs = json.loads(r.read())
     if not runs:
@@ -42,8 +53,12 @@ def newest_pipeline_run(api: str) -> str:
 
 
 def newest_artifact_id(api: str, prefix: str) -> str | None:
-    body = json.dumps({"artifacts": {"key": {"like_": f"{prefix}%"}}, "sort": "CREATED_DESC", "limit": 1}).encode()
-    req = urllib.request.Request(f"{api}/artifacts/filter", data=body, headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {"artifacts": {"key": {"like_": f"{prefix}%"}}, "sort": "CREATED_DESC", "limit": 1}
+    ).encode()
+    req = urllib.request.Request(
+        f"{api}/artifacts/filter", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         found = json.loads(r.read())
     return found[0]["id"] if found else None  # its page shows the table itself
@@ -55,9 +70,20 @@ def screenshot(url: str, out: Path, size: str = "1600,1000", wait_ms: int = 2000
         raise SystemExit("chromium not found: apt-get install -y chromium")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as profile:
-        subprocess.run([chromium, *FLAGS, f"--user-data-dir={profile}", f"--window-size={size}",
-                        f"--virtual-time-budget={wait_ms}", f"--screenshot={out.resolve()}", url],
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                chromium,
+                *FLAGS,
+                f"--user-data-dir={profile}",
+                f"--window-size={size}",
+                f"--virtual-time-budget={wait_ms}",
+                f"--screenshot={out.resolve()}",
+                url,
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
     return out
 
 
@@ -73,7 +99,11 @@ def main() -> None:
     print(screenshot(f"{ui}/artifacts", out.with_name(f"{out.stem}-artifacts.png")))
     losses = newest_artifact_id(api, "train-losses-")
     if losses:
-        print(screenshot(f"{ui}/artifacts/artifact/{losses}", out.with_name(f"{out.stem}-training.png")))
+        print(
+            screenshot(
+                f"{ui}/artifacts/artifact/{losses}", out.with_name(f"{out.stem}-training.png")
+            )
+        )
 
 
 if __name__ == "__main__":

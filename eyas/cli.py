@@ -1,7 +1,7 @@
 """The eyas command line's core commands (Prefect-free); `python -m eyas` runs them.
 
     eyas check-config CONFIG [--set k=v ...]             validate a config and print it resolved
-    eyas preflight CONFIG [--set k=v ...] [--no-hosts]   check all a GPU is not needed for; print the plan
+    eyas preflight CONFIG [--set k=v ...] [--no-hosts]   check what needs no GPU; print the plan
     eyas serve-local --model-path P --port N [...]       the SGLang-compatible local target server
     eyas make-tiny-target OUT [--steps N --device D]     rebuild the embedded tiny target
     eyas stop CONFIG                                     stop a server the config launched
@@ -23,7 +23,8 @@ from typing import Callable, Sequence
 
 @dataclass(frozen=True)
 class Command:
-    """A subcommand that takes a CONFIG and `--set key=value` overrides; `run(args) -> exit code`."""
+    """A subcommand that takes a CONFIG and `--set key=value` overrides; `run(args) -> exit
+    code`."""
 
     name: str
     help: str
@@ -32,7 +33,8 @@ class Command:
 
 
 def load(args: argparse.Namespace):
-    """args.config with args.set applied, validated; a bad one exits naming the file, field and value."""
+    """args.config with args.set applied, validated; a bad one exits naming the file, field and
+    value."""
     from eyas.config import ConfigError, load_config
     from eyas.config.loading import parse_overrides
 
@@ -57,9 +59,14 @@ def cmd_preflight(args) -> int:
 
 
 def _preflight_arguments(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--no-hosts", action="store_true", help="skip the SSH and SGLang version checks")
-    sp.add_argument("--no-tokenizer", action="store_true",
-                    help="do not load the tokenizer (its files and chat template are still checked)")
+    sp.add_argument(
+        "--no-hosts", action="store_true", help="skip the SSH and SGLang version checks"
+    )
+    sp.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="do not load the tokenizer (its files and chat template are still checked)",
+    )
 
 
 def cmd_stop(args) -> int:
@@ -75,31 +82,47 @@ def cmd_stop(args) -> int:
 def cmd_make_tiny_target(args) -> int:
     from eyas.local.tiny_target import build_tiny_target
 
-    metrics = build_tiny_target(Path(args.out), steps=args.steps, device=args.device, seed=args.seed)
+    metrics = build_tiny_target(
+        Path(args.out), steps=args.steps, device=args.device, seed=args.seed
+    )
     print(json.dumps(metrics, indent=2))
     return 0
 
 
-COMMANDS = (Command("check-config", "validate and print a config", cmd_check_config),
-            Command("preflight", "check a config before any GPU is used; print the plan", cmd_preflight,
-                    _preflight_arguments),
-            Command("stop", "stop the server a config launched", cmd_stop))
+COMMANDS = (
+    Command("check-config", "validate and print a config", cmd_check_config),
+    Command(
+        "preflight",
+        "check a config before any GPU is used; print the plan",
+        cmd_preflight,
+        _preflight_arguments,
+    ),
+    Command("stop", "stop the server a config launched", cmd_stop),
+)
 
 
 def main(argv: list[str] | None = None, extra: Sequence[Command] = ()) -> int:
-    """Parse argv and run its command; `extra` are commands a layer above adds (the `eyas` script's `run`)."""
+    """Parse argv and run its command; `extra` are commands a layer above adds (the `eyas` script's
+    `run`)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve-local":
         from eyas.local.server import main as serve_local
 
         return serve_local(argv[1:])
-    p = argparse.ArgumentParser(prog="eyas", description="Raise EAGLE-3 drafters for SGLang targets.")
+    p = argparse.ArgumentParser(
+        prog="eyas", description="Raise EAGLE-3 drafters for SGLang targets."
+    )
     sub = p.add_subparsers(dest="command", required=True)
     for c in (*extra, *COMMANDS):
         sp = sub.add_parser(c.name, help=c.help)
         sp.add_argument("config")
-        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, e.g. training.max_steps=50")
+        sp.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config field, e.g. training.max_steps=50",
+        )
         if c.arguments:
             c.arguments(sp)
         sp.set_defaults(fn=c.run)
@@ -111,8 +134,10 @@ def main(argv: list[str] | None = None, extra: Sequence[Command] = ()) -> int:
     sp.set_defaults(fn=cmd_make_tiny_target)
     sub.add_parser("serve-local", help="the SGLang-compatible local target server (see --help)")
     if argv and argv[0] == "run" and not any(c.name == "run" for c in extra):
-        raise SystemExit("eyas: `run` starts Prefect flows: use the `eyas` script "
-                         "(or python -m flows.runtime.cli run CONFIG)")
+        raise SystemExit(
+            "eyas: `run` starts Prefect flows: use the `eyas` script "
+            "(or python -m flows.runtime.cli run CONFIG)"
+        )
     args = p.parse_args(argv)
     return args.fn(args)
 

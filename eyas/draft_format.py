@@ -1,7 +1,9 @@
-"""The EAGLE-3 draft checkpoint SGLang's `LlamaForCausalLMEagle3` loads: its shape, weight names and config.
+"""The EAGLE-3 draft checkpoint SGLang's `LlamaForCausalLMEagle3` loads: its shape, weight names and
+config.
 
     dcfg = DrafterConfig(hidden_size=256, target_hidden_size=256, num_attention_heads=4, ...)
-    expected_weights(dcfg)        # {"fc.weight": ([H, 3 * H_target], None), ..., "d2t": (..., int64)}
+    # {"fc.weight": ([H, 3 * H_target], None), ..., "d2t": (..., int64)}
+    expected_weights(dcfg)
     sglang_config(dcfg, [2, 4, 5], "bfloat16", provenance={...})   # config.json's content
 
 One home for the format, below every stage: training builds its drafter from DrafterConfig, export
@@ -33,19 +35,29 @@ class DrafterConfig:
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"DrafterConfig: num_attention_heads={self.num_attention_heads} is not a "
-                             f"multiple of num_key_value_heads={self.num_key_value_heads}")
+            raise ValueError(
+                f"DrafterConfig: num_attention_heads={self.num_attention_heads} is "
+                f"not a "
+                f"multiple of num_key_value_heads={self.num_key_value_heads}"
+            )
         if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"DrafterConfig: draft_vocab_size={self.draft_vocab_size} exceeds the "
-                             f"target vocab_size={self.vocab_size}")
+            raise ValueError(
+                f"DrafterConfig: draft_vocab_size={self.draft_vocab_size} exceeds the "
+                f"target vocab_size={self.vocab_size}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"DrafterConfig: head_dim={self.head_dim} must be even for RoPE")
 
 
 def expected_weights(dcfg: DrafterConfig) -> dict[str, tuple[list[int], torch.dtype | None]]:
     """SGLang's weight names and shapes for this drafter (dtype None = the export dtype)."""
-    H, nh, nkv, hd, inter = (dcfg.hidden_size, dcfg.num_attention_heads, dcfg.num_key_value_heads,
-                             dcfg.head_dim, dcfg.intermediate_size)
+    H, nh, nkv, hd, inter = (
+        dcfg.hidden_size,
+        dcfg.num_attention_heads,
+        dcfg.num_key_value_heads,
+        dcfg.head_dim,
+        dcfg.intermediate_size,
+    )
     a, m = "midlayer.self_attn.", "midlayer.mlp."
     return {
         "fc.weight": ([H, dcfg.num_aux * dcfg.target_hidden_size], None),
@@ -66,7 +78,9 @@ def expected_weights(dcfg: DrafterConfig) -> dict[str, tuple[list[int], torch.dt
     }
 
 
-def sglang_config(dcfg: DrafterConfig, capture_ids: list[int], dtype: str, provenance: dict) -> dict:
+def sglang_config(
+    dcfg: DrafterConfig, capture_ids: list[int], dtype: str, provenance: dict
+) -> dict:
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -87,6 +101,9 @@ def sglang_config(dcfg: DrafterConfig, capture_ids: list[int], dtype: str, prove
         "tie_word_embeddings": False,  # SGLang would otherwise use the embedding as lm_head
         "attention_bias": False,
         "torch_dtype": dtype,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(capture_ids), "use_aux_hidden_state": True},
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(capture_ids),
+            "use_aux_hidden_state": True,
+        },
         "eyas": provenance,
     }

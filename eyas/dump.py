@@ -46,8 +46,12 @@ LAYER_CONVENTIONS = ("capture-before", "output-of")
 # captures (its set_eagle3_layers_to_capture): DeepSeek-V2's family shifts a list starting with 1
 # by +1 and takes any other as capture-before ids; Llama's (llama.py) always shifts by +1. The
 # launch asks for ids that the class maps to the wanted capture-before ids, and the hook checks it.
-PLUS_ONE_ARCHITECTURES = ("LlamaForCausalLM", "Phi3ForCausalLM", "InternLM3ForCausalLM",
-                          "IQuestCoderForCausalLM")
+PLUS_ONE_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Phi3ForCausalLM",
+    "InternLM3ForCausalLM",
+    "IQuestCoderForCausalLM",
+)
 
 
 def captured_layer_ids(server_ids: list[int], architecture: str | None = None) -> list[int]:
@@ -63,9 +67,15 @@ def server_layer_ids(capture_ids: list[int], architecture: str | None = None) ->
     ids = [int(i) for i in capture_ids]
     asked = [i - 1 for i in ids] if architecture in PLUS_ONE_ARCHITECTURES else ids
     if any(i < 0 for i in asked) or captured_layer_ids(asked, architecture) != ids:
-        raise ValueError(f"capture-before layers {ids} cannot be asked of {architecture or 'DeepSeek-V2'}'s "
-                         f"rule (a list starting with 1 is shifted by +1{'; every id by +1' if asked != ids else ''})")
+        raise ValueError(
+            f"capture-before layers {ids} cannot be asked of "
+            f"{architecture or 'DeepSeek-V2'}'s "
+            f"rule (a list starting with 1 is shifted by "
+            f"+1{'; every id by +1' if asked != ids else ''})"
+        )
     return asked
+
+
 LAST_HIDDEN_NORMS = ("post", "pre")  # whether last_hidden_state went through the final norm
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -95,8 +105,11 @@ class DumpError(ValueError):
 def check_rid(rid: str) -> str:
     """Return rid if it is safe as a folder name, else raise ValueError saying why."""
     if isinstance(rid, str) and len(rid) > MAX_RID_LENGTH:
-        raise ValueError(f"invalid rid {rid[:40]!r}...: {len(rid)} characters, at most {MAX_RID_LENGTH} "
-                         f"(it names the dump folder <dump_dir>/<rid>)")
+        raise ValueError(
+            f"invalid rid {rid[:40]!r}...: {len(rid)} characters, at most "
+            f"{MAX_RID_LENGTH} "
+            f"(it names the dump folder <dump_dir>/<rid>)"
+        )
     if not isinstance(rid, str) or not _RID_RE.fullmatch(rid):
         raise ValueError(f"invalid rid {rid!r}: use only letters, digits and _ . : -")
     if ".." in rid:
@@ -125,6 +138,7 @@ def record_path(dump_dir: str | Path, rid: str, prefix_offset: int) -> Path:
 # Writer
 # ---------------------------------------------------------------------------------------------
 
+
 class DumpWriter:
     """Writes one record per prefill chunk, atomically (temp file in the same folder, then rename).
 
@@ -135,17 +149,30 @@ class DumpWriter:
     must not dump it can dump only the collector's own rids).
     """
 
-    def __init__(self, dump_dir: str | Path, *, layer_ids: list[int],
-                 layer_convention: str = "capture-before", last_hidden_norm: str = "post",
-                 dtype: torch.dtype = torch.bfloat16, rid_prefix: str | None = None):
+    def __init__(
+        self,
+        dump_dir: str | Path,
+        *,
+        layer_ids: list[int],
+        layer_convention: str = "capture-before",
+        last_hidden_norm: str = "post",
+        dtype: torch.dtype = torch.bfloat16,
+        rid_prefix: str | None = None,
+    ):
         if layer_convention not in LAYER_CONVENTIONS:
-            raise ValueError(f"layer_convention must be one of {LAYER_CONVENTIONS}, got {layer_convention!r}")
+            raise ValueError(
+                f"layer_convention must be one of {LAYER_CONVENTIONS}, got {layer_convention!r}"
+            )
         if last_hidden_norm not in LAST_HIDDEN_NORMS:
-            raise ValueError(f"last_hidden_norm must be one of {LAST_HIDDEN_NORMS}, got {last_hidden_norm!r}")
+            raise ValueError(
+                f"last_hidden_norm must be one of {LAST_HIDDEN_NORMS}, got {last_hidden_norm!r}"
+            )
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype}")
         if not layer_ids or any(not isinstance(i, int) or i < 0 for i in layer_ids):
-            raise ValueError(f"layer_ids must be a non-empty list of non-negative ints, got {layer_ids}")
+            raise ValueError(
+                f"layer_ids must be a non-empty list of non-negative ints, got {layer_ids}"
+            )
         self.dump_dir = Path(dump_dir)
         self.layer_ids = list(layer_ids)
         self.layer_convention = layer_convention
@@ -158,23 +185,39 @@ class DumpWriter:
             return True
         return self.rid_prefix is not None and not rid.startswith(self.rid_prefix)
 
-    def write(self, rid: str, prefix_offset: int, token_ids: torch.Tensor,
-              aux_hidden_states: torch.Tensor, last_hidden_state: torch.Tensor) -> Path | None:
-        """Write one chunk: tokens [n], aux [n, K*H], last [n, H]. Returns the path (None if skipped)."""
+    def write(
+        self,
+        rid: str,
+        prefix_offset: int,
+        token_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        last_hidden_state: torch.Tensor,
+    ) -> Path | None:
+        """Write one chunk: tokens [n], aux [n, K*H], last [n, H]. Returns the path (None if
+        skipped)."""
         check_rid(rid)
         if self.should_skip(rid):
             return None
         if not isinstance(prefix_offset, int) or prefix_offset < 0:
-            raise ValueError(f"rid {rid}: prefix_offset must be a non-negative int, got {prefix_offset!r}")
+            raise ValueError(
+                f"rid {rid}: prefix_offset must be a non-negative int, got {prefix_offset!r}"
+            )
         n = token_ids.shape[0]
         k = len(self.layer_ids)
         if token_ids.dim() != 1 or last_hidden_state.dim() != 2 or last_hidden_state.shape[0] != n:
-            raise ValueError(f"rid {rid} @ {prefix_offset}: token_ids must be [n] and last_hidden_state "
-                             f"[n, H]; got {tuple(token_ids.shape)} and {tuple(last_hidden_state.shape)}")
+            raise ValueError(
+                f"rid {rid} @ {prefix_offset}: token_ids must be [n] and "
+                f"last_hidden_state "
+                f"[n, H]; got {tuple(token_ids.shape)} and "
+                f"{tuple(last_hidden_state.shape)}"
+            )
         hidden = last_hidden_state.shape[1]
         if tuple(aux_hidden_states.shape) != (n, k * hidden):
-            raise ValueError(f"rid {rid} @ {prefix_offset}: aux_hidden_states must be [{n}, {k}*{hidden}] "
-                             f"for {k} layers, got {tuple(aux_hidden_states.shape)}")
+            raise ValueError(
+                f"rid {rid} @ {prefix_offset}: aux_hidden_states must be [{n}, "
+                f"{k}*{hidden}] "
+                f"for {k} layers, got {tuple(aux_hidden_states.shape)}"
+            )
 
         tensors = {
             "token_ids": token_ids.detach().to("cpu", torch.int32).contiguous(),
@@ -206,7 +249,12 @@ class DumpWriter:
         return path
 
 
-_ST_DTYPES = {torch.int32: "I32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+_ST_DTYPES = {
+    torch.int32: "I32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+}
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
@@ -215,7 +263,11 @@ def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]
     header, offset = {}, 0
     for name, t in tensors.items():
         size = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     header["__metadata__"] = metadata
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -229,6 +281,7 @@ def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]
 # ---------------------------------------------------------------------------------------------
 # Reader
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class DumpRecord:
@@ -251,8 +304,16 @@ class AssembledSample:
 
 _META_INTS = ("format_version", "prefix_offset", "num_tokens", "hidden_size")
 # Metadata that must be the same in every chunk of one request.
-_SHARED_META = ("format", "format_version", "rid", "layer_ids", "layer_convention",
-                "last_hidden_norm", "hidden_size", "dtype")
+_SHARED_META = (
+    "format",
+    "format_version",
+    "rid",
+    "layer_ids",
+    "layer_convention",
+    "last_hidden_norm",
+    "hidden_size",
+    "dtype",
+)
 
 
 def _read_record(path: Path, rid: str) -> DumpRecord:
@@ -273,7 +334,7 @@ def _parse_record(data: bytes, where: str, rid: str) -> DumpRecord:
         (n,) = struct.unpack("<Q", data[:8])
         if n > len(data) - 8:
             raise ValueError(f"header of {n} bytes in a file of {len(data)}")
-        raw = json.loads(bytes(data[8:8 + n])).get("__metadata__") or {}
+        raw = json.loads(bytes(data[8 : 8 + n])).get("__metadata__") or {}
         tensors = load(bytes(data))
     except Exception as e:  # noqa: BLE001 - a corrupt or truncated file is reported with its path
         raise DumpError(rid, f"cannot read {where}: {type(e).__name__}: {e}") from e
@@ -283,7 +344,9 @@ def _parse_record(data: bytes, where: str, rid: str) -> DumpRecord:
 def _record(raw: dict, tensors: dict[str, torch.Tensor], path: str, rid: str) -> DumpRecord:
     if raw.get("format") != FORMAT_NAME:
         raise DumpError(rid, f"{path} is not an eyas dump record (format={raw.get('format')!r})")
-    missing = [k for k in ("token_ids", "aux_hidden_states", "last_hidden_state") if k not in tensors]
+    missing = [
+        k for k in ("token_ids", "aux_hidden_states", "last_hidden_state") if k not in tensors
+    ]
     if missing:
         raise DumpError(rid, f"{path} lacks tensors {missing}")
     try:
@@ -294,11 +357,19 @@ def _record(raw: dict, tensors: dict[str, torch.Tensor], path: str, rid: str) ->
     except (KeyError, ValueError) as e:
         raise DumpError(rid, f"{path} has bad metadata: {type(e).__name__}: {e}") from e
     if meta["format_version"] != FORMAT_VERSION:
-        raise DumpError(rid, f"{path} has format version {meta['format_version']}, "
-                             f"this eyas reads version {FORMAT_VERSION}")
-    return DumpRecord(rid=meta["rid"], prefix_offset=meta["prefix_offset"],
-                      token_ids=tensors["token_ids"], aux_hidden_states=tensors["aux_hidden_states"],
-                      last_hidden_state=tensors["last_hidden_state"], meta=meta)
+        raise DumpError(
+            rid,
+            f"{path} has format version {meta['format_version']}, "
+            f"this eyas reads version {FORMAT_VERSION}",
+        )
+    return DumpRecord(
+        rid=meta["rid"],
+        prefix_offset=meta["prefix_offset"],
+        token_ids=tensors["token_ids"],
+        aux_hidden_states=tensors["aux_hidden_states"],
+        last_hidden_state=tensors["last_hidden_state"],
+        meta=meta,
+    )
 
 
 def is_record_name(name: str) -> bool:
@@ -309,8 +380,11 @@ def is_record_name(name: str) -> bool:
 def _matching(rid: str, named: list[tuple[str, DumpRecord]]) -> list[DumpRecord]:
     for where, rec in named:
         if Path(where).name != f"{rec.prefix_offset:010d}.safetensors" or rec.rid != rid:
-            raise DumpError(rid, f"{where} holds rid {rec.rid!r} at offset {rec.prefix_offset}, "
-                                 f"which does not match its path")
+            raise DumpError(
+                rid,
+                f"{where} holds rid {rec.rid!r} at offset {rec.prefix_offset}, "
+                f"which does not match its path",
+            )
     return sorted((rec for _, rec in named), key=lambda r: r.prefix_offset)
 
 
@@ -327,8 +401,14 @@ def records_from_bytes(rid: str, files: list[tuple[str, bytes]]) -> list[DumpRec
     """read_records for records fetched as bytes (a dump folder on another machine): `files` are
     (where, data) pairs, `where` the file's path (its name is checked against its content)."""
     check_rid(rid)
-    return _matching(rid, [(where, _parse_record(data, where, rid)) for where, data in files
-                           if is_record_name(Path(where).name)])
+    return _matching(
+        rid,
+        [
+            (where, _parse_record(data, where, rid))
+            for where, data in files
+            if is_record_name(Path(where).name)
+        ],
+    )
 
 
 def remove_records(dump_dir: str | Path, rid: str) -> int:
@@ -341,8 +421,9 @@ def remove_records(dump_dir: str | Path, rid: str) -> int:
     return num_files
 
 
-def assemble(records: list[DumpRecord], expected_token_ids: list[int], *,
-             rid: str | None = None) -> AssembledSample:
+def assemble(
+    records: list[DumpRecord], expected_token_ids: list[int], *, rid: str | None = None
+) -> AssembledSample:
     """Concatenate a request's chunks into one sample, checking they are exactly what was sent.
 
     Positions 0..T-1 (T = len(expected_token_ids)) must each be covered by one chunk, the token ids
@@ -361,8 +442,11 @@ def assemble(records: list[DumpRecord], expected_token_ids: list[int], *,
 
 
 # A float is NaN or inf exactly when its exponent bits are all ones: (bit view, exponent mask).
-_EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
-             torch.float32: (torch.int32, 0x7F800000)}
+_EXPONENT = {
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.float32: (torch.int32, 0x7F800000),
+}
 
 
 def _all_finite(x: torch.Tensor, rows: int = 256) -> bool:
@@ -372,19 +456,25 @@ def _all_finite(x: torch.Tensor, rows: int = 256) -> bool:
         return bool(torch.isfinite(x).all())
     view, mask = _EXPONENT[x.dtype]
     bits = x.view(view).numpy()
-    return all(int((bits[a:a + rows] & mask).max(initial=0)) != mask for a in range(0, bits.shape[0], rows))
+    return all(
+        int((bits[a : a + rows] & mask).max(initial=0)) != mask
+        for a in range(0, bits.shape[0], rows)
+    )
 
 
 # One check per property of the records, each refused with its own message: a flat list reads best.
-def validate(records: list[DumpRecord], expected_token_ids: list[int], *, rid: str | None = None) -> dict[str, Any]:  # noqa: C901
+def validate(  # noqa: C901
+    records: list[DumpRecord], expected_token_ids: list[int], *, rid: str | None = None
+) -> dict[str, Any]:
     """assemble's checks without concatenating (a collector can then write chunk by chunk).
 
     `records` must be sorted by prefix_offset (read_records returns them so). Returns the metadata
     shared by the chunks, plus num_tokens and num_chunks.
     """
     if not records:
-        raise DumpError(rid, "no records found (was EYAS_DUMP_DIR set on the server, and aux "
-                             "capture enabled?)")
+        raise DumpError(
+            rid, "no records found (was EYAS_DUMP_DIR set on the server, and aux capture enabled?)"
+        )
     if any(a.prefix_offset > b.prefix_offset for a, b in zip(records, records[1:])):
         records = sorted(records, key=lambda r: r.prefix_offset)
     rid = records[0].rid
@@ -398,37 +488,59 @@ def validate(records: list[DumpRecord], expected_token_ids: list[int], *, rid: s
         where = f"chunk at offset {rec.prefix_offset}"
         for key in _SHARED_META:
             if rec.meta.get(key) != first.get(key):
-                raise DumpError(rid, f"{where}: metadata {key}={rec.meta.get(key)!r} differs from "
-                                     f"the first chunk's {first.get(key)!r}")
+                raise DumpError(
+                    rid,
+                    f"{where}: metadata {key}={rec.meta.get(key)!r} differs from "
+                    f"the first chunk's {first.get(key)!r}",
+                )
         if rec.prefix_offset > pos:
-            raise DumpError(rid, f"positions {pos}..{rec.prefix_offset - 1} are missing (gap before "
-                                 f"the {where}); a radix-cache prefix hit looks like this: run the "
-                                 f"server with --disable-radix-cache")
+            raise DumpError(
+                rid,
+                f"positions {pos}..{rec.prefix_offset - 1} are missing (gap "
+                f"before "
+                f"the {where}); a radix-cache prefix hit looks like this: run the "
+                f"server with --disable-radix-cache",
+            )
         if rec.prefix_offset < pos:
-            raise DumpError(rid, f"{where} overlaps positions {rec.prefix_offset}..{pos - 1}, "
-                                 f"already covered by an earlier chunk")
+            raise DumpError(
+                rid,
+                f"{where} overlaps positions {rec.prefix_offset}..{pos - 1}, "
+                f"already covered by an earlier chunk",
+            )
         n = rec.meta["num_tokens"]
-        shapes = (tuple(rec.token_ids.shape), tuple(rec.aux_hidden_states.shape),
-                  tuple(rec.last_hidden_state.shape))
+        shapes = (
+            tuple(rec.token_ids.shape),
+            tuple(rec.aux_hidden_states.shape),
+            tuple(rec.last_hidden_state.shape),
+        )
         if shapes != ((n,), (n, num_layers * hidden), (n, hidden)):
-            raise DumpError(rid, f"{where}: shapes token_ids/aux/last are {shapes}, expected "
-                                 f"{((n,), (n, num_layers * hidden), (n, hidden))}")
+            raise DumpError(
+                rid,
+                f"{where}: shapes token_ids/aux/last are {shapes}, expected "
+                f"{((n,), (n, num_layers * hidden), (n, hidden))}",
+            )
         if pos + n > total:
-            raise DumpError(rid, f"{where} covers positions up to {pos + n - 1}, but only "
-                                 f"{total} tokens were sent")
-        sent = torch.tensor(expected_token_ids[pos:pos + n], dtype=torch.int64)
+            raise DumpError(
+                rid,
+                f"{where} covers positions up to {pos + n - 1}, but only {total} tokens were sent",
+            )
+        sent = torch.tensor(expected_token_ids[pos : pos + n], dtype=torch.int64)
         got = rec.token_ids.to(torch.int64)
         if not torch.equal(sent, got):
             i = int((sent != got).nonzero()[0])
-            raise DumpError(rid, f"token id at position {pos + i} is {int(got[i])}, but "
-                                 f"{int(sent[i])} was sent")
+            raise DumpError(
+                rid, f"token id at position {pos + i} is {int(got[i])}, but {int(sent[i])} was sent"
+            )
         for name in ("aux_hidden_states", "last_hidden_state"):
             if not _all_finite(getattr(rec, name)):
                 raise DumpError(rid, f"{where}: {name} has non-finite values (NaN or inf)")
         pos += n
     if pos != total:
-        raise DumpError(rid, f"records cover positions 0..{pos - 1}, but {total} tokens were sent "
-                             f"(positions {pos}..{total - 1} missing)")
+        raise DumpError(
+            rid,
+            f"records cover positions 0..{pos - 1}, but {total} tokens were sent "
+            f"(positions {pos}..{total - 1} missing)",
+        )
 
     meta = {k: first[k] for k in _SHARED_META}
     meta.update(num_tokens=total, num_chunks=len(records))

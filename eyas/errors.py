@@ -33,8 +33,9 @@ def causes(exc: BaseException | None) -> Iterator[BaseException]:
 
 def retry_can_help(exc: BaseException) -> bool:
     """False when anything in exc's chain says a retry cannot help: an eyas error that is not
-    retryable, or a full disk (a bare ENOSPC or EDQUOT from a writer that does not name its file yet stays full
-    all the same). Anything else (a dropped connection, a timeout, an I/O error) may pass."""
+    retryable, or a full disk (a bare ENOSPC or EDQUOT from a writer that does not name its file yet
+    stays full all the same). Anything else (a dropped connection, a timeout, an I/O error) may
+    pass."""
     for link in causes(exc):
         if isinstance(link, EyasError) and not link.retryable:
             return False

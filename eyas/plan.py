@@ -1,7 +1,8 @@
 """What a run will take, worked out before any GPU is touched: tokens, shard bytes, hours per stage
 and the drafter's training memory. `eyas preflight` (eyas/preflight/) checks and prints it.
 
-    count = count_tokens(cfg.data, tokenizer, vocab_size=163840)   # DataCount; DataError on a bad line
+    # DataCount; DataError on a bad line
+    count = count_tokens(cfg.data, tokenizer, vocab_size=163840)
     plan = make_plan(cfg, tcfg, count, free_bytes=free)              # Plan
     print("\\n".join(plan_lines(plan)))
 
@@ -22,9 +23,10 @@ layer, about half), plus each shard's header bound and 8 B per sample offset.
 shards (read_bytes_per_s); preflight probes the shard folder's rate on the first training host
 (eyas/preflight/disk.py, training.disk_check).
 
-**Hours.** extract = tokens / (plan.prefill_tokens_per_s x servers), servers = 1 + len(extraction.endpoints);
-regenerate = assistant turns x data.regenerate.max_new_tokens / (plan.decode_tokens_per_s x servers);
-train = max_steps x global batch x mean sequence tokens / (plan.train_tokens_per_s x processes).
+**Hours.** extract = tokens / (plan.prefill_tokens_per_s x servers), servers = 1 +
+len(extraction.endpoints); regenerate = assistant turns x data.regenerate.max_new_tokens /
+(plan.decode_tokens_per_s x servers); train = max_steps x global batch x mean sequence tokens /
+(plan.train_tokens_per_s x processes).
 
 **Memory** of one training process (training_memory): fp32 master weights, gradients and AdamW
 moments of the trainable parameters (16 B each; FSDP shards all but the weights over the processes;
@@ -33,9 +35,9 @@ the frozen embedding and target head, the teacher's and the fused head's transie
 activations per token: the batch's hidden states and teacher distribution once, and each TTT step's
 saved layer activations. For the Kimi-K2.5 drafter it is within 6% of the peaks measured on an H200
 (docs/performance.md: 34.1, 43.2, 61.4 and 97.9 GB at batch 1, 2, 4, 8). The plan also gives it at
-PLAN_LENGTHS (8k and 16k tokens) and data.max_length for 1, 2 and 4 sequences per micro-batch, to choose
-the training length against plan.gpu_memory_gb (activations grow linearly with tokens: the drafter's
-attention never forms the T x T scores, eyas/training/attention.py).
+PLAN_LENGTHS (8k and 16k tokens) and data.max_length for 1, 2 and 4 sequences per micro-batch, to
+choose the training length against plan.gpu_memory_gb (activations grow linearly with tokens: the
+drafter's attention never forms the T x T scores, eyas/training/attention.py).
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ from pathlib import Path
 from eyas.config import DataConfig, PipelineConfig
 from eyas.extraction.data import DataError, Record, load_records, render_chat
 
-SMALL_DATA_BYTES = 8 << 20  #: data files up to this size are read whole (and tokenized when possible)
+SMALL_DATA_BYTES = (
+    8 << 20
+)  #: data files up to this size are read whole (and tokenized when possible)
 SAMPLE_LINES = 200  #: lines of a larger file read to find its bytes per token
 #: conversations JSONL, bytes of the JSON line per token: English prose runs about 4 characters per
 #: token with a 100k-200k BPE vocabulary and the JSON keys add a little; code and chat templates'
@@ -100,7 +104,8 @@ class Plan:
     trainable_params: int | None = None
     memory_gb: tuple[tuple[str, float], ...] = ()  #: per training process, by part
     gpu_memory_gb: float | None = None
-    #: (sequence length, GB per training process at each of PLAN_BATCHES) for PLAN_LENGTHS and data.max_length
+    #: (sequence length, GB per training process at each of PLAN_BATCHES) for PLAN_LENGTHS and
+    #: data.max_length
     memory_by_length: tuple[tuple[int, tuple[float, ...]], ...] = ()
     #: bytes/s of shards one training node reads at the planned speed (plan.train_tokens_per_s x
     #: processes per node x bytes per token): what its disk or page cache must deliver
@@ -115,6 +120,7 @@ class Plan:
 
 
 # ----------------------------------------------------------------------------- tokens
+
 
 def _length_policy(lengths: list[int], data: DataConfig) -> list[int]:
     if data.overlong == "drop":
@@ -132,23 +138,42 @@ def _record_tokens(r: Record, tokenizer, line_bytes: int | None = None) -> int:
     return math.ceil(line_bytes / BYTES_PER_TOKEN_TEXT)
 
 
-def count_tokens(data: DataConfig, tokenizer=None, *, vocab_size: int | None = None,
-                 small_bytes: int = SMALL_DATA_BYTES) -> DataCount:
-    """The training tokens in data.path, as prepare would plan them (exact when the file is small and
-    the tokenizer is given, else estimated; `source` says which). Raises DataError for a bad line."""
+def count_tokens(
+    data: DataConfig,
+    tokenizer=None,
+    *,
+    vocab_size: int | None = None,
+    small_bytes: int = SMALL_DATA_BYTES,
+) -> DataCount:
+    """The training tokens in data.path, as prepare would plan them (exact when the file is small
+    and the tokenizer is given, else estimated; `source` says which). Raises DataError for a bad
+    line."""
     path = Path(data.path)
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
     size = path.stat().st_size
     if size <= small_bytes:
-        records, bad = load_records(path, vocab_size=vocab_size, bad_lines="skip")  # all of them, named
-        train = records[:len(records) - min(data.num_heldout, len(records) - 1)]
+        records, bad = load_records(
+            path, vocab_size=vocab_size, bad_lines="skip"
+        )  # all of them, named
+        train = records[: len(records) - min(data.num_heldout, len(records) - 1)]
         lengths = _length_policy([_record_tokens(r, tokenizer) for r in train], data)
         convs = any(r.messages is not None for r in records)
-        how = ("tokenized with the chat template" if tokenizer is not None and convs else
-               f"conversations at {BYTES_PER_TOKEN_TEXT} B/token of JSON" if convs else "pre-tokenized")
-        return DataCount(len(lengths), sum(lengths), _turns(train), convs,
-                         f"{len(records)} records read, {how}", tuple(bad))
+        how = (
+            "tokenized with the chat template"
+            if tokenizer is not None and convs
+            else f"conversations at {BYTES_PER_TOKEN_TEXT} B/token of JSON"
+            if convs
+            else "pre-tokenized"
+        )
+        return DataCount(
+            len(lengths),
+            sum(lengths),
+            _turns(train),
+            convs,
+            f"{len(records)} records read, {how}",
+            tuple(bad),
+        )
     return _estimate_large(path, size, data, tokenizer)
 
 
@@ -167,7 +192,11 @@ def _estimate_large(path: Path, size: int, data: DataConfig, tokenizer) -> DataC
                     raw = json.loads(line)
                 except ValueError as e:
                     raise DataError(f"{path}:{lineno}: malformed JSON ({e})") from None
-                tokens = raw.get("input_ids") if isinstance(raw, dict) and "messages" not in raw else None
+                tokens = (
+                    raw.get("input_ids")
+                    if isinstance(raw, dict) and "messages" not in raw
+                    else None
+                )
                 rec = Record(f"{path}:{lineno}", messages=None if tokens else raw.get("messages"))
                 n = len(tokens) if tokens else _record_tokens(rec, tokenizer, len(line))
                 sample.append((len(line), n, rec))
@@ -185,41 +214,76 @@ def _estimate_large(path: Path, size: int, data: DataConfig, tokenizer) -> DataC
     tokens = int(size / ratio * sum(kept) / max(raw_tokens, 1) * train_share)
     sequences = int(lines * len(kept) / len(sample) * train_share)
     turns = int(_turns([rec for _, _, rec in sample]) / len(sample) * lines * train_share)
-    how = "rendered with the chat template" if tokenizer is not None or not convs else "at the documented ratio"
-    return DataCount(sequences, tokens, turns, convs, f"estimated: {size / 1e6:,.1f} MB, {lines:,} lines, "
-                     f"{ratio:.2f} B/token in its first {len(sample)} records ({how})")
+    how = (
+        "rendered with the chat template"
+        if tokenizer is not None or not convs
+        else "at the documented ratio"
+    )
+    return DataCount(
+        sequences,
+        tokens,
+        turns,
+        convs,
+        f"estimated: {size / 1e6:,.1f} MB, {lines:,} "
+        f"lines, "
+        f"{ratio:.2f} B/token in its first {len(sample)} records ({how})",
+    )
 
 
 # ----------------------------------------------------------------------------- memory
 
-def training_memory(dcfg, *, vocab_size: int, batch_size: int, seq_len: int, ttt_steps: int,
-                    bf16: bool, processes: int = 1, fsdp: bool = False,
-                    ema: bool = False) -> tuple[tuple[str, float], ...]:
+
+def training_memory(
+    dcfg,
+    *,
+    vocab_size: int,
+    batch_size: int,
+    seq_len: int,
+    ttt_steps: int,
+    bf16: bool,
+    processes: int = 1,
+    fsdp: bool = False,
+    ema: bool = False,
+) -> tuple[tuple[str, float], ...]:
     """GB per training process, by part (see the module docstring); `dcfg` an eyas DrafterConfig."""
     from eyas.training.losses import HEAD_CHUNK_ROWS, TEACHER_CHUNK_ROWS
 
     params = trainable_params(dcfg)
     H, e = dcfg.hidden_size, 2 if bf16 else 4
-    states = (4 + (12 + 4 * ema) / processes if fsdp else 16 + 4 * ema) * params  # fp32 weights, grads, m, v, EMA
+    states = (
+        4 + (12 + 4 * ema) / processes if fsdp else 16 + 4 * ema
+    ) * params  # fp32 weights, grads, m, v, EMA
     frozen = vocab_size * dcfg.target_hidden_size * (2 + e)  # embedding (bf16 on GPU) + target head
     chunks = TEACHER_CHUNK_ROWS * vocab_size * 4 + HEAD_CHUNK_ROWS * dcfg.draft_vocab_size * 4
     once = ((dcfg.num_aux + 1) * dcfg.target_hidden_size + dcfg.draft_vocab_size + H) * e
-    attn = dcfg.num_attention_heads * dcfg.head_dim * 2 + 2 * dcfg.num_key_value_heads * dcfg.head_dim
+    attn = (
+        dcfg.num_attention_heads * dcfg.head_dim * 2 + 2 * dcfg.num_key_value_heads * dcfg.head_dim
+    )
     step = (7 * H + attn + 3 * dcfg.intermediate_size) * e  # 2H input, norms, q/k/v/out, MLP
     acts = batch_size * seq_len * (once + ttt_steps * step)
-    return tuple((k, round(v / GB, 3)) for k, v in
-                 [("weights+Adam", states), ("frozen embedding+head", frozen), ("chunks", chunks),
-                  ("activations", acts)])
+    return tuple(
+        (k, round(v / GB, 3))
+        for k, v in [
+            ("weights+Adam", states),
+            ("frozen embedding+head", frozen),
+            ("chunks", chunks),
+            ("activations", acts),
+        ]
+    )
 
 
 def trainable_params(dcfg) -> int:
-    """Trainable parameters: every float weight SGLang's drafter folder holds (eyas/evaluation/export.py)."""
+    """Trainable parameters: every float weight SGLang's drafter folder holds
+    (eyas/evaluation/export.py)."""
     from eyas.evaluation.export import expected_weights
 
-    return sum(math.prod(shape) for shape, fixed in expected_weights(dcfg).values() if fixed is None)
+    return sum(
+        math.prod(shape) for shape, fixed in expected_weights(dcfg).values() if fixed is None
+    )
 
 
 # ----------------------------------------------------------------------------- the plan
+
 
 def processes(cfg: PipelineConfig) -> int:
     d = cfg.training.distributed
@@ -228,99 +292,182 @@ def processes(cfg: PipelineConfig) -> int:
 
 def on_gpu(cfg: PipelineConfig) -> bool:
     """Whether training runs on GPUs ("auto" is taken for yes when plan.gpu_memory_gb is set)."""
-    return cfg.training.device != "cpu" and (cfg.training.device != "auto" or cfg.plan.gpu_memory_gb is not None)
+    return cfg.training.device != "cpu" and (
+        cfg.training.device != "auto" or cfg.plan.gpu_memory_gb is not None
+    )
 
 
-def make_plan(cfg: PipelineConfig, tcfg: dict | None, count: DataCount | None, *,
-              free_bytes: int | None = None, dcfg=None) -> Plan:
-    """The plan from what could be read (tcfg None: no bytes; count None: no tokens; dcfg None: no memory)."""
+def make_plan(
+    cfg: PipelineConfig,
+    tcfg: dict | None,
+    count: DataCount | None,
+    *,
+    free_bytes: int | None = None,
+    dcfg=None,
+) -> Plan:
+    """The plan from what could be read (tcfg None: no bytes; count None: no tokens; dcfg None: no
+    memory)."""
     from eyas.extraction.dataset import HEADER_BYTES
     from eyas.extraction.shards import bytes_per_token
 
     x, t, p = cfg.extraction, cfg.training, cfg.plan
-    plan = {"num_shards": x.num_shards, "data": count, "free_bytes": free_bytes, "gpu_memory_gb": p.gpu_memory_gb}
+    plan = {
+        "num_shards": x.num_shards,
+        "data": count,
+        "free_bytes": free_bytes,
+        "gpu_memory_gb": p.gpu_memory_gb,
+    }
     if tcfg is not None:
-        bpt = bytes_per_token(int(tcfg["hidden_size"]), len(cfg.target.layer_ids), x.dtype, x.encoding)
+        bpt = bytes_per_token(
+            int(tcfg["hidden_size"]), len(cfg.target.layer_ids), x.dtype, x.encoding
+        )
         plan["bytes_per_token"] = bpt
         plan["read_bytes_per_s"] = p.train_tokens_per_s * t.distributed.nproc_per_node * bpt
         if count is not None:
-            headers = x.num_shards * HEADER_BYTES + 8 * (count.sequences + x.num_shards)  # + offsets
+            headers = x.num_shards * HEADER_BYTES + 8 * (
+                count.sequences + x.num_shards
+            )  # + offsets
             plan["total_bytes"] = count.tokens * bpt + headers
     if count is not None:
         servers, world = 1 + len(x.endpoints), processes(cfg)
-        stages = [Stage("extract", count.tokens, p.prefill_tokens_per_s * servers,
-                        f"{servers} server(s) at {p.prefill_tokens_per_s:,.0f} tokens/s")]
+        stages = [
+            Stage(
+                "extract",
+                count.tokens,
+                p.prefill_tokens_per_s * servers,
+                f"{servers} server(s) at {p.prefill_tokens_per_s:,.0f} tokens/s",
+            )
+        ]
         if cfg.data.regenerate.enabled:
             made = count.assistant_turns * cfg.data.regenerate.max_new_tokens
-            stages.append(Stage("regenerate", made, p.decode_tokens_per_s * servers,
-                                f"{count.assistant_turns:,} turns x up to {cfg.data.regenerate.max_new_tokens} "
-                                f"new tokens at {p.decode_tokens_per_s:,.0f} tokens/s x {servers}"))
+            stages.append(
+                Stage(
+                    "regenerate",
+                    made,
+                    p.decode_tokens_per_s * servers,
+                    f"{count.assistant_turns:,} turns x up to "
+                    f"{cfg.data.regenerate.max_new_tokens} "
+                    f"new tokens at {p.decode_tokens_per_s:,.0f} tokens/s x {servers}",
+                )
+            )
         per_seq = count.tokens / max(count.sequences, 1)
         seqs = t.max_steps * t.batch_size * t.grad_accum * world
-        stages.append(Stage("train", int(seqs * per_seq), p.train_tokens_per_s * world,
-                            f"{t.max_steps:,} steps x {t.batch_size * t.grad_accum * world} sequences x "
-                            f"{per_seq:,.0f} tokens at {p.train_tokens_per_s:,.0f} tokens/s x {world} "
-                            f"process(es); {seqs / max(count.sequences, 1):.1f} epochs"))
+        stages.append(
+            Stage(
+                "train",
+                int(seqs * per_seq),
+                p.train_tokens_per_s * world,
+                f"{t.max_steps:,} steps x {t.batch_size * t.grad_accum * world} "
+                f"sequences x "
+                f"{per_seq:,.0f} tokens at {p.train_tokens_per_s:,.0f} tokens/s x "
+                f"{world} "
+                f"process(es); {seqs / max(count.sequences, 1):.1f} epochs",
+            )
+        )
         plan["stages"] = tuple(stages)
     if dcfg is not None and tcfg is not None:
         plan["trainable_params"] = trainable_params(dcfg)
 
         def memory(batch_size: int, seq_len: int) -> tuple[tuple[str, float], ...]:
             return training_memory(
-                dcfg, vocab_size=int(tcfg["vocab_size"]), batch_size=batch_size, seq_len=seq_len,
-                ttt_steps=t.ttt_steps, bf16=on_gpu(cfg) and t.precision == "bf16", processes=processes(cfg),
-                fsdp=t.distributed.strategy == "fsdp", ema=t.ema_decay > 0)
+                dcfg,
+                vocab_size=int(tcfg["vocab_size"]),
+                batch_size=batch_size,
+                seq_len=seq_len,
+                ttt_steps=t.ttt_steps,
+                bf16=on_gpu(cfg) and t.precision == "bf16",
+                processes=processes(cfg),
+                fsdp=t.distributed.strategy == "fsdp",
+                ema=t.ema_decay > 0,
+            )
 
         plan["memory_gb"] = memory(t.batch_size, cfg.data.max_length)
         lengths = sorted({*PLAN_LENGTHS, cfg.data.max_length})
         plan["memory_by_length"] = tuple(
-            (n, tuple(round(sum(v for _, v in memory(b, n)), 1) for b in PLAN_BATCHES)) for n in lengths)
+            (n, tuple(round(sum(v for _, v in memory(b, n)), 1) for b in PLAN_BATCHES))
+            for n in lengths
+        )
     return Plan(**plan)
 
 
 def plan_lines(plan: Plan, cfg: PipelineConfig) -> list[str]:
     """The plan as the lines `eyas preflight` prints."""
     out, c = [], plan.data
-    out.append(f"  data       {c.sequences:,} sequences, {c.tokens:,} tokens ({c.source})" if c else
-               "  data       unknown (see the problems)")
+    out.append(
+        f"  data       {c.sequences:,} sequences, {c.tokens:,} tokens ({c.source})"
+        if c
+        else "  data       unknown (see the problems)"
+    )
     if plan.total_bytes is not None:
         per_shard = plan.total_bytes / plan.num_shards
         x = cfg.extraction
-        out.append(f"  shards     {plan.num_shards} x {per_shard / GB:,.3f} GB = {plan.total_bytes / GB:,.2f} GB "
-                   f"({plan.bytes_per_token:,} B/token: {len(cfg.target.layer_ids)} aux layers + the last, "
-                   f"{x.dtype} {x.encoding})")
+        out.append(
+            f"  shards     {plan.num_shards} x {per_shard / GB:,.3f} GB = "
+            f"{plan.total_bytes / GB:,.2f} GB "
+            f"({plan.bytes_per_token:,} B/token: {len(cfg.target.layer_ids)} aux layers + "
+            f"the last, "
+            f"{x.dtype} {x.encoding})"
+        )
     if plan.free_bytes is not None:
-        out.append(f"  disk       {plan.free_bytes / GB:,.2f} GB free at extraction.output_dir, "
-                   f"extraction.keep_free_gb={cfg.extraction.keep_free_gb} kept free")
+        out.append(
+            f"  disk       {plan.free_bytes / GB:,.2f} GB free at extraction.output_dir, "
+            f"extraction.keep_free_gb={cfg.extraction.keep_free_gb} kept free"
+        )
     for s in plan.stages:
         out.append(f"  {s.name:<10} {s.hours:,.2f} h: {s.tokens:,} tokens ({s.detail})")
     if plan.stages:
-        out.append(f"  total      {sum(s.hours for s in plan.stages):,.2f} h (stages only: no loading, "
-                   f"export, evaluation or serving benchmark)")
+        out.append(
+            f"  total      {sum(s.hours for s in plan.stages):,.2f} h (stages only: no "
+            f"loading, "
+            f"export, evaluation or serving benchmark)"
+        )
     if plan.read_bytes_per_s is not None:
         x, t = cfg.extraction, cfg.training
-        disk = (f"; the shard folder reads {plan.disk_bytes_per_s / GB:,.2f} GB/s ({plan.disk_probe})"
-                if plan.disk_bytes_per_s is not None else f"; {plan.disk_probe or 'the shard folder not probed'}")
-        out.append(f"  reading    {plan.read_bytes_per_s / GB:,.2f} GB/s of shards per training node "
-                   f"({t.distributed.nproc_per_node} process(es) x plan.train_tokens_per_s="
-                   f"{cfg.plan.train_tokens_per_s:g} x {plan.bytes_per_token:,} B/token, {x.dtype} {x.encoding}){disk}")
+        disk = (
+            f"; the shard folder reads {plan.disk_bytes_per_s / GB:,.2f} GB/s ({plan.disk_probe})"
+            if plan.disk_bytes_per_s is not None
+            else f"; {plan.disk_probe or 'the shard folder not probed'}"
+        )
+        out.append(
+            f"  reading    {plan.read_bytes_per_s / GB:,.2f} GB/s of shards per training "
+            f"node "
+            f"({t.distributed.nproc_per_node} process(es) x plan.train_tokens_per_s="
+            f"{cfg.plan.train_tokens_per_s:g} x {plan.bytes_per_token:,} B/token, {x.dtype} "
+            f"{x.encoding}){disk}"
+        )
     if plan.memory_gb:
         t = cfg.training
         parts = ", ".join(f"{k} {v:,.2f}" for k, v in plan.memory_gb)
-        limit = (f"of plan.gpu_memory_gb={plan.gpu_memory_gb:g}" if plan.gpu_memory_gb
-                 else "(plan.gpu_memory_gb not set: not checked)")
-        out.append(f"  memory     {plan.train_memory_gb:,.1f} GB per training process {limit} at training.batch_size="
-                   f"{t.batch_size} x data.max_length={cfg.data.max_length}, TTT {t.ttt_steps}: {parts} "
-                   f"({plan.trainable_params / 1e6:,.1f} M trainable parameters)")
+        limit = (
+            f"of plan.gpu_memory_gb={plan.gpu_memory_gb:g}"
+            if plan.gpu_memory_gb
+            else "(plan.gpu_memory_gb not set: not checked)"
+        )
+        out.append(
+            f"  memory     {plan.train_memory_gb:,.1f} GB per training process {limit} at "
+            f"training.batch_size="
+            f"{t.batch_size} x data.max_length={cfg.data.max_length}, TTT {t.ttt_steps}: "
+            f"{parts} "
+            f"({plan.trainable_params / 1e6:,.1f} M trainable parameters)"
+        )
     if plan.memory_by_length:
         limit = plan.gpu_memory_gb
 
         def gb(v: float) -> str:
             return f"{v:,.1f}" + ("!" if limit and v > limit * (1 - MEMORY_MARGIN) else "")
 
-        rows = "; ".join(f"{n:,}: {'/'.join(gb(v) for v in row)}" for n, row in plan.memory_by_length)
-        over = (f" (! = more than plan.gpu_memory_gb={limit:g} less the estimate's {MEMORY_MARGIN:.0%} error)"
-                if limit else "")
-        out.append(f"  by length  GB per training process at batch {'/'.join(map(str, PLAN_BATCHES))} "
-                   f"by data.max_length: {rows}{over}")
+        rows = "; ".join(
+            f"{n:,}: {'/'.join(gb(v) for v in row)}" for n, row in plan.memory_by_length
+        )
+        over = (
+            f" (! = more than plan.gpu_memory_gb={limit:g} less the estimate's "
+            f"{MEMORY_MARGIN:.0%} error)"
+            if limit
+            else ""
+        )
+        out.append(
+            f"  by length  GB per training process at batch "
+            f"{'/'.join(map(str, PLAN_BATCHES))} "
+            f"by data.max_length: {rows}{over}"
+        )
     return out

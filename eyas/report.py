@@ -21,8 +21,8 @@ if TYPE_CHECKING:  # both modules import torch; the report needs only their reco
 
 
 def artifact_key(prefix: str, name: str) -> str:
-    """A Prefect artifact key for a run name: Prefect takes lowercase letters, digits and dashes only,
-    while run names may also hold capitals, '_' and '.' ("Kimi_K2.5" -> "load-kimi-k2-5")."""
+    """A Prefect artifact key for a run name: Prefect takes lowercase letters, digits and dashes
+    only, while run names may also hold capitals, '_' and '.' ("Kimi_K2.5" -> "load-kimi-k2-5")."""
     return re.sub(r"[^a-z0-9-]+", "-", f"{prefix}-{name}".lower())
 
 
@@ -45,31 +45,64 @@ def served_evaluation(serving: ServeBenchResult) -> dict[str, Any]:
     """The evaluation section of a served measurement: the held-out prompts' figures per chain."""
     settings = {chain: c["sets"]["heldout"] for chain, c in serving.chains.items()}
     head = settings[serving.headline_chain]
-    return {"method": "server", "setting": serving.headline_chain,
-            **{k: head[k] for k in ("acceptance_length", "num_prompts", "total_new_tokens", "verify_steps",
-                                    "accepted_per_verify")},
-            "identical_to_target": all(s["identical_to_target"] is not False for s in settings.values()),
-            "settings": settings}
+    return {
+        "method": "server",
+        "setting": serving.headline_chain,
+        **{
+            k: head[k]
+            for k in (
+                "acceptance_length",
+                "num_prompts",
+                "total_new_tokens",
+                "verify_steps",
+                "accepted_per_verify",
+            )
+        },
+        "identical_to_target": all(
+            s["identical_to_target"] is not False for s in settings.values()
+        ),
+        "settings": settings,
+    }
 
 
 def regeneration_section(data_stats: dict) -> dict[str, Any] | None:
-    """report.json's `regeneration`: what data.regenerate made of the training data (None: not regenerated).
+    """report.json's `regeneration`: what data.regenerate made of the training data (None: not
+    regenerated).
 
-    `reasoning_tokens` are the tokens of the target's replies inside their <think> spans, counted from
-    the token ids the server returned (0 for a target served without thinking); `output_tokens` all of
-    the replies' tokens, so reasoning_tokens / output_tokens is the share of training replies that is
-    reasoning. `server_reasoning_tokens`: SGLang's own count where its responses carried one."""
+    `reasoning_tokens` are the tokens of the target's replies inside their <think> spans, counted
+    from the token ids the server returned (0 for a target served without thinking); `output_tokens`
+    all of the replies' tokens, so reasoning_tokens / output_tokens is the share of training replies
+    that is reasoning. `server_reasoning_tokens`: SGLang's own count where its responses carried
+    one."""
     regen = (data_stats or {}).get("regeneration")
     if not regen:
         return None
-    keys = ("thinking", "conversations", "regenerated_turns", "kept_original_turns", "dropped_turns", "sequences",
-            "output_tokens", "reasoning_tokens", "unfinished_reasoning_turns", "server_reasoning_tokens",
-            "parts", "parts_reused")
+    keys = (
+        "thinking",
+        "conversations",
+        "regenerated_turns",
+        "kept_original_turns",
+        "dropped_turns",
+        "sequences",
+        "output_tokens",
+        "reasoning_tokens",
+        "unfinished_reasoning_turns",
+        "server_reasoning_tokens",
+        "parts",
+        "parts_reused",
+    )
     return {k: regen.get(k) for k in keys if k in regen}
 
 
-def build_report(*, name: str, config_source: str | None, extracted: Extracted, trained: Trained,
-                 serving: ServeBenchResult | None, stages: dict[str, float]) -> dict[str, Any]:
+def build_report(
+    *,
+    name: str,
+    config_source: str | None,
+    extracted: Extracted,
+    trained: Trained,
+    serving: ServeBenchResult | None,
+    stages: dict[str, float],
+) -> dict[str, Any]:
     """report.json from the stages' results; `stages` are the seconds of every stage of this run.
 
     The acceptance figures come from the training flow when it evaluated in process
@@ -89,15 +122,21 @@ def build_report(*, name: str, config_source: str | None, extracted: Extracted, 
         "config": config_source,
         "acceptance_length": evaluation["acceptance_length"],  # the first chain's, held-out prompts
         # Single-stream decoding speed with the drafter over without (None: benchmark disabled).
-        "speedup": serving.speedup["single_stream_tokens_per_s"] if serving and serving.speedup else None,
-        # Per prompt set (held-out, and each suite): its source, and per chain acceptance and speed-up.
+        "speedup": serving.speedup["single_stream_tokens_per_s"]
+        if serving and serving.speedup
+        else None,
+        # Per prompt set (held-out, and each suite): its source, and per chain acceptance and
+        # speed-up.
         "benchmarks": benchmarks(serving) if serving else None,
         "serving": asdict(serving) if serving else None,
         "patch": extracted.patch.to_json(),
-        "server": {"ready_seconds": ready.seconds if ready else None,
-                   "shards_total": ready.shards_total if ready else None},
+        "server": {
+            "ready_seconds": ready.seconds if ready else None,
+            "shards_total": ready.shards_total if ready else None,
+        },
         "data": extracted.data_stats,
-        # data.regenerate: turns the target answered, and of their tokens the reasoning (<think>) ones
+        # data.regenerate: turns the target answered, and of their tokens the reasoning (<think>)
+        # ones
         "regeneration": regeneration_section(extracted.data_stats),
         "extraction": {
             "shards": len(manifests),
@@ -111,9 +150,21 @@ def build_report(*, name: str, config_source: str | None, extracted: Extracted, 
             "dtype": manifests[0].dtype if manifests else None,
         },
         # history: the loss table (~100 rows: step, loss, acc per TTT step, lr, tokens/s, held-out)
-        "training": {k: getattr(trained.result, k) for k in
-                     ("final_loss", "first_loss", "steps", "tokens", "seconds", "draft_vocab_size",
-                      "simulated_acceptance_length", "init_from", "resumed_from_step", "history")},
+        "training": {
+            k: getattr(trained.result, k)
+            for k in (
+                "final_loss",
+                "first_loss",
+                "steps",
+                "tokens",
+                "seconds",
+                "draft_vocab_size",
+                "simulated_acceptance_length",
+                "init_from",
+                "resumed_from_step",
+                "history",
+            )
+        },
         "evaluation": evaluation,  # method, the headline chain, every chain's figures
         "drafter_dir": trained.drafter_dir,
         "stages_seconds": stages,
@@ -130,7 +181,7 @@ def extraction_summary(manifests: list[ShardManifest]) -> str:
 
 
 def training_summary(training: dict) -> str:
-    """"1400 steps", or "training resumed from step 600, 1400 steps"."""
+    """ "1400 steps", or "training resumed from step 600, 1400 steps"."""
     steps, resumed = training.get("steps"), training.get("resumed_from_step") or 0
     return f"training resumed from step {resumed}, {steps} steps" if resumed else f"{steps} steps"
 

@@ -13,11 +13,13 @@ _PACKAGE = Path(__file__).resolve().parent
 
 
 def shipped_root() -> Path:
-    """The folder that holds patches/, configs/ and fixtures/: the wheel's copy, else the checkout."""
+    """The folder that holds patches/, configs/ and fixtures/: the wheel's copy, else the
+    checkout."""
     inside = _PACKAGE / "_shipped"
     return inside if (inside / "patches").is_dir() else _PACKAGE.parent
 
 
 def shipped(*parts: str) -> Path:
-    """A shipped path, e.g. shipped("patches", "sglang") or shipped("configs", "local-tiny.yaml")."""
+    """A shipped path, e.g. shipped("patches", "sglang") or shipped("configs",
+    "local-tiny.yaml")."""
     return shipped_root().joinpath(*parts)

@@ -3,7 +3,8 @@
     up = ServerUp(handle, ready, patch, stages)                                  # flows/serve.py
     extracted = Extracted(manifests, prompts, data_stats, patch, ready, stages)  # flows/extract.py
     trained = Trained(result, drafter_dir, evaluation, stages)                   # flows/train.py
-    report = build_report(name=..., extracted=..., trained=..., serving=..., stages=...)  # eyas/report.py
+    # eyas/report.py
+    report = build_report(name=..., extracted=..., trained=..., serving=..., stages=...)
 
 The fields hold the objects the stages made (ServerHandle, ReadyReport, PatchReport, ShardManifest,
 TrainResult, EvalResult), never their dict forms: JSON is made once, where it is written
@@ -29,9 +30,9 @@ if TYPE_CHECKING:  # training and evaluation import torch; a record needs none o
 class ServerUp:
     """A launched, ready server (flows/serve.py)."""
 
-    handle: ServerHandle          # pid, url, log path and offset, who launched it
-    ready: ReadyReport            # seconds to ready, shards_total, the last loading bar
-    patch: PatchReport            # what the patch stage found or applied
+    handle: ServerHandle  # pid, url, log path and offset, who launched it
+    ready: ReadyReport  # seconds to ready, shards_total, the last loading bar
+    patch: PatchReport  # what the patch stage found or applied
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage
 
 
@@ -40,8 +41,8 @@ class Extracted:
     """Shards on disk and what evaluation needs from the data (flows/extract.py)."""
 
     manifests: list[ShardManifest]  # one per shard, in plan order (docs/data-format.md)
-    prompts: list[list[int]]      # held-out prompts, token ids
-    data_stats: dict              # prepare-data's counts (JSON as report.json shows them)
+    prompts: list[list[int]]  # held-out prompts, token ids
+    data_stats: dict  # prepare-data's counts (JSON as report.json shows them)
     patch: PatchReport
     ready: ReadyReport | None = None  # None when every shard was intact and no server was launched
     stages: dict[str, float] = field(default_factory=dict)
@@ -56,6 +57,8 @@ class Trained:
     """A trained and exported drafter, evaluated in process where so configured (flows/train.py)."""
 
     result: TrainResult
-    drafter_dir: str              # the exported folder SGLang loads
-    evaluation: EvalResult | None  # None: measured by serving the drafter instead (flows/serve_bench.py)
+    drafter_dir: str  # the exported folder SGLang loads
+    evaluation: (
+        EvalResult | None
+    )  # None: measured by serving the drafter instead (flows/serve_bench.py)
     stages: dict[str, float] = field(default_factory=dict)

@@ -1,7 +1,8 @@
 """What may reach a shell, and what must never be printed.
 
     check_env_name("HF_TOKEN"); check_address("gpu-node-1")        # ValueError otherwise
-    register(token); redact(f"... {token} ... --api-key abc ...")  # -> "... *** ... --api-key *** ..."
+    # -> "... *** ... --api-key *** ..."
+    register(token); redact(f"... {token} ... --api-key abc ...")
 
 Config values that reach a command on a host are quoted (shlex) or, where quoting cannot help (an
 environment variable's name, an address), validated by the functions here. Secret values (the
@@ -19,18 +20,24 @@ import threading
 from typing import Iterable
 
 MASK = "***"
-PYDANTIC_MASK = "**********"  # what a SecretStr becomes in model_dump(mode="json"), so in Prefect's parameters
+PYDANTIC_MASK = (
+    "**********"  # what a SecretStr becomes in model_dump(mode="json"), so in Prefect's parameters
+)
 SECRET_FLAGS = ("--api-key",)  # launch flags whose value is a secret (SGLang's --api-key)
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
 # Names that say "I hold a secret": refused in plain `env`, where values are shown and stored.
-_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL", re.IGNORECASE)
+_SECRET_NAME = re.compile(
+    r"TOKEN|SECRET|PASSW|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL", re.IGNORECASE
+)
 # One shell word: quoted parts, escapes and plain characters, as shlex.quote/join write them.
 _WORD = r"""(?:'[^']*'|"(?:[^"\\]|\\.)*"|\\.|[^\s'"\\])+"""
 _FLAG_VALUE = re.compile(rf"({'|'.join(re.escape(f) for f in SECRET_FLAGS)})(=|\s+)({_WORD})")
-_KEY_VALUE = re.compile(r"""(\bapi_key['"]?\s*[:=]\s*)(['"])(.*?)\2""")  # SGLang's ServerArgs(... api_key='...')
+_KEY_VALUE = re.compile(
+    r"""(\bapi_key['"]?\s*[:=]\s*)(['"])(.*?)\2"""
+)  # SGLang's ServerArgs(... api_key='...')
 
 _registered: set[str] = set()
 _lock = threading.Lock()
@@ -39,8 +46,10 @@ _lock = threading.Lock()
 def check_env_name(name: str) -> str:
     """An environment variable name that is safe to write unquoted in `export NAME=...`."""
     if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
-        raise ValueError(f"{name!r} is not an environment variable name "
-                         f"(letters, digits and '_', not starting with a digit)")
+        raise ValueError(
+            f"{name!r} is not an environment variable name "
+            f"(letters, digits and '_', not starting with a digit)"
+        )
     return name
 
 
@@ -57,7 +66,8 @@ def check_address(value: str) -> str:
 
 
 def looks_secret(name: str) -> bool:
-    """HF_TOKEN, OPENAI_API_KEY, AWS_SECRET_ACCESS_KEY, ...: names whose values must not be shown."""
+    """HF_TOKEN, OPENAI_API_KEY, AWS_SECRET_ACCESS_KEY, ...: names whose values must not be
+    shown."""
     return bool(_SECRET_NAME.search(name))
 
 
@@ -80,7 +90,8 @@ def redact(text: str) -> str:
 
 
 def redact_args(args: Iterable[str]) -> list[str]:
-    """An argument vector with the value of every secret flag (`--api-key K`, `--api-key=K`) hidden."""
+    """An argument vector with the value of every secret flag (`--api-key K`, `--api-key=K`)
+    hidden."""
     out: list[str] = []
     hide_next = False
     for a in args:

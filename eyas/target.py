@@ -3,7 +3,8 @@
     folder = local_copy(cfg.target)               # target.local_dir, else target.checkpoint
     tcfg = read_config(folder)                    # config.json, the text config when nested
     hidden, vocab = target_dims(folder)
-    tok = target_tokenizer(cfg)                   # with its chat template, trust_remote_code as configured
+    # with its chat template, trust_remote_code as configured
+    tok = target_tokenizer(cfg)
 
 The orchestrator (prepare-data, preflight, the held-out prompts, the export's checks, the evaluation
 suites) reads the target from its local copy (`target.local_dir`: config.json, tokenizer files and
@@ -49,8 +50,10 @@ def target_dims(*folders: str | Path | None) -> tuple[int, int]:
                 return int(cfg["hidden_size"]), int(cfg["vocab_size"])
             except KeyError as e:
                 raise ValueError(f"{path}: no {e.args[0]} in the target config") from None
-    raise ValueError(f"no target config.json found (tried {tried}); the vocabulary check and the "
-                     f"disk estimate need hidden_size and vocab_size")
+    raise ValueError(
+        f"no target config.json found (tried {tried}); the vocabulary check and the "
+        f"disk estimate need hidden_size and vocab_size"
+    )
 
 
 class RemoteCodeRefused(EyasError, ValueError):
@@ -63,7 +66,8 @@ def local_copy(target) -> Path:
 
 
 def trust_remote_code(cfg) -> bool:
-    """target.trust_remote_code; None = on for server.backend sglang (SGLang loads the same code)."""
+    """target.trust_remote_code; None = on for server.backend sglang (SGLang loads the same
+    code)."""
     setting = cfg.target.trust_remote_code
     return cfg.server.backend == "sglang" if setting is None else setting
 
@@ -87,12 +91,15 @@ def remote_tokenizer_class(path: str | Path) -> str | None:
 
 def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
     """The target's tokenizer with its chat template (Hugging Face layout). trust_remote_code runs
-    the tokenizer code the folder ships, if any; without it such a folder raises RemoteCodeRefused."""
+    the tokenizer code the folder ships, if any; without it such a folder raises
+    RemoteCodeRefused."""
     from transformers import AutoTokenizer
 
     path = Path(path)
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
-        raise ValueError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json) here")
+        raise ValueError(
+            f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json) here"
+        )
     try:
         # Always an explicit bool: None would make transformers ask on the terminal.
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=bool(trust_remote_code))
@@ -101,12 +108,18 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
         if trust_remote_code or remote is None:
             raise
         raise RemoteCodeRefused(
-            f"{path}: the tokenizer is code the folder ships ({remote}, named by tokenizer_config.json's "
-            f"auto_map), which eyas runs only with target.trust_remote_code: true (it is off: set it, or "
-            f"leave it unset with server.backend sglang)") from e
+            f"{path}: the tokenizer is code the folder ships ({remote}, named by "
+            f"tokenizer_config.json's "
+            f"auto_map), which eyas runs only with target.trust_remote_code: true (it is off: set "
+            f"it, or "
+            f"leave it unset with server.backend sglang)"
+        ) from e
     if not tok.chat_template:
         raise ValueError(f"{path}: the tokenizer has no chat_template; the loss mask needs one")
-    # transformers' "sequence length is longer than the specified maximum" names no line: eyas's data
-    # checks report an over-long record with its file:line and the fix (eyas/extraction/data.py).
-    getattr(tok, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
+    # transformers' "sequence length is longer than the specified maximum" names no line: eyas's
+    # data checks report an over-long record with its file:line and the fix
+    # (eyas/extraction/data.py).
+    getattr(tok, "deprecation_warnings", {})[
+        "sequence-length-is-longer-than-the-specified-maximum"
+    ] = True
     return tok

@@ -1,5 +1,6 @@
 """What every eyas flow shares: the config parameter, the stop-on-failure hooks (STOP_ON_FAILURE),
-the one-line failure reason (flows/failures.py). The per-host GPU lock is flows/runtime/host_lock.py.
+the one-line failure reason (flows/failures.py). The per-host GPU lock is
+flows/runtime/host_lock.py.
 
 A flow's `config` parameter is either a path to a YAML config (relative paths are taken from the
 repository root, so deployments work from any working directory), an inline mapping with the same
@@ -27,8 +28,8 @@ from eyas.config import ConfigError, PipelineConfig, config_from_dict, load_conf
 from eyas.config.loading import apply_overrides
 from eyas.evaluation import serve_bench
 from eyas.report import artifact_key
-from eyas.secrets import MASK, PYDANTIC_MASK, secret_flag_values
 from eyas.resources import shipped_root
+from eyas.secrets import MASK, PYDANTIC_MASK, secret_flag_values
 from eyas.server.hosts import make_host
 from eyas.server.launch import stop_recorded
 from flows import failures
@@ -44,10 +45,15 @@ Overrides = dict[str, Union[str, int, float, bool, list, dict, None]]
 
 
 def one_line(error: Exception) -> str:
-    """A ConfigError's message on one line (a flow run's state message): `file: invalid config: a; b`."""
+    """A ConfigError's message on one line (a flow run's state message): `file: invalid config: a;
+    b`."""
     head, *problems = str(error).splitlines()
     head = head.split(" (", 1)[0] if problems and head.endswith("problem(s))") else head
-    return f"{head}: " + "; ".join(p.strip().removeprefix("- ") for p in problems) if problems else head
+    return (
+        f"{head}: " + "; ".join(p.strip().removeprefix("- ") for p in problems)
+        if problems
+        else head
+    )
 
 
 def config_label(config: Any, overrides: dict | None = None) -> str:
@@ -61,9 +67,13 @@ def config_label(config: Any, overrides: dict | None = None) -> str:
 
 
 def run_tags(cfg: PipelineConfig) -> list[str]:
-    """The tags every flow and task run of a config carries: config name, server host, target revision."""
-    return [f"config:{cfg.name}", f"host:{cfg.server.host.name}",
-            f"revision:{cfg.target.revision or 'unpinned'}"]
+    """The tags every flow and task run of a config carries: config name, server host, target
+    revision."""
+    return [
+        f"config:{cfg.name}",
+        f"host:{cfg.server.host.name}",
+        f"revision:{cfg.target.revision or 'unpinned'}",
+    ]
 
 
 def checked_flow(fn):
@@ -90,6 +100,7 @@ def checked_flow(fn):
                 return fn(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - every failure ends as one line; BaseException (signals) passes
                 return _failed(e, _flow_name(fn), cfg.name)
+
     return wrapper
 
 
@@ -100,9 +111,10 @@ def _flow_name(fn) -> str:
 
 
 def _failed(error: Exception, where: str, name: str):
-    """The run's final state: Failed, its message `failed at TASK: reason`, its data the exception (so
-    a caller's `state.result()` raises it as before). An error no task reported (raised by the flow
-    body itself) is logged here: one line for eyas's own, with its traceback for anything else."""
+    """The run's final state: Failed, its message `failed at TASK: reason`, its data the exception
+    (so a caller's `state.result()` raises it as before). An error no task reported (raised by the
+    flow body itself) is logged here: one line for eyas's own, with its traceback for anything
+    else."""
     from prefect.runtime import flow_run
 
     line = failures.failure_line(error, where)
@@ -113,18 +125,26 @@ def _failed(error: Exception, where: str, name: str):
                 log.error("%s", line)
             else:
                 log.error("%s", line, exc_info=error)
-            failures.remember(line)  # the run's "Finished in state Failed" line then names the task only
+            failures.remember(
+                line
+            )  # the run's "Finished in state Failed" line then names the task only
         except Exception:  # noqa: BLE001 - outside a run context
             pass
     try:
-        error.eyas_reported = True  # a worker's "Engine execution exited ..." traceback is then not logged
+        error.eyas_reported = (
+            True  # a worker's "Engine execution exited ..." traceback is then not logged
+        )
     except Exception:  # noqa: BLE001 - an exception type without a __dict__
         pass
     if not flow_run.parent_flow_run_id:
         try:
-            create_markdown_artifact(key=artifact_key("failure", name), description=line[:500],
-                                     markdown=failures.failure_markdown(flow_run.name or name, line,
-                                                                        failures.recent_lines()))
+            create_markdown_artifact(
+                key=artifact_key("failure", name),
+                description=line[:500],
+                markdown=failures.failure_markdown(
+                    flow_run.name or name, line, failures.recent_lines()
+                ),
+            )
         except Exception:  # noqa: BLE001 - the artifact is a view; the state message has the reason
             pass
     return Failed(message=line, data=error)
@@ -144,33 +164,46 @@ def _tag_flow_run(tags: list[str]) -> None:
 
 
 def resolve_config(config: ConfigParam, overrides: dict[str, Any] | None = None) -> PipelineConfig:
-    """A path, an inline mapping or a PipelineConfig, plus dotted overrides -> a validated config."""
+    """A path, an inline mapping or a PipelineConfig, plus dotted overrides -> a validated
+    config."""
     _refuse_secrets(apply_overrides({}, overrides), "overrides")
     if isinstance(config, PipelineConfig):
         if not overrides:
             return config
         # python mode: secrets stay SecretStr (mode="json" would give their masks)
-        return config_from_dict(config.model_dump(), base_dir=ROOT, source="<config>", overrides=overrides)
+        return config_from_dict(
+            config.model_dump(), base_dir=ROOT, source="<config>", overrides=overrides
+        )
     if isinstance(config, dict):
         _refuse_secrets(config, "an inline config")
-        return config_from_dict(config, base_dir=ROOT, source="<inline config>", overrides=overrides)
+        return config_from_dict(
+            config, base_dir=ROOT, source="<inline config>", overrides=overrides
+        )
     path = Path(config)
     return load_config(path if path.is_absolute() else ROOT / path, overrides)
 
 
 def _refuse_secrets(raw: dict, where: str) -> None:
-    """A secret value in a flow run's parameters is already in Prefect's database: refuse it, loudly.
-    The masks a loaded config is stored with (a failure hook reads them back) pass."""
+    """A secret value in a flow run's parameters is already in Prefect's database: refuse it,
+    loudly. The masks a loaded config is stored with (a failure hook reads them back) pass."""
     server = raw.get("server") if isinstance(raw.get("server"), dict) else {}
-    named = [f"server.secret_env.{k}" for k, v in (server.get("secret_env") or {}).items()
-             if str(getattr(v, "get_secret_value", lambda v=v: v)()) != PYDANTIC_MASK]
+    named = [
+        f"server.secret_env.{k}"
+        for k, v in (server.get("secret_env") or {}).items()
+        if str(getattr(v, "get_secret_value", lambda v=v: v)()) != PYDANTIC_MASK
+    ]
     if any(v != MASK for v in secret_flag_values(map(str, server.get("launch_args") or []))):
         named.append("server.launch_args (--api-key)")
     if named:
-        raise ConfigError(f"{where} carries secret values ({', '.join(named)}): a flow run's parameters are "
-                         f"stored in the Prefect database as sent. Keep secrets in a config file on the worker "
-                         f"(server.secret_env) or in the worker's environment (server.env_from), and treat "
-                         f"these values as leaked")
+        raise ConfigError(
+            f"{where} carries secret values ({', '.join(named)}): a flow run's "
+            f"parameters are "
+            f"stored in the Prefect database as sent. Keep secrets in a config file "
+            f"on the worker "
+            f"(server.secret_env) or in the worker's environment (server.env_from), "
+            f"and treat "
+            f"these values as leaked"
+        )
 
 
 def stop_server_hook(flow, flow_run, state) -> None:
@@ -183,10 +216,17 @@ def stop_server_hook(flow, flow_run, state) -> None:
     except Exception:  # noqa: BLE001 - a bad config never launched anything (the run's message says why)
         print("stop-server hook: the config did not load, so nothing was launched: nothing to stop")
         return
-    mine, benchmarked = {str(flow_run.id)}, cfg.benchmark.enabled or cfg.evaluation.method == "server"
+    mine, benchmarked = (
+        {str(flow_run.id)},
+        cfg.benchmark.enabled or cfg.evaluation.method == "server",
+    )
     with make_host(cfg.server.host) as host:
-        _say_stopped(state, cfg, cfg, stop_recorded(host, cfg, runs=mine))  # the target server first
-        for launched in serve_bench.launches(cfg) if benchmarked else []:  # what serve_bench_flow launches
+        _say_stopped(
+            state, cfg, cfg, stop_recorded(host, cfg, runs=mine)
+        )  # the target server first
+        for launched in (
+            serve_bench.launches(cfg) if benchmarked else []
+        ):  # what serve_bench_flow launches
             _say_stopped(state, cfg, launched, stop_recorded(host, launched, runs=mine))
 
 
@@ -198,12 +238,21 @@ def _say_stopped(state, cfg: PipelineConfig, server: PipelineConfig, outcome: di
     level = 20 if said.startswith("not running") else 30
     where = "" if server is cfg else f" ({server.server.workdir.name})"
     try:
-        get_run_logger().log(level, "run %s: the server this run launched on %s%s: %s", state.name,
-                             cfg.server.host.name, where, outcome)
+        get_run_logger().log(
+            level,
+            "run %s: the server this run launched on %s%s: %s",
+            state.name,
+            cfg.server.host.name,
+            where,
+            outcome,
+        )
     except Exception:  # noqa: BLE001 - hooks may run without a run context
         print(f"stop-server hook ({state.name}){where}: {outcome}")
 
 
 #: every flow's hooks: whatever ends a run early, the servers it launched are stopped
-STOP_ON_FAILURE = {"on_failure": [stop_server_hook], "on_crashed": [stop_server_hook],
-                   "on_cancellation": [stop_server_hook]}
+STOP_ON_FAILURE = {
+    "on_failure": [stop_server_hook],
+    "on_crashed": [stop_server_hook],
+    "on_cancellation": [stop_server_hook],
+}

@@ -1,6 +1,7 @@
 """Subflow: hidden-state extraction, from the conversations to verified shards on disk.
 
-    prefect deployment run 'eyas-extract/extract' --params '{"overrides": {"extraction.num_shards": 8}}'
+    prefect deployment run 'eyas-extract/extract' --params '{"overrides": {"extraction.num_shards":
+    8}}'
 
 Holds the server host's GPU lock (flows/runtime/host_lock.py) from launch to stop, so two runs
 never start two servers on the same GPUs; the second waits in Running.
@@ -20,19 +21,37 @@ from eyas.config import PipelineConfig
 from eyas.extraction.shards import ShardManifest
 from eyas.extraction.stage import ExtractionContext, regeneration_pending, shards_intact
 from eyas.report import Stopwatch
-from eyas.server.launch import ServerDied
 from eyas.results import Extracted
-from flows.common import STOP_ON_FAILURE, DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, resolve_config
+from eyas.server.launch import ServerDied
+from flows.common import (
+    DEFAULT_CONFIG,
+    STOP_ON_FAILURE,
+    ConfigParam,
+    Overrides,
+    checked_flow,
+    resolve_config,
+)
 from flows.runtime.host_lock import gpu_host
 from flows.serve import run_name, serve
-from tasks.extract import extract_shard_task_for, extraction_context, prepare_data, regenerate_data, shard_cached
+from tasks.extract import (
+    extract_shard_task_for,
+    extraction_context,
+    prepare_data,
+    regenerate_data,
+    shard_cached,
+)
 from tasks.patch import patch_host
 from tasks.preflight import preflight_check
 from tasks.server import server_gone, stop
 
 
-@flow(name="eyas-extract", flow_run_name=run_name("extract"), log_prints=True,
-      task_runner=ThreadPoolTaskRunner(max_workers=2), **STOP_ON_FAILURE)
+@flow(
+    name="eyas-extract",
+    flow_run_name=run_name("extract"),
+    log_prints=True,
+    task_runner=ThreadPoolTaskRunner(max_workers=2),
+    **STOP_ON_FAILURE,
+)
 @checked_flow
 def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = None) -> Extracted:
     """Plan the shards, bring the server up, (regenerate the replies,) extract every shard, stop it.
@@ -47,8 +66,11 @@ def extract(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = 
 def _extract(ctx: ExtractionContext, cfg: PipelineConfig) -> Extracted:
     stage = Stopwatch()
     # eyas.standalone: "false" inside the pipeline, whose own train stage follows (automations.py)
-    resource = {"prefect.resource.id": f"eyas.run.{cfg.name}", "eyas.host": cfg.server.host.name,
-                "eyas.standalone": "false" if flow_run.parent_flow_run_id else "true"}
+    resource = {
+        "prefect.resource.id": f"eyas.run.{cfg.name}",
+        "eyas.host": cfg.server.host.name,
+        "eyas.standalone": "false" if flow_run.parent_flow_run_id else "true",
+    }
     regen = cfg.data.regenerate.enabled
 
     # 1. Data first: a bad input file should fail before a ten-minute server load.
@@ -63,38 +85,54 @@ def _extract(ctx: ExtractionContext, cfg: PipelineConfig) -> Extracted:
         patched = patch_host(cfg)
     patch_version = patched.patch_version or "local"
     # 3. Every shard intact on disk (a re-run): all cache hits, so no server and no GPU lock.
-    #    (Pending regeneration replans the shards: checking the present ones would be wasted reading.)
+    #    (Pending regeneration replans the shards: checking the present ones would be wasted
+    #    reading.)
     up = None
     if not regen and all(shards_intact(cfg, prepared.plans, patch_version).values()):
         with stage("extract"):
             manifests = _extract_all(ctx, cfg, prepared.plans, patch_version, resource)
     else:
-        # 4. Launch, wait until ready, (regenerate,) extract, stop: the host is ours meanwhile. A server
-        #    that dies is relaunched once; finished parts and shards stay, the rest resume.
+        # 4. Launch, wait until ready, (regenerate,) extract, stop: the host is ours meanwhile. A
+        #    server that dies is relaunched once; finished parts and shards stay, the rest resume.
         with gpu_host(cfg):
             up = serve(cfg)
             deaths: list[str] = []
             try:
                 while True:
                     try:
-                        if regen:  # the target answers the training conversations; shards come from its answers
+                        # the target answers the training conversations; shards come from its
+                        # answers
+                        if regen:
                             with stage("regenerate"):
                                 regenerated = regenerate_data(ctx, cfg)
                             with stage("prepare"):
-                                prepared = prepare_data(ctx, cfg, regenerated, take_output_dir=False)
+                                prepared = prepare_data(
+                                    ctx, cfg, regenerated, take_output_dir=False
+                                )
                             regen = False
                         with stage("extract"):
-                            manifests = _extract_all(ctx, cfg, prepared.plans, patch_version, resource)
+                            manifests = _extract_all(
+                                ctx, cfg, prepared.plans, patch_version, resource
+                            )
                         break
                     except Exception:
                         up = _relaunch_if_dead(cfg, up, deaths, stage)
             finally:
                 with stage("stop"):
                     stop(cfg, up.handle)
-    emit_event(event="eyas.extraction.completed", resource=resource, payload={
-        "shards": len(manifests), "tokens": sum(m.num_tokens for m in manifests)})
-    return Extracted(manifests, prepared.prompts, prepared.stats, patch=patched,
-                     ready=up.ready if up else None, stages={**(up.stages if up else {}), **stage.seconds})
+    emit_event(
+        event="eyas.extraction.completed",
+        resource=resource,
+        payload={"shards": len(manifests), "tokens": sum(m.num_tokens for m in manifests)},
+    )
+    return Extracted(
+        manifests,
+        prepared.prompts,
+        prepared.stats,
+        patch=patched,
+        ready=up.ready if up else None,
+        stages={**(up.stages if up else {}), **stage.seconds},
+    )
 
 
 def _relaunch_if_dead(cfg, up, deaths: list[str], stage: Stopwatch):
@@ -105,10 +143,15 @@ def _relaunch_if_dead(cfg, up, deaths: list[str], stage: Stopwatch):
         raise
     deaths.append(reason)
     if len(deaths) > 1:
-        raise ServerDied(f"the target server died during extraction ({deaths[0]}), was relaunched, and died "
-                         f"again ({deaths[1]})") from None
-    get_run_logger().warning("the target server died (%s): relaunching it once; finished shards stay, "
-                             "the others resume", reason)
+        raise ServerDied(
+            f"the target server died during extraction ({deaths[0]}), was relaunched, "
+            f"and died "
+            f"again ({deaths[1]})"
+        ) from None
+    get_run_logger().warning(
+        "the target server died (%s): relaunching it once; finished shards stay, the others resume",
+        reason,
+    )
     with stage("stop"):
         stop(cfg, up.handle)  # its record and dump folder
     return serve(cfg)
@@ -117,10 +160,13 @@ def _relaunch_if_dead(cfg, up, deaths: list[str], stage: Stopwatch):
 def _extract_all(ctx, cfg, plans, patch_version: str, resource: dict) -> list[ShardManifest]:
     """One task per shard (bounded by the task runner), an `eyas.shard.done` event as each ends.
 
-    The tasks publish the progress artifact `extract-NAME` and the shard table `extract-shards-NAME`.
+    The tasks publish the progress artifact `extract-NAME` and the shard table
+    `extract-shards-NAME`.
     """
-    futures = [extract_shard_task_for(cfg, plan, patch_version).submit(ctx, cfg, plan, patch_version)
-               for plan in plans]
+    futures = [
+        extract_shard_task_for(cfg, plan, patch_version).submit(ctx, cfg, plan, patch_version)
+        for plan in plans
+    ]
     plan_of = {id(f): plan for f, plan in zip(futures, plans)}
     cached = set()
     for done, future in enumerate(as_completed(futures), 1):
@@ -128,7 +174,9 @@ def _extract_all(ctx, cfg, plans, patch_version: str, resource: dict) -> list[Sh
         if future.state.name == "Cached":  # answered from Prefect's cache: no task body counted it
             shard_cached(ctx, cfg, plan_of[id(future)], m)
             cached.add(id(future))
-        emit_event(event="eyas.shard.done", resource=resource,
-                   payload={"file": m.file, "tokens": m.num_tokens, "done": done,
-                            "total": len(plans)})
+        emit_event(
+            event="eyas.shard.done",
+            resource=resource,
+            payload={"file": m.file, "tokens": m.num_tokens, "done": done, "total": len(plans)},
+        )
     return [replace(f.result(), reused=True) if id(f) in cached else f.result() for f in futures]

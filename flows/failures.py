@@ -30,7 +30,9 @@ LOGGERS = ("prefect.task_runs", "prefect.flow_runs")
 MAX_REASON = 2000  # a state message is shown whole on the run page; a preflight list can be long
 
 _lock = threading.Lock()
-_task_of: dict[tuple[str, str], str] = {}  # (exception type, message) -> the task run that raised it
+_task_of: dict[
+    tuple[str, str], str
+] = {}  # (exception type, message) -> the task run that raised it
 _printed: collections.OrderedDict[str, None] = collections.OrderedDict()  # lines already printed
 _recent: collections.deque[str] = collections.deque(maxlen=20)  # WARNING+ lines: the artifact's log
 
@@ -48,20 +50,27 @@ def reason_of(exc: BaseException) -> str:
         from flows.common import one_line
 
         text = one_line(exc) + " (fix the config file or the run's overrides)"
-    text = "; ".join(line.strip() for line in text.splitlines() if line.strip()) or type(exc).__name__
+    text = (
+        "; ".join(line.strip() for line in text.splitlines() if line.strip()) or type(exc).__name__
+    )
     if not eyas_raised(exc):
         text = f"{type(exc).__name__}: {text}"
     return text[:MAX_REASON]
 
 
 def failure_line(exc: BaseException, where: str) -> str:
-    """`failed at TASK: reason`: TASK the task run that raised it (else `where`, the flow's stage)."""
+    """`failed at TASK: reason`: TASK the task run that raised it (else `where`, the flow's
+    stage)."""
     text = str(exc)
     if text.startswith("failed at "):  # a subflow's own line, passed up as it is
         return text.splitlines()[0][:MAX_REASON]
     task = getattr(exc, "eyas_failed_task", None)
     with _lock:
-        task = task or _task_of.get((type(exc).__name__, text)) or _task_of.get((type(exc).__name__, ""))
+        task = (
+            task
+            or _task_of.get((type(exc).__name__, text))
+            or _task_of.get((type(exc).__name__, ""))
+        )
     return f"failed at {task or where}: {reason_of(exc)}"
 
 
@@ -124,8 +133,12 @@ class ReasonFilter(logging.Filter):
                 _task_of[(type(exc).__name__, str(exc))] = _task_of[(type(exc).__name__, "")] = task
             self._set(record, line, keep_traceback=not eyas_raised(exc))
             remember(line)
-        elif msg.startswith("Engine execution exited with unexpected exception") and exc is not None:
-            return not getattr(exc, "eyas_reported", False)  # the state message says it, in one line
+        elif (
+            msg.startswith("Engine execution exited with unexpected exception") and exc is not None
+        ):
+            return not getattr(
+                exc, "eyas_reported", False
+            )  # the state message says it, in one line
         elif msg.startswith("Crash detected!") and _cancelling():
             self._set(record, "cancelled by the operator: stopping", level=logging.WARNING)
         elif m := _FINISHED.match(msg):
@@ -145,11 +158,15 @@ class ReasonFilter(logging.Filter):
             self._set(record, f"Finished in state {state}")  # its error line above says why
             return
         raised = _RAISED.match(text)
-        if task and raised:  # a failure a retry condition declined: Prefect logged no error line for it
+        if (
+            task and raised
+        ):  # a failure a retry condition declined: Prefect logged no error line for it
             kind, message = raised.groups()
             with _lock:
                 _task_of[(kind, message)] = _task_of[(kind, "")] = task
-            line = f"failed at {task}: " + (message if kind in _eyas_names() else f"{kind}: {message}")
+            line = f"failed at {task}: " + (
+                message if kind in _eyas_names() else f"{kind}: {message}"
+            )
             self._set(record, line[:MAX_REASON])
             remember(line[:MAX_REASON])
             return
@@ -160,7 +177,13 @@ class ReasonFilter(logging.Filter):
             remember(text)
 
     @staticmethod
-    def _set(record: logging.LogRecord, msg: str, *, keep_traceback: bool = False, level: int | None = None):
+    def _set(
+        record: logging.LogRecord,
+        msg: str,
+        *,
+        keep_traceback: bool = False,
+        level: int | None = None,
+    ):
         record.msg, record.args = msg, ()
         if not keep_traceback:
             record.exc_info = record.exc_text = None
@@ -186,5 +209,7 @@ def recent_lines() -> list[str]:
 def failure_markdown(run_name: str, line: str, lines: list[str]) -> str:
     """The top-level run's artifact: the reason, then the warning and error lines that led to it."""
     log = "\n".join(lines[-15:]) or "(no warnings or errors were logged)"
-    return (f"# eyas run `{run_name}` failed\n\n**{line}**\n\n"
-            f"Warning and error lines of this run, oldest first:\n\n```\n{log}\n```\n")
+    return (
+        f"# eyas run `{run_name}` failed\n\n**{line}**\n\n"
+        f"Warning and error lines of this run, oldest first:\n\n```\n{log}\n```\n"
+    )

@@ -1,6 +1,7 @@
 """Subflows that own the target server: bring it up (patch, launch, wait) and tear it down.
 
-    prefect deployment run 'eyas-serve/serve'       # a server for manual work; stop it with teardown
+    # a server for manual work; stop it with teardown
+    prefect deployment run 'eyas-serve/serve'
     prefect deployment run 'eyas-teardown/teardown'
 
 Run alone, `serve` leaves the server up (that is its purpose); inside `extract` the caller holds the
@@ -14,8 +15,15 @@ from prefect.runtime import flow_run
 
 from eyas.report import Stopwatch
 from eyas.results import ServerUp
-from flows.common import (STOP_ON_FAILURE, DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, config_label,
-                          resolve_config)
+from flows.common import (
+    DEFAULT_CONFIG,
+    STOP_ON_FAILURE,
+    ConfigParam,
+    Overrides,
+    checked_flow,
+    config_label,
+    resolve_config,
+)
 from tasks.patch import patch_host, unpatch_host
 from tasks.preflight import preflight_check
 from tasks.server import launch_server, stop, wait_ready
@@ -23,7 +31,9 @@ from tasks.server import launch_server, stop, wait_ready
 
 def run_name(prefix: str):
     """flow_run_name: `<prefix>-<config name>@<server host>`, whatever form the config came in; a
-    config that does not load gives `<prefix>-<its name or file stem>` (the run then fails with why)."""
+    config that does not load gives `<prefix>-<its name or file stem>` (the run then fails with
+    why)."""
+
     def name() -> str:
         p = flow_run.parameters
         try:
@@ -31,6 +41,7 @@ def run_name(prefix: str):
         except Exception:  # noqa: BLE001 - named anyway; checked_flow fails the run with the reason
             return f"{prefix}-{config_label(p.get('config'), p.get('overrides'))}"
         return f"{prefix}-{cfg.name}@{cfg.server.host.name}"
+
     return name
 
 
@@ -51,8 +62,9 @@ def serve(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = No
 
 @flow(name="eyas-teardown", flow_run_name=run_name("teardown"), log_prints=True)
 @checked_flow
-def teardown(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = None,
-             unpatch: bool = False) -> dict:
+def teardown(
+    config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = None, unpatch: bool = False
+) -> dict:
     """Stop the server a config launched (idempotent); optionally restore the host's SGLang."""
     cfg = resolve_config(config, overrides)
     out = {"stop": stop(cfg)}

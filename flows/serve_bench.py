@@ -25,18 +25,33 @@ from prefect.artifacts import create_markdown_artifact
 from eyas.evaluation import serve_bench, suites
 from eyas.files import write_json_atomic
 from eyas.report import artifact_key
-from flows.common import STOP_ON_FAILURE, DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, resolve_config
+from flows.common import (
+    DEFAULT_CONFIG,
+    STOP_ON_FAILURE,
+    ConfigParam,
+    Overrides,
+    checked_flow,
+    resolve_config,
+)
 from flows.runtime.host_lock import gpu_host
 from flows.serve import run_name
 from tasks.preflight import preflight_check
 from tasks.serve_bench import benchmark_serving_for
 
 
-@flow(name="eyas-serve-bench", flow_run_name=run_name("serve-bench"), log_prints=True, **STOP_ON_FAILURE)
+@flow(
+    name="eyas-serve-bench",
+    flow_run_name=run_name("serve-bench"),
+    log_prints=True,
+    **STOP_ON_FAILURE,
+)
 @checked_flow
-def serve_bench_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = None,
-                     drafter_dir: str | None = None,
-                     prompts: list[list[int]] | None = None) -> serve_bench.ServeBenchResult | None:
+def serve_bench_flow(
+    config: ConfigParam = DEFAULT_CONFIG,
+    overrides: Overrides | None = None,
+    drafter_dir: str | None = None,
+    prompts: list[list[int]] | None = None,
+) -> serve_bench.ServeBenchResult | None:
     """Acceptance and speed with vs without the drafter: report.json's `serving` section."""
     cfg = resolve_config(config, overrides)
     if not cfg.benchmark.enabled and cfg.evaluation.method != "server":
@@ -46,18 +61,28 @@ def serve_bench_flow(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides 
     #    config alone) and the configured suites, read from the packages that ship them.
     drafter_dir = drafter_dir or str(Path(cfg.run_dir) / "drafter")
     if not (Path(drafter_dir) / "config.json").exists():
-        raise FileNotFoundError(f"{drafter_dir}: no exported drafter (run the train flow first, or pass one)")
+        raise FileNotFoundError(
+            f"{drafter_dir}: no exported drafter (run the train flow first, or pass one)"
+        )
     heldout = serve_bench.heldout_prompts(cfg) if prompts is None else prompts
-    sets = {"heldout": {"prompts": heldout, "source": {"file": str(cfg.data.path),
-                                                          "last_conversations": cfg.data.num_heldout}},
-            **suites.load_suites(cfg)}
+    sets = {
+        "heldout": {
+            "prompts": heldout,
+            "source": {"file": str(cfg.data.path), "last_conversations": cfg.data.num_heldout},
+        },
+        **suites.load_suites(cfg),
+    }
     # 2. Plain once, then once per chain, through the same launch/readiness/stop code.
     with gpu_host(cfg):
         result = benchmark_serving_for(cfg)(cfg, drafter_dir, sets)
-    # 3. Record it beside the run; on eyas-local a changed greedy output fails the run (after recording).
+    # 3. Record it beside the run; on eyas-local a changed greedy output fails the run (after
+    # recording).
     write_json_atomic(Path(cfg.run_dir) / "serve_bench.json", asdict(result))
-    create_markdown_artifact(key=artifact_key("serve-bench", cfg.name), markdown=serve_bench.markdown(result),
-                             description="acceptance and serving speed with vs without the drafter")
+    create_markdown_artifact(
+        key=artifact_key("serve-bench", cfg.name),
+        markdown=serve_bench.markdown(result),
+        description="acceptance and serving speed with vs without the drafter",
+    )
     serve_bench.check_outputs(cfg, result)
     return result
 

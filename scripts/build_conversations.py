@@ -4,8 +4,8 @@
 
 Source: the Python source of pip 26.3 as installed in this project's venv (pip/_internal/**/*.py and
 the vendored packages listed in VENDORED below). The tiny target trained on the standard library
-alone, and pip lives in site-packages, which that corpus leaves out. Vendored packages with a twin in
-the standard library (tomli, which became tomllib) or made mostly of data tables (idna, pygments)
+alone, and pip lives in site-packages, which that corpus leaves out. Vendored packages with a twin
+in the standard library (tomli, which became tomllib) or made mostly of data tables (idna, pygments)
 are left out, and a conversation whose answer appears word for word in the standard library is
 dropped, so the answers are code the target has not seen.
 
@@ -35,8 +35,20 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "fixtures" / "data" / "conversations.jsonl"
 TOKENIZER = REPO / "fixtures" / "tiny-target"
 PIP_VERSION = "26.3"
-VENDORED = ("cachecontrol", "distlib", "distro", "msgpack", "packaging", "platformdirs", "pyproject_hooks",
-            "requests", "resolvelib", "rich", "truststore", "urllib3")
+VENDORED = (
+    "cachecontrol",
+    "distlib",
+    "distro",
+    "msgpack",
+    "packaging",
+    "platformdirs",
+    "pyproject_hooks",
+    "requests",
+    "resolvelib",
+    "rich",
+    "truststore",
+    "urllib3",
+)
 COUNT, SEED = 500, 0
 MIN_TOKENS, MAX_TOKENS = 120, 400  # the pipeline truncates at 384; a few go past it on purpose
 MAX_LINE = 120  # longer lines are data tables, not code
@@ -56,14 +68,18 @@ def candidates(files: list[Path], rng: random.Random) -> list[list[dict]]:
         lines = tc.read_text(file).splitlines(keepends=True)
         for _ in range(max(1, len(lines) // 120)):
             messages = tc.code_conversation(lines, rng, multi_turn=rng.random() < 0.33)
-            if messages and all(len(line) <= MAX_LINE for m in messages for line in m["content"].splitlines()):
+            if messages and all(
+                len(line) <= MAX_LINE for m in messages for line in m["content"].splitlines()
+            ):
                 found.append(messages)
     return found
 
 
 def main() -> None:
     if pip.__version__ != PIP_VERSION:
-        raise SystemExit(f"this fixture is built from pip {PIP_VERSION}, but pip {pip.__version__} is installed")
+        raise SystemExit(
+            f"this fixture is built from pip {PIP_VERSION}, but pip {pip.__version__} is installed"
+        )
     rng = random.Random(SEED)
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     stdlib_text = "\n".join(tc.read_text(f) for f in tc.stdlib_files())
@@ -82,14 +98,19 @@ def main() -> None:
         if len(kept) == COUNT:
             break
     if len(kept) < COUNT:
-        raise SystemExit(f"only {len(kept)} of {COUNT} conversations fit {MIN_TOKENS}-{MAX_TOKENS} tokens")
+        raise SystemExit(
+            f"only {len(kept)} of {COUNT} conversations fit {MIN_TOKENS}-{MAX_TOKENS} tokens"
+        )
 
     OUT.parent.mkdir(parents=True, exist_ok=True)
     tmp = OUT.with_name(f".{OUT.name}.tmp-{os.getpid()}")
     tmp.write_text("".join(f'{{"messages": {key}}}\n' for key in kept))
     os.replace(tmp, OUT)  # readers see the old file or the new one
     num_multi_turn = sum(key.count('"role": "user"') == 2 for key in kept)
-    print(f"wrote {len(kept)} conversations ({num_multi_turn} two-turn) from {len(pool)} candidates to {OUT}")
+    print(
+        f"wrote {len(kept)} conversations ({num_multi_turn} two-turn) from {len(pool)} "
+        f"candidates to {OUT}"
+    )
 
 
 if __name__ == "__main__":

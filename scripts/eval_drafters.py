@@ -1,7 +1,9 @@
 """Acceptance length of exported drafters, measured as the pipeline's evaluate stage does (CPU, the
-evaluation settings of configs/local-tiny.yaml, chains 3/1/4 and 7/1/8), on a sweep data file's prompts.
+evaluation settings of configs/local-tiny.yaml, chains 3/1/4 and 7/1/8), on a sweep data file's
+prompts.
 
-    python scripts/eval_drafters.py sweep-data/r64.pt DRAFTER_DIR [DRAFTER_DIR ...]   # one JSON line each
+    # one JSON line each
+    python scripts/eval_drafters.py sweep-data/r64.pt DRAFTER_DIR [DRAFTER_DIR ...]
 
 For drafters trained elsewhere (scripts/quality_sweep.py on a lent GPU machine) and brought back.
 """
@@ -26,11 +28,23 @@ def main() -> None:
     cfg = load_config(ROOT / "configs" / "local-tiny.yaml", {"evaluation.device": "cpu"})
     prompts = torch.load(data)["prompts"]
     for d in dirs:
-        ev = evaluate_acceptance(d, cfg.target.checkpoint, prompts, cfg.evaluation, cfg.target.capture_ids())
-        print(json.dumps({"drafter": d, "al_by_setting": {k: round(v["acceptance_length"], 4)
-                                                          for k, v in ev.settings.items()},
-                          "identical": ev.identical_to_target, "num_prompts": ev.num_prompts,
-                          "seconds": ev.seconds}), flush=True)
+        ev = evaluate_acceptance(
+            d, cfg.target.checkpoint, prompts, cfg.evaluation, cfg.target.capture_ids()
+        )
+        print(
+            json.dumps(
+                {
+                    "drafter": d,
+                    "al_by_setting": {
+                        k: round(v["acceptance_length"], 4) for k, v in ev.settings.items()
+                    },
+                    "identical": ev.identical_to_target,
+                    "num_prompts": ev.num_prompts,
+                    "seconds": ev.seconds,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

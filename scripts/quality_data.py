@@ -21,23 +21,38 @@ import torch  # noqa: E402
 
 
 def main() -> None:
-    name, port, extra = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3] if len(sys.argv) > 3 else "{}")
-    from eyas.evaluation import serve_bench
+    name, port, extra = (
+        sys.argv[1],
+        int(sys.argv[2]),
+        json.loads(sys.argv[3] if len(sys.argv) > 3 else "{}"),
+    )
     from eyas.config import load_config
+    from eyas.evaluation import serve_bench
     from eyas.extraction.shards import ShardReader
     from flows.extract import extract
 
     rd = ROOT / "runs" / name
-    ov = {"name": name, "run_dir": str(rd), "server.port": port, "server.workdir": str(rd / "server"),
-          "server.dump_dir": str(rd / "server" / "dump"), "extraction.output_dir": str(rd / "shards"),
-          "training.output_dir": str(rd / "train"), **extra}
+    ov = {
+        "name": name,
+        "run_dir": str(rd),
+        "server.port": port,
+        "server.workdir": str(rd / "server"),
+        "server.dump_dir": str(rd / "server" / "dump"),
+        "extraction.output_dir": str(rd / "shards"),
+        "training.output_dir": str(rd / "train"),
+        **extra,
+    }
     config = ROOT / "configs" / "local-tiny.yaml"
     r = extract(str(config), overrides=ov)
-    print("stages", r.stages, "tokens", r.num_tokens)  # flows.extract returns an eyas.results.Extracted
+    print(
+        "stages", r.stages, "tokens", r.num_tokens
+    )  # flows.extract returns an eyas.results.Extracted
     shards = []
     for m in r.manifests:
         reader = ShardReader(rd / "shards" / m.file)
-        shards.append({"meta": reader.meta, "samples": [(s.input_ids.int(), s.loss_mask) for s in reader]})
+        shards.append(
+            {"meta": reader.meta, "samples": [(s.input_ids.int(), s.loss_mask) for s in reader]}
+        )
     out = ROOT / "sweep-data" / f"{name}.pt"
     out.parent.mkdir(exist_ok=True)
     torch.save({"shards": shards, "prompts": serve_bench.heldout_prompts(load_config(config))}, out)

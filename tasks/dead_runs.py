@@ -41,12 +41,24 @@ def crash_dead_runs(previous_holder: str) -> list[str]:
             run = todo.pop()
             seen.add(run.id)
             if run.state is not None and not run.state.is_final():
-                message = (f"Crashed: its process (pid {previous_holder.split(' ', 1)[0]}) died without "
-                           f"reporting; found when a later run took its output directory")
+                message = (
+                    f"Crashed: its process (pid {previous_holder.split(' ', 1)[0]}) died "
+                    f"without "
+                    f"reporting; found when a later run took its output directory"
+                )
                 client.set_flow_run_state(run.id, Crashed(message=message), force=True)
                 crashed.append(run.name)
-            todo += [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id]))) if r.id not in seen]
+            todo += [
+                r
+                for r in client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(
+                        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])
+                    )
+                )
+                if r.id not in seen
+            ]
     if crashed:
-        logger().warning("flow runs of a killed process, still shown Running, set Crashed: %s", crashed)
+        logger().warning(
+            "flow runs of a killed process, still shown Running, set Crashed: %s", crashed
+        )
     return crashed

@@ -1,4 +1,5 @@
-"""Prefect tasks of the extraction stage: prepare the data, regenerate it, extract one shard per task.
+"""Prefect tasks of the extraction stage: prepare the data, regenerate it, extract one shard per
+task.
 
 The work is in eyas/extraction/stage.py; these wrappers add run names, retries and cache policy.
 The flow makes one ExtractionContext for the extraction (its runs, its server pools, the progress
@@ -29,31 +30,59 @@ def extraction_context() -> ExtractionContext:
 
 
 @task(task_run_name="prepare-data", cache_policy=NO_CACHE, timeout_seconds=6 * 3600)
-def prepare_data(ctx: ExtractionContext, cfg: PipelineConfig, data_path: str | None = None,
-                 take_output_dir: bool = True) -> Prepared:
-    """Take the output dir, clean a killed run's leftovers, tokenize, plan the shards, check disk space."""
+def prepare_data(
+    ctx: ExtractionContext,
+    cfg: PipelineConfig,
+    data_path: str | None = None,
+    take_output_dir: bool = True,
+) -> Prepared:
+    """Take the output dir, clean a killed run's leftovers, tokenize, plan the shards, check disk
+    space."""
     from prefect.runtime import flow_run
 
-    return stage.prepare(ctx, cfg, data_path, take_dir=take_output_dir, log=logger().info,
-                         holder=f"flow run {flow_run.id}" if flow_run.id else "", on_reclaim=crash_dead_runs)
+    return stage.prepare(
+        ctx,
+        cfg,
+        data_path,
+        take_dir=take_output_dir,
+        log=logger().info,
+        holder=f"flow run {flow_run.id}" if flow_run.id else "",
+        on_reclaim=crash_dead_runs,
+    )
 
 
-# Resumable by part: a retry answers only the parts not yet on disk (as a shard's task retries a shard)
-@task(task_run_name="regenerate-data@{cfg.server.host.name}", cache_policy=NO_CACHE, retries=2,
-      retry_delay_seconds=[5, 30], retry_condition_fn=worth_retrying)
+# Resumable by part: a retry answers only the parts not yet on disk (as a shard's task retries a
+# shard)
+@task(
+    task_run_name="regenerate-data@{cfg.server.host.name}",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=[5, 30],
+    retry_condition_fn=worth_retrying,
+)
 def regenerate_data(ctx: ExtractionContext, cfg: PipelineConfig) -> str:
-    """Answer the training conversations again with the target (resumable by part); returns the new file.
+    """Answer the training conversations again with the target (resumable by part); returns the new
+    file.
 
     Its progress: the artifact `regenerate-NAME` (conversations done, tokens/s, ETA)."""
-    return stage.regenerate_replies(ctx, cfg, log=logger().info, warn=logger().warning,
-                                    on_progress=RegenerationPublisher(cfg.name))
+    return stage.regenerate_replies(
+        ctx,
+        cfg,
+        log=logger().info,
+        warn=logger().warning,
+        on_progress=RegenerationPublisher(cfg.name),
+    )
 
 
 def _shard_cache_key(context, parameters) -> str:
-    """What the shard depends on (stage.shard_key): its content, the target, layers, dtype, patch; and
-    the fields of the manifest record the task returns (a record of another shape is not returned)."""
-    shape = hashlib.sha256(",".join(f.name for f in fields(ShardManifest)).encode()).hexdigest()[:12]
-    return f"{stage.shard_key(parameters['cfg'], parameters['plan'], parameters['patch_version'])}-{shape}"
+    """What the shard depends on (stage.shard_key): its content, the target, layers, dtype, patch;
+    and the fields of the manifest record the task returns (a record of another shape is not
+    returned)."""
+    shape = hashlib.sha256(",".join(f.name for f in fields(ShardManifest)).encode()).hexdigest()[
+        :12
+    ]
+    key = stage.shard_key(parameters["cfg"], parameters["plan"], parameters["patch_version"])
+    return f"{key}-{shape}"
 
 
 def extract_shard_task_for(cfg: PipelineConfig, plan: ShardPlan, patch_version: str):
@@ -67,19 +96,29 @@ def extract_shard_task_for(cfg: PipelineConfig, plan: ShardPlan, patch_version: 
     return extract_shard_task.with_options(refresh_cache=not intact)
 
 
-def shard_cached(ctx: ExtractionContext, cfg: PipelineConfig, plan: ShardPlan, shard: ShardManifest) -> None:
+def shard_cached(
+    ctx: ExtractionContext, cfg: PipelineConfig, plan: ShardPlan, shard: ShardManifest
+) -> None:
     """A shard Prefect answered from its cache ran no task body: count it in the progress here."""
     stage.shard_finished(ctx, cfg, plan, replace(shard, reused=True), log=logger().info)
 
 
-@task(name="extract-shard", task_run_name="extract-{plan.name}-of-{plan.num_shards:05d}@{cfg.server.host.name}",
-      cache_key_fn=_shard_cache_key, persist_result=True, retries=2, retry_delay_seconds=[5, 30],
-      retry_condition_fn=worth_retrying)
-def extract_shard_task(ctx: ExtractionContext, cfg: PipelineConfig, plan: ShardPlan,
-                       patch_version: str) -> ShardManifest:
+@task(
+    name="extract-shard",
+    task_run_name="extract-{plan.name}-of-{plan.num_shards:05d}@{cfg.server.host.name}",
+    cache_key_fn=_shard_cache_key,
+    persist_result=True,
+    retries=2,
+    retry_delay_seconds=[5, 30],
+    retry_condition_fn=worth_retrying,
+)
+def extract_shard_task(
+    ctx: ExtractionContext, cfg: PipelineConfig, plan: ShardPlan, patch_version: str
+) -> ShardManifest:
     """Extract one shard (or reuse an intact one) with the core's stage.run_shard; returns its
     manifest, never tensors.
 
-    Submit it through `extract_shard_task_for`, which refreshes the cache when the file is not intact.
+    Submit it through `extract_shard_task_for`, which refreshes the cache when the file is not
+    intact.
     """
     return stage.run_shard(ctx, cfg, plan, patch_version, log=logger().info, warn=logger().warning)

@@ -1,4 +1,5 @@
-"""Prefect task: check the config against the target, the hosts and the disks before any GPU is used.
+"""Prefect task: check the config against the target, the hosts and the disks before any GPU is
+used.
 
 The first task of every flow. Inside the pipeline its subflows find the pipeline's answer in the
 cache (the key is the root flow run and the config), so the checks run once per run.
@@ -31,12 +32,18 @@ def _key(context, parameters) -> str:
 
 @task(task_run_name="preflight", cache_key_fn=_key, persist_result=True, timeout_seconds=900)
 def preflight_check(cfg: PipelineConfig) -> dict:
-    """The target's config against layer ids and the drafter, the patch set, hosts, disk; the plan."""
+    """The target's config against layer ids and the drafter, the patch set, hosts, disk; the
+    plan."""
     result = preflight(cfg)
     text = format_preflight(result, cfg)
     logger().info("%s", text)
-    create_markdown_artifact(key=artifact_key("plan", cfg.name), markdown=f"```\n{text}\n```",
-                             description="eyas preflight: the plan and any problems")
+    create_markdown_artifact(
+        key=artifact_key("plan", cfg.name),
+        markdown=f"```\n{text}\n```",
+        description="eyas preflight: the plan and any problems",
+    )
     if not result.ok:
-        raise PreflightFailed(f"preflight found {len(result.problems)} problem(s): " + "; ".join(result.problems))
+        raise PreflightFailed(
+            f"preflight found {len(result.problems)} problem(s): " + "; ".join(result.problems)
+        )
     return {"notes": result.notes, "plan": text}

@@ -1,11 +1,11 @@
 """Progress of long stages in the Prefect UI: a progress artifact, a table artifact, log lines.
 
 One throttled publisher (`Publisher`) behind the three stages that take long: extraction
-(`extract-NAME`, `extract-shards-NAME`), regeneration (`regenerate-NAME`) and training (`train-NAME`,
-`train-losses-NAME`). The core calls back as often as it likes (every sample, conversation or step);
-the progress artifact is written at most every PUBLISH_EVERY_S and the table at most every
-TABLE_EVERY_S (plus once at the end), so thousands of shards or steps never flood the API, and the
-UI being unreachable never stops the work.
+(`extract-NAME`, `extract-shards-NAME`), regeneration (`regenerate-NAME`) and training
+(`train-NAME`, `train-losses-NAME`). The core calls back as often as it likes (every sample,
+conversation or step); the progress artifact is written at most every PUBLISH_EVERY_S and the table
+at most every TABLE_EVERY_S (plus once at the end), so thousands of shards or steps never flood the
+API, and the UI being unreachable never stops the work.
 """
 
 from __future__ import annotations
@@ -14,7 +14,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.logging import get_logger, get_run_logger
 
 from eyas.report import artifact_key
@@ -23,7 +27,9 @@ if TYPE_CHECKING:
     from eyas.training.train import TrainResult
 
 PUBLISH_EVERY_S = 2.0  # the progress artifact (and its log line), at most this often
-TABLE_EVERY_S = 30.0  # a new version of the table (500 shards, or ~100 loss rows), at most this often
+TABLE_EVERY_S = (
+    30.0  # a new version of the table (500 shards, or ~100 loss rows), at most this often
+)
 
 
 def logger(name: str = "eyas"):
@@ -35,7 +41,8 @@ def logger(name: str = "eyas"):
 
 
 class Publisher:
-    """The progress artifact `STAGE-NAME` and, with `table`, the table artifact `TABLE-NAME` of one run.
+    """The progress artifact `STAGE-NAME` and, with `table`, the table artifact `TABLE-NAME` of one
+    run.
 
     publish(figures, rows) is cheap when throttled: figures() -> (percent, text) and rows() -> table
     are only called when something is written. force: write the progress now; table: True = write
@@ -43,8 +50,15 @@ class Publisher:
     log_every_s: a log line with the text at most this often (None: no log lines).
     """
 
-    def __init__(self, stage: str, name: str, label: str, *, table: str | None = None,
-                 log_every_s: float | None = None):
+    def __init__(
+        self,
+        stage: str,
+        name: str,
+        label: str,
+        *,
+        table: str | None = None,
+        log_every_s: float | None = None,
+    ):
         self.stage, self.label, self.log_every_s = stage, label, log_every_s
         self.progress_key = artifact_key(stage, name)
         self.table_key = artifact_key(table, name) if table else None
@@ -55,22 +69,34 @@ class Publisher:
         self.writes = 0  # progress artifact writes (creation included)
 
     def start(self, text: str) -> None:
-        """Show the bar at 0 now, from the task's own thread: Prefect ties an artifact to the run it is
-        created in, and callbacks from worker threads carry no run context (updates need none)."""
+        """Show the bar at 0 now, from the task's own thread: Prefect ties an artifact to the run it
+        is created in, and callbacks from worker threads carry no run context (updates need
+        none)."""
         self.publish(lambda: (0.0, text), force=True, table=False)
 
-    def publish(self, figures: Callable[[], tuple[float, str]], rows: Callable[[], list[dict]] | None = None, *,
-                force: bool = False, table: bool | None = None) -> bool:
+    def publish(
+        self,
+        figures: Callable[[], tuple[float, str]],
+        rows: Callable[[], list[dict]] | None = None,
+        *,
+        force: bool = False,
+        table: bool | None = None,
+    ) -> bool:
         now = time.monotonic()
         with self.lock:
             if not force and now - self.last < PUBLISH_EVERY_S:
                 return False
             self.last = now
-            table = rows is not None and self.table_key is not None and (
-                now - self.last_table >= TABLE_EVERY_S if table is None else table)
+            table = (
+                rows is not None
+                and self.table_key is not None
+                and (now - self.last_table >= TABLE_EVERY_S if table is None else table)
+            )
             if table:
                 self.last_table = now
-            log_now = self.log_every_s is not None and (force or now - self.last_log >= self.log_every_s)
+            log_now = self.log_every_s is not None and (
+                force or now - self.last_log >= self.log_every_s
+            )
             if log_now:
                 self.last_log = now
         percent, text = figures()
@@ -80,17 +106,24 @@ class Publisher:
         try:
             with self.lock:
                 if self.artifact_id is None:
-                    self.artifact_id = create_progress_artifact(progress=percent, key=self.progress_key,
-                                                                description=text)
+                    self.artifact_id = create_progress_artifact(
+                        progress=percent, key=self.progress_key, description=text
+                    )
                 else:
-                    update_progress_artifact(artifact_id=self.artifact_id, progress=percent, description=text)
+                    update_progress_artifact(
+                        artifact_id=self.artifact_id, progress=percent, description=text
+                    )
                 self.writes += 1
             if table:
-                create_table_artifact(table=rows(), key=self.table_key, description=f"{self.label}: {text}")
+                create_table_artifact(
+                    table=rows(), key=self.table_key, description=f"{self.label}: {text}"
+                )
         except Exception as e:  # noqa: BLE001 - the UI is a view; the work goes on without it
             if not self.warned:
                 self.warned = True
-                log.warning("%s progress artifacts unavailable (%s: %s)", self.label, type(e).__name__, e)
+                log.warning(
+                    "%s progress artifacts unavailable (%s: %s)", self.label, type(e).__name__, e
+                )
         return True
 
 
@@ -101,13 +134,17 @@ class ExtractionPublisher:
         self.out = Publisher("extract", name, "extraction", table="extract-shards", log_every_s=0.0)
 
     def __call__(self, run, event: str) -> None:  # events: "progress", "shard", "complete"
-        self.out.publish(lambda: (run.figures()["percent"], run.describe()), run.table,
-                         force=event != "progress", table={"complete": True, "shard": None}.get(event, False))
+        self.out.publish(
+            lambda: (run.figures()["percent"], run.describe()),
+            run.table,
+            force=event != "progress",
+            table={"complete": True, "shard": None}.get(event, False),
+        )
 
 
 class RegenerationPublisher:
-    """RegenerationProgress (every conversation, from worker threads) -> `regenerate-NAME`, a log line a
-    minute. Made in the task, which it shows at 0 at once."""
+    """RegenerationProgress (every conversation, from worker threads) -> `regenerate-NAME`, a log
+    line a minute. Made in the task, which it shows at 0 at once."""
 
     def __init__(self, name: str):
         self.out = Publisher("regenerate", name, "regeneration", log_every_s=60.0)
@@ -118,12 +155,15 @@ class RegenerationPublisher:
 
 
 class TrainingPublisher:
-    """StepStats (every step) -> `train-NAME` (step/total, tokens/s, ETA) and `train-losses-NAME` (the
-    loss table, newest step first: loss, accuracy per TTT step, lr, tokens/s, held-out acceptance). The
-    core logs the steps."""
+    """StepStats (every step) -> `train-NAME` (step/total, tokens/s, ETA) and `train-losses-NAME`
+    (the loss table, newest step first: loss, accuracy per TTT step, lr, tokens/s, held-out
+    acceptance). The core logs the steps."""
 
     def __init__(self, name: str, max_steps: int):
-        self.out, self.max_steps = Publisher("train", name, "training", table="train-losses"), max_steps
+        self.out, self.max_steps = (
+            Publisher("train", name, "training", table="train-losses"),
+            max_steps,
+        )
         self.rows: list[dict] = []
         self.out.start(f"starting: shards, drafter, target head (max_steps {max_steps})")
 
@@ -133,22 +173,33 @@ class TrainingPublisher:
         self.out.publish(lambda: (s.percent, s.describe()), lambda: self.rows[::-1])  # newest first
 
     def finish(self, result: TrainResult) -> None:
-        """The end: the result's figures and its whole loss table (steps before a resume included)."""
+        """The end: the result's figures and its whole loss table (steps before a resume
+        included)."""
         sal = result.simulated_acceptance_length
-        text = (f"step {result.steps}/{self.max_steps}, final loss {result.final_loss:.4f}"
-                + (f", held-out simulated acceptance {sal:.3f}" if sal is not None else "")
-                + f", {result.tokens:,} tokens in {result.seconds:.0f}s")
-        self.out.publish(lambda: (round(100.0 * result.steps / self.max_steps, 2), text),
-                         lambda: result.history[::-1], force=True, table=True)
+        text = (
+            f"step {result.steps}/{self.max_steps}, final loss {result.final_loss:.4f}"
+            + (f", held-out simulated acceptance {sal:.3f}" if sal is not None else "")
+            + f", {result.tokens:,} tokens in {result.seconds:.0f}s"
+        )
+        self.out.publish(
+            lambda: (round(100.0 * result.steps / self.max_steps, 2), text),
+            lambda: result.history[::-1],
+            force=True,
+            table=True,
+        )
 
 
 class ServeBenchPublisher:
-    """The serve-bench stage's launches -> `serve-launches-NAME` (`serve-bench-NAME` holds its results):
-    which server is up, k of n. Made in the task, which it shows at 0 at once; told each launch's key
-    as it is up (run_serve_bench on_launch)."""
+    """The serve-bench stage's launches -> `serve-launches-NAME` (`serve-bench-NAME` holds its
+    results): which server is up, k of n. Made in the task, which it shows at 0 at once; told each
+    launch's key as it is up (run_serve_bench on_launch)."""
 
     def __init__(self, name: str, keys: list[str]):
-        self.out, self.keys, self.up = Publisher("serve-launches", name, "serve-bench", log_every_s=0.0), keys, []
+        self.out, self.keys, self.up = (
+            Publisher("serve-launches", name, "serve-bench", log_every_s=0.0),
+            keys,
+            [],
+        )
         self.out.start(f"launching the {keys[0]} server (1 of {len(keys)} launches)")
 
     def __call__(self, key: str) -> None:
@@ -158,4 +209,6 @@ class ServeBenchPublisher:
         self.out.publish(lambda: (round(100.0 * (done - 0.5) / total, 2), text), force=True)
 
     def finish(self) -> None:
-        self.out.publish(lambda: (100.0, f"{len(self.keys)} of {len(self.keys)} launches measured"), force=True)
+        self.out.publish(
+            lambda: (100.0, f"{len(self.keys)} of {len(self.keys)} launches measured"), force=True
+        )

@@ -6,7 +6,8 @@ from eyas.errors import retry_can_help
 
 
 def worth_retrying(task, task_run, state) -> bool:
-    """retry_condition_fn: the task's own failure, judged by its kind and what it was raised from."""
+    """retry_condition_fn: the task's own failure, judged by its kind and what it was raised
+    from."""
     try:
         state.result()
     except Exception as e:  # noqa: BLE001 - the task's own failure, judged by its kind

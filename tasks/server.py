@@ -6,11 +6,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 from prefect.logging import get_run_logger
 
-from eyas.server import launch, readiness
 from eyas.config import PipelineConfig
+from eyas.report import artifact_key
+from eyas.server import launch, readiness
 from eyas.server.hosts import make_host
 from eyas.server.ownership import Owner
-from eyas.report import artifact_key
 from tasks.retry import worth_retrying
 
 
@@ -32,13 +32,20 @@ def run_owner() -> Owner:
     return Owner.new(runs)
 
 
-@task(task_run_name="launch-{cfg.server.backend}@{cfg.server.host.name}", cache_policy=NO_CACHE,
-      retries=2, retry_delay_seconds=[5, 20], retry_condition_fn=worth_retrying, timeout_seconds=600)
+@task(
+    task_run_name="launch-{cfg.server.backend}@{cfg.server.host.name}",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=[5, 20],
+    retry_condition_fn=worth_retrying,
+    timeout_seconds=600,
+)
 def launch_server(cfg: PipelineConfig) -> launch.ServerHandle:
     """Start the server detached; returns its handle (pid, url, log path and offset)."""
     owner = run_owner()
     with make_host(cfg.server.host) as host:
-        # a top-level `serve` run leaves its server up on purpose; inside a pipeline it ends with the run
+        # a top-level `serve` run leaves its server up on purpose; inside a pipeline it ends with
+        # the run
         handle = launch.start_server(host, cfg, owner, leave_up=len(owner.runs) <= 1)
     get_run_logger().info("launched pid %s on %s: %s", handle.pid, handle.host, handle.command)
     return handle
@@ -48,51 +55,86 @@ def launch_server(cfg: PipelineConfig) -> launch.ServerHandle:
 def wait_ready(cfg: PipelineConfig, handle: launch.ServerHandle) -> readiness.ReadyReport:
     """Poll the server log until ready (progress in the UI); fail fast on crash, stall, deadline."""
     logger = get_run_logger()
-    artifact = create_progress_artifact(progress=0.0, key=artifact_key("load", cfg.name),
-                                        description=f"target loading on {cfg.server.host.name}")
+    artifact = create_progress_artifact(
+        progress=0.0,
+        key=artifact_key("load", cfg.name),
+        description=f"target loading on {cfg.server.host.name}",
+    )
 
-    resource = {"prefect.resource.id": f"eyas.server.{cfg.server.host.name}.{cfg.server.port}",
-                "eyas.run": cfg.name, "eyas.backend": cfg.server.backend}
+    resource = {
+        "prefect.resource.id": f"eyas.server.{cfg.server.host.name}.{cfg.server.port}",
+        "eyas.run": cfg.name,
+        "eyas.backend": cfg.server.backend,
+    }
 
     def on_progress(p) -> None:
         eta = "?" if p.remaining_s is None else f"{p.remaining_s:.0f}s"
         logger.info("loading shards %d/%d (%d%%), ETA %s", p.done, p.total, p.percent, eta)
         update_progress_artifact(artifact_id=artifact, progress=float(p.percent))
-        emit_event(event="eyas.server.loading", resource=resource,
-                   payload={"done": p.done, "total": p.total, "eta_s": p.remaining_s})
+        emit_event(
+            event="eyas.server.loading",
+            resource=resource,
+            payload={"done": p.done, "total": p.total, "eta_s": p.remaining_s},
+        )
 
     s = cfg.sensor
     try:
         with make_host(cfg.server.host) as host:
             report = readiness.wait_until_ready(
-                host, log_path=handle.log_path, pid=handle.pid, url=handle.url,
-                start_offset=handle.log_offset, poll_interval_s=s.poll_interval_s,
-                stall_timeout_s=s.stall_timeout_s, deadline_s=s.deadline_s,
-                http_timeout_s=s.http_timeout_s, on_progress=on_progress)
+                host,
+                log_path=handle.log_path,
+                pid=handle.pid,
+                url=handle.url,
+                start_offset=handle.log_offset,
+                poll_interval_s=s.poll_interval_s,
+                stall_timeout_s=s.stall_timeout_s,
+                deadline_s=s.deadline_s,
+                http_timeout_s=s.http_timeout_s,
+                on_progress=on_progress,
+            )
     except readiness.ServerFailed as e:
-        emit_event(event="eyas.server.failed", resource=resource,
-                   payload={"reason": e.reason, "log_tail": e.log_lines[-20:]})
+        emit_event(
+            event="eyas.server.failed",
+            resource=resource,
+            payload={"reason": e.reason, "log_tail": e.log_lines[-20:]},
+        )
         raise
     update_progress_artifact(artifact_id=artifact, progress=100.0)
-    emit_event(event="eyas.server.ready", resource=resource,
-               payload={"seconds": report.seconds, "url": handle.url})
+    emit_event(
+        event="eyas.server.ready",
+        resource=resource,
+        payload={"seconds": report.seconds, "url": handle.url},
+    )
     logger.info("server ready after %.1fs", report.seconds)
     return report
 
 
-@task(task_run_name="stop@{cfg.server.host.name}", cache_policy=NO_CACHE, retries=2,
-      retry_delay_seconds=5, retry_condition_fn=worth_retrying, timeout_seconds=300)
+@task(
+    task_run_name="stop@{cfg.server.host.name}",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=worth_retrying,
+    timeout_seconds=300,
+)
 def stop(cfg: PipelineConfig, handle: launch.ServerHandle | None = None) -> dict:
     """Stop the server (the one `handle` names, else the recorded one) and clean its dump directory;
     only ever a process eyas launched (launch.stop_server)."""
     with make_host(cfg.server.host) as host:
         out = launch.stop_server(host, cfg, handle) if handle else launch.stop_recorded(host, cfg)
-    get_run_logger().info("server pid %s: %s; dump folder: %s", out.get("pid"), out["outcome"], out.get("dump_dir"))
+    get_run_logger().info(
+        "server pid %s: %s; dump folder: %s", out.get("pid"), out["outcome"], out.get("dump_dir")
+    )
     return out
 
 
-@task(task_run_name="server-gone@{cfg.server.host.name}", cache_policy=NO_CACHE, retries=2,
-      retry_delay_seconds=5, retry_condition_fn=worth_retrying)
+@task(
+    task_run_name="server-gone@{cfg.server.host.name}",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=worth_retrying,
+)
 def server_gone(cfg: PipelineConfig, handle: launch.ServerHandle) -> str | None:
     """Why the launched server has died (its log's fatal line), or None while it runs."""
     with make_host(cfg.server.host) as host:

@@ -15,11 +15,27 @@ from eyas import net
 from eyas.server.hosts import LocalHost
 
 # A random-init DeepSeek-V3 (MLA attention, MoE from layer 1) small enough to load in a second.
-TINY_DSV3 = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                 num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
-                 kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-                 n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                 first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=1024)
+TINY_DSV3 = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    max_position_embeddings=1024,
+)
 
 
 def _write_tokenizer(folder: Path, vocab_size: int) -> None:
@@ -31,16 +47,26 @@ def _write_tokenizer(folder: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece()  # joins words with spaces
     tok.save(str(folder / "tokenizer.json"))
-    # A plain chat template (every role's words, then </s>), so preflight and prepare-data accept it.
+    # A plain chat template (every role's words, then </s>), so preflight and prepare-data accept
+    # it.
     template = "{% for m in messages %}{{ m['content'] }} </s> {% endfor %}"
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "chat_template": template}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "chat_template": template,
+            }
+        )
+    )
 
 
 @pytest.fixture(scope="session")
 def random_target(tmp_path_factory) -> Path:
-    """A random tiny DeepSeekV3ForCausalLM folder: many safetensors shards, index, tokenizer.json."""
+    """A random tiny DeepSeekV3ForCausalLM folder: many safetensors shards, index,
+    tokenizer.json."""
     import torch
     import transformers
 
@@ -78,14 +104,17 @@ class ServerProc:
         return self.log_path.read_bytes().decode(errors="replace") if self.log_path.exists() else ""
 
     def wait_for(self, needle: str, timeout: float = 60.0) -> str:
-        """Block until the log contains needle (or the process died / timeout) and return the log."""
+        """Block until the log contains needle (or the process died / timeout) and return the
+        log."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = self.log_text()
             if needle in text:
                 return text
             if not self.host.is_alive(self.pid):
-                raise AssertionError(f"server exited before {needle!r}; log:\n{self.log_text()[-3000:]}")
+                raise AssertionError(
+                    f"server exited before {needle!r}; log:\n{self.log_text()[-3000:]}"
+                )
             time.sleep(0.1)
         raise AssertionError(f"no {needle!r} within {timeout}s; log:\n{self.log_text()[-3000:]}")
 
@@ -95,11 +124,14 @@ class ServerProc:
 
 @pytest.fixture(scope="session")
 def start_server(random_target, tmp_path_factory):
-    """Factory: start_server(*flags, dump=True, name=...) -> ServerProc; all are killed at the end."""
+    """Factory: start_server(*flags, dump=True, name=...) -> ServerProc; all are killed at the
+    end."""
     host = LocalHost()
     started: list[ServerProc] = []
 
-    def start(*flags: str, dump: bool = False, name: str = "server", model: Path | None = None) -> ServerProc:
+    def start(
+        *flags: str, dump: bool = False, name: str = "server", model: Path | None = None
+    ) -> ServerProc:
         workdir = tmp_path_factory.mktemp(name)
         port = net.free_port()
         dump_dir = workdir / "dump" if dump else None
@@ -108,10 +140,21 @@ def start_server(random_target, tmp_path_factory):
         if dump_dir is not None:
             env["EYAS_DUMP_DIR"] = str(dump_dir)
             env["EYAS_DUMP_DTYPE"] = "float32"  # exact comparison with an in-process forward
-        cmd = shlex.join([sys.executable, "-m", "eyas.local.server", "--model-path",
-                          str(model or random_target), "--port", str(port), *flags])
-        pid = host.start(cmd, log_path=workdir / "server.log", env=env,
-                         cwd=Path(__file__).resolve().parents[1])
+        cmd = shlex.join(
+            [
+                sys.executable,
+                "-m",
+                "eyas.local.server",
+                "--model-path",
+                str(model or random_target),
+                "--port",
+                str(port),
+                *flags,
+            ]
+        )
+        pid = host.start(
+            cmd, log_path=workdir / "server.log", env=env, cwd=Path(__file__).resolve().parents[1]
+        )
         proc = ServerProc(host, pid, port, workdir / "server.log", dump_dir)
         started.append(proc)
         return proc
@@ -156,18 +199,32 @@ def exported_drafter(random_target, tmp_path_factory) -> tuple[Path, Path]:
     from eyas.config import ExportConfig
     from eyas.evaluation.export import export_drafter
     from eyas.training.train import train_drafter
-    from tests.helpers_training import (shard_meta, sharpen_target, target_config, training_config,
-                                        write_shards)
+    from tests.helpers_training import (
+        shard_meta,
+        sharpen_target,
+        target_config,
+        training_config,
+        write_shards,
+    )
 
     torch.set_num_threads(1)
     target = sharpen_target(random_target, tmp_path_factory.mktemp("sharp-target"))
-    shards = write_shards(target, tmp_path_factory.mktemp("drafter-shards"), num_shards=1, per_shard=16,
-                          length=32)
-    trained = train_drafter(training_config(tmp_path_factory.mktemp("drafter-train"), max_steps=20),
-                            target_config(target), shards, log=lambda _: None)
-    drafter = export_drafter(trained, tmp_path_factory.mktemp("drafter-export") / "drafter",
-                             target=target_config(target), export=ExportConfig(dtype="bfloat16"),
-                             shard_meta=shard_meta())
+    shards = write_shards(
+        target, tmp_path_factory.mktemp("drafter-shards"), num_shards=1, per_shard=16, length=32
+    )
+    trained = train_drafter(
+        training_config(tmp_path_factory.mktemp("drafter-train"), max_steps=20),
+        target_config(target),
+        shards,
+        log=lambda _: None,
+    )
+    drafter = export_drafter(
+        trained,
+        tmp_path_factory.mktemp("drafter-export") / "drafter",
+        target=target_config(target),
+        export=ExportConfig(dtype="bfloat16"),
+        shard_meta=shard_meta(),
+    )
     return target, drafter
 
 
@@ -181,15 +238,21 @@ def sglang_wheel():
 
 #: Test modules that run deployments on the session's one deployed Prefect server
 #: (tests/integration/conftest.py `deployed`): one xdist worker runs them all, so it starts once.
-DEPLOYED_SERVER_MODULES = {f"tests/integration/{name}.py" for name in
-                           ("test_deployments", "test_failure_reporting", "test_operator")}
+DEPLOYED_SERVER_MODULES = {
+    f"tests/integration/{name}.py"
+    for name in ("test_deployments", "test_failure_reporting", "test_operator")
+}
 
 
 #: The longest work units, longest first: the workers start on them, so none is left running alone
 #: at the end while the others idle (the rest keep their collection order).
-LONGEST_FIRST = ["tests/integration/test_sglang_cpu_dsv3.py", *sorted(DEPLOYED_SERVER_MODULES),
-                 "tests/integration/test_sglang_cpu.py", "tests/integration/test_serve_bench.py",
-                 "tests/integration/test_pipeline.py"]
+LONGEST_FIRST = [
+    "tests/integration/test_sglang_cpu_dsv3.py",
+    *sorted(DEPLOYED_SERVER_MODULES),
+    "tests/integration/test_sglang_cpu.py",
+    "tests/integration/test_serve_bench.py",
+    "tests/integration/test_pipeline.py",
+]
 
 
 def pytest_collection_modifyitems(items):

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import torch
 
-SPEC_FLAGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
-              "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+SPEC_FLAGS = [
+    "--speculative-algorithm",
+    "EAGLE3",
+    "--speculative-num-steps",
+    "3",
+    "--speculative-eagle-topk",
+    "1",
+    "--speculative-num-draft-tokens",
+    "4",
+]
 
 
 def reference_model(folder):
-    """The target loaded with Hugging Face's from_pretrained, which shares no code with the server's loader."""
+    """The target loaded with Hugging Face's from_pretrained, which shares no code with the server's
+    loader."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)

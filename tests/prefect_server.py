@@ -38,16 +38,30 @@ class PrefectServer:
         return f"http://127.0.0.1:{self.port}/api"
 
     def cli(self, *args: str, timeout: float = 120) -> str:
-        r = subprocess.run([str(BIN / "prefect"), *args], cwd=ROOT, env=self.env, text=True,
-                           capture_output=True, timeout=timeout)
+        r = subprocess.run(
+            [str(BIN / "prefect"), *args],
+            cwd=ROOT,
+            env=self.env,
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+        )
         if r.returncode != 0:
-            raise AssertionError(f"prefect {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+            raise AssertionError(
+                f"prefect {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+            )
         return r.stdout
 
     def spawn(self, args: list[str], log: str) -> subprocess.Popen:
-        p = subprocess.Popen([str(BIN / "prefect"), *args], cwd=ROOT, env=self.env,
-                             stdout=open(self.home / log, "w"), stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
+        p = subprocess.Popen(
+            [str(BIN / "prefect"), *args],
+            cwd=ROOT,
+            env=self.env,
+            stdout=open(self.home / log, "w"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.procs.append(p)
         return p
 
@@ -56,15 +70,22 @@ class PrefectServer:
             return json.loads(r.read())
 
     def post(self, path: str, body: dict):
-        req = urllib.request.Request(self.api + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.api + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read())
 
     def stop(self) -> None:
         for p in reversed(self.procs):
             if p.poll() is None:
-                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):  # a worker wants TERM then INT
+                for sig in (
+                    signal.SIGTERM,
+                    signal.SIGINT,
+                    signal.SIGKILL,
+                ):  # a worker wants TERM then INT
                     try:
                         os.killpg(p.pid, sig)
                         p.wait(10)
@@ -78,10 +99,15 @@ class PrefectServer:
 def start_prefect_server(home: Path, timeout: float = 90) -> PrefectServer:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_API_URL=f"http://127.0.0.1:{port}/api", PWD=str(ROOT),
-               PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",
-               PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
+        PWD=str(ROOT),
+        PREFECT_WORKER_QUERY_SECONDS="1",
+        PREFECT_WORKER_PREFETCH_SECONDS="1",
+        PATH=f"{BIN}:{os.environ.get('PATH', '')}",
+    )
     server = PrefectServer(home, port, env)
     server.spawn(["server", "start", "--host", "127.0.0.1", "--port", str(port)], "server.log")
     deadline = time.monotonic() + timeout
@@ -93,13 +119,15 @@ def start_prefect_server(home: Path, timeout: float = 90) -> PrefectServer:
             pass
         if time.monotonic() > deadline or server.procs[0].poll() is not None:
             server.stop()
-            raise AssertionError("prefect server did not start:\n" + (home / "server.log").read_text()[-3000:])
+            raise AssertionError(
+                "prefect server did not start:\n" + (home / "server.log").read_text()[-3000:]
+            )
         time.sleep(0.5)
 
 
 class WebhookReceiver:
-    """A loopback HTTP server that records the JSON bodies POSTed to it (a failure webhook's target):
-    `.url`, `.posts`, `.stop()`."""
+    """A loopback HTTP server that records the JSON bodies POSTed to it (a failure webhook's
+    target): `.url`, `.posts`, `.stop()`."""
 
     def __init__(self):
         import json
@@ -138,10 +166,17 @@ def doc_commands() -> list[str]:
 
 
 def sh(server: PrefectServer, line: str, timeout: float = 120) -> str:
-    """A documented command as written, in the repository root, .venv/bin meaning this interpreter's."""
+    """A documented command as written, in the repository root, .venv/bin meaning this
+    interpreter's."""
     line = line.replace(".venv/bin/", f"{BIN}/")
-    r = subprocess.run(["bash", "-c", line], cwd=ROOT, env=server.env, text=True, capture_output=True,
-                       timeout=timeout)
+    r = subprocess.run(
+        ["bash", "-c", line],
+        cwd=ROOT,
+        env=server.env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
     assert r.returncode == 0, f"{line}\n{r.stdout}\n{r.stderr}"
     return r.stdout
 
@@ -149,11 +184,18 @@ def sh(server: PrefectServer, line: str, timeout: float = 120) -> str:
 def deploy_as_documented(server: PrefectServer, webhook_url: str) -> None:
     """docs/operations.md's Deploy block as written (the pool, every deployment, a worker), then the
     failure notification posting to `webhook_url`."""
-    deploy = [c for c in doc_commands() if c.startswith(".venv/bin/prefect ") and "server start" not in c
-              and " deployment run " not in c]
+    deploy = [
+        c
+        for c in doc_commands()
+        if c.startswith(".venv/bin/prefect ")
+        and "server start" not in c
+        and " deployment run " not in c
+    ]
     for line in deploy:
         if " worker start " in line:
-            server.spawn(shlex.split(line.replace(".venv/bin/prefect ", "")) + ["--limit", "2"], "worker.log")
+            server.spawn(
+                shlex.split(line.replace(".venv/bin/prefect ", "")) + ["--limit", "2"], "worker.log"
+            )
         else:
             sh(server, line)
     notify = next(c for c in doc_commands() if "notifications.py" in c)
@@ -172,8 +214,10 @@ def wait_flow_run(server, run_id: str, timeout: float = 240) -> dict:
         if run["state"]["type"] in TERMINAL:
             return run
         time.sleep(1)
-    raise AssertionError(f"flow run {run_id} not finished in {timeout}s: {run['state']}\n"
-                         + (server.home / "worker.log").read_text()[-4000:])
+    raise AssertionError(
+        f"flow run {run_id} not finished in {timeout}s: {run['state']}\n"
+        + (server.home / "worker.log").read_text()[-4000:]
+    )
 
 
 def runs_named(server, pattern: str) -> list[dict]:

@@ -1,4 +1,5 @@
-"""Real SGLang on this machine's CPU, for the real-SGLang tier (tests/integration/test_sglang_cpu*.py).
+"""Real SGLang on this machine's CPU, for the real-SGLang tier
+(tests/integration/test_sglang_cpu*.py).
 
     python = sglang_cpu_python("0.5.18")      # the environment's python, or a skip saying why
     overrides = cpu_server("0.5.18", python)  # server.* settings that serve on this CPU
@@ -28,13 +29,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ENVS = Path(os.environ.get("EYAS_SGLANG_CPU_ENVS") or Path.home() / ".cache" / "eyas-sglang-cpu")
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
-_COMMON = ["--device", "cpu", "--disable-overlap-schedule", "--mem-fraction-static", "0.05",
-           "--max-total-tokens", "4096"]
+_COMMON = [
+    "--device",
+    "cpu",
+    "--disable-overlap-schedule",
+    "--mem-fraction-static",
+    "0.05",
+    "--max-total-tokens",
+    "4096",
+]
 #: per version: the flags that serve on this CPU (0.5.23's kernel is older than its attention code,
 #: so it attends on torch_native; 0.5.18 matches its kernel and runs intel_amx, the default)
 LAUNCH_ARGS = {"0.5.23": [*_COMMON, "--attention-backend", "torch_native"], "0.5.18": _COMMON}
-_PROBE = ("import importlib.metadata as m, sgl_kernel, sglang, torch; "
-          "print(m.version('sglang')); print(hasattr(torch.ops.sgl_kernel, 'extend_attention_cpu'))")
+_PROBE = (
+    "import importlib.metadata as m, sgl_kernel, sglang, torch; "
+    "print(m.version('sglang')); print(hasattr(torch.ops.sgl_kernel, "
+    "'extend_attention_cpu'))"
+)
 
 
 def _cpu_flags() -> set[str]:
@@ -42,29 +53,44 @@ def _cpu_flags() -> set[str]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set()
-    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+    return {
+        f
+        for line in text.splitlines()
+        if line.startswith("flags")
+        for f in line.split(":", 1)[1].split()
+    }
 
 
 @functools.cache
 def _check(version: str) -> tuple[str | None, str]:
     """(python, "") for a working environment of `version`, else (None, why not)."""
     python = ENVS / version / "bin" / "python"
-    how = (f"scripts/sglang-cpu/install.sh {version} KERNEL_WHEEL makes one (the wheel: "
-           f"scripts/sglang-cpu/build.sh, or ../shared/sglang-cpu/{version}/)")
+    how = (
+        f"scripts/sglang-cpu/install.sh {version} KERNEL_WHEEL makes one (the wheel: "
+        f"scripts/sglang-cpu/build.sh, or ../shared/sglang-cpu/{version}/)"
+    )
     if not (ENVS / version / "ready.json").is_file() or not python.exists():
         return None, f"no real SGLang {version} CPU environment at {ENVS / version}: {how}"
     missing = {"amx_bf16", "amx_tile", "avx512_bf16"} - _cpu_flags()
     if missing:
         return None, f"this CPU lacks {sorted(missing)}, which SGLang's CPU kernels are built for"
     try:
-        r = subprocess.run([str(python), "-c", _PROBE], capture_output=True, text=True, timeout=300,
-                           env={**os.environ, **CPU_ENV}, check=False)
+        r = subprocess.run(
+            [str(python), "-c", _PROBE],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, **CPU_ENV},
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"{python} cannot be run: {type(e).__name__}: {e}"
     out = r.stdout.split()
     if r.returncode != 0 or len(out) < 2:
-        return None, (f"{python} cannot import sglang and its CPU kernel (exit {r.returncode}): "
-                      f"{(r.stderr or r.stdout).strip()[-400:]}; {how}")
+        return None, (
+            f"{python} cannot import sglang and its CPU kernel (exit {r.returncode}): "
+            f"{(r.stderr or r.stdout).strip()[-400:]}; {how}"
+        )
     if out[0] != version:
         return None, f"{python} has sglang {out[0]}, not {version}; {how}"
     if out[1] != "True":
@@ -82,8 +108,12 @@ def sglang_cpu_python(version: str) -> str:
 
 def cpu_server(version: str, python: str) -> dict:
     """server.* overrides that launch real SGLang `version` on this CPU."""
-    return {"server.backend": "sglang", "server.python": python, "server.launch_args": LAUNCH_ARGS[version],
-            "server.env": CPU_ENV}
+    return {
+        "server.backend": "sglang",
+        "server.python": python,
+        "server.launch_args": LAUNCH_ARGS[version],
+        "server.env": CPU_ENV,
+    }
 
 
 @functools.cache
@@ -91,14 +121,17 @@ def _reference_model(folder: str, dtype_name: str):
     import torch
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype_name)).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=getattr(torch, dtype_name)
+    ).eval()
 
 
-def reference_hidden_states(folder: str | Path, input_ids: list[int], capture_ids: list[int],
-                            dtype_name: str = "float32"):
-    """What SGLang should capture for `input_ids`, by transformers on the same weights: (aux [T, K*H]
-    = HF hidden_states[i] for each capture-before id i, concatenated; last [T, H] = the final normed
-    state), computed in `dtype_name`, returned in float32."""
+def reference_hidden_states(
+    folder: str | Path, input_ids: list[int], capture_ids: list[int], dtype_name: str = "float32"
+):
+    """What SGLang should capture for `input_ids`, by transformers on the same weights: (aux [T,
+    K*H] = HF hidden_states[i] for each capture-before id i, concatenated; last [T, H] = the final
+    normed state), computed in `dtype_name`, returned in float32."""
     import torch
 
     model = _reference_model(str(folder), dtype_name)
@@ -133,9 +166,9 @@ def subset_of_conversations(path: Path, count: int) -> Path:
 
 @contextmanager
 def capture_stand(cfg, figures: dict):
-    """eyas's own path on a real SGLang capture server: the patch stage, prepare-data, the launch and
-    the readiness sensor; yields (handle, ready report, patch report, progress, prepared); stops the
-    server and reverses the patch on the way out, noting figures."""
+    """eyas's own path on a real SGLang capture server: the patch stage, prepare-data, the launch
+    and the readiness sensor; yields (handle, ready report, patch report, progress, prepared); stops
+    the server and reverses the patch on the way out, noting figures."""
     from eyas.extraction import stage
     from eyas.server import readiness
     from eyas.server.hosts import LocalHost
@@ -145,7 +178,11 @@ def capture_stand(cfg, figures: dict):
     host = LocalHost()
     t0 = time.monotonic()
     patch = ensure_patched(host, cfg)
-    figures["patch"] = {"status": patch.status, "actions": patch.actions, "seconds": round(time.monotonic() - t0, 2)}
+    figures["patch"] = {
+        "status": patch.status,
+        "actions": patch.actions,
+        "seconds": round(time.monotonic() - t0, 2),
+    }
     progress, handle = [], None
     try:
         # The pipeline's order: prepare-data takes the output dir (and would stop a server recorded
@@ -156,9 +193,17 @@ def capture_stand(cfg, figures: dict):
         handle = start_server(host, cfg)
         figures["launch_command"] = handle.command
         report = readiness.wait_until_ready(
-            host, log_path=handle.log_path, pid=handle.pid, url=handle.url, start_offset=handle.log_offset,
-            poll_interval_s=cfg.sensor.poll_interval_s, stall_timeout_s=cfg.sensor.stall_timeout_s,
-            deadline_s=cfg.sensor.deadline_s, http_timeout_s=30, on_progress=progress.append)
+            host,
+            log_path=handle.log_path,
+            pid=handle.pid,
+            url=handle.url,
+            start_offset=handle.log_offset,
+            poll_interval_s=cfg.sensor.poll_interval_s,
+            stall_timeout_s=cfg.sensor.stall_timeout_s,
+            deadline_s=cfg.sensor.deadline_s,
+            http_timeout_s=30,
+            on_progress=progress.append,
+        )
         figures["ready_s"] = round(time.monotonic() - t0, 1)
         figures["shards_total"] = report.shards_total
         yield handle, report, patch, progress, prepared
@@ -175,21 +220,31 @@ def extract(cfg, patch, prepared, figures: dict) -> list:
 
     t0 = time.monotonic()
     with stage.ExtractionContext() as ctx:
-        manifests = [stage.run_shard(ctx, cfg, plan, patch.patch_version, log=lambda f, *a: print(f % a))
-                     for plan in prepared.plans]
+        manifests = [
+            stage.run_shard(ctx, cfg, plan, patch.patch_version, log=lambda f, *a: print(f % a))
+            for plan in prepared.plans
+        ]
     seconds = time.monotonic() - t0
     tokens = sum(m.num_tokens for m in manifests)
-    figures["extraction"] = {"shards": len(manifests), "samples": sum(m.num_samples for m in manifests),
-                             "tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1),
-                             "bytes": sum(m.bytes for m in manifests)}
+    figures["extraction"] = {
+        "shards": len(manifests),
+        "samples": sum(m.num_samples for m in manifests),
+        "tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "bytes": sum(m.bytes for m in manifests),
+    }
     return manifests
 
 
-def compare_with_transformers(cfg, manifests: list, figures: dict, *, samples_per_shard: int = 2) -> None:
+def compare_with_transformers(
+    cfg, manifests: list, figures: dict, *, samples_per_shard: int = 2
+) -> None:
     """Each shard verified, and its first samples' hidden states compared, block by block, with
     transformers' in float32 on the same weights. SGLang computes in bf16, so its error may be what
     transformers' own bf16 forward shows against float32, with a margin (1.5x, and 2% at least); a
-    layer off by one is tens of percent away, and fails naming the layers the captured blocks match."""
+    layer off by one is tens of percent away, and fails naming the layers the captured blocks
+    match."""
     import torch
 
     from eyas.extraction.shards import ShardReader, verify_shard
@@ -208,19 +263,31 @@ def compare_with_transformers(cfg, manifests: list, figures: dict, *, samples_pe
             truth = reference_hidden_states(cfg.target.checkpoint, ids, capture)
             bf16 = reference_hidden_states(cfg.target.checkpoint, ids, capture, "bfloat16")
             got = (sample.aux_hidden_states.float(), sample.last_hidden_state.float())
-            for name, g, t, b in zip(names, [*got[0].chunk(len(capture), -1), got[1]],
-                                     [*truth[0].chunk(len(capture), -1), truth[1]],
-                                     [*bf16[0].chunk(len(capture), -1), bf16[1]]):
+            for name, g, t, b in zip(
+                names,
+                [*got[0].chunk(len(capture), -1), got[1]],
+                [*truth[0].chunk(len(capture), -1), truth[1]],
+                [*bf16[0].chunk(len(capture), -1), bf16[1]],
+            ):
                 assert g.shape == t.shape, (name, g.shape, t.shape)
                 err, ref = (float((x - t).norm() / t.norm()) for x in (g, b))
-                worst[name] = {"sglang": max(worst[name]["sglang"], err),
-                               "transformers_bf16": max(worst[name]["transformers_bf16"], ref)}
+                worst[name] = {
+                    "sglang": max(worst[name]["sglang"], err),
+                    "transformers_bf16": max(worst[name]["transformers_bf16"], ref),
+                }
                 if err > max(0.02, 1.5 * ref):
                     raise AssertionError(
-                        f"{path.name} sample {i} {name}: relative error {err:.4f} against transformers in "
-                        f"float32, where its bf16 forward is {ref:.4f} off; the captured blocks match "
-                        f"{which_layers(cfg.target.checkpoint, sample, reader.num_aux)}")
+                        f"{path.name} sample {i} {name}: relative error {err:.4f} against "
+                        f"transformers in "
+                        f"float32, where its bf16 forward is {ref:.4f} off; the captured blocks "
+                        f"match "
+                        f"{which_layers(cfg.target.checkpoint, sample, reader.num_aux)}"
+                    )
                 # row by row too: no token may be further off than bf16 leaves the worst one
-                cos = [float(torch.nn.functional.cosine_similarity(x, t, dim=-1).min()) for x in (g, b)]
+                cos = [
+                    float(torch.nn.functional.cosine_similarity(x, t, dim=-1).min()) for x in (g, b)
+                ]
                 assert cos[0] > min(0.99, cos[1]) - 0.03, (name, cos)
-    figures["max_relative_error"] = {n: {k: round(v, 4) for k, v in w.items()} for n, w in worst.items()}
+    figures["max_relative_error"] = {
+        n: {k: round(v, 4) for k, v in w.items()} for n, w in worst.items()
+    }

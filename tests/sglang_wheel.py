@@ -43,14 +43,23 @@ def make_site(root: Path, wheel: Path, version: str = VERSION) -> Path:
 TARGET_ARCH = "KimiK25ForConditionalGeneration"
 
 
-def sglang_config(tmp: Path, site: Path, host: dict | None = None,
-                  architectures: list[str] | None = (TARGET_ARCH,), capture: str = "source_patch"):
+def sglang_config(
+    tmp: Path,
+    site: Path,
+    host: dict | None = None,
+    architectures: list[str] | None = (TARGET_ARCH,),
+    capture: str = "source_patch",
+):
     """A config serving `<tmp>/checkpoint`, whose config.json names `architectures` (None: no file).
 
     `capture` is server.capture: these tests exercise the source patch unless they ask for the
     forward hook alone (the config default)."""
-    overrides = {"server.backend": "sglang", "server.python": sys.executable,
-                 "server.env": {"PYTHONPATH": str(site)}, "server.capture": capture}
+    overrides = {
+        "server.backend": "sglang",
+        "server.python": sys.executable,
+        "server.env": {"PYTHONPATH": str(site)},
+        "server.capture": capture,
+    }
     if host is not None:
         overrides["server.host"] = host
     checkpoint = tmp / "checkpoint"
@@ -65,8 +74,16 @@ def download_wheel(version: str = VERSION) -> Path:
     found = sorted(WHEEL_CACHE.glob(f"sglang-{version}-*.whl"))
     if not found:
         WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", f"sglang=={version}", "--no-deps",
-               "-d", str(WHEEL_CACHE)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            f"sglang=={version}",
+            "--no-deps",
+            "-d",
+            str(WHEEL_CACHE),
+        ]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
             why = f"exit {r.returncode}: {(r.stderr or r.stdout).strip()[-300:]}"
@@ -74,6 +91,8 @@ def download_wheel(version: str = VERSION) -> Path:
             why = f"{type(e).__name__}: {e}"
         found = sorted(WHEEL_CACHE.glob(f"sglang-{version}-*.whl"))
         if not found:
-            pytest.skip(f"`pip download sglang=={version} --no-deps` failed ({why}); put the wheel "
-                        f"in {WHEEL_CACHE} to run this test")
+            pytest.skip(
+                f"`pip download sglang=={version} --no-deps` failed ({why}); put the wheel "
+                f"in {WHEEL_CACHE} to run this test"
+            )
     return found[0]

@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
 from eyas.config import HostConfig
 from eyas.net import free_port
 
@@ -38,9 +39,18 @@ class Sshd:
 
 
 def ssh_config(sshd: Sshd, **kw) -> HostConfig:
-    """The host config that reaches this sshd as its user, checking its host key (kw overrides a field)."""
-    base = dict(kind="ssh", name="loopback", hostname="127.0.0.1", port=sshd.port, user=sshd.user,
-                key_filename=sshd.client_key, known_hosts=sshd.known_hosts, connect_timeout_s=5)
+    """The host config that reaches this sshd as its user, checking its host key (kw overrides a
+    field)."""
+    base = dict(
+        kind="ssh",
+        name="loopback",
+        hostname="127.0.0.1",
+        port=sshd.port,
+        user=sshd.user,
+        key_filename=sshd.client_key,
+        known_hosts=sshd.known_hosts,
+        connect_timeout_s=5,
+    )
     return HostConfig(**{**base, **kw})
 
 
@@ -50,13 +60,12 @@ def ssh_host_fields(sshd: Sshd, **kw) -> dict:
 
 
 def sglang_stand_in(folder: Path) -> Path:
-    """An executable that answers the SGLang version question as an SGLang 0.5.23 interpreter would."""
+    """An executable that answers the SGLang version question as an SGLang 0.5.23 interpreter
+    would."""
     stand_in = folder / "python"
     stand_in.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'print(\"0.5.23\")'\n")
     stand_in.chmod(0o755)
     return stand_in
-
-
 
 
 def _keygen(path: Path) -> None:
@@ -66,8 +75,14 @@ def _keygen(path: Path) -> None:
 def can_unshare() -> bool:
     """Whether this process may start a program in its own mount namespace (root, unshare(1))."""
     try:
-        return subprocess.run(["unshare", "--mount", "--propagation", "private", "true"],
-                              capture_output=True, timeout=10).returncode == 0
+        return (
+            subprocess.run(
+                ["unshare", "--mount", "--propagation", "private", "true"],
+                capture_output=True,
+                timeout=10,
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -83,16 +98,31 @@ def start_sshd(root: Path, private_dirs: tuple[Path, ...] | list[Path] = ()) -> 
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {root / 'host_key'}\n"
         f"AuthorizedKeysFile {root / 'authorized_keys'}\nPasswordAuthentication no\n"
         "KbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\nStrictModes no\n"
-        f"UsePAM no\nPidFile {root / 'sshd.pid'}\nSubsystem sftp internal-sftp\nMaxSessions 50\n")
+        f"UsePAM no\nPidFile {root / 'sshd.pid'}\nSubsystem sftp internal-sftp\nMaxSessions 50\n"
+    )
     Path("/run/sshd").mkdir(parents=True, exist_ok=True)
     command = [SSHD, "-D", "-e", "-f", str(config)]
     private_dirs = tuple(Path(d) for d in private_dirs)
-    if private_dirs:  # mount, then exec: the pid stays sshd's, so terminating it stops the namespace
+    if (
+        private_dirs
+    ):  # mount, then exec: the pid stays sshd's, so terminating it stops the namespace
         for d in private_dirs:
             d.mkdir(parents=True, exist_ok=True)
-        mounts = "".join(f"mount -t tmpfs eyas-test-private {shlex.quote(str(d))} && " for d in private_dirs)
-        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", f"{mounts}exec {shlex.join(command)}"]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(root / "sshd.log", "wb"))
+        mounts = "".join(
+            f"mount -t tmpfs eyas-test-private {shlex.quote(str(d))} && " for d in private_dirs
+        )
+        command = [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f"{mounts}exec {shlex.join(command)}",
+        ]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=open(root / "sshd.log", "wb")
+    )
     host_pub = (root / "host_key.pub").read_text().split()
     (root / "known_hosts").write_text(f"[127.0.0.1]:{port} {host_pub[0]} {host_pub[1]}\n")
     deadline = time.monotonic() + 10
@@ -104,5 +134,12 @@ def start_sshd(root: Path, private_dirs: tuple[Path, ...] | list[Path] = ()) -> 
     else:
         proc.kill()
         raise RuntimeError(f"sshd did not start: {(root / 'sshd.log').read_text()}")
-    return Sshd(port, getpass.getuser(), root / "client_key", root / "known_hosts", root / "other_key", proc,
-                private_dirs)
+    return Sshd(
+        port,
+        getpass.getuser(),
+        root / "client_key",
+        root / "known_hosts",
+        root / "other_key",
+        proc,
+        private_dirs,
+    )

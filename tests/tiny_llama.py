@@ -1,12 +1,13 @@
 """A tiny random LlamaForCausalLM checkpoint that real SGLang 0.5.23 serves on this machine's CPU.
 
-    folder = write_tiny_llama(tmp_path / "tiny-llama")   # config.json, safetensors shards, tokenizer
+    # config.json, safetensors shards, tokenizer
+    folder = write_tiny_llama(tmp_path / "tiny-llama")
 
 The shapes respect SGLang's CPU kernels (../shared/docs/sglang-cpu.md): attention head size 64 (a
-multiple of 32), plain RoPE, bf16 weights. The tokenizer, its chat template and generation config are
-fixtures/tiny-target's (vocabulary 4096), so fixtures/data/conversations.jsonl tokenizes as it does for
-the default target. Weights are random from a fixed seed; the checkpoint is split into several shards
-so SGLang's loading bar has more than one step for the readiness sensor to read.
+multiple of 32), plain RoPE, bf16 weights. The tokenizer, its chat template and generation config
+are fixtures/tiny-target's (vocabulary 4096), so fixtures/data/conversations.jsonl tokenizes as it
+does for the default target. Weights are random from a fixed seed; the checkpoint is split into
+several shards so SGLang's loading bar has more than one step for the readiness sensor to read.
 """
 
 from __future__ import annotations
@@ -19,10 +20,22 @@ TOKENIZER_SOURCE = ROOT / "fixtures" / "tiny-target"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 # 8 layers, so local-tiny's capture ids [2, 4, 5] (capture-before) apply unchanged.
-TINY_LLAMA = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=0,
-                  eos_token_id=1, pad_token_id=2)
+TINY_LLAMA = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+)
 
 
 def write_tiny_llama(folder: str | Path, *, seed: int = 0, max_shard_size: str = "2MB") -> Path:

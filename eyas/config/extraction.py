@@ -1,4 +1,5 @@
-"""The extraction section: sequences sent through the target's servers, hidden-state shards written."""
+"""The extraction section: sequences sent through the target's servers, hidden-state shards
+written."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ class EndpointConfig(StrictModel):
     #: the machine that server dumps on (an ssh host, as server.host): its records are read here
     #: when dump_dir is visible here at the same path, else through SSH; None = this machine
     host: HostConfig | None = None
-    concurrency: int | None = Field(None, ge=1)  #: requests in flight there; None = extraction.concurrency
+    concurrency: int | None = Field(
+        None, ge=1
+    )  #: requests in flight there; None = extraction.concurrency
 
     @model_validator(mode="after")
     def _check_dump_dir(self) -> "EndpointConfig":
@@ -46,10 +49,12 @@ class ExtractionConfig(StrictModel):
     request_retries: int = Field(5, ge=0)
     retry_backoff_s: float = Field(2.0, gt=0)
     #: no request completed for this long while some are in flight, and no server answers /health:
-    #: extraction and regeneration fail at once with "server stalled" (a slow server that answers /health
-    #: only restarts the clock)
+    #: extraction and regeneration fail at once with "server stalled" (a slow server that answers
+    #: /health only restarts the clock)
     stall_timeout_s: float = Field(600.0, gt=0)
-    collect_workers: int = Field(2, ge=1)  #: sequences validated and written at once (bounds memory)
+    collect_workers: int = Field(
+        2, ge=1
+    )  #: sequences validated and written at once (bounds memory)
     #: refuse to start when the output disk would have less than this left after extraction
     keep_free_gb: float = Field(1.0, ge=0)
     #: more servers of the same target, besides the one the flow launches; requests go to whichever

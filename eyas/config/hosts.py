@@ -15,14 +15,17 @@ class HostConfig(StrictModel):
     """Where the server runs: this machine, or a GPU host reached over SSH (Fabric)."""
 
     kind: Literal["local", "ssh"] = "local"
-    name: str = Field("localhost", pattern=r"^[A-Za-z0-9_.-]+$")  #: a label for run names, logs, locks: gpu-node-1
+    name: str = Field(
+        "localhost", pattern=r"^[A-Za-z0-9_.-]+$"
+    )  #: a label for run names, logs, locks: gpu-node-1
     hostname: Address | None = None  #: SSH only
     port: int = 22
     user: str | None = None
     key_filename: Path | None = None
     known_hosts: Path | None = None  #: host keys are checked against this file; it must exist
     #: Fabric trusts any host key by default; eyas does not. True accepts hosts known_hosts does not
-    #: list, with a warning at every connection; a key that contradicts known_hosts is still refused.
+    #: list, with a warning at every connection; a key that contradicts known_hosts is still
+    #: refused.
     insecure_accept_any_host_key: bool = False
     connect_timeout_s: float = Field(10.0, gt=0)
 
@@ -32,5 +35,7 @@ class HostConfig(StrictModel):
             if not self.hostname:
                 raise ValueError("an ssh host needs hostname")
             if self.known_hosts is None and not self.insecure_accept_any_host_key:
-                raise ValueError("an ssh host needs known_hosts (or insecure_accept_any_host_key: true)")
+                raise ValueError(
+                    "an ssh host needs known_hosts (or insecure_accept_any_host_key: true)"
+                )
         return self

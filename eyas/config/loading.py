@@ -17,14 +17,21 @@ from pydantic import BaseModel, ValidationError
 from eyas.config.base import ConfigError
 from eyas.config.models import PipelineConfig
 
-
-_LOCAL_PATHS = ["run_dir", "data.path", "target.local_dir", "data.regenerate.output_dir", "extraction.output_dir",
-                "training.output_dir", "training.init_from"]
+_LOCAL_PATHS = [
+    "run_dir",
+    "data.path",
+    "target.local_dir",
+    "data.regenerate.output_dir",
+    "extraction.output_dir",
+    "training.output_dir",
+    "training.init_from",
+]
 _SERVER_PATHS = ["target.checkpoint", "server.workdir", "server.dump_dir"]
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> PipelineConfig:
-    """Read a YAML config, apply dotted overrides ("training.max_steps": 5), validate, resolve paths."""
+    """Read a YAML config, apply dotted overrides ("training.max_steps": 5), validate, resolve
+    paths."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -34,11 +41,17 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Pi
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
-    return config_from_dict(raw, base_dir=path.resolve().parent, source=str(path), overrides=overrides)
+    return config_from_dict(
+        raw, base_dir=path.resolve().parent, source=str(path), overrides=overrides
+    )
 
 
-def config_from_dict(raw: dict[str, Any], base_dir: Path, source: str = "<dict>",
-                     overrides: dict[str, Any] | None = None) -> PipelineConfig:
+def config_from_dict(
+    raw: dict[str, Any],
+    base_dir: Path,
+    source: str = "<dict>",
+    overrides: dict[str, Any] | None = None,
+) -> PipelineConfig:
     """Validate a config mapping; relative local paths are resolved against base_dir."""
     raw = apply_overrides(raw, overrides)
     try:
@@ -59,23 +72,41 @@ _HOME_PARENTS = (Path("/home"), Path("/Users"))
 
 def _check_server_folders(cfg: PipelineConfig, source: str) -> None:
     """server.workdir and server.dump_dir get eyas's files, and the dump folder is emptied: never a
-    filesystem root or a home folder, and the dump folder never holds the workdir (log, pid record)."""
+    filesystem root or a home folder, and the dump folder never holds the workdir (log, pid
+    record)."""
     s = cfg.server
-    homes = {Path("/root"), *_HOME_PARENTS, *([Path.home().resolve()] if s.host.kind == "local" else [])}
+    homes = {
+        Path("/root"),
+        *_HOME_PARENTS,
+        *([Path.home().resolve()] if s.host.kind == "local" else []),
+    }
     work, dump = (Path(os.path.normpath(p)) for p in (s.workdir, s.dump_dir))
     for field, p in (("server.workdir", work), ("server.dump_dir", dump)):
-        why = ("is a filesystem root" if p == Path(p.anchor) else
-               "is a home folder" if p in homes or p.parent in _HOME_PARENTS else None)
+        why = (
+            "is a filesystem root"
+            if p == Path(p.anchor)
+            else "is a home folder"
+            if p in homes or p.parent in _HOME_PARENTS
+            else None
+        )
         if why:
-            raise ConfigError(f"{source}: {field}: {p} {why}; eyas writes files there (and empties the dump "
-                              f"folder): give it a folder of its own, e.g. {p / 'eyas'}")
+            raise ConfigError(
+                f"{source}: {field}: {p} {why}; eyas writes files there (and empties "
+                f"the dump "
+                f"folder): give it a folder of its own, e.g. {p / 'eyas'}"
+            )
     if dump == work or dump in work.parents:
-        raise ConfigError(f"{source}: server.dump_dir: {dump} holds server.workdir {work} (the log and the "
-                          f"launch record); eyas empties the dump folder: use a folder of its own, e.g. {work / 'dump'}")
+        raise ConfigError(
+            f"{source}: server.dump_dir: {dump} holds server.workdir {work} (the log "
+            f"and the "
+            f"launch record); eyas empties the dump folder: use a folder of its own, "
+            f"e.g. {work / 'dump'}"
+        )
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`--set key=value` pairs -> dotted overrides, each value read as YAML (50 an int, null None)."""
+    """`--set key=value` pairs -> dotted overrides, each value read as YAML (50 an int, null
+    None)."""
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -86,7 +117,8 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
-    """A copy of raw with dotted overrides set in it ({"training.max_steps": 5}: raw["training"]["max_steps"])."""
+    """A copy of raw with dotted overrides set in it ({"training.max_steps": 5}:
+    raw["training"]["max_steps"])."""
     raw = copy.deepcopy(raw)
     for dotted, value in (overrides or {}).items():
         *parents, leaf = dotted.split(".")

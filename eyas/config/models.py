@@ -42,15 +42,21 @@ class PipelineConfig(StrictModel):
     @classmethod
     def _tokenizer_is_the_local_copy(cls, raw):
         """data.tokenizer, another name for target.local_dir (its tokenizer and chat template)."""
-        data, target = (raw.get("data"), raw.get("target")) if isinstance(raw, dict) else (None, None)
+        data, target = (
+            (raw.get("data"), raw.get("target")) if isinstance(raw, dict) else (None, None)
+        )
         if not isinstance(data, dict) or "tokenizer" not in data or not isinstance(target, dict):
             return raw
         data, target = dict(data), dict(target)
         old = data.pop("tokenizer")
         if old is not None and target.get("local_dir") not in (None, old):
-            raise ValueError(f"data.tokenizer={old} and target.local_dir={target['local_dir']}: data.tokenizer is "
-                             f"another name for target.local_dir (the target's config and tokenizer on this "
-                             f"machine); keep target.local_dir")
+            raise ValueError(
+                f"data.tokenizer={old} and target.local_dir={target['local_dir']}: "
+                f"data.tokenizer is "
+                f"another name for target.local_dir (the target's config and "
+                f"tokenizer on this "
+                f"machine); keep target.local_dir"
+            )
         if old is not None:
             target["local_dir"] = old
         return {**raw, "data": data, "target": target}
@@ -58,31 +64,48 @@ class PipelineConfig(StrictModel):
     @model_validator(mode="after")
     def _target_stays_in_sglang(self) -> "PipelineConfig":
         if self.evaluation.method == "in_process" and self.server.backend == "sglang":
-            raise ValueError("evaluation.method: in_process loads the whole target into this process; with "
-                             "server.backend sglang only SGLang loads it: use evaluation.method: server")
+            raise ValueError(
+                "evaluation.method: in_process loads the whole target into this "
+                "process; with "
+                "server.backend sglang only SGLang loads it: use evaluation.method: "
+                "server"
+            )
         return self
 
     @model_validator(mode="after")
     def _reference_beside_sglang(self) -> "PipelineConfig":
-        if self.benchmark.reference_backend and (self.server.backend != "sglang" or self.server.host.kind != "local"):
-            raise ValueError(f"benchmark.reference_backend: {self.benchmark.reference_backend} serves the drafter on "
-                             f"eyas's own server beside SGLang on this machine: it needs server.backend sglang on a "
-                             f"local host, got {self.server.backend} on {self.server.host.kind}")
+        if self.benchmark.reference_backend and (
+            self.server.backend != "sglang" or self.server.host.kind != "local"
+        ):
+            raise ValueError(
+                f"benchmark.reference_backend: {self.benchmark.reference_backend} "
+                f"serves the drafter on "
+                f"eyas's own server beside SGLang on this machine: it needs "
+                f"server.backend sglang on a "
+                f"local host, got {self.server.backend} on {self.server.host.kind}"
+            )
         return self
 
     @model_validator(mode="after")
     def _bench_env_not_secret(self) -> "PipelineConfig":
-        if twice := set(self.benchmark.server_env) & (set(self.server.secret_env) | set(self.server.env_from)):
-            raise ValueError(f"benchmark.server_env: {sorted(twice)} also set in server.secret_env or "
-                             f"server.env_from")
+        if twice := set(self.benchmark.server_env) & (
+            set(self.server.secret_env) | set(self.server.env_from)
+        ):
+            raise ValueError(
+                f"benchmark.server_env: {sorted(twice)} also set in server.secret_env "
+                f"or "
+                f"server.env_from"
+            )
         return self
 
     @model_validator(mode="after")
     def _check_remote_paths(self) -> "PipelineConfig":
         if self.server.host.kind == "ssh":
-            for name, p in [("target.checkpoint", self.target.checkpoint),
-                            ("server.workdir", self.server.workdir),
-                            ("server.dump_dir", self.server.dump_dir)]:
+            for name, p in [
+                ("target.checkpoint", self.target.checkpoint),
+                ("server.workdir", self.server.workdir),
+                ("server.dump_dir", self.server.dump_dir),
+            ]:
                 if not p.is_absolute():
                     raise ValueError(f"{name} must be absolute on an ssh host, got {p}")
         return self

@@ -9,7 +9,8 @@ from eyas.config.base import StrictModel
 
 class PlanConfig(StrictModel):
     """Figures `eyas preflight` plans with (eyas/plan.py). Defaults: the 2-core development machine
-    on the embedded tiny target (docs/performance.md); put measured figures here for real hardware."""
+    on the embedded tiny target (docs/performance.md); put measured figures here for real
+    hardware."""
 
     #: prompt tokens/s one target server prefills with capture on; each extraction.endpoints server
     #: counts the same again (report.json's extraction tokens/s is the measured figure)
@@ -18,4 +19,6 @@ class PlanConfig(StrictModel):
     decode_tokens_per_s: float = Field(350.0, gt=0)
     #: training tokens/s per training process (every position of every sequence, TTT included)
     train_tokens_per_s: float = Field(6000.0, gt=0)
-    gpu_memory_gb: float | None = Field(None, gt=0)  #: one training GPU; None = estimate printed only
+    gpu_memory_gb: float | None = Field(
+        None, gt=0
+    )  #: one training GPU; None = estimate printed only

@@ -18,14 +18,18 @@ class ServerConfig(StrictModel):
     backend: Literal["sglang", "local"] = "local"
     host: HostConfig = HostConfig()
     bind: Address = "127.0.0.1"  #: address the server listens on (on its host)
-    url_host: Address | None = None  #: address the pipeline uses to reach it; default host.hostname or bind
+    url_host: Address | None = (
+        None  #: address the pipeline uses to reach it; default host.hostname or bind
+    )
     port: int = Field(30000, ge=1, le=65535)
     #: interpreter on the server host; None = this interpreter (local host) or python3 (ssh). On a
     #: local host `~` is expanded and a relative path is read from the config file's folder
     python: str | None = None
-    #: extra flags appended to every launch command, capture and serving (an --api-key value is never shown)
+    #: extra flags appended to every launch command, capture and serving (an --api-key value is
+    #: never shown)
     launch_args: list[str] = []
-    #: every launch's environment, e.g. CUDA_VISIBLE_DEVICES, NCCL_ALGO; shown and stored: no secrets
+    #: every launch's environment, e.g. CUDA_VISIBLE_DEVICES, NCCL_ALGO; shown and stored: no
+    #: secrets
     env: dict[EnvName, str] = {}
     #: flags for the capture (extraction) launch only, after launch_args: e.g. --disable-cuda-graph;
     #: the serving benchmark's launches take benchmark.launch_args instead
@@ -33,8 +37,9 @@ class ServerConfig(StrictModel):
     #: the capture launch's environment over env (EYAS_DUMP_DIR is set there and nowhere else)
     capture_env: dict[EnvName, str] = {}
     #: how SGLang writes dump records: "forward_hook" registers eyas's hook through --forward-hooks
-    #: and changes no SGLang file; "source_patch" also patches models/deepseek_v2.py, for SGLang builds
-    #: without --forward-hooks (the capture launch then passes none). The local backend ignores it.
+    #: and changes no SGLang file; "source_patch" also patches models/deepseek_v2.py, for SGLang
+    #: builds without --forward-hooks (the capture launch then passes none). The local backend
+    #: ignores it.
     capture: Literal["forward_hook", "source_patch"] = "forward_hook"
     #: secret values for the server's environment, from a config file on the worker: never printed,
     #: stored with a run, nor put on a command line (docs/operations.md, "Secrets")
@@ -49,8 +54,8 @@ class ServerConfig(StrictModel):
     #: the backend's default (SGLang: sized from memory; eyas-local: one at a time). The serving
     #: benchmark's launches leave it out: eyas-local's speculative path runs one request at a time.
     max_running_requests: int | None = Field(None, ge=1)
-    #: replicas of the model in the extraction server (SGLang's --dp-size: data-parallel workers, one
-    #: GPU group each); None = the backend's default (1). eyas-local: copies on a core each. The
+    #: replicas of the model in the extraction server (SGLang's --dp-size: data-parallel workers,
+    #: one GPU group each); None = the backend's default (1). eyas-local: copies on a core each. The
     #: serving benchmark's launches leave it out, as max_running_requests
     dp_size: int | None = Field(None, ge=1)
     #: launch with hidden-state capture (extraction); the serving benchmark launches without it
@@ -66,16 +71,30 @@ class ServerConfig(StrictModel):
     def _check_env(self) -> "ServerConfig":
         for name in self.env:
             if looks_secret(name):
-                raise ValueError(f"server.env.{name} looks like a secret, and env values are shown and stored: "
-                                 f"use server.env_from (copied from the worker's environment) or server.secret_env")
+                raise ValueError(
+                    f"server.env.{name} looks like a secret, and env values are shown "
+                    f"and stored: "
+                    f"use server.env_from (copied from the worker's environment) or "
+                    f"server.secret_env"
+                )
         for name in self.capture_env:
             if looks_secret(name):
-                raise ValueError(f"server.capture_env.{name} looks like a secret, and env values are shown and "
-                                 f"stored: use server.env_from or server.secret_env")
-        plain, secret, copied = set(self.env) | set(self.capture_env), set(self.secret_env), set(self.env_from)
+                raise ValueError(
+                    f"server.capture_env.{name} looks like a secret, and env values "
+                    f"are shown and "
+                    f"stored: use server.env_from or server.secret_env"
+                )
+        plain, secret, copied = (
+            set(self.env) | set(self.capture_env),
+            set(self.secret_env),
+            set(self.env_from),
+        )
         if twice := (plain & secret) | (plain & copied) | (secret & copied):
-            raise ValueError(f"server: {sorted(twice)} set in more than one of env, secret_env, env_from "
-                             f"(capture_env counts as env)")
+            raise ValueError(
+                f"server: {sorted(twice)} set in more than one of env, secret_env, "
+                f"env_from "
+                f"(capture_env counts as env)"
+            )
         return self
 
     @field_serializer("launch_args", "capture_launch_args", when_used="json")
@@ -92,7 +111,9 @@ class ServerConfig(StrictModel):
 
     @property
     def url(self) -> str:
-        host = self.url_host or (self.host.hostname if self.host.kind == "ssh" else None) or self.bind
+        host = (
+            self.url_host or (self.host.hostname if self.host.kind == "ssh" else None) or self.bind
+        )
         return f"http://{host}:{self.port}"
 
 

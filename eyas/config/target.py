@@ -16,14 +16,15 @@ class TargetConfig(StrictModel):
     """The target model whose hidden states train the drafter."""
 
     checkpoint: Path  #: Hugging Face folder (config.json, *.safetensors, index) on the server host
-    #: this machine's copy of the target's small files (config.json, tokenizer files and any tokenizer
-    #: code, chat template; no weights): all the orchestrator reads of the target (preflight, data
-    #: preparation, held-out prompts, export, suites). None = target.checkpoint, read on this machine
-    #: (a local server host; with an ssh host only where that path is here too). `data.tokenizer` is
-    #: accepted as another name for it
+    #: this machine's copy of the target's small files (config.json, tokenizer files and any
+    #: tokenizer code, chat template; no weights): all the orchestrator reads of the target
+    #: (preflight, data preparation, held-out prompts, export, suites). None = target.checkpoint,
+    #: read on this machine (a local server host; with an ssh host only where that path is here
+    #: too). `data.tokenizer` is accepted as another name for it
     local_dir: Path | None = None
-    #: run the tokenizer code the target folder ships (tokenizer_config.json auto_map, e.g. Kimi-K2.5's
-    #: TikTokenTokenizer) when loading it; None = on for server.backend sglang, whose launch trusts it too
+    #: run the tokenizer code the target folder ships (tokenizer_config.json auto_map, e.g.
+    #: Kimi-K2.5's TikTokenTokenizer) when loading it; None = on for server.backend sglang, whose
+    #: launch trusts it too
     trust_remote_code: bool | None = None
     revision: str | None = None  #: recorded in manifests; e.g. a hub commit or a local tag
     layer_ids: list[int] = Field(min_length=1)  #: the aux layers, in `layer_convention`

@@ -21,7 +21,8 @@ class DrafterShape(StrictModel):
 
 
 class DistributedConfig(StrictModel):
-    """Training on several processes through torchrun, launched through the Host seam (eyas/training/distributed.py).
+    """Training on several processes through torchrun, launched through the Host seam
+    (eyas/training/distributed.py).
 
     The default (one process, one host) trains inside the flow's own process. Shards and
     training.output_dir must be on a filesystem every training host sees at the same paths.
@@ -32,14 +33,20 @@ class DistributedConfig(StrictModel):
     hosts: list[HostConfig] = []
     strategy: Literal["ddp", "fsdp"] = "ddp"  #: fsdp shards gradients and optimizer state (ZeRO-2)
     master_port: int = Field(29511, ge=1, le=65535)
-    python: str | None = None  #: interpreter on the training hosts; None = this one (local) or python3
+    python: str | None = (
+        None  #: interpreter on the training hosts; None = this one (local) or python3
+    )
     env: dict[EnvName, str] = {}  #: e.g. NCCL_SOCKET_IFNAME, CUDA_VISIBLE_DEVICES
     timeout_s: float = Field(7 * 24 * 3600.0, gt=0)  #: the whole run, all nodes
 
     @property
     def launched(self) -> bool:
         """True when training runs under torchrun rather than in the calling process."""
-        return self.nproc_per_node > 1 or len(self.hosts) > 1 or any(h.kind == "ssh" for h in self.hosts)
+        return (
+            self.nproc_per_node > 1
+            or len(self.hosts) > 1
+            or any(h.kind == "ssh" for h in self.hosts)
+        )
 
 
 class TrainingConfig(StrictModel):
@@ -51,7 +58,8 @@ class TrainingConfig(StrictModel):
     ttt_steps: int = Field(3, ge=1)  #: training-time-test unroll length
     loss_decay: float = Field(0.8, gt=0, le=1)  #: weight of TTT step k is loss_decay**k
     #: which predicted tokens carry a label: "assistant" (the loss mask) or "all" (every real token;
-    #: more signal on small data, the prompt's tokens included). The draft vocab is counted on the mask.
+    #: more signal on small data, the prompt's tokens included). The draft vocab is counted on the
+    #: mask.
     loss_positions: Literal["assistant", "all"] = "assistant"
     max_steps: int = Field(300, ge=1)  #: optimizer steps
     batch_size: int = Field(4, ge=1)  #: sequences per micro-batch, per process
@@ -66,12 +74,13 @@ class TrainingConfig(StrictModel):
     #: the final weights are an exponential moving average of the trained ones, this decay per step
     #: (eyas/training/ema.py; ~1/(1-decay) steps averaged); 0 = off, the last step's weights
     ema_decay: float = Field(0.0, ge=0, lt=1)
-    #: training-only augmentation (as EAGLE did): Gaussian noise on the target's captured states, this
-    #: many times each token's RMS per layer; 0 = off. Evaluation and export never see it.
+    #: training-only augmentation (as EAGLE did): Gaussian noise on the target's captured states,
+    #: this many times each token's RMS per layer; 0 = off. Evaluation and export never see it.
     aux_noise: float = Field(0.0, ge=0)
     #: on GPU: bf16 autocast over fp32 master weights; on a CPU with AMX: bf16 GEMMs, the rest fp32
     precision: Literal["bf16", "fp32"] = "bf16"
-    #: fuse the elementwise regions with torch.compile (eyas/training/kernels.py); None = on a GPU only
+    #: fuse the elementwise regions with torch.compile (eyas/training/kernels.py); None = on a GPU
+    #: only
     compile: bool | None = None
     #: EXPERIMENTAL: the drafter layer's GEMMs in FP8 (e4m3, row-wise scales; a GPU with FP8 units,
     #: Hopper or newer), the head and the teacher in bf16. 1.1-1.25x faster steps, but one step's
@@ -79,14 +88,16 @@ class TrainingConfig(StrictModel):
     #: docs/performance.md "FP8 GEMMs (experimental)"
     fp8_gemms: bool = False
     #: on a CPU: the teacher's labels of every sequence computed once (not once per batch) when they
-    #: fit in this much memory (tokens x draft_vocab_size x 4 bytes; eyas/training/teacher_cache.py);
-    #: 0 = per batch, as on a GPU always (then each position's full-vocabulary argmax bit is remembered
-    #: from its sequence's first epoch: teacher_cache.ArgmaxMemo)
+    #: fit in this much memory (tokens x draft_vocab_size x 4 bytes;
+    #: eyas/training/teacher_cache.py); 0 = per batch, as on a GPU always (then each position's
+    #: full-vocabulary argmax bit is remembered from its sequence's first epoch:
+    #: teacher_cache.ArgmaxMemo)
     teacher_cache_gb: float = Field(2.0, ge=0)
-    #: threads that read, collate and pin the coming micro-batches while the step runs (the copy to the
-    #: GPU overlaps it too: eyas/training/loader.py); 0 = synchronously inside the step. One reads a
-    #: Kimi-size micro-batch of 4 (0.94 GB) in ~0.2 s from the page cache (docs/performance.md, "The
-    #: data path"). None = 2 on a GPU, 0 on a CPU, whose step already uses every core. The same batches either way
+    #: threads that read, collate and pin the coming micro-batches while the step runs (the copy to
+    #: the GPU overlaps it too: eyas/training/loader.py); 0 = synchronously inside the step. One
+    #: reads a Kimi-size micro-batch of 4 (0.94 GB) in ~0.2 s from the page cache
+    #: (docs/performance.md, "The data path"). None = 2 on a GPU, 0 on a CPU, whose step already
+    #: uses every core. The same batches either way
     loader_workers: int | None = Field(None, ge=0)
     #: the shard folder's read rate against what the planned training speed needs (eyas preflight:
     #: a short probe with the page cache dropped): "warn" notes a disk too slow, "refuse" makes it a
@@ -95,25 +106,33 @@ class TrainingConfig(StrictModel):
     seed: int = 0
     device: str = "auto"  #: "auto" = cuda if available else cpu
     checkpoint_every: int = Field(100, ge=1)
-    #: the last shard sequences, kept out of training: the simulated acceptance length is measured on
-    #: them; None = 5% of the data, at most 64. (data.num_heldout is another thing: the conversations
-    #: kept back before extraction as evaluation prompts.)
+    #: the last shard sequences, kept out of training: the simulated acceptance length is measured
+    #: on them; None = 5% of the data, at most 64. (data.num_heldout is another thing: the
+    #: conversations kept back before extraction as evaluation prompts.)
     num_validation_sequences: int | None = Field(None, ge=0)
-    eval_every: int = Field(0, ge=0)  #: simulated acceptance length every N steps (0 = at the end only)
-    #: warm start: the drafter begins as this one (an exported drafter folder such as an earlier run's
-    #: run_dir/drafter, a checkpoint step-NNNNNN/, or another run's training output_dir) with its draft
-    #: vocabulary; optimizer, schedule and step start fresh. Sizes must match (refused naming the field);
-    #: ttt_steps and the recipe may differ. Checkpoints of another run in output_dir are set aside to
-    #: checkpoints.previous/ instead of refused; this run's own are resumed. None = from the target
+    eval_every: int = Field(
+        0, ge=0
+    )  #: simulated acceptance length every N steps (0 = at the end only)
+    #: warm start: the drafter begins as this one (an exported drafter folder such as an earlier
+    #: run's run_dir/drafter, a checkpoint step-NNNNNN/, or another run's training output_dir) with
+    #: its draft vocabulary; optimizer, schedule and step start fresh. Sizes must match (refused
+    #: naming the field); ttt_steps and the recipe may differ. Checkpoints of another run in
+    #: output_dir are set aside to checkpoints.previous/ instead of refused; this run's own are
+    #: resumed. None = from the target
     init_from: Path | None = None
     distributed: DistributedConfig = DistributedConfig()
 
     @model_validator(mode="before")
     @classmethod
     def _num_heldout_is_a_data_setting(cls, raw):
-        """training.num_heldout is refused with the name it means: the two held-out counts differ."""
+        """training.num_heldout is refused with the name it means: the two held-out counts
+        differ."""
         if isinstance(raw, dict) and "num_heldout" in raw:
-            raise ValueError("num_heldout is not a training setting: the shard sequences kept out of training "
-                             "are training.num_validation_sequences; the conversations kept back as "
-                             "evaluation prompts are data.num_heldout")
+            raise ValueError(
+                "num_heldout is not a training setting: the shard sequences kept out "
+                "of training "
+                "are training.num_validation_sequences; the conversations kept back "
+                "as "
+                "evaluation prompts are data.num_heldout"
+            )
         return raw

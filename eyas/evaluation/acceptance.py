@@ -1,7 +1,8 @@
 """The acceptance arithmetic, one copy for both ways of measuring it (in process, through a server).
 
     rec = prompt_record(prompt_tokens=12, output=[...], verify_steps=5, reference=[...])
-    fig = pooled([rec, ...])        # acceptance_length, verify_steps, identical_to_target, per_prompt
+    # acceptance_length, verify_steps, identical_to_target, per_prompt
+    fig = pooled([rec, ...])
     chain_name(3) == "3/1/4"
 
 Acceptance length is SGLang's: completion tokens / verify steps (`meta_info.completion_tokens /
@@ -18,15 +19,27 @@ def chain_name(steps: int, topk: int = 1, draft_tokens: int | None = None) -> st
     return f"{steps}/{topk}/{steps + 1 if draft_tokens is None else draft_tokens}"
 
 
-def prompt_record(prompt_tokens: int, output: list[int], verify_steps: int,
-                  reference: list[int] | None = None) -> dict:
+def prompt_record(
+    prompt_tokens: int, output: list[int], verify_steps: int, reference: list[int] | None = None
+) -> dict:
     """One prompt's figures; `identical` compares with the reference output and `same_prefix` counts
     the leading tokens both share (None: no reference)."""
-    same = None if reference is None else next(
-        (i for i, (a, b) in enumerate(zip(output, reference)) if a != b), min(len(output), len(reference)))
-    return {"prompt_tokens": prompt_tokens, "new_tokens": len(output), "verify_steps": verify_steps,
-            "acceptance_length": round(len(output) / verify_steps, 4) if verify_steps else None,
-            "identical": None if reference is None else list(output) == list(reference), "same_prefix": same}
+    same = (
+        None
+        if reference is None
+        else next(
+            (i for i, (a, b) in enumerate(zip(output, reference)) if a != b),
+            min(len(output), len(reference)),
+        )
+    )
+    return {
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": len(output),
+        "verify_steps": verify_steps,
+        "acceptance_length": round(len(output) / verify_steps, 4) if verify_steps else None,
+        "identical": None if reference is None else list(output) == list(reference),
+        "same_prefix": same,
+    }
 
 
 def pooled(records: list[dict]) -> dict:

@@ -40,15 +40,20 @@ class EvalResult:
     verify_steps: int
     identical_to_target: bool
     seconds: float
-    accepted_per_verify: float = 0.0  # draft tokens accepted per verify step (no bonus, no prefill token)
+    accepted_per_verify: float = (
+        0.0  # draft tokens accepted per verify step (no bonus, no prefill token)
+    )
     per_prompt: list[dict] = field(default_factory=list)
     setting: str = ""  # the headline's "steps/1/steps+1"
-    settings: dict[str, dict] = field(default_factory=dict)  # every setting: the fields above, per setting
+    settings: dict[str, dict] = field(
+        default_factory=dict
+    )  # every setting: the fields above, per setting
     method: str = "in_process"  # evaluation.method: the target loaded here, not served
 
 
 def _eos_ids(target) -> set[int]:
-    """Stop tokens: the config's eos plus generation_config.json's (where chat models list end-of-turn)."""
+    """Stop tokens: the config's eos plus generation_config.json's (where chat models list
+    end-of-turn)."""
     ids: set[int] = set()
     for cfg in (target.config, getattr(target, "generation_config", None)):
         eos = getattr(cfg, "eos_token_id", None)
@@ -74,8 +79,15 @@ def _aux(out, capture_ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def speculative_greedy(target, drafter, prompt: list[int], capture_ids: list[int], draft_steps: int,
-                       max_new_tokens: int, eos: set[int]) -> tuple[list[int], int]:
+def speculative_greedy(
+    target,
+    drafter,
+    prompt: list[int],
+    capture_ids: list[int],
+    draft_steps: int,
+    max_new_tokens: int,
+    eos: set[int],
+) -> tuple[list[int], int]:
     """Greedy chain speculative decoding -> (new tokens, verify steps)."""
     dev = target.device
     out = target(torch.tensor([prompt], device=dev), use_cache=True, output_hidden_states=True)
@@ -85,19 +97,32 @@ def speculative_greedy(target, drafter, prompt: list[int], capture_ids: list[int
     ids, aux, start = prompt[1:] + new, _aux(out, capture_ids), 0
     while len(new) < max_new_tokens and new[-1] not in eos:
         T = len(ids)
-        logits, h = drafter(torch.tensor([ids], device=dev), aux, torch.arange(start, start + T, device=dev),
-                            causal_mask(T, len(cache), device=dev), cache=cache)
+        logits, h = drafter(
+            torch.tensor([ids], device=dev),
+            aux,
+            torch.arange(start, start + T, device=dev),
+            causal_mask(T, len(cache), device=dev),
+            cache=cache,
+        )
         committed = len(cache)  # drafter entries backed by target states: positions 0..committed-1
         drafts = [int(drafter.to_target_ids(logits[0, -1].argmax()))]
         h = h[:, -1:]
         for k in range(1, draft_steps):
-            logits, h = drafter(torch.tensor([[drafts[-1]]], device=dev), h,
-                                torch.tensor([committed - 1 + k], device=dev), causal_mask(1, len(cache), device=dev),
-                                cache=cache)
+            logits, h = drafter(
+                torch.tensor([[drafts[-1]]], device=dev),
+                h,
+                torch.tensor([committed - 1 + k], device=dev),
+                causal_mask(1, len(cache), device=dev),
+                cache=cache,
+            )
             drafts.append(int(drafter.to_target_ids(logits[0, -1].argmax())))
         # the target checks [last token, drafts...] in one forward
-        out = target(torch.tensor([[new[-1]] + drafts], device=dev), past_key_values=past, use_cache=True,
-                     output_hidden_states=True)
+        out = target(
+            torch.tensor([[new[-1]] + drafts], device=dev),
+            past_key_values=past,
+            use_cache=True,
+            output_hidden_states=True,
+        )
         past, preds = out.past_key_values, out.logits[0].argmax(-1).tolist()
         verify_steps += 1
         a = 0
@@ -110,13 +135,19 @@ def speculative_greedy(target, drafter, prompt: list[int], capture_ids: list[int
             new.append(tok)
         past.crop(-(draft_steps - a))  # keep the last token and the accepted drafts
         cache.crop(committed)
-        ids, aux, start = accepted, _aux(out, capture_ids)[:, :a + 1], committed
+        ids, aux, start = accepted, _aux(out, capture_ids)[:, : a + 1], committed
     return new, verify_steps
 
 
-def evaluate_acceptance(drafter_dir: str | Path, target_checkpoint: str | Path, prompts: list[list[int]],
-                        cfg: EvaluationConfig, capture_ids: list[int]) -> EvalResult:
-    """Acceptance length of the exported drafter over prompts (token ids), checked against the target."""
+def evaluate_acceptance(
+    drafter_dir: str | Path,
+    target_checkpoint: str | Path,
+    prompts: list[list[int]],
+    cfg: EvaluationConfig,
+    capture_ids: list[int],
+) -> EvalResult:
+    """Acceptance length of the exported drafter over prompts (token ids), checked against the
+    target."""
     from transformers import AutoModelForCausalLM
 
     from eyas.evaluation.export import load_exported
@@ -127,9 +158,14 @@ def evaluate_acceptance(drafter_dir: str | Path, target_checkpoint: str | Path, 
     drafter, _, meta = load_exported(drafter_dir, target_checkpoint=target_checkpoint)
     written = meta["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     if list(written) != list(capture_ids):
-        raise ValueError(f"{drafter_dir}: the drafter reads layers {written}, evaluation was asked for {capture_ids}")
+        raise ValueError(
+            f"{drafter_dir}: the drafter reads layers {written}, evaluation was asked "
+            f"for {capture_ids}"
+        )
     device = torch.device(cfg.device)
-    target = AutoModelForCausalLM.from_pretrained(str(target_checkpoint), dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(
+        str(target_checkpoint), dtype=torch.float32
+    ).eval()
     target.to(device)
     drafter.to(device)
     eos = _eos_ids(target)
@@ -138,13 +174,21 @@ def evaluate_acceptance(drafter_dir: str | Path, target_checkpoint: str | Path, 
     for steps in cfg.draft_steps:
         records = []
         for prompt, ref in zip(prompts, refs):
-            spec, n = speculative_greedy(target, drafter, prompt, capture_ids, steps, cfg.max_new_tokens, eos)
+            spec, n = speculative_greedy(
+                target, drafter, prompt, capture_ids, steps, cfg.max_new_tokens, eos
+            )
             records.append(prompt_record(len(prompt), spec, n, reference=ref))
         settings[chain_name(steps)] = pooled(records)
     head, first = next(iter(settings)), next(iter(settings.values()))
     return EvalResult(
-        acceptance_length=first["acceptance_length"], num_prompts=len(prompts),
-        total_new_tokens=first["total_new_tokens"], verify_steps=first["verify_steps"],
+        acceptance_length=first["acceptance_length"],
+        num_prompts=len(prompts),
+        total_new_tokens=first["total_new_tokens"],
+        verify_steps=first["verify_steps"],
         identical_to_target=all(s["identical_to_target"] for s in settings.values()),
-        seconds=round(time.monotonic() - t0, 3), accepted_per_verify=first["accepted_per_verify"],
-        per_prompt=first["per_prompt"], setting=head, settings=settings)
+        seconds=round(time.monotonic() - t0, 3),
+        accepted_per_verify=first["accepted_per_verify"],
+        per_prompt=first["per_prompt"],
+        setting=head,
+        settings=settings,
+    )

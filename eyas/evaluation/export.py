@@ -28,52 +28,79 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from eyas.config import ExportConfig, TargetConfig
+from eyas.draft_format import DrafterConfig, expected_weights, sglang_config
 from eyas.dump import DTYPES
 from eyas.files import sha256_file
-from eyas.draft_format import DrafterConfig, expected_weights, sglang_config
-from eyas.training.drafter import Eagle3Drafter
 from eyas.target import local_copy
+from eyas.training.drafter import Eagle3Drafter
 from eyas.training.target_head import load_target_tensors, read_target_config
 from eyas.training.warm_start import drafter_config_from_sglang
-
 
 
 def _shard_capture_ids(shard_meta: dict) -> list[int]:
     ids, conv = shard_meta.get("layer_ids"), shard_meta.get("layer_convention")
     if ids is None or conv is None:
-        raise ValueError("refusing to export: the shard manifest does not record layer_ids and "
-                         f"layer_convention (got layer_ids={ids!r}, layer_convention={conv!r}), so the "
-                         "layers the drafter was trained on cannot be checked")
+        raise ValueError(
+            "refusing to export: the shard manifest does not record layer_ids and "
+            f"layer_convention (got layer_ids={ids!r}, layer_convention={conv!r}), so "
+            f"the "
+            "layers the drafter was trained on cannot be checked"
+        )
     if conv not in ("capture-before", "output-of"):
-        raise ValueError(f"refusing to export: unknown layer_convention {conv!r} in the shard manifest")
+        raise ValueError(
+            f"refusing to export: unknown layer_convention {conv!r} in the shard manifest"
+        )
     capture = [i + (1 if conv == "output-of" else 0) for i in ids]
     if "capture_ids" in shard_meta and list(shard_meta["capture_ids"]) != capture:
-        raise ValueError(f"refusing to export: the shard manifest contradicts itself: layer_ids {ids} "
-                         f"({conv}) but capture_ids {shard_meta['capture_ids']}")
+        raise ValueError(
+            f"refusing to export: the shard manifest contradicts itself: layer_ids "
+            f"{ids} "
+            f"({conv}) but capture_ids {shard_meta['capture_ids']}"
+        )
     return capture
 
 
-def check_layer_ids(target: TargetConfig, shard_meta: dict, trained: dict | None = None,
-                    num_target_layers: int | None = None) -> list[int]:
+def check_layer_ids(
+    target: TargetConfig,
+    shard_meta: dict,
+    trained: dict | None = None,
+    num_target_layers: int | None = None,
+) -> list[int]:
     """The capture-before ids to write into eagle_config, after every consistency check."""
     capture = target.capture_ids()
     shards = _shard_capture_ids(shard_meta)
     if shards != capture:
-        raise ValueError(f"refusing to export: the shards were captured at layers {shards} (capture-before) "
-                         f"but target.layer_ids {target.layer_ids} ({target.layer_convention}) means "
-                         f"{capture}")
+        raise ValueError(
+            f"refusing to export: the shards were captured at layers {shards} "
+            f"(capture-before) "
+            f"but target.layer_ids {target.layer_ids} ({target.layer_convention}) "
+            f"means "
+            f"{capture}"
+        )
     if trained is not None and trained.get("capture_ids") != capture:
-        raise ValueError(f"refusing to export: the checkpoint was trained on capture layers "
-                         f"{trained.get('capture_ids')}, the config says {capture}")
+        raise ValueError(
+            f"refusing to export: the checkpoint was trained on capture layers "
+            f"{trained.get('capture_ids')}, the config says {capture}"
+        )
     if len(capture) != 3:
-        raise ValueError(f"refusing to export: SGLang's EAGLE-3 drafter fuses exactly 3 layers, got {capture}")
+        raise ValueError(
+            f"refusing to export: SGLang's EAGLE-3 drafter fuses exactly 3 layers, got {capture}"
+        )
     if capture[0] == 1:
-        raise ValueError(f"refusing to export: capture-before ids {capture} start with 1, which SGLang "
-                         f"reads as output-of ids and shifts to {[i + 1 for i in capture]}; choose layers "
-                         f"whose first capture id is not 1")
+        raise ValueError(
+            f"refusing to export: capture-before ids {capture} start with 1, which "
+            f"SGLang "
+            f"reads as output-of ids and shifts to {[i + 1 for i in capture]}; choose "
+            f"layers "
+            f"whose first capture id is not 1"
+        )
     if num_target_layers is not None and capture[-1] >= num_target_layers:
-        raise ValueError(f"refusing to export: capture id {capture[-1]} is not the input of any of the "
-                         f"target's {num_target_layers} layers (SGLang cannot capture the last layer's output)")
+        raise ValueError(
+            f"refusing to export: capture id {capture[-1]} is not the input of any of "
+            f"the "
+            f"target's {num_target_layers} layers (SGLang cannot capture the last "
+            f"layer's output)"
+        )
     return capture
 
 
@@ -88,8 +115,9 @@ def _resolve_checkpoint(source) -> Path:
     return path
 
 
-def export_drafter(checkpoint, out_dir: str | Path, *, target: TargetConfig, export: ExportConfig,
-                   shard_meta: dict) -> Path:
+def export_drafter(
+    checkpoint, out_dir: str | Path, *, target: TargetConfig, export: ExportConfig, shard_meta: dict
+) -> Path:
     """Write the SGLang drafter folder from a checkpoint dir (or TrainResult); returns out_dir."""
     ckpt = _resolve_checkpoint(checkpoint)
     info = json.loads((ckpt / "drafter.json").read_text())
@@ -99,10 +127,15 @@ def export_drafter(checkpoint, out_dir: str | Path, *, target: TargetConfig, exp
     except ValueError:
         tcfg = {}  # no copy of the target's config here: skip the target-side checks
     capture = check_layer_ids(target, shard_meta, info.get("target"), tcfg.get("num_hidden_layers"))
-    if tcfg and (tcfg["hidden_size"], tcfg["vocab_size"]) != (dcfg.target_hidden_size, dcfg.vocab_size):
-        raise ValueError(f"refusing to export: the drafter was trained for hidden/vocab "
-                         f"{dcfg.target_hidden_size}/{dcfg.vocab_size}, {local_copy(target)} has "
-                         f"{tcfg['hidden_size']}/{tcfg['vocab_size']}")
+    if tcfg and (tcfg["hidden_size"], tcfg["vocab_size"]) != (
+        dcfg.target_hidden_size,
+        dcfg.vocab_size,
+    ):
+        raise ValueError(
+            f"refusing to export: the drafter was trained for hidden/vocab "
+            f"{dcfg.target_hidden_size}/{dcfg.vocab_size}, {local_copy(target)} has "
+            f"{tcfg['hidden_size']}/{tcfg['vocab_size']}"
+        )
     dtype = DTYPES[export.dtype]
     weights = load_file(str(ckpt / "model.safetensors"))
     tensors = {}
@@ -111,11 +144,20 @@ def export_drafter(checkpoint, out_dir: str | Path, *, target: TargetConfig, exp
             got = list(weights[name].shape) if name in weights else "missing"
             raise ValueError(f"{ckpt}: weight {name} is {got}, expected {shape}")
         tensors[name] = weights[name].to(fixed or dtype).contiguous()
-    config = sglang_config(dcfg, capture, export.dtype, provenance={
-        "target_checkpoint": str(target.checkpoint), "target_revision": target.revision,
-        "layer_ids": target.layer_ids, "layer_convention": target.layer_convention,
-        "capture_ids": capture, "last_hidden_norm": shard_meta.get("last_hidden_norm"),
-        "trained_checkpoint": str(ckpt)})
+    config = sglang_config(
+        dcfg,
+        capture,
+        export.dtype,
+        provenance={
+            "target_checkpoint": str(target.checkpoint),
+            "target_revision": target.revision,
+            "layer_ids": target.layer_ids,
+            "layer_convention": target.layer_convention,
+            "capture_ids": capture,
+            "last_hidden_norm": shard_meta.get("last_hidden_norm"),
+            "trained_checkpoint": str(ckpt),
+        },
+    )
     return _write_dir_atomic(Path(out_dir), config, tensors)
 
 
@@ -136,7 +178,8 @@ def _write_dir_atomic(out_dir: Path, config: dict, tensors: dict) -> Path:
 
 
 def drafter_digest(drafter_dir: str | Path) -> str:
-    """sha256 over an exported drafter's files (config.json, then model.safetensors): its identity."""
+    """sha256 over an exported drafter's files (config.json, then model.safetensors): its
+    identity."""
     h = hashlib.sha256()
     for name in ("config.json", "model.safetensors"):
         h.update(name.encode() + b"\0" + bytes.fromhex(sha256_file(Path(drafter_dir) / name)))
@@ -151,13 +194,18 @@ def load_exported(drafter_dir: str | Path, *, target_checkpoint: str | Path | No
     drafter_dir = Path(drafter_dir)
     meta = json.loads((drafter_dir / "config.json").read_text())
     if meta.get("architectures") != ["LlamaForCausalLMEagle3"]:
-        raise ValueError(f"{drafter_dir}: not an EAGLE-3 drafter (architectures {meta.get('architectures')})")
+        raise ValueError(
+            f"{drafter_dir}: not an EAGLE-3 drafter (architectures {meta.get('architectures')})"
+        )
     dcfg = drafter_config_from_sglang(meta)
     weights = load_file(str(drafter_dir / "model.safetensors"))
     expected = expected_weights(dcfg)
     if set(weights) != set(expected):
-        raise ValueError(f"{drafter_dir}: weight names differ from SGLang's: missing "
-                         f"{sorted(set(expected) - set(weights))}, unexpected {sorted(set(weights) - set(expected))}")
+        raise ValueError(
+            f"{drafter_dir}: weight names differ from SGLang's: missing "
+            f"{sorted(set(expected) - set(weights))}, unexpected "
+            f"{sorted(set(weights) - set(expected))}"
+        )
     model = Eagle3Drafter(dcfg)
     state = {k: (v if k in ("d2t", "t2d") else v.float()) for k, v in weights.items()}
     ckpt = target_checkpoint or meta.get("eyas", {}).get("target_checkpoint")

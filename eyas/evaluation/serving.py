@@ -5,7 +5,8 @@
         meter = Meter(handle.url, cfg.benchmark)
         meter.warm_up()
         served = meter.serve_set(prompts, max_new_tokens=48)   # acceptance: greedy, to the eos
-        meter.one_pass(prompts); figures = meter.summary()      # speed: single stream, concurrent, TTFT
+        # speed: single stream, concurrent, TTFT
+        meter.one_pass(prompts); figures = meter.summary()
 
 Every launch goes through the pipeline's own launch, readiness and stop code (eyas.server.launch,
 eyas.server.readiness), from config copies that differ only in their launch arguments and workdir.
@@ -57,30 +58,54 @@ class Chain:
 
     def args(self, drafter_dir: str | Path, extra: list[str]) -> list[str]:
         """SGLang's speculative flags for this chain (eyas-local takes the same)."""
-        return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter_dir),
-                "--speculative-num-steps", str(self.steps), "--speculative-eagle-topk", str(self.topk),
-                "--speculative-num-draft-tokens", str(self.draft_tokens), *extra]
+        return [
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-draft-model-path",
+            str(drafter_dir),
+            "--speculative-num-steps",
+            str(self.steps),
+            "--speculative-eagle-topk",
+            str(self.topk),
+            "--speculative-num-draft-tokens",
+            str(self.draft_tokens),
+            *extra,
+        ]
 
 
-def server_config(cfg: PipelineConfig, label: str, drafter_dir: str | Path | None, *,
-                  chain: Chain | None = None, port_offset: int = 0) -> PipelineConfig:
+def server_config(
+    cfg: PipelineConfig,
+    label: str,
+    drafter_dir: str | Path | None,
+    *,
+    chain: Chain | None = None,
+    port_offset: int = 0,
+) -> PipelineConfig:
     """A copy of cfg whose server serves plainly (no capture), with the drafter if one is given:
-    server.launch_args and benchmark.launch_args (server.capture_launch_args are the capture's only)."""
+    server.launch_args and benchmark.launch_args (server.capture_launch_args are the capture's
+    only)."""
     s = cfg.server
     # repeats of the same prompts must not skip their prefill
     extra = ["--disable-radix-cache", *cfg.benchmark.launch_args]
     if drafter_dir is not None:
         extra += chain.args(drafter_dir, cfg.benchmark.speculative_launch_args)
-    server = s.model_copy(update={"capture_aux": False, "port": s.port + port_offset,
-                                  "env": {**s.env, **cfg.benchmark.server_env},
-                                  "launch_args": [*s.launch_args, *extra],
-                                  "workdir": Path(s.workdir) / f"bench-{label}",
-                                  "dump_dir": Path(s.workdir) / f"bench-{label}" / "dump"})
+    server = s.model_copy(
+        update={
+            "capture_aux": False,
+            "port": s.port + port_offset,
+            "env": {**s.env, **cfg.benchmark.server_env},
+            "launch_args": [*s.launch_args, *extra],
+            "workdir": Path(s.workdir) / f"bench-{label}",
+            "dump_dir": Path(s.workdir) / f"bench-{label}" / "dump",
+        }
+    )
     return cfg.model_copy(update={"server": server})
 
 
 @contextmanager
-def running(host: Host, cfg: PipelineConfig, log, owner=None) -> Iterator[tuple[launch.ServerHandle, float]]:
+def running(
+    host: Host, cfg: PipelineConfig, log, owner=None
+) -> Iterator[tuple[launch.ServerHandle, float]]:
     """Launch the server cfg describes (recorded as `owner`'s, ownership.Owner), wait until it is
     ready, and always stop it afterwards."""
     handle = launch.start_server(host, cfg, owner)
@@ -88,9 +113,16 @@ def running(host: Host, cfg: PipelineConfig, log, owner=None) -> Iterator[tuple[
     try:
         s = cfg.sensor
         ready = readiness.wait_until_ready(
-            host, log_path=handle.log_path, pid=handle.pid, url=handle.url, start_offset=handle.log_offset,
-            poll_interval_s=s.poll_interval_s, stall_timeout_s=s.stall_timeout_s, deadline_s=s.deadline_s,
-            http_timeout_s=s.http_timeout_s)
+            host,
+            log_path=handle.log_path,
+            pid=handle.pid,
+            url=handle.url,
+            start_offset=handle.log_offset,
+            poll_interval_s=s.poll_interval_s,
+            stall_timeout_s=s.stall_timeout_s,
+            deadline_s=s.deadline_s,
+            http_timeout_s=s.http_timeout_s,
+        )
         yield handle, round(ready.seconds, 2)
     finally:
         launch.stop_server(host, cfg, handle)
@@ -99,6 +131,7 @@ def running(host: Host, cfg: PipelineConfig, log, owner=None) -> Iterator[tuple[
 # ---------------------------------------------------------------------------------------------
 # Measuring one running server
 # ---------------------------------------------------------------------------------------------
+
 
 def _generate(client: httpx.Client, ids: list[int], sampling: dict) -> tuple[dict, float]:
     t0 = time.perf_counter()
@@ -113,10 +146,17 @@ class Meter:
 
     def __init__(self, url: str, b: BenchmarkConfig, headers: dict | None = None):
         self.b = b
-        limits = httpx.Limits(max_connections=b.concurrency, max_keepalive_connections=b.concurrency)
-        self.client = httpx.Client(base_url=url, timeout=b.request_timeout_s, limits=limits, headers=headers)
-        self.sampling = {"max_new_tokens": b.max_new_tokens, "temperature": b.temperature,
-                         "ignore_eos": b.ignore_eos}
+        limits = httpx.Limits(
+            max_connections=b.concurrency, max_keepalive_connections=b.concurrency
+        )
+        self.client = httpx.Client(
+            base_url=url, timeout=b.request_timeout_s, limits=limits, headers=headers
+        )
+        self.sampling = {
+            "max_new_tokens": b.max_new_tokens,
+            "temperature": b.temperature,
+            "ignore_eos": b.ignore_eos,
+        }
         self.single: list[float] = []
         self.concurrent: list[float] = []
         self.ttft: list[float] = []
@@ -140,8 +180,12 @@ class Meter:
             outputs.append(res["output_ids"])
             verify.append(res["meta_info"].get("spec_verify_ct") or 0)
         seconds = time.perf_counter() - t0
-        return {"outputs": outputs, "verify_steps": verify, "seconds": round(seconds, 3),
-                "tokens_per_s": round(sum(map(len, outputs)) / seconds, 2)}
+        return {
+            "outputs": outputs,
+            "verify_steps": verify,
+            "seconds": round(seconds, 3),
+            "tokens_per_s": round(sum(map(len, outputs)) / seconds, 2),
+        }
 
     def one_pass(self, prompts: list[list[int]]) -> None:
         """The speed pass: single stream, then `concurrency` in flight, then time to first token."""
@@ -160,13 +204,15 @@ class Meter:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(b.concurrency) as pool:
             results = list(pool.map(lambda ids: _generate(client, ids, self.sampling)[0], prompts))
-        self.concurrent.append(sum(r["meta_info"]["completion_tokens"] for r in results)
-                               / (time.perf_counter() - t0))
+        self.concurrent.append(
+            sum(r["meta_info"]["completion_tokens"] for r in results) / (time.perf_counter() - t0)
+        )
         one = {**self.sampling, "max_new_tokens": 1}
         self.ttft.append(statistics.median(_generate(client, ids, one)[1] for ids in prompts))
 
     def summary(self) -> dict[str, Any]:
-        """Medians over the speed passes; acceptance = completion tokens / verify steps (single stream)."""
+        """Medians over the speed passes; acceptance = completion tokens / verify steps (single
+        stream)."""
         internal = (self.client.get("/server_info").json().get("internal_states") or [{}])[0]
         return {
             "single_stream_tokens_per_s": round(statistics.median(self.single), 2),
@@ -187,10 +233,15 @@ class Meter:
 # The machine and the drafter's place on the server host
 # ---------------------------------------------------------------------------------------------
 
+
 def machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "python": platform.python_version(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
 
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
@@ -208,5 +259,8 @@ def stage_drafter(host: Host, cfg: PipelineConfig, drafter_dir: str | Path) -> P
     host.run(f"rm -rf {shlex.quote(str(tmp))}")
     for name in DRAFTER_FILES:
         host.put(Path(drafter_dir) / name, tmp / name)
-    host.run(f"rm -rf {shlex.quote(str(remote))} && mv {shlex.quote(str(tmp))} {shlex.quote(str(remote))}")
+    host.run(
+        f"rm -rf {shlex.quote(str(remote))} && mv {shlex.quote(str(tmp))} "
+        f"{shlex.quote(str(remote))}"
+    )
     return remote

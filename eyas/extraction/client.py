@@ -4,13 +4,14 @@
                      Endpoint("http://gpu-2:30000", "/dev/shm/eyas-dump", 8)],
                     request_timeout_s=900, retries=5, backoff_s=2.0) as pool:
         reply = pool.generate(ids, "eyas-shard-00003-000017-ab12", {"max_new_tokens": 1}).result()
-        reply.endpoint.records.read(reply.rid) # the records dumped for it (eyas/extraction/records.py)
+        reply.endpoint.records.read(reply.rid) # the records dumped for it
+        (eyas/extraction/records.py)
 
 One event loop runs in a daemon thread; callers in any thread get a concurrent.futures.Future.
 Each endpoint has a bounded number of requests in flight, across every shard task that shares the
-pool (an extraction keeps one per endpoint set: stage.py's ExtractionContext), and a request goes to the
-endpoint with the most free slots. Transient failures (connection refused or reset, timeouts, 5xx,
-429) are retried with exponential backoff, on whichever endpoint is free and not backing off; a
+pool (an extraction keeps one per endpoint set: stage.py's ExtractionContext), and a request goes to
+the endpoint with the most free slots. Transient failures (connection refused or reset, timeouts,
+5xx, 429) are retried with exponential backoff, on whichever endpoint is free and not backing off; a
 server answering 4xx (a bad request: ids outside the vocabulary, say) is never retried. An endpoint
 with an `alive` check whose process is found gone after a failure is dropped at once: its requests
 go to the others, or fail at once when none is left, instead of backing off for minutes.
@@ -45,7 +46,6 @@ from eyas.config import HostConfig
 from eyas.errors import EyasError
 from eyas.extraction.records import DumpStore
 
-
 log = logging.getLogger(__name__)
 
 
@@ -63,11 +63,14 @@ class RequestFailed(EyasError, RuntimeError):
 
 class ServerStalled(RequestFailed):
     """No request completed for stall_timeout_s and no server answered /health."""
+
     retryable = False
 
 
 class ServersGone(RequestFailed):
-    """Every server's process is gone: retrying the request cannot help; relaunching the server can."""
+    """Every server's process is gone: retrying the request cannot help; relaunching the server
+    can."""
+
     retryable = False
 
 
@@ -94,11 +97,21 @@ class Endpoint:
         object.__setattr__(self, "url", self.url.rstrip("/"))
         object.__setattr__(self, "dump_dir", Path(self.dump_dir))
         if self.max_in_flight < 1:
-            raise ValueError(f"endpoint {self.url}: max_in_flight must be >= 1, got {self.max_in_flight}")
+            raise ValueError(
+                f"endpoint {self.url}: max_in_flight must be >= 1, got {self.max_in_flight}"
+            )
         remote = self.dump_host is not None and self.dump_host.kind == "ssh"
         object.__setattr__(self, "dump_key", self.dump_host.model_dump_json() if remote else None)
-        object.__setattr__(self, "records", DumpStore(self.dump_dir, self.dump_host,
-                                                      connections=self.dump_connections, field=self.dump_field))
+        object.__setattr__(
+            self,
+            "records",
+            DumpStore(
+                self.dump_dir,
+                self.dump_host,
+                connections=self.dump_connections,
+                field=self.dump_field,
+            ),
+        )
 
 
 @dataclass
@@ -134,12 +147,22 @@ _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 
 
 class ServerPool:
-    """Bounded, retrying /generate requests over one or many endpoints (see the module docstring)."""
+    """Bounded, retrying /generate requests over one or many endpoints (see the module
+    docstring)."""
 
-    def __init__(self, endpoints: list[Endpoint], *, request_timeout_s: float = 300.0, retries: int = 5,
-                 backoff_s: float = 2.0, backoff_max_s: float = 60.0, connect_timeout_s: float = 10.0,
-                 headers: dict[str, str] | None = None, stall_timeout_s: float | None = None,
-                 health_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        endpoints: list[Endpoint],
+        *,
+        request_timeout_s: float = 300.0,
+        retries: int = 5,
+        backoff_s: float = 2.0,
+        backoff_max_s: float = 60.0,
+        connect_timeout_s: float = 10.0,
+        headers: dict[str, str] | None = None,
+        stall_timeout_s: float | None = None,
+        health_timeout_s: float = 30.0,
+    ):
         if not endpoints:
             raise ValueError("ServerPool needs at least one endpoint")
         urls = [e.url for e in endpoints]
@@ -149,15 +172,21 @@ class ServerPool:
         self._headers = dict(headers or {})  # e.g. the server's API key
         self.request_timeout_s, self.retries = request_timeout_s, retries
         self.backoff_s, self.backoff_max_s = backoff_s, backoff_max_s
-        self._timeout = httpx.Timeout(request_timeout_s, connect=min(connect_timeout_s, request_timeout_s))
+        self._timeout = httpx.Timeout(
+            request_timeout_s, connect=min(connect_timeout_s, request_timeout_s)
+        )
         self._state = {e.url: _State() for e in endpoints}
         self.stall_timeout_s, self.health_timeout_s = stall_timeout_s, health_timeout_s
-        self._last_progress = time.monotonic()  # a reply, or the moment requests began after a pause
+        self._last_progress = (
+            time.monotonic()
+        )  # a reply, or the moment requests began after a pause
         self.completed = 0
         self._stalled: str | None = None  # the stall's reason, once the watchdog found one
         self._tasks: dict[asyncio.Task, Callable[..., None]] = {}  # in flight -> its caller's warn
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="eyas-client", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="eyas-client", daemon=True
+        )
         self._thread.start()
         self._closed = False
         self._init = asyncio.run_coroutine_threadsafe(self._setup(), self._loop)
@@ -165,8 +194,11 @@ class ServerPool:
 
     async def _setup(self) -> None:
         slots = sum(e.max_in_flight for e in self.endpoints)
-        self._client = httpx.AsyncClient(timeout=self._timeout, headers=self._headers, limits=httpx.Limits(
-            max_connections=slots + 4, max_keepalive_connections=slots + 4))
+        self._client = httpx.AsyncClient(
+            timeout=self._timeout,
+            headers=self._headers,
+            limits=httpx.Limits(max_connections=slots + 4, max_keepalive_connections=slots + 4),
+        )
         self._changed = asyncio.Condition()
         if self.stall_timeout_s is not None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
@@ -178,7 +210,8 @@ class ServerPool:
 
     @property
     def stalled(self) -> str | None:
-        """The watchdog's reason once it found every server stalled (the pool then fails every request)."""
+        """The watchdog's reason once it found every server stalled (the pool then fails every
+        request)."""
         return self._stalled
 
     @property
@@ -187,13 +220,27 @@ class ServerPool:
         return sum(e.max_in_flight for e in self.endpoints)
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        return {url: {"requests": s.requests, "in_flight": s.in_flight, "failures": s.total_failures, "dead": s.dead,
-                      "last_errors": s.errors[-3:]} for url, s in self._state.items()}
+        return {
+            url: {
+                "requests": s.requests,
+                "in_flight": s.in_flight,
+                "failures": s.total_failures,
+                "dead": s.dead,
+                "last_errors": s.errors[-3:],
+            }
+            for url, s in self._state.items()
+        }
 
     # ------------------------------------------------------------------ public, any thread
 
-    def generate(self, input_ids: list[int], rid: str, sampling_params: dict[str, Any], *,
-                 warn: Callable[..., None] | None = None) -> concurrent.futures.Future:
+    def generate(
+        self,
+        input_ids: list[int],
+        rid: str,
+        sampling_params: dict[str, Any],
+        *,
+        warn: Callable[..., None] | None = None,
+    ) -> concurrent.futures.Future:
         """Submit one /generate; the future's result is a Reply, or it raises RequestFailed.
 
         `warn(fmt, *args)` gets this request's retry warnings and the watchdog's, e.g. the calling
@@ -202,11 +249,13 @@ class ServerPool:
         if self._closed:
             raise RuntimeError("ServerPool is closed")
         body = {"input_ids": input_ids, "sampling_params": sampling_params}
-        return asyncio.run_coroutine_threadsafe(self._generate(body, rid, warn or log.warning), self._loop)
+        return asyncio.run_coroutine_threadsafe(
+            self._generate(body, rid, warn or log.warning), self._loop
+        )
 
     def calling(self, warn: Callable[..., None] | None) -> "ServerPool":
-        """This pool, with `warn` given to every generate (a task's logger.warning): for callers that
-        only take a pool."""
+        """This pool, with `warn` given to every generate (a task's logger.warning): for callers
+        that only take a pool."""
         return _Caller(self, warn) if warn is not None else self
 
     def close(self) -> None:
@@ -235,30 +284,47 @@ class ServerPool:
 
     def _pick(self) -> Endpoint | None:
         now = time.monotonic()
-        free = [e for e in self.endpoints if self._state[e.url].in_flight < e.max_in_flight
-                and self._state[e.url].backoff_until <= now and not self._state[e.url].dead]
+        free = [
+            e
+            for e in self.endpoints
+            if self._state[e.url].in_flight < e.max_in_flight
+            and self._state[e.url].backoff_until <= now
+            and not self._state[e.url].dead
+        ]
         if not free:
             return None
-        return max(free, key=lambda e: (e.max_in_flight - self._state[e.url].in_flight) / e.max_in_flight)
+        return max(
+            free, key=lambda e: (e.max_in_flight - self._state[e.url].in_flight) / e.max_in_flight
+        )
 
     async def _acquire(self, rid: str) -> Endpoint:
         async with self._changed:
             if not any(s.in_flight for s in self._state.values()):
-                self._last_progress = max(self._last_progress, time.monotonic())  # idle time is no stall
+                self._last_progress = max(
+                    self._last_progress, time.monotonic()
+                )  # idle time is no stall
             while True:
                 if all(s.dead for s in self._state.values()):
-                    raise ServersGone(rid, "every server's process is gone: "
-                                           f"{[s.errors[-1] for s in self._state.values() if s.errors]}",
-                                      transient=False)
+                    raise ServersGone(
+                        rid,
+                        "every server's process is gone: "
+                        f"{[s.errors[-1] for s in self._state.values() if s.errors]}",
+                        transient=False,
+                    )
                 ep = self._pick()
                 if ep is not None:
                     self._state[ep.url].in_flight += 1
                     return ep
                 now = time.monotonic()
-                waits = [s.backoff_until - now for s in self._state.values() if s.backoff_until > now]
+                waits = [
+                    s.backoff_until - now for s in self._state.values() if s.backoff_until > now
+                ]
                 try:
-                    # Woken by a release; or, when every endpoint is backing off, at the earliest end.
-                    await asyncio.wait_for(self._changed.wait(), timeout=min(waits) if waits else None)
+                    # Woken by a release; or, when every endpoint is backing off, at the earliest
+                    # end.
+                    await asyncio.wait_for(
+                        self._changed.wait(), timeout=min(waits) if waits else None
+                    )
                 except asyncio.TimeoutError:
                     pass
 
@@ -274,7 +340,9 @@ class ServerPool:
                 s.total_failures += 1
                 s.errors = (s.errors + [error])[-10:]
                 delay = min(self.backoff_s * 2 ** (s.failures - 1), self.backoff_max_s)
-                s.backoff_until = max(s.backoff_until, time.monotonic() + delay * (0.75 + 0.5 * random.random()))
+                s.backoff_until = max(
+                    s.backoff_until, time.monotonic() + delay * (0.75 + 0.5 * random.random())
+                )
             self._changed.notify_all()
 
     async def _generate(self, body: dict[str, Any], rid: str, warn: Callable[..., None]) -> Reply:
@@ -305,7 +373,9 @@ class ServerPool:
                     return Reply(ep, arid, r.json(), attempt + 1, time.monotonic() - t0)
                 text = r.text[:500]
                 if r.status_code not in _TRANSIENT_STATUS:
-                    raise RequestFailed(rid, f"{ep.url} answered {r.status_code}: {text}", transient=False)
+                    raise RequestFailed(
+                        rid, f"{ep.url} answered {r.status_code}: {text}", transient=False
+                    )
                 error = f"{ep.url} answered {r.status_code}: {text}"
             except httpx.TransportError as e:  # connect/read/write errors and timeouts
                 error = f"{ep.url}: {type(e).__name__}: {e or 'no message'}"
@@ -313,17 +383,30 @@ class ServerPool:
                 await self._release(ep, error)
             tried.append(error)
             if attempt < self.retries:
-                warn("rid %s: attempt %d of %d failed (%s); retrying", rid, attempt + 1, self.retries + 1, error)
+                warn(
+                    "rid %s: attempt %d of %d failed (%s); retrying",
+                    rid,
+                    attempt + 1,
+                    self.retries + 1,
+                    error,
+                )
             if ep.alive is not None and not self._state[ep.url].dead:
                 alive = await asyncio.get_running_loop().run_in_executor(None, ep.alive)
                 if not alive:
                     async with self._changed:
                         s = self._state[ep.url]
                         s.dead = True
-                        s.errors = (s.errors + [f"{ep.url}: the server process is gone ({error})"])[-10:]
+                        s.errors = (s.errors + [f"{ep.url}: the server process is gone ({error})"])[
+                            -10:
+                        ]
                         self._changed.notify_all()
-        raise RequestFailed(rid, f"failed after {self.retries + 1} attempts in {time.monotonic() - t0:.1f}s; "
-                                 f"last errors: {tried[-3:]}", transient=True)
+        raise RequestFailed(
+            rid,
+            f"failed after {self.retries + 1} attempts in "
+            f"{time.monotonic() - t0:.1f}s; "
+            f"last errors: {tried[-3:]}",
+            transient=True,
+        )
 
     # ------------------------------------------------------------------ the stall watchdog
 
@@ -335,16 +418,27 @@ class ServerPool:
             quiet = time.monotonic() - self._last_progress
             if not busy or quiet < self.stall_timeout_s:
                 continue
-            health = await asyncio.gather(*(self._health(e) for e in self.endpoints if not self._state[e.url].dead))
+            health = await asyncio.gather(
+                *(self._health(e) for e in self.endpoints if not self._state[e.url].dead)
+            )
             if any(ok for ok, _ in health):
-                self._warn_callers("no request completed for %.0f s, but %s: slow, not stalled; waiting on",
-                                   quiet, "; ".join(why for _, why in health))
+                self._warn_callers(
+                    "no request completed for %.0f s, but %s: slow, not stalled; waiting on",
+                    quiet,
+                    "; ".join(why for _, why in health),
+                )
                 self._last_progress = time.monotonic()
                 continue
-            self._stalled = (f"server stalled: no reply for {quiet:.0f} s (extraction.stall_timeout_s="
-                             f"{self.stall_timeout_s:g}; {self.completed} request(s) completed before; "
-                             f"{'; '.join(why for _, why in health)})")
-            self._warn_callers("%s: failing the %d request(s) in flight", self._stalled, len(self._tasks))
+            self._stalled = (
+                f"server stalled: no reply for {quiet:.0f} s "
+                f"(extraction.stall_timeout_s="
+                f"{self.stall_timeout_s:g}; {self.completed} request(s) completed "
+                f"before; "
+                f"{'; '.join(why for _, why in health)})"
+            )
+            self._warn_callers(
+                "%s: failing the %d request(s) in flight", self._stalled, len(self._tasks)
+            )
             for task in list(self._tasks):
                 task.cancel()
             return

@@ -70,16 +70,28 @@ def _check_messages(record: Any, where: str) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: missing or empty 'messages'")
     for j, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: message {j} needs a role in {sorted(ROLES)} and string content")
+        if (
+            not isinstance(m, dict)
+            or m.get("role") not in ROLES
+            or not isinstance(m.get("content"), str)
+        ):
+            raise DataError(
+                f"{where}: message {j} needs a role in {sorted(ROLES)} and string content"
+            )
         if m["role"] == "assistant" and not m["content"].strip():
             raise DataError(f"{where}: message {j} is an empty assistant turn")
         try:
             m["content"].encode("utf-8")
-        except UnicodeEncodeError as e:  # JSON can spell half a UTF-16 pair ("\\ud800"); no tokenizer takes it
-            raise DataError(f"{where}: message {j} ({m['role']}): lone surrogate U+{ord(m['content'][e.start]):04X} "
-                            f"at character {e.start} is not Unicode text (half of a UTF-16 pair in a JSON "
-                            f"\\u escape)") from None
+        except (
+            UnicodeEncodeError
+        ) as e:  # JSON can spell half a UTF-16 pair ("\\ud800"); no tokenizer takes it
+            raise DataError(
+                f"{where}: message {j} ({m['role']}): lone surrogate "
+                f"U+{ord(m['content'][e.start]):04X} "
+                f"at character {e.start} is not Unicode text (half of a UTF-16 pair in "
+                f"a JSON "
+                f"\\u escape)"
+            ) from None
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: no assistant turn, so nothing to train on")
     return messages
@@ -88,9 +100,16 @@ def _check_messages(record: Any, where: str) -> list[dict[str, str]]:
 def check_ids(ids: list[int], vocab_size: int | None, where: str) -> None:
     """Token ids must be ints in 0..vocab_size-1 (the target's embedding has no row for others)."""
     for i, tok in enumerate(ids):
-        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+        if (
+            not isinstance(tok, int)
+            or isinstance(tok, bool)
+            or tok < 0
+            or (vocab_size is not None and tok >= vocab_size)
+        ):
             bound = f"0..{vocab_size - 1}" if vocab_size is not None else ">= 0"
-            raise DataError(f"{where}: token id {tok!r} at position {i} is outside the vocabulary ({bound})")
+            raise DataError(
+                f"{where}: token id {tok!r} at position {i} is outside the vocabulary ({bound})"
+            )
 
 
 def _check_tokenized(record: dict, where: str, vocab_size: int | None) -> TokenizedSample:
@@ -98,8 +117,11 @@ def _check_tokenized(record: dict, where: str, vocab_size: int | None) -> Tokeni
     if not isinstance(ids, list) or not ids:
         raise DataError(f"{where}: 'input_ids' must be a non-empty list of token ids")
     if not isinstance(mask, list) or len(mask) != len(ids):
-        raise DataError(f"{where}: 'loss_mask' must be a list as long as input_ids ({len(ids)}), "
-                        f"got {type(mask).__name__} of length {len(mask) if isinstance(mask, list) else '-'}")
+        raise DataError(
+            f"{where}: 'loss_mask' must be a list as long as input_ids ({len(ids)}), "
+            f"got {type(mask).__name__} of length "
+            f"{len(mask) if isinstance(mask, list) else '-'}"
+        )
     if any(m not in (0, 1) or isinstance(m, bool) for m in mask):
         raise DataError(f"{where}: 'loss_mask' must hold only 0 and 1")
     if not any(mask):
@@ -108,8 +130,9 @@ def _check_tokenized(record: dict, where: str, vocab_size: int | None) -> Tokeni
     return TokenizedSample(list(ids), list(mask))
 
 
-def load_records(path: str | Path, *, vocab_size: int | None = None,
-                 bad_lines: str = "error") -> tuple[list[Record], list[str]]:
+def load_records(
+    path: str | Path, *, vocab_size: int | None = None, bad_lines: str = "error"
+) -> tuple[list[Record], list[str]]:
     """Read and check every line; returns (records, skipped "file:line: reason" messages).
 
     bad_lines "error" raises DataError on the first bad line; "skip" skips it and names it.
@@ -122,15 +145,21 @@ def load_records(path: str | Path, *, vocab_size: int | None = None,
         for lineno, raw_line in enumerate(f, start=1):
             where = f"{path}:{lineno}"
             try:
-                line = _decode_line(raw_line.removeprefix(UTF8_BOM) if lineno == 1 else raw_line, where)
+                line = _decode_line(
+                    raw_line.removeprefix(UTF8_BOM) if lineno == 1 else raw_line, where
+                )
                 if not line.strip():
                     continue
                 try:
                     raw = json.loads(line)
                 except json.JSONDecodeError as e:
-                    # json's own message ends "... at" for some faults ("Invalid control character at")
-                    raise DataError(f"{where}:{e.colno}: malformed JSON ({e.msg.removesuffix(' at')} at column "
-                                    f"{e.colno})") from None
+                    # json's own message ends "... at" for some faults ("Invalid control character
+                    # at")
+                    raise DataError(
+                        f"{where}:{e.colno}: malformed JSON "
+                        f"({e.msg.removesuffix(' at')} at column "
+                        f"{e.colno})"
+                    ) from None
                 if isinstance(raw, dict) and "input_ids" in raw and "messages" not in raw:
                     records.append(Record(where, tokens=_check_tokenized(raw, where, vocab_size)))
                 else:
@@ -141,8 +170,11 @@ def load_records(path: str | Path, *, vocab_size: int | None = None,
                 skipped.append(str(e))
     if not records:
         if skipped:
-            raise DataError(f"{path}: no usable conversations in the file ({len(skipped)} bad line(s) "
-                            f"skipped, e.g. {skipped[:3]})")
+            raise DataError(
+                f"{path}: no usable conversations in the file ({len(skipped)} bad "
+                f"line(s) "
+                f"skipped, e.g. {skipped[:3]})"
+            )
         raise DataError(f"{path}: no conversations in the file (it is empty)")
     return records, skipped
 
@@ -151,8 +183,11 @@ def _decode_line(raw: bytes, where: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{where}:{e.start + 1}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}: "
-                        f"{e.reason}); data files are UTF-8 JSONL") from None
+        raise DataError(
+            f"{where}:{e.start + 1}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
+            f"column {e.start + 1}: "
+            f"{e.reason}); data files are UTF-8 JSONL"
+        ) from None
 
 
 def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
@@ -160,15 +195,18 @@ def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
     records, _ = load_records(path)
     for r in records:
         if r.messages is None:
-            raise DataError(f"{r.where}: missing or empty 'messages' (a pre-tokenized record; use load_records)")
+            raise DataError(
+                f"{r.where}: missing or empty 'messages' (a pre-tokenized record; use load_records)"
+            )
     return [r.messages for r in records]
 
 
 def render_chat(tokenizer, messages, add_generation_prompt: bool, **template_kwargs) -> list[int]:
     """The token ids of messages through the tokenizer's chat template; template_kwargs reach the
     template (a thinking target's switch, prompt_kwargs)."""
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                        **template_kwargs)
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
     return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
 
@@ -199,9 +237,15 @@ def _render_error(tokenizer, messages: list[dict[str, str]], where: str, error: 
         try:
             render_chat(tokenizer, messages[: j + 1], add_generation_prompt=False)
         except Exception as e:  # noqa: BLE001 - any failure is the data's, reported with its line
-            return (f"{where}: message {j} ({messages[j].get('role')}): the tokenizer or chat template fails "
-                    f"on it ({type(e).__name__}: {e})")
-    return f"{where}: the tokenizer or chat template fails on this conversation ({type(error).__name__}: {error})"
+            return (
+                f"{where}: message {j} ({messages[j].get('role')}): the tokenizer or chat "
+                f"template fails "
+                f"on it ({type(e).__name__}: {e})"
+            )
+    return (
+        f"{where}: the tokenizer or chat template fails on this conversation "
+        f"({type(error).__name__}: {error})"
+    )
 
 
 def context_limit(tokenizer) -> int | None:
@@ -210,20 +254,33 @@ def context_limit(tokenizer) -> int | None:
     return limit if isinstance(limit, int) and 0 < limit < _UNSET_MAX_LENGTH else None
 
 
-def prepare(records: list, tokenizer, cfg: DataConfig, *, vocab_size: int | None = None,
-            skipped: list[str] | None = None) -> Prepared:
+def prepare(
+    records: list,
+    tokenizer,
+    cfg: DataConfig,
+    *,
+    vocab_size: int | None = None,
+    skipped: list[str] | None = None,
+) -> Prepared:
     """Tokenize, apply the length policy, and hold out the last records for evaluation.
 
     `records` are Records (load_records) or bare message lists (load_conversations). Every drop is
     counted in the stats, and the first MAX_NAMED_SKIPS are named with their line.
     """
-    records = [r if isinstance(r, Record) else Record(f"{cfg.path}:#{k + 1}", messages=r)
-               for k, r in enumerate(records)]
+    records = [
+        r if isinstance(r, Record) else Record(f"{cfg.path}:#{k + 1}", messages=r)
+        for k, r in enumerate(records)
+    ]
     num_heldout = min(cfg.num_heldout, len(records) - 1)
-    train_recs, heldout = records[: len(records) - num_heldout], records[len(records) - num_heldout:]
+    train_recs, heldout = (
+        records[: len(records) - num_heldout],
+        records[len(records) - num_heldout :],
+    )
     policy = _LengthPolicy(tokenizer, cfg, vocab_size, list(skipped or []), len(train_recs))
     warned = getattr(tokenizer, "deprecation_warnings", None)
-    if isinstance(warned, dict):  # Hugging Face's "longer than the maximum" warning names no line; eyas does
+    if isinstance(
+        warned, dict
+    ):  # Hugging Face's "longer than the maximum" warning names no line; eyas does
         warned["sequence-length-is-longer-than-the-specified-maximum"] = True
     train = [s for s in map(policy.sequence, train_recs) if s is not None]
     stats = policy.stats
@@ -241,11 +298,28 @@ class _LengthPolicy:
     """data.max_length, data.overlong and data.bad_lines applied record by record, counting and
     naming every record left out."""
 
-    def __init__(self, tokenizer, cfg: DataConfig, vocab_size: int | None, skipped: list[str], conversations: int):
-        self.tokenizer, self.cfg, self.vocab_size, self.skipped = tokenizer, cfg, vocab_size, skipped
+    def __init__(
+        self,
+        tokenizer,
+        cfg: DataConfig,
+        vocab_size: int | None,
+        skipped: list[str],
+        conversations: int,
+    ):
+        self.tokenizer, self.cfg, self.vocab_size, self.skipped = (
+            tokenizer,
+            cfg,
+            vocab_size,
+            skipped,
+        )
         self.limit = context_limit(tokenizer)
-        self.stats: dict[str, Any] = {"conversations": conversations, "truncated": 0, "dropped_overlong": 0,
-                                      "dropped_no_loss": 0, "skipped_bad_lines": len(skipped)}
+        self.stats: dict[str, Any] = {
+            "conversations": conversations,
+            "truncated": 0,
+            "dropped_overlong": 0,
+            "dropped_no_loss": 0,
+            "skipped_bad_lines": len(skipped),
+        }
 
     def skip(self, reason: str) -> None:
         if self.cfg.bad_lines != "skip":
@@ -268,56 +342,82 @@ class _LengthPolicy:
         if len(s.input_ids) > cfg.max_length:
             if cfg.overlong == "drop":
                 stats["dropped_overlong"] += 1
-                self.skipped.append(f"{r.where}: {len(s.input_ids)} tokens > data.max_length {cfg.max_length}, dropped")
+                self.skipped.append(
+                    f"{r.where}: {len(s.input_ids)} tokens > data.max_length "
+                    f"{cfg.max_length}, dropped"
+                )
                 return None
             s = TokenizedSample(s.input_ids[: cfg.max_length], s.loss_mask[: cfg.max_length])
             stats["truncated"] += 1
         if not any(s.loss_mask):
             stats["dropped_no_loss"] += 1  # truncation cut every assistant token
-            self.skipped.append(f"{r.where}: no assistant token left within data.max_length, dropped")
+            self.skipped.append(
+                f"{r.where}: no assistant token left within data.max_length, dropped"
+            )
             return None
-        if self.limit is not None and len(s.input_ids) >= self.limit:  # the server would refuse it (SGLang: >=)
-            return self.skip(f"{r.where}: {len(s.input_ids)} tokens (after data.overlong {cfg.overlong} at "
-                             f"data.max_length {cfg.max_length}) are too many for the target (its tokenizer's "
-                             f"model_max_length is {self.limit}; a server takes fewer); set data.max_length "
-                             f"below {self.limit}")
+        if (
+            self.limit is not None and len(s.input_ids) >= self.limit
+        ):  # the server would refuse it (SGLang: >=)
+            return self.skip(
+                f"{r.where}: {len(s.input_ids)} tokens (after data.overlong "
+                f"{cfg.overlong} at "
+                f"data.max_length {cfg.max_length}) are too many for the target (its "
+                f"tokenizer's "
+                f"model_max_length is {self.limit}; a server takes fewer); set "
+                f"data.max_length "
+                f"below {self.limit}"
+            )
         return s
 
     def prompt(self, r: Record) -> list[int] | None:
         """A held-out record's prompt: its conversation up to the first assistant turn."""
         if r.messages is None:
             prompt = r.tokens.input_ids[: r.tokens.loss_mask.index(1)] or r.tokens.input_ids[:1]
-            return prompt[-self.cfg.max_length:]
+            return prompt[-self.cfg.max_length :]
         first = next(j for j, m in enumerate(r.messages) if m["role"] == "assistant")
         try:
-            prompt = render_chat(self.tokenizer, r.messages[:first], add_generation_prompt=True,
-                                 **prompt_kwargs(self.cfg))
+            prompt = render_chat(
+                self.tokenizer,
+                r.messages[:first],
+                add_generation_prompt=True,
+                **prompt_kwargs(self.cfg),
+            )
         except Exception as e:  # noqa: BLE001 - as for training records: name the line and message
-            return self.skip(_render_error(self.tokenizer, r.messages[:first], r.where, e) + " (a held-out prompt)")
-        return prompt[-self.cfg.max_length:]
+            return self.skip(
+                _render_error(self.tokenizer, r.messages[:first], r.where, e)
+                + " (a held-out prompt)"
+            )
+        return prompt[-self.cfg.max_length :]
 
 
 # ---------------------------------------------------------------------------------------------
 # Provenance: what the token ids depend on
 # ---------------------------------------------------------------------------------------------
 
+
 def tokenizer_hashes(tokenizer, folder: str | Path | None = None) -> dict[str, str | None]:
-    """sha256 of the tokenizer (its tokenizer.json, else its vocabulary) and of its chat template."""
+    """sha256 of the tokenizer (its tokenizer.json, else its vocabulary) and of its chat
+    template."""
     tok_hash = None
     if folder is not None and (Path(folder) / "tokenizer.json").exists():
         tok_hash = sha256_file(Path(folder) / "tokenizer.json")
     elif hasattr(tokenizer, "get_vocab"):
-        tok_hash = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+        tok_hash = hashlib.sha256(
+            json.dumps(sorted(tokenizer.get_vocab().items())).encode()
+        ).hexdigest()
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = json.dumps(template, sort_keys=True)
-    return {"tokenizer_sha256": tok_hash,
-            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None}
+    return {
+        "tokenizer_sha256": tok_hash,
+        "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # The shard plan
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class ShardPlan:
@@ -334,8 +434,12 @@ class ShardPlan:
         return f"shard-{self.index:05d}"
 
 
-def write_shard_plans(samples: list[TokenizedSample], num_shards: int, plan_dir: str | Path,
-                      info: dict[str, Any] | None = None) -> list[ShardPlan]:
+def write_shard_plans(
+    samples: list[TokenizedSample],
+    num_shards: int,
+    plan_dir: str | Path,
+    info: dict[str, Any] | None = None,
+) -> list[ShardPlan]:
     """Split samples into contiguous shards by index and write one plan file per shard.
 
     plan.json (written after the shard files) lists the shards and carries `info` (provenance, data
@@ -347,17 +451,30 @@ def write_shard_plans(samples: list[TokenizedSample], num_shards: int, plan_dir:
     info = dict(info or {})
     plans = []
     for k in range(num_shards):
-        chunk = samples[bounds[k]: bounds[k + 1]]
-        lines = [json.dumps({"input_ids": s.input_ids, "loss_mask": s.loss_mask}, separators=(",", ":"))
-                 for s in chunk]
+        chunk = samples[bounds[k] : bounds[k + 1]]
+        lines = [
+            json.dumps({"input_ids": s.input_ids, "loss_mask": s.loss_mask}, separators=(",", ":"))
+            for s in chunk
+        ]
         digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
         path = plan_dir / f"shard-{k:05d}.plan.jsonl"
         if not path.exists() or plan_file_hash(path) != digest:
             _write_text_atomic(path, "\n".join(lines) + "\n")
-        plans.append(ShardPlan(k, num_shards, path, digest, len(chunk),
-                               sum(len(s.input_ids) for s in chunk), info.get("provenance", {})))
-    write_json_atomic(plan_dir / "plan.json", {"format": PLAN_FORMAT, **info,
-                                               "shards": [_plan_json(p) for p in plans]})
+        plans.append(
+            ShardPlan(
+                k,
+                num_shards,
+                path,
+                digest,
+                len(chunk),
+                sum(len(s.input_ids) for s in chunk),
+                info.get("provenance", {}),
+            )
+        )
+    write_json_atomic(
+        plan_dir / "plan.json",
+        {"format": PLAN_FORMAT, **info, "shards": [_plan_json(p) for p in plans]},
+    )
     # A plan of fewer shards into the same folder: the index (replaced above) no longer names the
     # old plan's higher shards; delete their files, and only eyas's own plan files.
     for old in plan_dir.glob("shard-*.plan.jsonl"):
@@ -368,11 +485,14 @@ def write_shard_plans(samples: list[TokenizedSample], num_shards: int, plan_dir:
 
 
 def read_shard_plan(path: str | Path) -> list[TokenizedSample]:
-    return [TokenizedSample(**json.loads(line)) for line in Path(path).read_text().splitlines() if line]
+    return [
+        TokenizedSample(**json.loads(line)) for line in Path(path).read_text().splitlines() if line
+    ]
 
 
 def read_plan_index(plan_dir: str | Path) -> dict[str, Any]:
-    """plan.json: {"format", "shards": [...], provenance, stats}; a list in plans before eyas-plan/1."""
+    """plan.json: {"format", "shards": [...], provenance, stats}; a list in plans before
+    eyas-plan/1."""
     raw = json.loads((Path(plan_dir) / "plan.json").read_text())
     return {"format": None, "shards": raw} if isinstance(raw, list) else raw
 
@@ -383,8 +503,14 @@ def plan_file_hash(path: str | Path) -> str:
 
 
 def _plan_json(p: ShardPlan) -> dict[str, Any]:
-    return {"index": p.index, "name": p.name, "path": str(p.path), "content_hash": p.content_hash,
-            "num_sequences": p.num_sequences, "num_tokens": p.num_tokens}
+    return {
+        "index": p.index,
+        "name": p.name,
+        "path": str(p.path),
+        "content_hash": p.content_hash,
+        "num_sequences": p.num_sequences,
+        "num_tokens": p.num_tokens,
+    }
 
 
 def _write_text_atomic(path: Path, text: str) -> None:

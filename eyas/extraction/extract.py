@@ -1,18 +1,20 @@
-"""Extraction of one shard: send its sequences through the server(s), collect the dumps, write the shard.
+"""Extraction of one shard: send its sequences through the server(s), collect the dumps, write the
+shard.
 
     with ServerPool([Endpoint(url, dump_dir, 4)], request_timeout_s=300) as pool:
         manifest, reused = ensure_shard(plan, out_dir, cache_key, pool=pool, capture_ids=[2, 4, 5],
                                         dtype="bfloat16", meta={...}, on_progress=print)
 
 Each sequence is one /generate request with its own rid and max_new_tokens=1 (the prefill is what
-we want), sent through a ServerPool (eyas.extraction.client: async, bounded in flight per server, retried with
-backoff on transient errors). The server's hook writes one dump record per prefill chunk before it
-answers; the collector then reads them (from this machine, or through the server's host when its
-dump folder is not visible here: eyas.extraction.records), checks the chunks against the ids we
-sent (eyas.dump.validate: coverage without gap or overlap, token ids, shapes, finite values, the
-captured layers) and writes them chunk by chunk into their place in the shard file, a few
-sequences at a time (`collect_workers`), so memory stays bounded by those sequences. A shard that
-fails leaves no file behind; a shard on disk is reused only if it matches its manifest and cache key.
+we want), sent through a ServerPool (eyas.extraction.client: async, bounded in flight per server,
+retried with backoff on transient errors). The server's hook writes one dump record per prefill
+chunk before it answers; the collector then reads them (from this machine, or through the server's
+host when its dump folder is not visible here: eyas.extraction.records), checks the chunks against
+the ids we sent (eyas.dump.validate: coverage without gap or overlap, token ids, shapes, finite
+values, the captured layers) and writes them chunk by chunk into their place in the shard file, a
+few sequences at a time (`collect_workers`), so memory stays bounded by those sequences. A shard
+that fails leaves no file behind; a shard on disk is reused only if it matches its manifest and
+cache key.
 """
 
 from __future__ import annotations
@@ -28,13 +30,18 @@ from typing import Any, Callable
 
 import torch
 
+from eyas.dump import DTYPES, DumpError, validate
 from eyas.errors import EyasError
 from eyas.extraction.client import Endpoint, RequestFailed, ServerPool, attempt_rids
 from eyas.extraction.data import ShardPlan, plan_file_hash, read_shard_plan
-from eyas.dump import DumpError, validate
-from eyas.dump import DTYPES
 from eyas.extraction.records import DumpStore
-from eyas.extraction.shards import ShardError, ShardWriter, bytes_per_token, partial_path, verify_shard
+from eyas.extraction.shards import (
+    ShardError,
+    ShardWriter,
+    bytes_per_token,
+    partial_path,
+    verify_shard,
+)
 from eyas.server.hosts import HostError
 
 SAMPLING = {"max_new_tokens": 1, "temperature": 0}
@@ -42,6 +49,7 @@ SAMPLING = {"max_new_tokens": 1, "temperature": 0}
 
 class ExtractionError(EyasError, RuntimeError):
     """A shard could not be extracted; names the shard and the sequence."""
+
     retryable = True  # a sequence whose records did not come may come on the next try
 
 
@@ -60,11 +68,26 @@ def shard_path(out_dir: str | Path, plan: ShardPlan) -> Path:
     return Path(out_dir) / f"{plan.name}.safetensors"
 
 
-def shard_cache_key(plan: ShardPlan, *, target_checkpoint: str, target_revision: str | None,
-                    capture_ids: list[int], dtype: str, patch_version: str, encoding: str = "plain") -> str:
+def shard_cache_key(
+    plan: ShardPlan,
+    *,
+    target_checkpoint: str,
+    target_revision: str | None,
+    capture_ids: list[int],
+    dtype: str,
+    patch_version: str,
+    encoding: str = "plain",
+) -> str:
     """What a shard's content depends on: its sequences, the target, the layers, dtype, the hook."""
-    parts = [plan.content_hash, target_checkpoint, str(target_revision), ",".join(map(str, capture_ids)),
-             dtype, patch_version, "eyas-shard/1"]
+    parts = [
+        plan.content_hash,
+        target_checkpoint,
+        str(target_revision),
+        ",".join(map(str, capture_ids)),
+        dtype,
+        patch_version,
+        "eyas-shard/1",
+    ]
     if encoding != "plain":
         parts.append(encoding)  # plain keys stay what they were before encodings existed
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
@@ -76,13 +99,16 @@ _verified: dict[tuple, str] = {}
 _verified_lock = threading.Lock()
 
 
-def existing_shard(out_dir: str | Path, plan: ShardPlan, cache_key: str, *, full: bool = True) -> dict[str, Any] | None:
+def existing_shard(
+    out_dir: str | Path, plan: ShardPlan, cache_key: str, *, full: bool = True
+) -> dict[str, Any] | None:
     """The manifest of an already extracted, intact shard for this exact key, else None."""
     return shard_on_disk(out_dir, plan, cache_key, full=full)[0]
 
 
-def shard_on_disk(out_dir: str | Path, plan: ShardPlan, cache_key: str, *,
-                  full: bool = True) -> tuple[dict[str, Any] | None, str | None]:
+def shard_on_disk(
+    out_dir: str | Path, plan: ShardPlan, cache_key: str, *, full: bool = True
+) -> tuple[dict[str, Any] | None, str | None]:
     """(the intact shard's manifest, None), or (None, why it cannot be reused: "missing", "damaged:
     ...", "from other inputs ...")."""
     path = shard_path(out_dir, plan)
@@ -104,13 +130,23 @@ def shard_on_disk(out_dir: str | Path, plan: ShardPlan, cache_key: str, *,
     if full and known is None:
         with _verified_lock:
             _verified[ident] = manifest["sha256"]
-    if manifest.get("cache_key") != cache_key or manifest.get("content_hash", plan.content_hash) != plan.content_hash:
-        return None, "from other inputs (its cache key or plan differs: another target, layers, dtype or data)"
+    if (
+        manifest.get("cache_key") != cache_key
+        or manifest.get("content_hash", plan.content_hash) != plan.content_hash
+    ):
+        return (
+            None,
+            "from other inputs (its cache key or plan differs: another target, layers, dtype or "
+            "data)",
+        )
     return manifest, None
 
 
-def ensure_shard(plan: ShardPlan, out_dir: str | Path, cache_key: str, **kwargs) -> tuple[dict[str, Any], bool]:
-    """Reuse the intact shard for this key, or extract it (kwargs: extract_shard's). -> (manifest, reused)."""
+def ensure_shard(
+    plan: ShardPlan, out_dir: str | Path, cache_key: str, **kwargs
+) -> tuple[dict[str, Any], bool]:
+    """Reuse the intact shard for this key, or extract it (kwargs: extract_shard's). -> (manifest,
+    reused)."""
     found = existing_shard(out_dir, plan, cache_key)
     if found is not None:
         return found, True
@@ -122,12 +158,25 @@ class _Cancelled(Exception):
     pass
 
 
-def extract_shard(plan: ShardPlan, out_dir: str | Path, *, capture_ids: list[int], dtype: str,
-                  meta: dict[str, Any], pool: ServerPool | None = None, encoding: str = "plain",
-                  record_timeout_s: float = 60.0, collect_workers: int = 2,
-                  on_progress: Callable[[ShardProgress], None] | None = None,
-                  server_url: str | None = None, dump_dir: str | Path | None = None, concurrency: int = 4,
-                  request_timeout_s: float = 300.0, retries: int = 2, backoff_s: float = 1.0) -> dict[str, Any]:
+def extract_shard(
+    plan: ShardPlan,
+    out_dir: str | Path,
+    *,
+    capture_ids: list[int],
+    dtype: str,
+    meta: dict[str, Any],
+    pool: ServerPool | None = None,
+    encoding: str = "plain",
+    record_timeout_s: float = 60.0,
+    collect_workers: int = 2,
+    on_progress: Callable[[ShardProgress], None] | None = None,
+    server_url: str | None = None,
+    dump_dir: str | Path | None = None,
+    concurrency: int = 4,
+    request_timeout_s: float = 300.0,
+    retries: int = 2,
+    backoff_s: float = 1.0,
+) -> dict[str, Any]:
     """Extract one planned shard into out_dir; returns its manifest.
 
     Give a shared `pool`, or `server_url` + `dump_dir` for a one-server pool made for this call.
@@ -135,15 +184,32 @@ def extract_shard(plan: ShardPlan, out_dir: str | Path, *, capture_ids: list[int
     if pool is None:
         if server_url is None or dump_dir is None:
             raise ValueError("extract_shard needs a pool, or server_url and dump_dir")
-        with ServerPool([Endpoint(server_url, Path(dump_dir), concurrency)], request_timeout_s=request_timeout_s,
-                        retries=retries, backoff_s=backoff_s) as own:
-            return extract_shard(plan, out_dir, capture_ids=capture_ids, dtype=dtype, meta=meta, pool=own,
-                                 encoding=encoding, record_timeout_s=record_timeout_s,
-                                 collect_workers=collect_workers, on_progress=on_progress)
+        with ServerPool(
+            [Endpoint(server_url, Path(dump_dir), concurrency)],
+            request_timeout_s=request_timeout_s,
+            retries=retries,
+            backoff_s=backoff_s,
+        ) as own:
+            return extract_shard(
+                plan,
+                out_dir,
+                capture_ids=capture_ids,
+                dtype=dtype,
+                meta=meta,
+                pool=own,
+                encoding=encoding,
+                record_timeout_s=record_timeout_s,
+                collect_workers=collect_workers,
+                on_progress=on_progress,
+            )
     if plan_file_hash(plan.path) != plan.content_hash:
-        raise ExtractionError(f"{plan.name}: plan file {plan.path} changed since it was planned "
-                              f"(content hash differs); run the prepare stage again")
-    job = _ShardJob(plan, out_dir, pool, capture_ids, dtype, encoding, meta, record_timeout_s, collect_workers)
+        raise ExtractionError(
+            f"{plan.name}: plan file {plan.path} changed since it was planned "
+            f"(content hash differs); run the prepare stage again"
+        )
+    job = _ShardJob(
+        plan, out_dir, pool, capture_ids, dtype, encoding, meta, record_timeout_s, collect_workers
+    )
     window = pool.capacity + collect_workers  # keep every server busy while a few are collected
     per_token = None
     done = tokens = 0
@@ -156,15 +222,26 @@ def extract_shard(plan: ShardPlan, out_dir: str | Path, *, capture_ids: list[int
             while nxt < len(samples) and len(pending) < window:
                 pending.add(ex.submit(job.one, nxt))
                 nxt += 1
-            finished, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            finished, pending = concurrent.futures.wait(
+                pending, return_when=concurrent.futures.FIRST_COMPLETED
+            )
             for f in finished:
                 tokens += f.result()
                 done += 1
             if on_progress:
                 w = job.writer
                 per_token = per_token or bytes_per_token(w.hidden_size, w.num_aux, dtype, encoding)
-                on_progress(ShardProgress(plan.name, done, len(samples), tokens, num_tokens,
-                                          tokens * per_token, time.monotonic() - job.t0))
+                on_progress(
+                    ShardProgress(
+                        plan.name,
+                        done,
+                        len(samples),
+                        tokens,
+                        num_tokens,
+                        tokens * per_token,
+                        time.monotonic() - job.t0,
+                    )
+                )
     except BaseException:
         job.cancel.set()
         ex.shutdown(wait=True, cancel_futures=True)
@@ -178,9 +255,25 @@ def extract_shard(plan: ShardPlan, out_dir: str | Path, *, capture_ids: list[int
 class _ShardJob:
     """One shard's sequences, each sent through the pool and its records written as they come."""
 
-    def __init__(self, plan: ShardPlan, out_dir, pool: ServerPool, capture_ids: list[int], dtype: str,
-                 encoding: str, meta: dict[str, Any], record_timeout_s: float, collect_workers: int):
-        self.plan, self.pool, self.capture_ids, self.dtype, self.encoding = plan, pool, capture_ids, dtype, encoding
+    def __init__(
+        self,
+        plan: ShardPlan,
+        out_dir,
+        pool: ServerPool,
+        capture_ids: list[int],
+        dtype: str,
+        encoding: str,
+        meta: dict[str, Any],
+        record_timeout_s: float,
+        collect_workers: int,
+    ):
+        self.plan, self.pool, self.capture_ids, self.dtype, self.encoding = (
+            plan,
+            pool,
+            capture_ids,
+            dtype,
+            encoding,
+        )
         self.meta, self.record_timeout_s = meta, record_timeout_s
         self.samples = read_shard_plan(plan.path)
         self.path = shard_path(out_dir, plan)
@@ -199,13 +292,27 @@ class _ShardJob:
                 self.norm = got_meta["last_hidden_norm"]
                 plan = self.plan
                 self.writer = ShardWriter(
-                    self.path, [len(s.input_ids) for s in self.samples], hidden_size=hidden,
-                    num_aux=len(self.capture_ids), dtype=DTYPES[self.dtype], encoding=self.encoding,
-                    meta={**self.meta, "shard_index": plan.index, "num_shards": plan.num_shards,
-                          "content_hash": plan.content_hash, "last_hidden_norm": self.norm})
+                    self.path,
+                    [len(s.input_ids) for s in self.samples],
+                    hidden_size=hidden,
+                    num_aux=len(self.capture_ids),
+                    dtype=DTYPES[self.dtype],
+                    encoding=self.encoding,
+                    meta={
+                        **self.meta,
+                        "shard_index": plan.index,
+                        "num_shards": plan.num_shards,
+                        "content_hash": plan.content_hash,
+                        "last_hidden_norm": self.norm,
+                    },
+                )
             elif got_meta["last_hidden_norm"] != self.norm:
-                raise ExtractionError(f"{self.plan.name}: the server's last_hidden_norm changed from "
-                                      f"{self.norm!r} to {got_meta['last_hidden_norm']!r} within the shard")
+                raise ExtractionError(
+                    f"{self.plan.name}: the server's last_hidden_norm changed "
+                    f"from "
+                    f"{self.norm!r} to {got_meta['last_hidden_norm']!r} within "
+                    f"the shard"
+                )
             return self.writer
 
     def wait_reply(self, fut: concurrent.futures.Future):
@@ -227,25 +334,40 @@ class _ShardJob:
             with self.collect:
                 if self.cancel.is_set():
                     raise _Cancelled()
-                records = _wait_records(reply.endpoint.records, reply.rid, len(s.input_ids), self.record_timeout_s)
+                records = _wait_records(
+                    reply.endpoint.records, reply.rid, len(s.input_ids), self.record_timeout_s
+                )
                 got = validate(records, s.input_ids)
                 captured = _capture_ids(got)
                 if captured != list(self.capture_ids):
-                    raise ExtractionError(f"{where}: server {reply.endpoint.url} captured layers {captured} "
-                                          f"({got.get('layer_convention')}), config expects capture-before "
-                                          f"{list(self.capture_ids)}")
+                    raise ExtractionError(
+                        f"{where}: server {reply.endpoint.url} captured layers "
+                        f"{captured} "
+                        f"({got.get('layer_convention')}), config expects "
+                        f"capture-before "
+                        f"{list(self.capture_ids)}"
+                    )
                 w = self.writer_for(got, got["hidden_size"])
                 mask = torch.tensor(s.loss_mask, dtype=torch.bool)
                 for rec in records:
                     a, n = rec.prefix_offset, rec.token_ids.shape[0]
-                    w.put_rows(i, a, rec.token_ids, mask[a:a + n], rec.aux_hidden_states, rec.last_hidden_state)
+                    w.put_rows(
+                        i,
+                        a,
+                        rec.token_ids,
+                        mask[a : a + n],
+                        rec.aux_hidden_states,
+                        rec.last_hidden_state,
+                    )
                 del records
         except RequestFailed as e:
             raise ExtractionError(f"{where}: {e}") from e
         except (DumpError, ShardError) as e:
             raise ExtractionError(f"{where} from {reply.endpoint.url}: {e}") from e
         except HostError as e:
-            raise ExtractionError(f"{where}: reading its records in {reply.endpoint.records.where}: {e}") from e
+            raise ExtractionError(
+                f"{where}: reading its records in {reply.endpoint.records.where}: {e}"
+            ) from e
         finally:
             for ep in self.pool.endpoints:
                 ep.records.remove(attempt_rids(rid, self.pool.retries))

@@ -1,6 +1,7 @@
 """FP8 (e4m3) storage of hidden states with one scale per token and layer, and its error.
 
-    q, scale = quantize(x, groups=3)           # x [n, 3*H] -> q [n, 3*H] float8_e4m3fn, scale [n, 3] f32
+    # x [n, 3*H] -> q [n, 3*H] float8_e4m3fn, scale [n, 3] f32
+    q, scale = quantize(x, groups=3)
     x_hat = dequantize(q, scale)               # float32 [n, 3*H]; readers cast it to bf16
     err = Fp8Error(groups=3); err.add(x, q, scale); err.summary()
 
@@ -22,7 +23,8 @@ E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
 def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [n, G*H] (any float dtype) -> (q [n, G*H] e4m3, scale [n, G] float32), per-row-group scale."""
+    """x [n, G*H] (any float dtype) -> (q [n, G*H] e4m3, scale [n, G] float32), per-row-group
+    scale."""
     n, width = x.shape
     if width % groups:
         raise ValueError(f"fp8 quantize: width {width} is not a multiple of {groups} groups")
@@ -34,11 +36,15 @@ def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(n, width), scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """(q [n, G*H] e4m3, scale [n, G]) -> x_hat [n, G*H] in dtype (computed in float32)."""
     n, width = q.shape
     groups = scale.shape[1]
-    x = q.to(torch.float32).reshape(n, groups, width // groups) * scale.to(torch.float32).unsqueeze(-1)
+    x = q.to(torch.float32).reshape(n, groups, width // groups) * scale.to(torch.float32).unsqueeze(
+        -1
+    )
     return x.reshape(n, width).to(dtype)
 
 
@@ -68,8 +74,12 @@ class Fp8Error:
         self.ref2 += r2.sum(0)
         nonzero = r2 > 0
         if nonzero.any():
-            self.max_token_rel = max(self.max_token_rel, float((e2[nonzero] / r2[nonzero]).sqrt().max()))
-            cos = (xf * xh).sum(-1, dtype=torch.float64) / (r2.sqrt() * xh.pow(2).sum(-1, dtype=torch.float64).sqrt())
+            self.max_token_rel = max(
+                self.max_token_rel, float((e2[nonzero] / r2[nonzero]).sqrt().max())
+            )
+            cos = (xf * xh).sum(-1, dtype=torch.float64) / (
+                r2.sqrt() * xh.pow(2).sum(-1, dtype=torch.float64).sqrt()
+            )
             self.min_cosine = min(self.min_cosine, float(cos[nonzero].min()))
         self.rows += n
 
@@ -81,6 +91,13 @@ class Fp8Error:
         self.rows += other.rows
 
     def summary(self) -> dict:
-        rel = [math.sqrt(e / r) if r > 0 else 0.0 for e, r in zip(self.err2.tolist(), self.ref2.tolist())]
-        return {"rel_rms": [round(v, 6) for v in rel], "max_token_rel": round(self.max_token_rel, 6),
-                "min_cosine": round(self.min_cosine, 6), "tokens": self.rows}
+        rel = [
+            math.sqrt(e / r) if r > 0 else 0.0
+            for e, r in zip(self.err2.tolist(), self.ref2.tolist())
+        ]
+        return {
+            "rel_rms": [round(v, 6) for v in rel],
+            "max_token_rel": round(self.max_token_rel, 6),
+            "min_cosine": round(self.min_cosine, 6),
+            "tokens": self.rows,
+        }

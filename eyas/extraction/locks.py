@@ -1,6 +1,7 @@
 """What a run needs after an earlier one was killed (kill -9, OOM killer, lost node).
 
-    lock_output_dir(out_dir)              # one run per output dir; a killed run's lock is gone with it
+    # one run per output dir; a killed run's lock is gone with it
+    lock_output_dir(out_dir)
     discard_partials(out_dir)             # .shard-*.partial and temp files of a killed writer
     reclaim_stale_server(host, cfg)       # stop the server a killed run of this config left running
 
@@ -34,9 +35,16 @@ _held: dict[str, int] = {}  # resolved lock path -> fd, for this process
 _held_lock = threading.Lock()
 
 
-def hold_lock(path: str | Path, *, wait_s: float = 0.0, what: str = "it", holder: str = "",
-              on_wait: Callable[[str], None] | None = None, report_every_s: float = 60.0,
-              busy: str = "") -> Path:
+def hold_lock(
+    path: str | Path,
+    *,
+    wait_s: float = 0.0,
+    what: str = "it",
+    holder: str = "",
+    on_wait: Callable[[str], None] | None = None,
+    report_every_s: float = 60.0,
+    busy: str = "",
+) -> Path:
     """Hold an flock on `path` for this process (idempotent); released when the process dies.
 
     The lock file names the holder: its pid and `holder` (a flow run, say). Waits up to wait_s for
@@ -60,11 +68,17 @@ def hold_lock(path: str | Path, *, wait_s: float = 0.0, what: str = "it", holder
                 if str(path) in _held:  # this process holds it (another thread got there first)
                     os.close(fd)
                     return path
-            owner, now = os.pread(fd, 200, 0).decode(errors="replace").strip() or "?", time.monotonic()
+            owner, now = (
+                os.pread(fd, 200, 0).decode(errors="replace").strip() or "?",
+                time.monotonic(),
+            )
             if now >= deadline:
                 os.close(fd)
-                raise OutputBusy(f"{what} is in use by another eyas run (pid {owner.replace(' ', ', ', 1)}, "
-                                 f"lock {path}){busy}") from None
+                raise OutputBusy(
+                    f"{what} is in use by another eyas run (pid "
+                    f"{owner.replace(' ', ', ', 1)}, "
+                    f"lock {path}){busy}"
+                ) from None
             if on_wait is not None and (reported is None or now - reported >= report_every_s):
                 reported = now
                 on_wait(owner)
@@ -80,7 +94,8 @@ def hold_lock(path: str | Path, *, wait_s: float = 0.0, what: str = "it", holder
 
 
 def read_holder(path: str | Path) -> str | None:
-    """What a lock file says of its last holder ("<pid> <holder>"), or None (no file, or this process's)."""
+    """What a lock file says of its last holder ("<pid> <holder>"), or None (no file, or this
+    process's)."""
     try:
         text = Path(path).read_text(errors="replace").strip()
     except OSError:
@@ -100,10 +115,16 @@ def lock_output_dir(output_dir: str | Path, holder: str = "") -> Path:
     """Take the output directory's lock for this process (idempotent); OutputBusy at once if another
     has it: the caller has then launched, deleted and stopped nothing, and must not."""
     output_dir = Path(output_dir)
-    return hold_lock(output_dir / ".eyas.lock", what=f"extraction.output_dir {output_dir}", holder=holder,
-                     busy="; this run stopped before touching anything (no server launched or stopped, "
-                          "no file deleted). Wait for that run to end, or point extraction.output_dir "
-                          "elsewhere")
+    return hold_lock(
+        output_dir / ".eyas.lock",
+        what=f"extraction.output_dir {output_dir}",
+        holder=holder,
+        busy="; this run stopped before touching anything (no server launched or "
+        "stopped, "
+        "no file deleted). Wait for that run to end, or point "
+        "extraction.output_dir "
+        "elsewhere",
+    )
 
 
 def unlock_output_dir(output_dir: str | Path) -> None:
@@ -140,6 +161,12 @@ def reclaim_stale_server(host: Host, cfg: PipelineConfig) -> dict | None:
         return None
     command = redact(host_launch_command(host, cfg))
     if (record.command or command) != command:
-        return {"pid": record.pid, "outcome": "left alone: not this config's server",
-                "command": redact(record.command)}
-    return {**stop_server(host, cfg, record), "reason": "stale server of a killed run of this config"}
+        return {
+            "pid": record.pid,
+            "outcome": "left alone: not this config's server",
+            "command": redact(record.command),
+        }
+    return {
+        **stop_server(host, cfg, record),
+        "reason": "stale server of a killed run of this config",
+    }

@@ -1,7 +1,9 @@
-"""Where the collector reads a server's dump records: here, or on the server's host through the Host seam.
+"""Where the collector reads a server's dump records: here, or on the server's host through the Host
+seam.
 
     store = DumpStore("/dev/shm/eyas-dump", cfg.server.host)  # nothing is touched before first use
-    records = store.read(rid)              # parsed and checked per record by eyas.dump; [] if none yet
+    # parsed and checked per record by eyas.dump; [] if none yet
+    records = store.read(rid)
     store.remove(["<rid>-a0", "<rid>-a1"]) # consumed or abandoned records
     store.route                            # "local" or "host", once decided
 
@@ -17,7 +19,8 @@ behind is cleaned with the records and never blocks a launch.
 
 Over SSH a record costs its bytes at the channel's rate: 100-180 MB/s per connection on loopback
 (paramiko, aes128-ctr; bench/dump_read.py, bench/results/2026-12-05_cpu2_dump-read.md), where a
-tmpfs here gives GB/s. A worker on the node is the fast layout; validation is eyas.dump's either way.
+tmpfs here gives GB/s. A worker on the node is the fast layout; validation is eyas.dump's either
+way.
 """
 
 from __future__ import annotations
@@ -32,12 +35,21 @@ from pathlib import Path, PurePosixPath
 from typing import Iterator
 
 from eyas.config import HostConfig
-from eyas.dump import DumpRecord, check_rid, is_record_name, read_records, records_from_bytes, remove_records
+from eyas.dump import (
+    DumpRecord,
+    check_rid,
+    is_record_name,
+    read_records,
+    records_from_bytes,
+    remove_records,
+)
 from eyas.server.hosts import Host, HostError, HostUnreachable, make_host
 
 log = logging.getLogger(__name__)
 
-PROBE_PREFIX = "eyas-route-"  # a rid-shaped folder: eyas's dump-folder cleaner treats it as a record's
+PROBE_PREFIX = (
+    "eyas-route-"  # a rid-shaped folder: eyas's dump-folder cleaner treats it as a record's
+)
 
 
 def probe_visible(host: Host, path: str | Path) -> tuple[bool, str]:
@@ -46,9 +58,13 @@ def probe_visible(host: Host, path: str | Path) -> tuple[bool, str]:
     A probe with a fresh token is written there through the host, looked for at the same path
     here, and removed. Returns (visible here, the folder probed)."""
     token, q = uuid.uuid4().hex, shlex.quote
-    r = host.run(f'd={q(str(path))}; while [ ! -d "$d" ]; do d=$(dirname "$d"); done; '
-                 f'p="$d/{PROBE_PREFIX}{token}"; mkdir "$p" && '
-                 f'printf %s {token} > "$p/.0000000000.safetensors.tmp-{token}" && printf %s "$d"', timeout=60)
+    r = host.run(
+        f'd={q(str(path))}; while [ ! -d "$d" ]; do d=$(dirname "$d"); done; '
+        f'p="$d/{PROBE_PREFIX}{token}"; mkdir "$p" && '
+        f'printf %s {token} > "$p/.0000000000.safetensors.tmp-{token}" && printf %s '
+        f'"$d"',
+        timeout=60,
+    )
     folder = PurePosixPath(r.stdout.strip()) / f"{PROBE_PREFIX}{token}"
     try:
         seen = Path(folder / f".0000000000.safetensors.tmp-{token}").read_text()
@@ -63,12 +79,18 @@ class DumpStore:
     """One server's dump folder, read here or through its host (see the module docstring).
 
     `host` is the machine the server dumps on (dump_dir is a path there); None = this machine.
-    `connections` bounds the SSH connections the host route opens (one read or removal each at once);
-    `field` names the host's config section in configuration errors.
+    `connections` bounds the SSH connections the host route opens (one read or removal each at
+    once); `field` names the host's config section in configuration errors.
     """
 
-    def __init__(self, dump_dir: str | Path, host: HostConfig | None = None, *, connections: int = 2,
-                 field: str = "server.host"):
+    def __init__(
+        self,
+        dump_dir: str | Path,
+        host: HostConfig | None = None,
+        *,
+        connections: int = 2,
+        field: str = "server.host",
+    ):
         self.dump_dir = Path(dump_dir)
         self.field = field
         self.host_cfg = host if host is not None and host.kind == "ssh" else None
@@ -87,7 +109,7 @@ class DumpStore:
 
     @property
     def route(self) -> str | None:
-        """"local" (read here) or "host" (through the host); None until the first use decides."""
+        """ "local" (read here) or "host" (through the host); None until the first use decides."""
         return self._route
 
     # ------------------------------------------------------------------ the route
@@ -97,9 +119,14 @@ class DumpStore:
             if self._route is None:
                 with self._host() as host:
                     self._route = "local" if probe_visible(host, self.dump_dir)[0] else "host"
-                log.info("[%s] dump records in %s are read %s", self.host_cfg.name, self.dump_dir,
-                         "here (the folder is visible on this machine)" if self._route == "local"
-                         else "through SSH (the folder is not visible on this machine)")
+                log.info(
+                    "[%s] dump records in %s are read %s",
+                    self.host_cfg.name,
+                    self.dump_dir,
+                    "here (the folder is visible on this machine)"
+                    if self._route == "local"
+                    else "through SSH (the folder is not visible on this machine)",
+                )
             return self._route
 
     # ------------------------------------------------------------------ connections
@@ -131,7 +158,9 @@ class DumpStore:
                 except HostUnreachable:
                     if attempt:
                         raise
-                    log.warning("[%s] connection lost while %s; connecting again", self.host_cfg.name, what)
+                    log.warning(
+                        "[%s] connection lost while %s; connecting again", self.host_cfg.name, what
+                    )
 
     # ------------------------------------------------------------------ reading and removing
 
@@ -165,7 +194,9 @@ class DumpStore:
 
         def remove(host: Host) -> int:
             present = set(host.list_dir(self.dump_dir) or [])
-            return sum(host.remove_tree(PurePosixPath(self.dump_dir) / r) for r in wanted if r in present)
+            return sum(
+                host.remove_tree(PurePosixPath(self.dump_dir) / r) for r in wanted if r in present
+            )
 
         if self._route == "local":
             return sum(remove_records(self.dump_dir, r) for r in wanted)

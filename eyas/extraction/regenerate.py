@@ -1,13 +1,14 @@
 """Regenerate the assistant turns of the training conversations with the target itself.
 
     with ServerPool([Endpoint(url, dump_dir, 4)]) as pool:
-        path, summary = regenerate(records, tokenizer, pool, out_dir, RegenerateConfig(enabled=True),
+        path, summary = regenerate(records, tokenizer, pool, out_dir,
+        RegenerateConfig(enabled=True),
                                    target="/models/Kimi-K2.5@main", max_length=4096)
     records, _ = load_records(path)         # then prepare and extract as usual
 
-Training on the target's own responses is the largest lever on acceptance (docs/training.md, Quality): the drafter
-learns the distribution it will be asked to predict. How one conversation is asked, and a thinking
-target's records of the server's own ids: regenerate_turns.py.
+Training on the target's own responses is the largest lever on acceptance (docs/training.md,
+Quality): the drafter learns the distribution it will be asked to predict. How one conversation is
+asked, and a thinking target's records of the server's own ids: regenerate_turns.py.
 
 Sharded and resumable: the conversations are split into contiguous parts; each part is written to
 `part-{k:05d}.jsonl` with a manifest naming its input hash, target and sampling, and a part whose
@@ -32,8 +33,13 @@ from typing import Any, Callable
 from eyas.config import RegenerateConfig
 from eyas.extraction.client import ServerPool
 from eyas.extraction.data import Record
-from eyas.extraction.regenerate_turns import (Thinking, regenerate_conversation, regenerate_conversation_ids,
-                                              thinking_for, turn_end_ids)
+from eyas.extraction.regenerate_turns import (
+    Thinking,
+    regenerate_conversation,
+    regenerate_conversation_ids,
+    thinking_for,
+    turn_end_ids,
+)
 from eyas.files import write_json_atomic
 
 FORMAT = "eyas-regen/1"
@@ -45,11 +51,11 @@ class RegenerationProgress:
 
     parts_done: int
     num_parts: int
-    done: int        # conversations (records) answered, or found in finished parts
+    done: int  # conversations (records) answered, or found in finished parts
     total: int
-    reused: int      # of `done`: in parts an earlier run finished
-    tokens: int      # tokens the target generated in this run
-    seconds: float   # since this run began
+    reused: int  # of `done`: in parts an earlier run finished
+    tokens: int  # tokens the target generated in this run
+    seconds: float  # since this run began
 
     @property
     def percent(self) -> float:
@@ -61,18 +67,27 @@ class RegenerationProgress:
 
     @property
     def eta_s(self) -> float | None:
-        new = self.done - self.reused  # none before a rate is known (the tokens' rate, as shown beside it)
-        return round((self.total - self.done) * self.seconds / new, 1) if new > 0 and self.tokens_per_s else None
+        new = (
+            self.done - self.reused
+        )  # none before a rate is known (the tokens' rate, as shown beside it)
+        return (
+            round((self.total - self.done) * self.seconds / new, 1)
+            if new > 0 and self.tokens_per_s
+            else None
+        )
 
     def describe(self) -> str:
         rate = f"{self.tokens_per_s:,.0f} tok/s" if self.tokens_per_s else "- tok/s"
         eta = f"ETA {self.eta_s:.0f}s" if self.eta_s is not None else "ETA -"
-        return (f"{self.parts_done}/{self.num_parts} parts, {self.done}/{self.total} conversations "
-                f"({self.reused} reused), {self.tokens:,} tokens generated, {rate}, {eta}")
+        return (
+            f"{self.parts_done}/{self.num_parts} parts, {self.done}/{self.total} conversations "
+            f"({self.reused} reused), {self.tokens:,} tokens generated, {rate}, {eta}"
+        )
 
 
 class _Progress:
-    """Counts RegenerationProgress from the worker threads and hands each snapshot to on_progress."""
+    """Counts RegenerationProgress from the worker threads and hands each snapshot to
+    on_progress."""
 
     def __init__(self, num_parts: int, total: int, on_progress):
         self.num_parts, self.total, self.on_progress = num_parts, total, on_progress
@@ -94,8 +109,15 @@ class _Progress:
         self._tell(snapshot)
 
     def _snapshot(self) -> RegenerationProgress:
-        return RegenerationProgress(self.parts, self.num_parts, self.done, self.total, self.reused, self.tokens,
-                                    time.monotonic() - self.t0)
+        return RegenerationProgress(
+            self.parts,
+            self.num_parts,
+            self.done,
+            self.total,
+            self.reused,
+            self.tokens,
+            time.monotonic() - self.t0,
+        )
 
     def _tell(self, snapshot: RegenerationProgress) -> None:
         if self.on_progress is not None:
@@ -105,7 +127,9 @@ class _Progress:
 def _record_json(r: Record) -> str:
     if r.messages is not None:
         return json.dumps({"messages": r.messages}, ensure_ascii=False, separators=(",", ":"))
-    return json.dumps({"input_ids": r.tokens.input_ids, "loss_mask": r.tokens.loss_mask}, separators=(",", ":"))
+    return json.dumps(
+        {"input_ids": r.tokens.input_ids, "loss_mask": r.tokens.loss_mask}, separators=(",", ":")
+    )
 
 
 def part_bounds(n: int, num_parts: int) -> list[tuple[int, int]]:
@@ -114,10 +138,19 @@ def part_bounds(n: int, num_parts: int) -> list[tuple[int, int]]:
     return list(zip(b, b[1:]))
 
 
-def regenerate(records: list[Record], tokenizer, pool: ServerPool, out_dir: str | Path, cfg: RegenerateConfig, *,
-               target: str, max_length: int, passthrough: list[Record] = (),
-               on_part: Callable[[int, int, dict], None] | None = None,
-               on_progress: Callable[[RegenerationProgress], None] | None = None) -> tuple[Path, dict[str, Any]]:
+def regenerate(
+    records: list[Record],
+    tokenizer,
+    pool: ServerPool,
+    out_dir: str | Path,
+    cfg: RegenerateConfig,
+    *,
+    target: str,
+    max_length: int,
+    passthrough: list[Record] = (),
+    on_part: Callable[[int, int, dict], None] | None = None,
+    on_progress: Callable[[RegenerationProgress], None] | None = None,
+) -> tuple[Path, dict[str, Any]]:
     """Regenerate every part not already done; returns (regenerated.jsonl, summary).
 
     `passthrough` records (the held-out ones, say) are appended to regenerated.jsonl unchanged.
@@ -141,8 +174,26 @@ def regenerate(records: list[Record], tokenizer, pool: ServerPool, out_dir: str 
             if on_part:
                 on_part(k, len(bounds), manifests[-1])
             continue
-        manifests.append(_regenerate_part(records, a, b, k, len(bounds), tokenizer, pool, cfg, stop_ids, max_length,
-                                          params, input_hash, path, mpath, progress, th))
+        manifests.append(
+            _regenerate_part(
+                records,
+                a,
+                b,
+                k,
+                len(bounds),
+                tokenizer,
+                pool,
+                cfg,
+                stop_ids,
+                max_length,
+                params,
+                input_hash,
+                path,
+                mpath,
+                progress,
+                th,
+            )
+        )
         progress.part(b - a, reused=False)
         if on_part:
             on_part(k, len(bounds), manifests[-1])
@@ -154,47 +205,92 @@ def regenerate(records: list[Record], tokenizer, pool: ServerPool, out_dir: str 
         for r in passthrough:
             f.write((_record_json(r) + "\n").encode())
     tmp.replace(combined)
-    summary = {"format": FORMAT, "parts": len(bounds), "params": params,
-               **{key: sum(m[key] for m in manifests) for key in
-                  ("records", "conversations", "regenerated_turns", "kept_original_turns", "dropped_turns",
-                   "output_tokens")},
-               "parts_reused": sum(bool(m.get("reused")) for m in manifests), "passed_through": len(passthrough),
-               **_thinking_summary(cfg, manifests)}
+    summary = {
+        "format": FORMAT,
+        "parts": len(bounds),
+        "params": params,
+        **{
+            key: sum(m[key] for m in manifests)
+            for key in (
+                "records",
+                "conversations",
+                "regenerated_turns",
+                "kept_original_turns",
+                "dropped_turns",
+                "output_tokens",
+            )
+        },
+        "parts_reused": sum(bool(m.get("reused")) for m in manifests),
+        "passed_through": len(passthrough),
+        **_thinking_summary(cfg, manifests),
+    }
     write_json_atomic(out_dir / "regenerate.json", summary)
     return combined, summary
 
 
-def pending_parts(records: list[Record], tokenizer, out_dir: str | Path, cfg: RegenerateConfig, *, target: str,
-                  max_length: int) -> list[int]:
+def pending_parts(
+    records: list[Record],
+    tokenizer,
+    out_dir: str | Path,
+    cfg: RegenerateConfig,
+    *,
+    target: str,
+    max_length: int,
+) -> list[int]:
     """The parts `regenerate` would still ask the target for (empty: no server needed).
 
     A thinking switch the template does not have is refused here, before a server is launched."""
     thinking_for(tokenizer, cfg)
     params = _params(cfg, turn_end_ids(tokenizer), max_length, target)
-    return [k for k, (a, b) in enumerate(part_bounds(len(records), cfg.num_parts))
-            if _finished_part(Path(out_dir), k, _input_hash(records[a:b]), params) is None]
+    return [
+        k
+        for k, (a, b) in enumerate(part_bounds(len(records), cfg.num_parts))
+        if _finished_part(Path(out_dir), k, _input_hash(records[a:b]), params) is None
+    ]
 
 
 def _params(cfg: RegenerateConfig, stop_ids: list[int], max_length: int, target: str) -> dict:
-    params = {"max_new_tokens": cfg.max_new_tokens, **cfg.sampling(), "seed": cfg.seed,
-              "stop_token_ids": stop_ids, "max_length": max_length, "target": target}
-    if cfg.thinking is not None:  # only then: parts a target without thinking finished stay reusable
+    params = {
+        "max_new_tokens": cfg.max_new_tokens,
+        **cfg.sampling(),
+        "seed": cfg.seed,
+        "stop_token_ids": stop_ids,
+        "max_length": max_length,
+        "target": target,
+    }
+    if (
+        cfg.thinking is not None
+    ):  # only then: parts a target without thinking finished stay reusable
         params["thinking"] = {cfg.thinking_kwarg: cfg.thinking}
     return params
 
 
 def _thinking_summary(cfg: RegenerateConfig, manifests: list[dict]) -> dict[str, Any]:
     """The reasoning figures of a regeneration (report.json's `regeneration`): reasoning tokens are
-    counted from the replies' ids (between <think> and </think>); server_reasoning_tokens is SGLang's own
-    meta_info figure where the server reported one (a --reasoning-parser launch), else None."""
+    counted from the replies' ids (between <think> and </think>); server_reasoning_tokens is
+    SGLang's own meta_info figure where the server reported one (a --reasoning-parser launch), else
+    None."""
     if cfg.thinking is None:
         return {"thinking": None, "reasoning_tokens": 0}
-    total = {key: sum(m.get(key, 0) for m in manifests) for key in
-             ("sequences", "reasoning_tokens", "unfinished_reasoning_turns", "server_reasoning_tokens",
-              "server_reasoning_replies")}
-    return {"thinking": cfg.thinking, "sequences": total["sequences"], "reasoning_tokens": total["reasoning_tokens"],
-            "unfinished_reasoning_turns": total["unfinished_reasoning_turns"],
-            "server_reasoning_tokens": total["server_reasoning_tokens"] if total["server_reasoning_replies"] else None}
+    total = {
+        key: sum(m.get(key, 0) for m in manifests)
+        for key in (
+            "sequences",
+            "reasoning_tokens",
+            "unfinished_reasoning_turns",
+            "server_reasoning_tokens",
+            "server_reasoning_replies",
+        )
+    }
+    return {
+        "thinking": cfg.thinking,
+        "sequences": total["sequences"],
+        "reasoning_tokens": total["reasoning_tokens"],
+        "unfinished_reasoning_turns": total["unfinished_reasoning_turns"],
+        "server_reasoning_tokens": total["server_reasoning_tokens"]
+        if total["server_reasoning_replies"]
+        else None,
+    }
 
 
 def _input_hash(records: list[Record]) -> str:
@@ -204,19 +300,44 @@ def _input_hash(records: list[Record]) -> str:
 def _finished_part(out_dir: Path, k: int, input_hash: str, params: dict) -> dict | None:
     """Part k's manifest when it was made from these inputs and its file is intact, else None."""
     path, done = out_dir / f"part-{k:05d}.jsonl", _read_json(out_dir / f"part-{k:05d}.json")
-    if (done and done.get("input_sha256") == input_hash and done.get("params") == params and path.exists()
-            and hashlib.sha256(path.read_bytes()).hexdigest() == done.get("output_sha256")):
+    if (
+        done
+        and done.get("input_sha256") == input_hash
+        and done.get("params") == params
+        and path.exists()
+        and hashlib.sha256(path.read_bytes()).hexdigest() == done.get("output_sha256")
+    ):
         return done
     return None
 
 
-def _regenerate_part(records, a, b, k, num_parts, tokenizer, pool, cfg, stop_ids, max_length, params, input_hash,
-                     path: Path, mpath: Path, progress: _Progress, th: Thinking | None = None) -> dict:
+def _regenerate_part(
+    records,
+    a,
+    b,
+    k,
+    num_parts,
+    tokenizer,
+    pool,
+    cfg,
+    stop_ids,
+    max_length,
+    params,
+    input_hash,
+    path: Path,
+    mpath: Path,
+    progress: _Progress,
+    th: Thinking | None = None,
+) -> dict:
     t0 = time.monotonic()
     counts = {"regenerated_turns": 0, "kept_original_turns": 0, "dropped_turns": 0}
     if th is not None:
-        counts.update(reasoning_tokens=0, unfinished_reasoning_turns=0, server_reasoning_tokens=0,
-                      server_reasoning_replies=0)
+        counts.update(
+            reasoning_tokens=0,
+            unfinished_reasoning_turns=0,
+            server_reasoning_tokens=0,
+            server_reasoning_replies=0,
+        )
     lock = threading.Lock()
     generated = [0]  # thinking: the replies' tokens written (the loss-1 ids of the records)
 
@@ -226,12 +347,22 @@ def _regenerate_part(records, a, b, k, num_parts, tokenizer, pool, cfg, stop_ids
             progress.conversation(0)
             return [_record_json(r)]
         if th is not None:
-            out, c = regenerate_conversation_ids(r.messages, i, tokenizer, pool, cfg, th, stop_ids, max_length,
-                                                 f"part {k} ({r.where})")
+            out, c = regenerate_conversation_ids(
+                r.messages,
+                i,
+                tokenizer,
+                pool,
+                cfg,
+                th,
+                stop_ids,
+                max_length,
+                f"part {k} ({r.where})",
+            )
             lines = [json.dumps(x, separators=(",", ":")) for x in out]
         else:
-            messages, c = regenerate_conversation(r.messages, i, tokenizer, pool, cfg, stop_ids, max_length,
-                                                  f"part {k} ({r.where})")
+            messages, c = regenerate_conversation(
+                r.messages, i, tokenizer, pool, cfg, stop_ids, max_length, f"part {k} ({r.where})"
+            )
             lines = [json.dumps({"messages": messages}, ensure_ascii=False, separators=(",", ":"))]
         made = c.pop("generated_tokens")
         progress.conversation(made)
@@ -241,7 +372,8 @@ def _regenerate_part(records, a, b, k, num_parts, tokenizer, pool, cfg, stop_ids
             generated[0] += made
         return lines
 
-    # Turns of one conversation are sequential; conversations run side by side up to the pool's width.
+    # Turns of one conversation are sequential; conversations run side by side up to the pool's
+    # width.
     with ThreadPoolExecutor(max(1, pool.capacity)) as ex:
         lines = [line for out in ex.map(one, range(a, b)) for line in out]
     text = ("\n".join(lines) + "\n").encode() if lines else b""
@@ -257,10 +389,19 @@ def _regenerate_part(records, a, b, k, num_parts, tokenizer, pool, cfg, stop_ids
             for m in json.loads(line).get("messages", []):
                 if m["role"] == "assistant":
                     output_tokens += len(tokenizer.encode(m["content"], add_special_tokens=False))
-    manifest = {"format": FORMAT, "part": k, "num_parts": num_parts, "records": b - a,
-                "conversations": sum(records[i].messages is not None for i in range(a, b)),
-                "input_sha256": input_hash, "output_sha256": hashlib.sha256(text).hexdigest(), "params": params,
-                "output_tokens": output_tokens, "seconds": round(time.monotonic() - t0, 3), **counts}
+    manifest = {
+        "format": FORMAT,
+        "part": k,
+        "num_parts": num_parts,
+        "records": b - a,
+        "conversations": sum(records[i].messages is not None for i in range(a, b)),
+        "input_sha256": input_hash,
+        "output_sha256": hashlib.sha256(text).hexdigest(),
+        "params": params,
+        "output_tokens": output_tokens,
+        "seconds": round(time.monotonic() - t0, 3),
+        **counts,
+    }
     write_json_atomic(mpath, manifest)
     return manifest
 

@@ -31,13 +31,14 @@ from eyas.extraction.client import ServerPool
 from eyas.extraction.data import render_chat
 
 RID_PREFIX = "WARMUP_regen-"  # the dump writer skips WARMUP* rids: nothing is dumped for these
-# A thinking target's reasoning span, as Kimi-K2.5, DeepSeek-R1/V3.1 and Qwen3 spell it; each must be
-# one token (SGLang's reasoning parser finds the end by its single id too).
+# A thinking target's reasoning span, as Kimi-K2.5, DeepSeek-R1/V3.1 and Qwen3 spell it; each must
+# be one token (SGLang's reasoning parser finds the end by its single id too).
 THINK_START, THINK_END = "<think>", "</think>"
 
 
 class RegenerationError(EyasError, RuntimeError):
     """A conversation could not be regenerated; names the part and the input line."""
+
     retryable = True  # resumable by part: a retry asks only for the parts not yet on disk
 
 
@@ -48,8 +49,11 @@ def turn_end_ids(tokenizer) -> list[int]:
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     # all_special_ids holds only the named ones (bos/eos/pad...): a chat token such as <|end|> is an
     # added token marked special, and is the turn's end all the same (else a reply runs past it).
-    special |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
-                if getattr(t, "special", False)}
+    special |= {
+        i
+        for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+        if getattr(t, "special", False)
+    }
     ids = [full[-1]] if full and full[-1] in special else []
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(int(tokenizer.eos_token_id))
@@ -62,15 +66,17 @@ def _seed(conv_index: int, turn: int, base: int) -> int:
 
 @dataclass(frozen=True)
 class Thinking:
-    """How a thinking target is asked: the template keyword and its value, and the span's token ids."""
+    """How a thinking target is asked: the template keyword and its value, and the span's token
+    ids."""
 
     kwargs: dict[str, bool]  # passed to the chat template, e.g. {"thinking": False}
-    start_id: int            # <think>
-    end_id: int              # </think>
+    start_id: int  # <think>
+    end_id: int  # </think>
 
 
 def thinking_for(tokenizer, cfg: RegenerateConfig) -> Thinking | None:
-    """The thinking switch as `cfg` sets it, checked against the template; None for `thinking: null`.
+    """The thinking switch as `cfg` sets it, checked against the template; None for `thinking:
+    null`.
 
     Refused with a RegenerationError naming the setting: a template that renders the same generation
     prompt with the switch on and off (it has no such switch: the wrong `thinking_kwarg`, or not a
@@ -84,25 +90,37 @@ def thinking_for(tokenizer, cfg: RegenerateConfig) -> Thinking | None:
         on = render_chat(tokenizer, probe, add_generation_prompt=True, **{name: True})
         off = render_chat(tokenizer, probe, add_generation_prompt=True, **{name: False})
     except Exception as e:  # noqa: BLE001 - the template's own error, with the setting that led to it
-        raise RegenerationError(f"data.regenerate.thinking: the chat template fails with {name}=True/False "
-                                f"({type(e).__name__}: {e})") from e
+        raise RegenerationError(
+            f"data.regenerate.thinking: the chat template fails with "
+            f"{name}=True/False "
+            f"({type(e).__name__}: {e})"
+        ) from e
     if on == off:
         raise RegenerationError(
-            f"data.regenerate.thinking is {cfg.thinking}, but the chat template renders the same generation "
+            f"data.regenerate.thinking is {cfg.thinking}, but the chat template renders the same "
+            f"generation "
             f"prompt with {name}=True and {name}=False: it has no switch named {name!r} (set "
-            f"data.regenerate.thinking_kwarg to the template's name for it, or thinking to null for a target "
-            f"that does not think)")
+            f"data.regenerate.thinking_kwarg to the template's name for it, or thinking to null "
+            f"for a target "
+            f"that does not think)"
+        )
     ids = []
     for tag in (THINK_START, THINK_END):
         encoded = tokenizer.encode(tag, add_special_tokens=False)
         if len(encoded) != 1:
-            raise RegenerationError(f"data.regenerate.thinking: the tokenizer spells {tag} as {len(encoded)} "
-                                    f"tokens {encoded}, not one: eyas finds the reasoning span by its tags' ids")
+            raise RegenerationError(
+                f"data.regenerate.thinking: the tokenizer spells {tag} as "
+                f"{len(encoded)} "
+                f"tokens {encoded}, not one: eyas finds the reasoning span by "
+                f"its tags' ids"
+            )
         ids.append(int(encoded[0]))
     return Thinking({name: bool(cfg.thinking)}, ids[0], ids[1])
 
 
-def split_reasoning(prompt: list[int], output: list[int], th: Thinking) -> tuple[list[int] | None, list[int], bool]:
+def split_reasoning(
+    prompt: list[int], output: list[int], th: Thinking
+) -> tuple[list[int] | None, list[int], bool]:
     """(reasoning ids or None, answer ids, reasoning finished) of one reply.
 
     The reply reasons when the prompt ends inside an open <think> (the template opened it, as
@@ -119,14 +137,25 @@ def split_reasoning(prompt: list[int], output: list[int], th: Thinking) -> tuple
     if th.end_id not in output[start:]:
         return list(output[start:]), [], False
     end = output.index(th.end_id, start)
-    return list(output[start:end]), list(output[end + 1:]), True
+    return list(output[start:end]), list(output[end + 1 :]), True
 
 
-def _ask(pool: ServerPool, prompt: list[int], conv_index: int, j: int, cfg: RegenerateConfig,
-         stop_ids: list[int], max_length: int, where: str):
+def _ask(
+    pool: ServerPool,
+    prompt: list[int],
+    conv_index: int,
+    j: int,
+    cfg: RegenerateConfig,
+    stop_ids: list[int],
+    max_length: int,
+    where: str,
+):
     """The target's reply to turn j of conversation conv_index (a Reply), within max_length."""
-    params = {"max_new_tokens": min(cfg.max_new_tokens, max_length - len(prompt)), **cfg.sampling(),
-              "stop_token_ids": stop_ids}
+    params = {
+        "max_new_tokens": min(cfg.max_new_tokens, max_length - len(prompt)),
+        **cfg.sampling(),
+        "stop_token_ids": stop_ids,
+    }
     if params["temperature"] > 0:
         params["sampling_seed"] = _seed(conv_index, j, cfg.seed)
     try:
@@ -135,9 +164,17 @@ def _ask(pool: ServerPool, prompt: list[int], conv_index: int, j: int, cfg: Rege
         raise RegenerationError(f"{where}: turn {j}: {e}") from e
 
 
-def regenerate_conversation_ids(messages: list[dict], conv_index: int, tokenizer, pool: ServerPool,
-                                cfg: RegenerateConfig, th: Thinking, stop_ids: list[int], max_length: int,
-                                where: str) -> tuple[list[dict], dict[str, int]]:
+def regenerate_conversation_ids(
+    messages: list[dict],
+    conv_index: int,
+    tokenizer,
+    pool: ServerPool,
+    cfg: RegenerateConfig,
+    th: Thinking,
+    stop_ids: list[int],
+    max_length: int,
+    where: str,
+) -> tuple[list[dict], dict[str, int]]:
     """Each assistant turn answered again by a thinking target, kept as the server's token ids.
 
     Returns the records ({"input_ids", "loss_mask"}: the prompt sent, loss 0, then the reply as
@@ -148,9 +185,16 @@ def regenerate_conversation_ids(messages: list[dict], conv_index: int, tokenizer
     records: list[dict] = []
     ids: list[int] = []
     mask: list[int] = []
-    counts = {"regenerated_turns": 0, "kept_original_turns": 0, "dropped_turns": 0, "generated_tokens": 0,
-              "reasoning_tokens": 0, "unfinished_reasoning_turns": 0, "server_reasoning_tokens": 0,
-              "server_reasoning_replies": 0}
+    counts = {
+        "regenerated_turns": 0,
+        "kept_original_turns": 0,
+        "dropped_turns": 0,
+        "generated_tokens": 0,
+        "reasoning_tokens": 0,
+        "unfinished_reasoning_turns": 0,
+        "server_reasoning_tokens": 0,
+        "server_reasoning_replies": 0,
+    }
 
     def close() -> None:
         if any(mask):
@@ -171,7 +215,9 @@ def regenerate_conversation_ids(messages: list[dict], conv_index: int, tokenizer
             history.append(dict(m))
             counts["kept_original_turns"] += 1
             continue
-        if ids and prompt[:len(ids)] == ids:  # the history renders the record so far as it was emitted
+        if (
+            ids and prompt[: len(ids)] == ids
+        ):  # the history renders the record so far as it was emitted
             mask += [0] * (len(prompt) - len(ids))
         else:
             close()
@@ -208,12 +254,24 @@ def _history_turn(tokenizer, reasoning: list[int] | None, answer: list[int]) -> 
     return turn
 
 
-def regenerate_conversation(messages: list[dict], conv_index: int, tokenizer, pool: ServerPool,
-                            cfg: RegenerateConfig, stop_ids: list[int], max_length: int,
-                            where: str) -> tuple[list[dict], dict[str, int]]:
+def regenerate_conversation(
+    messages: list[dict],
+    conv_index: int,
+    tokenizer,
+    pool: ServerPool,
+    cfg: RegenerateConfig,
+    stop_ids: list[int],
+    max_length: int,
+    where: str,
+) -> tuple[list[dict], dict[str, int]]:
     """The conversation with each assistant turn answered again by the target, in order."""
     out: list[dict] = []
-    counts = {"regenerated_turns": 0, "kept_original_turns": 0, "dropped_turns": 0, "generated_tokens": 0}
+    counts = {
+        "regenerated_turns": 0,
+        "kept_original_turns": 0,
+        "dropped_turns": 0,
+        "generated_tokens": 0,
+    }
     for j, m in enumerate(messages):
         if m["role"] != "assistant":
             out.append(dict(m))

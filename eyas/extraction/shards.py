@@ -40,8 +40,15 @@ from eyas.files import DiskFull, disk_full, is_disk_full, sha256_file, write_jso
 FORMAT = "eyas-shard/1"
 ENCODINGS = ("plain", "fp8_e4m3")
 
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
-              torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8", fp8.E4M3: "F8_E4M3"}
+_ST_DTYPES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.uint8: "U8",
+    fp8.E4M3: "F8_E4M3",
+}
 
 
 class ShardError(EyasError, ValueError):
@@ -69,7 +76,9 @@ def partial_path(shard_path: str | Path) -> Path:
     return p.with_name(f".{p.name}.partial")
 
 
-def bytes_per_token(hidden_size: int, num_aux: int, dtype: str = "bfloat16", encoding: str = "plain") -> int:
+def bytes_per_token(
+    hidden_size: int, num_aux: int, dtype: str = "bfloat16", encoding: str = "plain"
+) -> int:
     """Bytes one token takes in a shard (without the header and the 8-byte offset per sample)."""
     if encoding == "fp8_e4m3":
         return (num_aux + 1) * (hidden_size + 4) + 4 + 1
@@ -77,15 +86,27 @@ def bytes_per_token(hidden_size: int, num_aux: int, dtype: str = "bfloat16", enc
     return (num_aux + 1) * hidden_size * item + 4 + 1
 
 
-def _layout(encoding: str, dtype: torch.dtype, T: int, N: int, H: int, K: int) -> list[tuple[str, str, list[int]]]:
+def _layout(
+    encoding: str, dtype: torch.dtype, T: int, N: int, H: int, K: int
+) -> list[tuple[str, str, list[int]]]:
     """(name, safetensors dtype, shape) in the order the tensors lie in the file."""
     if encoding == "fp8_e4m3":
-        hidden = [("aux_hidden_states_fp8", "F8_E4M3", [T, K * H]), ("aux_hidden_states_scale", "F32", [T, K]),
-                  ("last_hidden_state_fp8", "F8_E4M3", [T, H]), ("last_hidden_state_scale", "F32", [T, 1])]
+        hidden = [
+            ("aux_hidden_states_fp8", "F8_E4M3", [T, K * H]),
+            ("aux_hidden_states_scale", "F32", [T, K]),
+            ("last_hidden_state_fp8", "F8_E4M3", [T, H]),
+            ("last_hidden_state_scale", "F32", [T, 1]),
+        ]
     else:
-        hidden = [("aux_hidden_states", _ST_DTYPES[dtype], [T, K * H]),
-                  ("last_hidden_state", _ST_DTYPES[dtype], [T, H])]
-    return hidden + [("input_ids", "I32", [T]), ("loss_mask", "U8", [T]), ("offsets", "I64", [N + 1])]
+        hidden = [
+            ("aux_hidden_states", _ST_DTYPES[dtype], [T, K * H]),
+            ("last_hidden_state", _ST_DTYPES[dtype], [T, H]),
+        ]
+    return hidden + [
+        ("input_ids", "I32", [T]),
+        ("loss_mask", "U8", [T]),
+        ("offsets", "I64", [N + 1]),
+    ]
 
 
 _ITEM = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "F8_E4M3": 1}
@@ -107,10 +128,21 @@ class ShardWriter:
     file already removed; every later write raises it again.
     """
 
-    def __init__(self, path: str | Path, lengths: list[int], *, hidden_size: int, num_aux: int,
-                 dtype: torch.dtype, meta: dict[str, Any], encoding: str = "plain"):
+    def __init__(
+        self,
+        path: str | Path,
+        lengths: list[int],
+        *,
+        hidden_size: int,
+        num_aux: int,
+        dtype: torch.dtype,
+        meta: dict[str, Any],
+        encoding: str = "plain",
+    ):
         if not lengths or min(lengths) <= 0:
-            raise ValueError(f"{path}: every sample needs at least one token, got lengths {lengths[:8]}...")
+            raise ValueError(
+                f"{path}: every sample needs at least one token, got lengths {lengths[:8]}..."
+            )
         if encoding not in ENCODINGS:
             raise ValueError(f"{path}: encoding must be one of {ENCODINGS}, got {encoding!r}")
         # FP8 shards record the dtype readers get back (bf16), whatever the dump's precision was.
@@ -120,11 +152,17 @@ class ShardWriter:
         self.offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
         T, N = int(self.offsets[-1]), len(lengths)
         header, begin = {}, 0
-        self._base: dict[str, tuple[int, int]] = {}  # name -> (byte offset in the data buffer, bytes per row)
+        self._base: dict[
+            str, tuple[int, int]
+        ] = {}  # name -> (byte offset in the data buffer, bytes per row)
         for name, st_dtype, shape in _layout(encoding, dtype, T, N, hidden_size, num_aux):
             row = _ITEM[st_dtype] * (shape[1] if len(shape) == 2 else 1)
             size = row * shape[0]
-            header[name] = {"dtype": st_dtype, "shape": shape, "data_offsets": [begin, begin + size]}
+            header[name] = {
+                "dtype": st_dtype,
+                "shape": shape,
+                "data_offsets": [begin, begin + size],
+            }
             self._base[name] = (begin, row)
             begin += size
         file_meta = {"format": FORMAT, **meta}
@@ -155,7 +193,9 @@ class ShardWriter:
         self._lock = threading.Lock()
         self._covered = [0] * N
         self._closed = False
-        self.fp8_error = (fp8.Fp8Error(num_aux), fp8.Fp8Error(1)) if encoding == "fp8_e4m3" else None
+        self.fp8_error = (
+            (fp8.Fp8Error(num_aux), fp8.Fp8Error(1)) if encoding == "fp8_e4m3" else None
+        )
 
     def _write(self, name: str, row: int, t: torch.Tensor) -> None:
         if self._failed is not None:
@@ -175,19 +215,38 @@ class ShardWriter:
     def put(self, i: int, s: Sample) -> None:
         """Write sample i whole (any order); its shapes must match the planned length."""
         if len(s) != self.lengths[i]:
-            raise ShardError(f"{self.path}: sample {i} has {len(s)} tokens, planned {self.lengths[i]}")
+            raise ShardError(
+                f"{self.path}: sample {i} has {len(s)} tokens, planned {self.lengths[i]}"
+            )
         self.put_rows(i, 0, s.input_ids, s.loss_mask, s.aux_hidden_states, s.last_hidden_state)
 
-    def put_rows(self, i: int, start: int, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                 aux: torch.Tensor, last: torch.Tensor) -> None:
+    def put_rows(
+        self,
+        i: int,
+        start: int,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        aux: torch.Tensor,
+        last: torch.Tensor,
+    ) -> None:
         """Write rows start..start+n-1 of sample i: ids [n], mask [n], aux [n, K*H], last [n, H]."""
         n, H, K = input_ids.shape[0], self.hidden_size, self.num_aux
-        if (not 0 <= i < len(self.lengths) or start < 0 or start + n > self.lengths[i]
-                or tuple(aux.shape) != (n, K * H) or tuple(last.shape) != (n, H) or loss_mask.shape[0] != n):
-            raise ShardError(f"{self.path}: sample {i} rows {start}..{start + n - 1}: shapes ids "
-                             f"{tuple(input_ids.shape)}, aux {tuple(aux.shape)}, last {tuple(last.shape)}; "
-                             f"expected a slice of the planned {self.lengths[i] if 0 <= i < len(self.lengths) else '?'} "
-                             f"tokens with H={H}, K={K}")
+        if (
+            not 0 <= i < len(self.lengths)
+            or start < 0
+            or start + n > self.lengths[i]
+            or tuple(aux.shape) != (n, K * H)
+            or tuple(last.shape) != (n, H)
+            or loss_mask.shape[0] != n
+        ):
+            raise ShardError(
+                f"{self.path}: sample {i} rows {start}..{start + n - 1}: shapes ids "
+                f"{tuple(input_ids.shape)}, aux {tuple(aux.shape)}, last "
+                f"{tuple(last.shape)}; "
+                f"expected a slice of the planned "
+                f"{self.lengths[i] if 0 <= i < len(self.lengths) else '?'} "
+                f"tokens with H={H}, K={K}"
+            )
         row = int(self.offsets[i]) + start
         if self.encoding == "fp8_e4m3":
             qa, sa = fp8.quantize(aux, K)
@@ -207,8 +266,11 @@ class ShardWriter:
         with self._lock:
             self._covered[i] += n
             if self._covered[i] > self.lengths[i]:
-                raise ShardError(f"{self.path}: sample {i} written twice ({self._covered[i]} rows for "
-                                 f"{self.lengths[i]} tokens)")
+                raise ShardError(
+                    f"{self.path}: sample {i} written twice ({self._covered[i]} rows "
+                    f"for "
+                    f"{self.lengths[i]} tokens)"
+                )
             if self.fp8_error is not None:
                 self.fp8_error[0].merge(err_a)
                 self.fp8_error[1].merge(err_l)
@@ -218,11 +280,14 @@ class ShardWriter:
         return sum(c == n for c, n in zip(self._covered, self.lengths))
 
     def close(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Publish the file and its manifest (plus `extra` fields); refuses if any sample is incomplete."""
+        """Publish the file and its manifest (plus `extra` fields); refuses if any sample is
+        incomplete."""
         missing = [i for i, (c, n) in enumerate(zip(self._covered, self.lengths)) if c != n]
         if missing:
             self.abort()
-            raise ShardError(f"{self.path}: {len(missing)} sample(s) never written, e.g. {missing[:5]}")
+            raise ShardError(
+                f"{self.path}: {len(missing)} sample(s) never written, e.g. {missing[:5]}"
+            )
         try:
             os.fsync(self._fd)  # a network filesystem may report a full disk only here
         except OSError as e:
@@ -231,20 +296,32 @@ class ShardWriter:
         os.close(self._fd)
         self._closed = True
         manifest = {
-            "format": FORMAT, "file": self.path.name, "num_samples": len(self.lengths),
-            "num_tokens": int(self.offsets[-1]), "bytes": self.total_bytes,
-            "sha256": sha256_file(self._tmp), "dtype": _dtype_name(self.dtype), "encoding": self.encoding,
-            "hidden_size": self.hidden_size, "num_aux_layers": self.num_aux, **self.meta,
+            "format": FORMAT,
+            "file": self.path.name,
+            "num_samples": len(self.lengths),
+            "num_tokens": int(self.offsets[-1]),
+            "bytes": self.total_bytes,
+            "sha256": sha256_file(self._tmp),
+            "dtype": _dtype_name(self.dtype),
+            "encoding": self.encoding,
+            "hidden_size": self.hidden_size,
+            "num_aux_layers": self.num_aux,
+            **self.meta,
         }
         if self.fp8_error is not None:
-            manifest["fp8_error"] = {"aux": self.fp8_error[0].summary(), "last": self.fp8_error[1].summary()}
+            manifest["fp8_error"] = {
+                "aux": self.fp8_error[0].summary(),
+                "last": self.fp8_error[1].summary(),
+            }
         manifest.update(extra or {})
         os.replace(self._tmp, self.path)
         _fsync_dir(self.path.parent)
         try:
             write_json_atomic(manifest_path(self.path), manifest)
         except BaseException:
-            self.path.unlink(missing_ok=True)  # a shard without its manifest would only be extracted again
+            self.path.unlink(
+                missing_ok=True
+            )  # a shard without its manifest would only be extracted again
             raise
         return manifest
 
@@ -255,15 +332,23 @@ class ShardWriter:
         self._tmp.unlink(missing_ok=True)
 
 
-def write_shard(path: str | Path, samples: Iterable[Sample], meta: dict[str, Any],
-                encoding: str = "plain") -> dict[str, Any]:
+def write_shard(
+    path: str | Path, samples: Iterable[Sample], meta: dict[str, Any], encoding: str = "plain"
+) -> dict[str, Any]:
     """Write a whole shard from in-memory samples (tests, small jobs); returns the manifest."""
     samples = list(samples)
     first = samples[0]
     H = first.last_hidden_state.shape[1]
     dtype = first.aux_hidden_states.dtype if encoding == "plain" else torch.bfloat16
-    w = ShardWriter(path, [len(s) for s in samples], hidden_size=H,
-                    num_aux=first.aux_hidden_states.shape[1] // H, dtype=dtype, meta=meta, encoding=encoding)
+    w = ShardWriter(
+        path,
+        [len(s) for s in samples],
+        hidden_size=H,
+        num_aux=first.aux_hidden_states.shape[1] // H,
+        dtype=dtype,
+        meta=meta,
+        encoding=encoding,
+    )
     for i, s in enumerate(samples):
         w.put(i, s)
     return w.close()
@@ -272,7 +357,8 @@ def write_shard(path: str | Path, samples: Iterable[Sample], meta: dict[str, Any
 class ShardReader:
     """Reads samples of one shard by slicing the memory-mapped file (bounded memory).
 
-    FP8 shards come back dequantized to `dtype` (bf16 by default); plain shards in their stored dtype.
+    FP8 shards come back dequantized to `dtype` (bf16 by default); plain shards in their stored
+    dtype.
     """
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.bfloat16):
@@ -286,7 +372,9 @@ class ShardReader:
             raise ShardError(f"{self.path}: not a readable safetensors file ({e})") from e
         self.encoding = self.meta.get("encoding", "plain")
         if self.encoding not in ENCODINGS:
-            raise ShardError(f"{self.path}: unknown encoding {self.encoding!r} (this eyas reads {ENCODINGS})")
+            raise ShardError(
+                f"{self.path}: unknown encoding {self.encoding!r} (this eyas reads {ENCODINGS})"
+            )
         self.dtype = dtype
         suffix = "_fp8" if self.encoding == "fp8_e4m3" else ""
         self._aux, self._last = f"aux_hidden_states{suffix}", f"last_hidden_state{suffix}"
@@ -305,7 +393,9 @@ class ShardReader:
         aux, last = self._f.get_slice(self._aux)[a:b], self._f.get_slice(self._last)[a:b]
         if self.encoding == "fp8_e4m3":
             aux = fp8.dequantize(aux, self._f.get_slice("aux_hidden_states_scale")[a:b], self.dtype)
-            last = fp8.dequantize(last, self._f.get_slice("last_hidden_state_scale")[a:b], self.dtype)
+            last = fp8.dequantize(
+                last, self._f.get_slice("last_hidden_state_scale")[a:b], self.dtype
+            )
         return Sample(
             input_ids=self._f.get_slice("input_ids")[a:b].long(),
             loss_mask=self._f.get_slice("loss_mask")[a:b].bool(),
@@ -322,7 +412,8 @@ class ShardManifest:
     """A shard's manifest as tasks and flows pass it; `to_json()` is the file shard-NNNNN.json.
 
     `meta` holds the rest of that file: layer ids and their conventions, provenance, the cache key,
-    seconds, fp8_error. `reused` is this run's, never written: the shard was found intact on disk."""
+    seconds, fp8_error. `reused` is this run's, never written: the shard was found intact on
+    disk."""
 
     file: str
     num_samples: int
@@ -343,11 +434,16 @@ class ShardManifest:
         missing = [k for k in core if k not in obj]
         if missing:
             raise ShardError(f"{obj.get('file', 'a shard')}: manifest lacks {missing}")
-        return cls(**{k: obj[k] for k in core}, meta={k: v for k, v in obj.items() if k not in core},
-                   reused=reused)
+        return cls(
+            **{k: obj[k] for k in core},
+            meta={k: v for k, v in obj.items() if k not in core},
+            reused=reused,
+        )
 
     def to_json(self) -> dict[str, Any]:
-        core = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("meta", "reused")}
+        core = {
+            f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("meta", "reused")
+        }
         return {**self.meta, **core}
 
 
@@ -370,7 +466,9 @@ def verify_shard(path: str | Path, *, full: bool = True) -> dict[str, Any]:
     manifest = read_manifest(path)
     size = path.stat().st_size
     if size != manifest["bytes"]:
-        raise ShardError(f"{path}: {size} bytes on disk, manifest says {manifest['bytes']} (truncated?)")
+        raise ShardError(
+            f"{path}: {size} bytes on disk, manifest says {manifest['bytes']} (truncated?)"
+        )
     if full and sha256_file(path) != manifest["sha256"]:
         raise ShardError(f"{path}: sha256 differs from the manifest (corrupted)")
     return manifest

@@ -7,52 +7,115 @@ import argparse
 
 from eyas.local.engine import FAULTS
 
-DESCRIPTION = "eyas's local target server: a CPU stand-in for SGLang that speaks its HTTP API and its log lines."
+DESCRIPTION = (
+    "eyas's local target server: a CPU stand-in for SGLang that speaks its HTTP API and "
+    "its log lines."
+)
 
 
 def parser() -> argparse.ArgumentParser:
     """The flags: SGLang's names, with eyas-local's meaning in each help text."""
     p = argparse.ArgumentParser(prog="eyas serve-local", description=DESCRIPTION)
-    p.add_argument("--model-path", required=True, help="Hugging Face folder with config.json and shards")
+    p.add_argument(
+        "--model-path", required=True, help="Hugging Face folder with config.json and shards"
+    )
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--tp-size", "--tp", type=int, default=1, help="accepted; eyas-local runs one CPU process")
+    p.add_argument(
+        "--tp-size", "--tp", type=int, default=1, help="accepted; eyas-local runs one CPU process"
+    )
     p.add_argument("--dtype", default="auto", help="accepted; eyas-local computes in float32")
     p.add_argument("--enable-return-aux-hidden-states", action="store_true")
-    p.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+", default=None,
-                   help="capture-before ids: id i is the input of decoder layer i (HF hidden_states[i])")
-    p.add_argument("--speculative-algorithm", default=None,
-                   help="EAGLE3; without a draft model path it only names the aux convention")
-    p.add_argument("--speculative-draft-model-path", default=None,
-                   help="an exported EAGLE-3 drafter folder: greedy requests use speculative decoding")
-    p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens per verify step")
-    p.add_argument("--speculative-eagle-topk", type=int, default=1, help="only 1 (a chain) is implemented")
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                   help="with topk 1 it must be num-steps + 1 (the default)")
-    p.add_argument("--disable-radix-cache", action="store_true", help="accepted; there is no prefix cache")
-    p.add_argument("--chunked-prefill-size", type=int, default=8192,
-                   help="tokens per prefill chunk; -1 = no chunking")
+    p.add_argument(
+        "--return-aux-hidden-state-layer-ids",
+        type=int,
+        nargs="+",
+        default=None,
+        help="capture-before ids: id i is the input of decoder layer i (HF hidden_states[i])",
+    )
+    p.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        help="EAGLE3; without a draft model path it only names the aux convention",
+    )
+    p.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        help="an exported EAGLE-3 drafter folder: greedy requests use speculative decoding",
+    )
+    p.add_argument(
+        "--speculative-num-steps", type=int, default=3, help="draft tokens per verify step"
+    )
+    p.add_argument(
+        "--speculative-eagle-topk", type=int, default=1, help="only 1 (a chain) is implemented"
+    )
+    p.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=None,
+        help="with topk 1 it must be num-steps + 1 (the default)",
+    )
+    p.add_argument(
+        "--disable-radix-cache", action="store_true", help="accepted; there is no prefix cache"
+    )
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=8192,
+        help="tokens per prefill chunk; -1 = no chunking",
+    )
     p.add_argument("--skip-server-warmup", action="store_true")
-    p.add_argument("--max-running-requests", type=int, default=1,
-                   help="plain (non-speculative) requests decoded together, one forward per step for all")
-    p.add_argument("--dp-size", "--data-parallel-size", type=int, default=1,
-                   help="model replicas (SGLang's data-parallel workers): worker processes beside this "
-                        "one, each request to the replica with the fewest in flight")
-    p.add_argument("--dp-worker", action="store_true", help=argparse.SUPPRESS)  # a replica --dp-size started
-    p.add_argument("--api-key", default=None, help="as SGLang: every route but /health* wants "
-                   "'Authorization: Bearer KEY' (never logged nor shown in /server_info)")
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=1,
+        help="plain (non-speculative) requests decoded together, one forward per step for all",
+    )
+    p.add_argument(
+        "--dp-size",
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="model replicas (SGLang's data-parallel workers): worker processes beside "
+        "this "
+        "one, each request to the replica with the fewest in flight",
+    )
+    p.add_argument(
+        "--dp-worker", action="store_true", help=argparse.SUPPRESS
+    )  # a replica --dp-size started
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="as SGLang: every route but /health* wants "
+        "'Authorization: Bearer KEY' (never logged nor shown in /server_info)",
+    )
     p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, ignored")
     p.add_argument("--trust-remote-code", action="store_true", help="accepted, ignored")
-    p.add_argument("--random-seed", type=int, default=0, help="seed of sampling without sampling_seed")
-    p.add_argument("--log-level", default="info",
-                   help="accepted; eyas-local logs at info (the sensor reads those lines)")
+    p.add_argument(
+        "--random-seed", type=int, default=0, help="seed of sampling without sampling_seed"
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        help="accepted; eyas-local logs at info (the sensor reads those lines)",
+    )
     # eyas-only realism and fault injection
-    p.add_argument("--load-delay", type=float, default=0.0, help="seconds of sleep per shard (a slow load)")
+    p.add_argument(
+        "--load-delay", type=float, default=0.0, help="seconds of sleep per shard (a slow load)"
+    )
     p.add_argument("--fault", choices=FAULTS, default="none")
-    p.add_argument("--fault-shard", type=int, default=0, help="the fault fires after this many shards loaded")
-    p.add_argument("--think-tokens", type=int, default=0, help="play a thinking model: a reply inside the "
-                   "<think> its prompt opened reasons this many tokens, then </think> (0: off)")
+    p.add_argument(
+        "--fault-shard", type=int, default=0, help="the fault fires after this many shards loaded"
+    )
+    p.add_argument(
+        "--think-tokens",
+        type=int,
+        default=0,
+        help="play a thinking model: a reply "
+        "inside the "
+        "<think> its prompt opened reasons this many tokens, then </think> (0: off)",
+    )
     return p
 
 
@@ -76,18 +139,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _check_speculative(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A drafter's launch: EAGLE3, a chain, no aux capture; num-draft-tokens filled in."""
     if args.speculative_algorithm != "EAGLE3":
-        p.error(f"--speculative-draft-model-path needs --speculative-algorithm EAGLE3, "
-                f"got {args.speculative_algorithm!r}")
+        p.error(
+            f"--speculative-draft-model-path needs --speculative-algorithm EAGLE3, "
+            f"got {args.speculative_algorithm!r}"
+        )
     if args.enable_return_aux_hidden_states:
-        p.error("--enable-return-aux-hidden-states cannot be combined with "
-                "--speculative-draft-model-path (SGLang refuses it too)")
+        p.error(
+            "--enable-return-aux-hidden-states cannot be combined with "
+            "--speculative-draft-model-path (SGLang refuses it too)"
+        )
     if args.speculative_num_steps < 1:
         p.error(f"--speculative-num-steps must be >= 1, got {args.speculative_num_steps}")
     if args.speculative_eagle_topk != 1:
-        p.error(f"--speculative-eagle-topk {args.speculative_eagle_topk}: eyas-local drafts a chain "
-                f"(topk 1) only")
+        p.error(
+            f"--speculative-eagle-topk {args.speculative_eagle_topk}: eyas-local drafts a "
+            f"chain "
+            f"(topk 1) only"
+        )
     if args.speculative_num_draft_tokens is None:
         args.speculative_num_draft_tokens = args.speculative_num_steps + 1
     if args.speculative_num_draft_tokens != args.speculative_num_steps + 1:
-        p.error(f"--speculative-num-draft-tokens must be num-steps + 1 = {args.speculative_num_steps + 1} "
-                f"with topk 1, got {args.speculative_num_draft_tokens}")
+        p.error(
+            f"--speculative-num-draft-tokens must be num-steps + 1 = "
+            f"{args.speculative_num_steps + 1} "
+            f"with topk 1, got {args.speculative_num_draft_tokens}"
+        )

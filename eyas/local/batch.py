@@ -1,7 +1,8 @@
 """Continuous batching for the local server's plain decoding, as SGLang batches running requests.
 
     batch = DecodeBatch(model, lock, max_running=8)
-    output, finish = batch.decode(Sequence(logits, cache, length, max_new, temperature, stop_ids, gen))
+    output, finish = batch.decode(Sequence(logits, cache, length, max_new, temperature, stop_ids,
+    gen))
 
 Each request is prefilled on its own (so its hidden states are dumped exactly as before); the
 sequence then joins the running batch and one forward per step decodes every running sequence.
@@ -47,7 +48,9 @@ class Think:
         last = max((i for i, t in enumerate(prompt) if t in (start_id, end_id)), default=-1)
         if last >= 0 and prompt[last] == start_id:
             return cls(start_id, end_id, budget, "in")
-        if last == len(prompt) - 1:  # closed right before the reply: the template turned thinking off
+        if (
+            last == len(prompt) - 1
+        ):  # closed right before the reply: the template turned thinking off
             return None
         return cls(start_id, end_id, budget, "open")
 
@@ -126,7 +129,9 @@ class DecodeBatch:
 
     def __init__(self, model: torch.nn.Module, lock: threading.Lock, max_running: int):
         self.model, self.lock, self.max_running = model, lock, max_running
-        self.steps = self.tokens = 0  # forwards run, tokens they decoded (tokens / steps = mean batch)
+        self.steps = self.tokens = (
+            0  # forwards run, tokens they decoded (tokens / steps = mean batch)
+        )
         self._waiting: list[Sequence] = []
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="eyas-decode", daemon=True)
@@ -149,13 +154,16 @@ class DecodeBatch:
 
     def _loop(self) -> None:
         rows: list[Sequence] = []
-        cache, mask = None, _EMPTY  # one DynamicCache, rows left-padded; mask (B, S): 1 at real tokens
+        cache, mask = (
+            None,
+            _EMPTY,
+        )  # one DynamicCache, rows left-padded; mask (B, S): 1 at real tokens
         while True:
             with self._changed:
                 while not rows and not self._waiting:
                     self._changed.wait()
-                joining = self._waiting[:self.max_running - len(rows)]
-                del self._waiting[:len(joining)]
+                joining = self._waiting[: self.max_running - len(rows)]
+                del self._waiting[: len(joining)]
             try:
                 with self.lock:  # prefills of new requests run between steps
                     if joining:
@@ -164,7 +172,9 @@ class DecodeBatch:
                     mask, finished = self._step(rows, cache, mask)
                 if finished:
                     done = [rows[i] for i in finished]
-                    rows, cache, mask = _keep(rows, cache, mask, [i for i in range(len(rows)) if i not in finished])
+                    rows, cache, mask = _keep(
+                        rows, cache, mask, [i for i in range(len(rows)) if i not in finished]
+                    )
                     for seq in done:
                         seq.done.set()
             except BaseException as e:  # noqa: BLE001 - every request in hand gets the error, none hangs
@@ -175,12 +185,18 @@ class DecodeBatch:
 
     @torch.no_grad()
     def _step(self, rows: list[Sequence], cache, mask):
-        """One forward over every row's last token (the cache grows in place) -> (mask, finished rows)."""
+        """One forward over every row's last token (the cache grows in place) -> (mask, finished
+        rows)."""
         tokens = torch.tensor([[seq.output[-1]] for seq in rows])  # (B, 1)
         positions = torch.tensor([[seq.length + len(seq.output) - 1] for seq in rows])  # (B, 1)
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)  # (B, S + 1)
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True)
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
         self.steps, self.tokens = self.steps + 1, self.tokens + len(rows)
         finished = set()
         for i, seq in enumerate(rows):
@@ -204,13 +220,22 @@ def _cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
 
 
 def _join(rows, cache, mask, joining: list[Sequence]):
-    """Lay the cache out again with the new sequences as extra rows, all left-padded to one width."""
+    """Lay the cache out again with the new sequences as extra rows, all left-padded to one
+    width."""
     width = max([mask.shape[1]] + [seq.length for seq in joining])
     parts = ([_layers(cache)] if rows else []) + [_layers(seq.cache) for seq in joining]
-    layers = [(torch.cat([_pad_left(p[i][0], width) for p in parts]),
-               torch.cat([_pad_left(p[i][1], width) for p in parts])) for i in range(len(parts[0]))]
+    layers = [
+        (
+            torch.cat([_pad_left(p[i][0], width) for p in parts]),
+            torch.cat([_pad_left(p[i][1], width) for p in parts]),
+        )
+        for i in range(len(parts[0]))
+    ]
     masks = [F.pad(mask, (width - mask.shape[1], 0))] if rows else []
-    masks += [F.pad(torch.ones(1, seq.length, dtype=torch.long), (width - seq.length, 0)) for seq in joining]
+    masks += [
+        F.pad(torch.ones(1, seq.length, dtype=torch.long), (width - seq.length, 0))
+        for seq in joining
+    ]
     for seq in joining:
         seq.cache = None  # the batch holds it now
     return rows + joining, _cache(layers), torch.cat(masks)

@@ -9,8 +9,9 @@ hidden states go through eyas.dump before the request returns. The HTTP side is
 eyas/local/server.py.
 
 With a drafter (`Engine(..., speculative=Speculative.load(dir, target_path, num_steps=3))`),
-greedy requests are decoded by greedy chain speculative decoding (eyas.evaluation.evaluate.speculative_greedy)
-and report SGLang's counter `spec_verify_ct`; acceptance length = completion tokens / verify steps.
+greedy requests are decoded by greedy chain speculative decoding
+(eyas.evaluation.evaluate.speculative_greedy) and report SGLang's counter `spec_verify_ct`;
+acceptance length = completion tokens / verify steps.
 
 With `think_tokens=N` (eyas serve-local --think-tokens N) it plays a thinking model: a reply that
 starts inside the <think> the chat template opened reasons for N tokens, then closes it with
@@ -38,7 +39,9 @@ from eyas.errors import EyasError
 from eyas.local.batch import DecodeBatch, Sequence, Think
 
 # SGLang's exact loading bar (utils/common.py) and its default description (multithread loader).
-BAR_FORMAT = "{desc}: {percentage:3.0f}% Completed | {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
+BAR_FORMAT = (
+    "{desc}: {percentage:3.0f}% Completed | {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
+)
 BAR_DESC = "Multi-thread loading shards"
 FAULTS = ("none", "die-at-shard", "hang-at-shard", "oom-at-shard")
 
@@ -62,6 +65,7 @@ def _avail_mem_gb() -> float:
 # ---------------------------------------------------------------------------------------------
 # Loading, shard by shard
 # ---------------------------------------------------------------------------------------------
+
 
 def shard_files(model_path: str | Path) -> list[Path]:
     """The checkpoint's safetensors files, in the order the index lists them."""
@@ -95,8 +99,10 @@ def fuse_experts(state: dict[str, torch.Tensor], expected: set[str]) -> dict[str
         else:
             out[key] = value
     for prefix, parts in groups.items():
+
         def stacked(name: str, parts=parts) -> torch.Tensor:
             return torch.stack([parts[name][e] for e in sorted(parts[name])])
+
         out[f"{prefix}.gate_up_proj"] = torch.cat([stacked("gate_proj"), stacked("up_proj")], dim=1)
         out[f"{prefix}.down_proj"] = stacked("down_proj")
     return out
@@ -114,20 +120,25 @@ def _inject_fault(fault: str, shard: int, num_shards: int, path: Path) -> None:
         try:
             raise torch.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate 1.75 GiB. GPU 0 has a total capacity of "
-                "79.19 GiB of which 1.02 GiB is free. Including non-PyTorch memory, this process has "
-                "78.16 GiB memory in use. Of the allocated memory 76.90 GiB is allocated by PyTorch, "
-                "and 512.00 MiB is reserved by PyTorch but unallocated. If reserved but unallocated "
+                "79.19 GiB of which 1.02 GiB is free. Including non-PyTorch memory, this process "
+                "has "
+                "78.16 GiB memory in use. Of the allocated memory 76.90 GiB is allocated by "
+                "PyTorch, "
+                "and 512.00 MiB is reserved by PyTorch but unallocated. If reserved but "
+                "unallocated "
                 "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to "
                 "avoid fragmentation.  See documentation for Memory Management  "
-                "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+                "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+            )
         except torch.OutOfMemoryError:
             log(f"Scheduler hit an exception: {traceback.format_exc()}")
         log("Received sigquit from a child process. It usually means the child failed.")
         sys.exit(1)
 
 
-def load_model(model_path: str | Path, *, load_delay: float = 0.0, fault: str = "none",
-               fault_shard: int = 0) -> torch.nn.Module:
+def load_model(
+    model_path: str | Path, *, load_delay: float = 0.0, fault: str = "none", fault_shard: int = 0
+) -> torch.nn.Module:
     """Read the checkpoint shard by shard (printing SGLang's bar), then build the model from
     config.json and fill it. transformers is imported only after the shards are read: it takes
     seconds to import, and a fault-injected load should fail as early as a real one would."""
@@ -136,12 +147,20 @@ def load_model(model_path: str | Path, *, load_delay: float = 0.0, fault: str = 
         raise FileNotFoundError(f"{model_path}: no config.json")
     files = shard_files(model_path)
     if fault != "none" and not 0 <= fault_shard <= len(files):
-        raise ValueError(f"--fault-shard {fault_shard} out of range: the checkpoint has {len(files)} shards")
+        raise ValueError(
+            f"--fault-shard {fault_shard} out of range: the checkpoint has {len(files)} shards"
+        )
     log(f"Load weight begin. avail mem={_avail_mem_gb():.2f} GB")
     tic = time.monotonic()
     # mininterval=0: print every shard, as SGLang's bar does for its few, slow shards.
-    bar = tqdm(total=len(files), desc=BAR_DESC, bar_format=BAR_FORMAT, file=sys.stderr,
-               mininterval=0, miniters=1)
+    bar = tqdm(
+        total=len(files),
+        desc=BAR_DESC,
+        bar_format=BAR_FORMAT,
+        file=sys.stderr,
+        mininterval=0,
+        miniters=1,
+    )
     state: dict[str, torch.Tensor] = {}
     for k, path in enumerate(files):
         if fault != "none" and k == fault_shard:
@@ -156,15 +175,21 @@ def load_model(model_path: str | Path, *, load_delay: float = 0.0, fault: str = 
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=False)  # local backend: no remote code
+    config = AutoConfig.from_pretrained(
+        model_path, trust_remote_code=False
+    )  # local backend: no remote code
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     result = model.load_state_dict(fuse_experts(state, set(model.state_dict())), strict=False)
     if result.missing_keys:
-        raise RuntimeError(f"{model_path}: checkpoint lacks {len(result.missing_keys)} weights, "
-                           f"e.g. {result.missing_keys[:5]}")
+        raise RuntimeError(
+            f"{model_path}: checkpoint lacks {len(result.missing_keys)} weights, "
+            f"e.g. {result.missing_keys[:5]}"
+        )
     if result.unexpected_keys:  # e.g. DeepSeek's MTP layer, which SGLang also skips here
-        log(f"Ignored {len(result.unexpected_keys)} checkpoint weights the model does not use, "
-            f"e.g. {result.unexpected_keys[:3]}")
+        log(
+            f"Ignored {len(result.unexpected_keys)} checkpoint weights the model does not use, "
+            f"e.g. {result.unexpected_keys[:3]}"
+        )
     if (model_path / "generation_config.json").exists():
         from transformers import GenerationConfig
 
@@ -172,9 +197,11 @@ def load_model(model_path: str | Path, *, load_delay: float = 0.0, fault: str = 
         # _get_hf_eos_token_id): chat models list their end-of-turn token there.
         model.generation_config = GenerationConfig.from_pretrained(model_path)
     model.eval()
-    log(f"Load weight end. elapsed={time.monotonic() - tic:.2f} s, type={type(model).__name__}, "
+    log(
+        f"Load weight end. elapsed={time.monotonic() - tic:.2f} s, type={type(model).__name__}, "
         f"dtype=torch.float32, avail mem={_avail_mem_gb():.2f} GB, mem usage="
-        f"{sum(t.numel() * t.element_size() for t in state.values()) / 2**30:.2f} GB.")
+        f"{sum(t.numel() * t.element_size() for t in state.values()) / 2**30:.2f} GB."
+    )
     return model
 
 
@@ -186,7 +213,9 @@ def optional_tokenizer(model_path: str | Path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_path), trust_remote_code=False)  # local backend: off
+        return AutoTokenizer.from_pretrained(
+            str(model_path), trust_remote_code=False
+        )  # local backend: off
     except (OSError, ValueError, KeyError) as e:  # a bare tokenizer.json without tokenizer_config
         log(f"AutoTokenizer failed ({type(e).__name__}: {e}); using tokenizer.json directly")
         return PreTrainedTokenizerFast(tokenizer_file=str(Path(model_path) / "tokenizer.json"))
@@ -198,12 +227,18 @@ def resolve_capture_ids(ids: list[int] | None, num_layers: int) -> list[int]:
         return [2, num_layers // 2, num_layers - 3]
     if ids[0] == 1:
         shifted = [i + 1 for i in ids]
-        log(f"Aux layer ids {ids} start at 1: read as output-of ids (as SGLang does), capturing {shifted}")
+        log(
+            f"Aux layer ids {ids} start at 1: read as output-of ids (as SGLang does), capturing "
+            f"{shifted}"
+        )
         ids = shifted
     if max(ids) >= num_layers:
         # HF hidden_states[L] is the post-norm output, which SGLang cannot capture either.
-        raise ValueError(f"aux layer id {max(ids)} out of range: the model has {num_layers} layers, "
-                         f"so capture ids go up to {num_layers - 1}")
+        raise ValueError(
+            f"aux layer id {max(ids)} out of range: the model has {num_layers} "
+            f"layers, "
+            f"so capture ids go up to {num_layers - 1}"
+        )
     return sorted(ids)
 
 
@@ -211,16 +246,22 @@ def resolve_capture_ids(ids: list[int] | None, num_layers: int) -> list[int]:
 # The engine: chunked prefill with a KV cache, then greedy or sampled decode
 # ---------------------------------------------------------------------------------------------
 
+
 def _think_ids(tokenizer, vocab_size: int) -> tuple[int, int]:
     """The ids of <think> and </think>: one token each, inside the model's vocabulary."""
     if tokenizer is None:
-        raise ValueError("--think-tokens needs the model folder's tokenizer (to find <think> and </think>)")
+        raise ValueError(
+            "--think-tokens needs the model folder's tokenizer (to find <think> and </think>)"
+        )
     ids = []
     for tag in ("<think>", "</think>"):
         encoded = tokenizer.encode(tag, add_special_tokens=False)
         if len(encoded) != 1 or not 0 <= encoded[0] < vocab_size:
-            raise ValueError(f"--think-tokens: the tokenizer spells {tag} as {encoded}, not one token id below "
-                             f"the vocabulary size {vocab_size}")
+            raise ValueError(
+                f"--think-tokens: the tokenizer spells {tag} as {encoded}, not one "
+                f"token id below "
+                f"the vocabulary size {vocab_size}"
+            )
         ids.append(int(encoded[0]))
     return ids[0], ids[1]
 
@@ -233,11 +274,22 @@ class Speculative:
     """An exported EAGLE-3 drafter (its SGLang-format folder) and the chain length to draft."""
 
     def __init__(self, drafter: torch.nn.Module, capture_ids: list[int], num_steps: int, path: str):
-        self.drafter, self.capture_ids, self.num_steps, self.path = drafter, capture_ids, num_steps, path
+        self.drafter, self.capture_ids, self.num_steps, self.path = (
+            drafter,
+            capture_ids,
+            num_steps,
+            path,
+        )
 
     @classmethod
-    def load(cls, drafter_dir: str | Path, target_path: str | Path, *, num_steps: int,
-             num_target_layers: int) -> "Speculative":
+    def load(
+        cls,
+        drafter_dir: str | Path,
+        target_path: str | Path,
+        *,
+        num_steps: int,
+        num_target_layers: int,
+    ) -> "Speculative":
         from eyas.evaluation.export import load_exported
 
         drafter, _, meta = load_exported(drafter_dir, target_checkpoint=target_path)
@@ -245,16 +297,31 @@ class Speculative:
         # SGLang reads this list as capture-before ids (a list starting with 1 is shifted by +1).
         ids = [i + 1 for i in ids] if ids and ids[0] == 1 else ids
         if max(ids) >= num_target_layers:
-            raise ValueError(f"{drafter_dir}: the drafter reads layers {ids}, the target has only "
-                             f"{num_target_layers}")
-        log(f"Loaded EAGLE3 draft model from {drafter_dir}: aux layers {ids}, {num_steps} steps, topk 1")
+            raise ValueError(
+                f"{drafter_dir}: the drafter reads layers {ids}, the target has only "
+                f"{num_target_layers}"
+            )
+        log(
+            f"Loaded EAGLE3 draft model from {drafter_dir}: aux layers {ids}, {num_steps} steps, "
+            f"topk 1"
+        )
         return cls(drafter, ids, num_steps, str(drafter_dir))
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, tokenizer, *, chunk_size: int,
-                 writer: DumpWriter | None, capture_ids: list[int], seed: int = 0,
-                 speculative: Speculative | None = None, max_running: int = 1, think_tokens: int = 0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        chunk_size: int,
+        writer: DumpWriter | None,
+        capture_ids: list[int],
+        seed: int = 0,
+        speculative: Speculative | None = None,
+        max_running: int = 1,
+        think_tokens: int = 0,
+    ):
         self.model = model
         self.speculative = speculative
         # Totals since start, as SGLang's scheduler keeps them (for /server_info).
@@ -264,7 +331,8 @@ class Engine:
         self.writer = writer
         self.capture_ids = capture_ids
         self.lock = threading.Lock()  # one forward at a time through the model
-        # max_running > 1: plain decode steps of concurrent requests share one forward (eyas/local/batch.py)
+        # max_running > 1: plain decode steps of concurrent requests share one forward
+        # (eyas/local/batch.py)
         self.batch = DecodeBatch(model, self.lock, max_running) if max_running > 1 else None
         self.generator = torch.Generator().manual_seed(seed)
         cfg = model.config
@@ -283,24 +351,34 @@ class Engine:
         if think_tokens:
             self.think_ids = _think_ids(tokenizer, self.vocab_size)
             if speculative is not None:
-                raise ValueError("--think-tokens with --speculative-draft-model-path: eyas-local plays a thinking "
-                                 "model in plain decoding only")
-            log(f"Thinking model: replies inside <think> reason for {think_tokens} tokens, then </think> "
-                f"(ids {self.think_ids})")
+                raise ValueError(
+                    "--think-tokens with --speculative-draft-model-path: eyas-local "
+                    "plays a thinking "
+                    "model in plain decoding only"
+                )
+            log(
+                f"Thinking model: replies inside <think> reason for {think_tokens} tokens, then "
+                f"</think> "
+                f"(ids {self.think_ids})"
+            )
 
     @torch.no_grad()
     def prefill(self, ids: list[int], rid: str):
-        """Run the prompt in chunks through the KV cache; dump each chunk. Returns (logits, cache)."""
+        """Run the prompt in chunks through the KV cache; dump each chunk. Returns (logits,
+        cache)."""
         dump = self.writer is not None and not self.writer.should_skip(rid)
         step = len(ids) if self.chunk_size == -1 else self.chunk_size
         cache = None
         for start in range(0, len(ids), step):
-            chunk = torch.tensor([ids[start:start + step]])
-            out = self.model(input_ids=chunk, past_key_values=cache, use_cache=True,
-                             output_hidden_states=dump)
+            chunk = torch.tensor([ids[start : start + step]])
+            out = self.model(
+                input_ids=chunk, past_key_values=cache, use_cache=True, output_hidden_states=dump
+            )
             cache = out.past_key_values
             if dump:
-                hs = out.hidden_states  # L+1 entries: inputs of layers 0..L-1, then post-norm output
+                hs = (
+                    out.hidden_states
+                )  # L+1 entries: inputs of layers 0..L-1, then post-norm output
                 aux = torch.cat([hs[i][0] for i in self.capture_ids], dim=-1)
                 self.writer.write(rid, start, chunk[0], aux, hs[-1][0])
         return out.logits[0, -1], cache
@@ -309,8 +387,10 @@ class Engine:
     def generate(self, ids: list[int], rid: str, params: dict[str, Any]) -> dict[str, Any]:
         tic = time.monotonic()
         if len(ids) >= self.context_len:
-            raise BadRequest(f"rid {rid}: the input ({len(ids)} tokens) is longer than the model's "
-                             f"context length ({self.context_len} tokens)")
+            raise BadRequest(
+                f"rid {rid}: the input ({len(ids)} tokens) is longer than the model's "
+                f"context length ({self.context_len} tokens)"
+            )
         max_new = min(params["max_new_tokens"], self.context_len - len(ids))
         temperature = params["temperature"]
         stop_ids = set() if params["ignore_eos"] else self.eos_ids
@@ -323,17 +403,32 @@ class Engine:
         if self.speculative is not None and temperature == 0 and max_new > 0:
             with self.lock:
                 output, verify_steps = self._speculative(ids, max_new, stop_ids)
-            finish = ({"type": "stop", "matched": output[-1]} if output[-1] in stop_ids
-                      else {"type": "length", "length": max_new})
+            finish = (
+                {"type": "stop", "matched": output[-1]}
+                if output[-1] in stop_ids
+                else {"type": "length", "length": max_new}
+            )
         else:
             if self.batch is not None and max_new > 0:
                 with self.lock:
                     logits, cache = self.prefill(ids, rid)
-                output, finish = self.batch.decode(Sequence(logits, cache, len(ids), max_new, temperature,
-                                                            stop_ids, generator, think=think))
+                output, finish = self.batch.decode(
+                    Sequence(
+                        logits,
+                        cache,
+                        len(ids),
+                        max_new,
+                        temperature,
+                        stop_ids,
+                        generator,
+                        think=think,
+                    )
+                )
             else:
                 with self.lock:
-                    output, finish = self._decode(ids, rid, max_new, temperature, stop_ids, generator, think)
+                    output, finish = self._decode(
+                        ids, rid, max_new, temperature, stop_ids, generator, think
+                    )
             verify_steps = max(len(output) - 1, 0)  # one target forward per token after the first
         with self.lock:
             self.num_completion_tokens += len(output)
@@ -342,21 +437,29 @@ class Engine:
         text = ""
         if self.tokenizer is not None:
             text = self.tokenizer.decode(output, skip_special_tokens=params["skip_special_tokens"])
-        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids),
-                "completion_tokens": len(output), "cached_tokens": 0,
-                "e2e_latency": time.monotonic() - tic}
+        meta = {
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(output),
+            "cached_tokens": 0,
+            "e2e_latency": time.monotonic() - tic,
+        }
         if self.speculative is not None:
             meta["spec_verify_ct"] = verify_steps
         if self.think_ids is not None:  # SGLang's figure with a reasoning parser: the span's tokens
             meta["reasoning_tokens"] = think.count if think is not None else 0
         return {"text": text, "output_ids": output, "meta_info": meta}
 
-    def _speculative(self, ids: list[int], max_new: int, stop_ids: set[int]) -> tuple[list[int], int]:
+    def _speculative(
+        self, ids: list[int], max_new: int, stop_ids: set[int]
+    ) -> tuple[list[int], int]:
         from eyas.evaluation.evaluate import speculative_greedy
 
         spec = self.speculative
-        return speculative_greedy(self.model, spec.drafter, ids, spec.capture_ids, spec.num_steps,
-                                  max_new, stop_ids)
+        return speculative_greedy(
+            self.model, spec.drafter, ids, spec.capture_ids, spec.num_steps, max_new, stop_ids
+        )
 
     def avg_spec_accept_length(self) -> float | None:
         """Completion tokens / verify steps since start (SGLang's internal_states figure)."""
@@ -365,13 +468,19 @@ class Engine:
         return self.num_completion_tokens / self.num_verify_steps
 
     @torch.no_grad()
-    def _decode(self, ids, rid, max_new, temperature, stop_ids, generator, think=None) -> tuple[list[int], dict]:
+    def _decode(
+        self, ids, rid, max_new, temperature, stop_ids, generator, think=None
+    ) -> tuple[list[int], dict]:
         """Plain decoding: chunked prefill (dumped), then one target forward per token."""
         logits, cache = self.prefill(ids, rid)
         if max_new == 0:
             return [], {"type": "length", "length": 0}
-        seq = Sequence(logits, cache, len(ids), max_new, temperature, stop_ids, generator, think=think)
+        seq = Sequence(
+            logits, cache, len(ids), max_new, temperature, stop_ids, generator, think=think
+        )
         while not seq.take(logits):  # no forward for a token we will not emit
-            out = self.model(input_ids=torch.tensor([seq.output[-1:]]), past_key_values=cache, use_cache=True)
+            out = self.model(
+                input_ids=torch.tensor([seq.output[-1:]]), past_key_values=cache, use_cache=True
+            )
             logits, cache = out.logits[0, -1], out.past_key_values
         return seq.output, seq.finish

@@ -3,8 +3,8 @@
     with atomic_dir(out) as tmp: ...                 # a folder that appears whole or not at all
     index = write_shards(tensors, tmp, num_shards=8)   # model-0000k-of-0000N.safetensors + index
 
-Used by the tiny-target build (eyas/local/tiny_target.py, whose save_hf_folder adds the tokenizer and
-chat template); kept apart because it is about files, not the model.
+Used by the tiny-target build (eyas/local/tiny_target.py, whose save_hf_folder adds the tokenizer
+and chat template); kept apart because it is about files, not the model.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from transformers import DeepseekV3ForCausalLM
 
 @contextmanager
 def atomic_dir(out: Path) -> Iterator[Path]:
-    """Yield an empty folder beside `out`; when the block succeeds, it replaces `out` by rename, so a
-    reader sees the old folder or the new one, never half of one."""
+    """Yield an empty folder beside `out`; when the block succeeds, it replaces `out` by rename, so
+    a reader sees the old folder or the new one, never half of one."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -43,13 +43,19 @@ def atomic_dir(out: Path) -> Iterator[Path]:
 
 
 def plan_shards(sizes: list[int], num_shards: int) -> list[int]:
-    """Shard index of each tensor: contiguous runs of about equal bytes, exactly num_shards of them."""
+    """Shard index of each tensor: contiguous runs of about equal bytes, exactly num_shards of
+    them."""
     if not 1 <= num_shards <= len(sizes):
-        raise ValueError(f"num_shards must be between 1 and the number of tensors ({len(sizes)}), got {num_shards}")
+        raise ValueError(
+            f"num_shards must be between 1 and the number of tensors ({len(sizes)}), "
+            f"got {num_shards}"
+        )
     target, shard, seen, plan = sum(sizes) / num_shards, 0, 0, []
     for i, size in enumerate(sizes):
         opened_all = shard == num_shards - 1
-        must_open = len(sizes) - i == num_shards - shard - 1  # one tensor left for each unopened shard
+        must_open = (
+            len(sizes) - i == num_shards - shard - 1
+        )  # one tensor left for each unopened shard
         if i > 0 and not opened_all and (seen >= target * (shard + 1) or must_open):
             shard += 1
         plan.append(shard)
@@ -57,8 +63,11 @@ def plan_shards(sizes: list[int], num_shards: int) -> list[int]:
     return plan
 
 
-def write_shards(tensors: dict[str, torch.Tensor], folder: Path, num_shards: int, prefix: str = "model") -> dict:
-    """Write `tensors` as {prefix}-0000k-of-0000N.safetensors plus {prefix}.safetensors.index.json."""
+def write_shards(
+    tensors: dict[str, torch.Tensor], folder: Path, num_shards: int, prefix: str = "model"
+) -> dict:
+    """Write `tensors` as {prefix}-0000k-of-0000N.safetensors plus
+    {prefix}.safetensors.index.json."""
     names = list(tensors)
     plan = plan_shards([tensors[n].numel() * tensors[n].element_size() for n in names], num_shards)
     files = [f"{prefix}-{k + 1:05d}-of-{num_shards:05d}.safetensors" for k in range(num_shards)]
@@ -79,7 +88,9 @@ def read_shards(folder: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
     for file in sorted(set(index["weight_map"].values())):
         tensors.update(load_file(str(Path(folder) / file)))
     if set(tensors) != set(index["weight_map"]):
-        raise ValueError(f"{folder}: shards and {prefix}.safetensors.index.json disagree on tensor names")
+        raise ValueError(
+            f"{folder}: shards and {prefix}.safetensors.index.json disagree on tensor names"
+        )
     return tensors
 
 
@@ -89,7 +100,8 @@ def checkpoint_tensors(model: DeepseekV3ForCausalLM, dtype: torch.dtype) -> dict
     checkpoints, and SGLang, name each expert's gate_proj, up_proj and down_proj apart."""
     tensors = {}
     for name, value in model.state_dict().items():
-        # The router's bias stays fp32, as in DeepSeek-V3's release (transformers keeps it fp32 too).
+        # The router's bias stays fp32, as in DeepSeek-V3's release (transformers keeps it fp32
+        # too).
         value = value if "e_score_correction_bias" in name else value.to(dtype)
         if name.endswith("experts.gate_up_proj"):
             stem, inner = name.removesuffix("gate_up_proj"), value.shape[1] // 2
@@ -98,7 +110,9 @@ def checkpoint_tensors(model: DeepseekV3ForCausalLM, dtype: torch.dtype) -> dict
                 tensors[f"{stem}{e}.up_proj.weight"] = value[e, inner:].clone()  # (I, H)
         elif name.endswith("experts.down_proj"):
             for e in range(value.shape[0]):
-                tensors[f"{name.removesuffix('down_proj')}{e}.down_proj.weight"] = value[e].clone()  # (H, I)
+                tensors[f"{name.removesuffix('down_proj')}{e}.down_proj.weight"] = value[
+                    e
+                ].clone()  # (H, I)
         else:
             tensors[name] = value
     return tensors

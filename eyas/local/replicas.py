@@ -1,15 +1,17 @@
 """Data-parallel replicas of eyas-local (`--dp-size N`): N - 1 worker processes beside the front.
 
-    workers = start_workers(argv, 1)           # the same server again, on 127.0.0.1 ports of its own
+    # the same server again, on 127.0.0.1 ports of its own
+    workers = start_workers(argv, 1)
     wait_ready(workers, log)                   # ... once this process has loaded its own model
     status, body = workers[0].forward("/generate", raw_body, headers)
 
 The front process serves HTTP as before and is replica 0; every other replica is the same command
 started again as a worker (`--dp-worker`: an internal port on 127.0.0.1, no warm-up, exits when the
-front goes), to which the front forwards whole /generate requests. A request goes to the replica with
-the fewest in flight, as SGLang's data-parallel controller sends each to the shortest queue. Replicas
-are processes, not threads: a process decodes on a core of its own, while two replicas as threads of
-one process decoded only 1.18x one (the GIL; measured on the tiny target, 16 sequences in flight).
+front goes), to which the front forwards whole /generate requests. A request goes to the replica
+with the fewest in flight, as SGLang's data-parallel controller sends each to the shortest queue.
+Replicas are processes, not threads: a process decodes on a core of its own, while two replicas as
+threads of one process decoded only 1.18x one (the GIL; measured on the tiny target, 16 sequences in
+flight).
 
 A worker that dies takes the front with it (the log says which and how), so the readiness sensor and
 the extraction see a crashed server, never a server quietly answering with half its replicas. The
@@ -45,12 +47,19 @@ class Worker:
         self.index, self.port, self.proc = index, port, proc
         self._local = threading.local()
 
-    def forward(self, method: str, path: str, body: bytes | None = None,
-                headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    def forward(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, bytes]:
         """The worker's (status, body) for this request, on this thread's connection."""
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._local.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=None)
+            conn = self._local.conn = http.client.HTTPConnection(
+                "127.0.0.1", self.port, timeout=None
+            )
         try:
             conn.request(method, path, body=body, headers=headers or {})
             res = conn.getresponse()
@@ -65,8 +74,19 @@ def worker_argv(argv: list[str], port: int) -> list[str]:
     """The front's own arguments with the worker's port, one replica, no warm-up and no injected
     fault (the front's loading bar is the one the sensor reads, and its fault the one that fires):
     argparse keeps the last value of a repeated option, so the overrides go at the end."""
-    return [*argv, "--host", "127.0.0.1", "--port", str(port), "--dp-size", "1", "--skip-server-warmup",
-            "--fault", "none", "--dp-worker"]
+    return [
+        *argv,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dp-size",
+        "1",
+        "--skip-server-warmup",
+        "--fault",
+        "none",
+        "--dp-worker",
+    ]
 
 
 def start_workers(argv: list[str], count: int) -> list[Worker]:
@@ -75,8 +95,14 @@ def start_workers(argv: list[str], count: int) -> list[Worker]:
     workers = []
     for i in range(1, count + 1):
         port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "eyas.local.server", *worker_argv(argv, port)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eyas.local.server", *worker_argv(argv, port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
         workers.append(Worker(i, port, proc))
     return workers
 
@@ -87,7 +113,9 @@ def wait_ready(workers: list[Worker], log: Callable[[str], None]) -> None:
     ends this process."""
     for w in workers:
         _wait_ready(w)
-        threading.Thread(target=_relay, args=(w, log), name=f"eyas-dp-{w.index}", daemon=True).start()
+        threading.Thread(
+            target=_relay, args=(w, log), name=f"eyas-dp-{w.index}", daemon=True
+        ).start()
 
 
 def _wait_ready(w: Worker) -> None:
@@ -100,8 +128,11 @@ def _wait_ready(w: Worker) -> None:
         if time.monotonic() > deadline:
             break
     code = w.proc.poll()
-    raise ReplicaFailed(f"dp replica {w.index} {'exited with code ' + str(code) if code is not None else 'was not ready'} "
-                        f"before it was ready; its last lines:\n" + "\n".join(tail))
+    raise ReplicaFailed(
+        f"dp replica {w.index} "
+        f"{'exited with code ' + str(code) if code is not None else 'was not ready'} "
+        f"before it was ready; its last lines:\n" + "\n".join(tail)
+    )
 
 
 def _relay(w: Worker, log: Callable[[str], None]) -> None:

@@ -40,10 +40,18 @@ from typing import Any, Iterator
 from eyas import __version__
 from eyas.dump import DUMP_DIR_ENV, DumpWriter, dtype_from_env
 from eyas.local.arguments import parse_args
-from eyas.local.engine import BadRequest, Engine, Speculative, load_model, log, optional_tokenizer, resolve_capture_ids
-from eyas.server.launcher import exit_with_launcher
-from eyas.local.replicas import Worker, exit_with_parent, start_workers, wait_ready
+from eyas.local.engine import (
+    BadRequest,
+    Engine,
+    Speculative,
+    load_model,
+    log,
+    optional_tokenizer,
+    resolve_capture_ids,
+)
 from eyas.local.generate_request import parse_generate, parse_sampling
+from eyas.local.replicas import Worker, exit_with_parent, start_workers, wait_ready
+from eyas.server.launcher import exit_with_launcher
 from eyas.server.readiness import READY_LINE
 
 # A request body larger than this is refused (413) before it is read: 64 MiB is some 5 million
@@ -52,8 +60,14 @@ MAX_BODY_BYTES = 64 << 20
 
 
 class ServerState:
-    def __init__(self, engine: Engine, args: argparse.Namespace, model_info: dict, server_info: dict,
-                 workers: list[Worker] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        args: argparse.Namespace,
+        model_info: dict,
+        server_info: dict,
+        workers: list[Worker] | None = None,
+    ):
         self.engine, self.args = engine, args
         self.model_info, self.server_info = model_info, server_info
         self.up = False  # SGLang's ServerStatus.Up: set after the warmup request
@@ -63,8 +77,8 @@ class ServerState:
 
     @contextmanager
     def replica(self) -> Iterator[Worker | None]:
-        """The replica with the fewest requests in flight for one /generate call (None: this process's
-        engine), as SGLang's data-parallel controller dispatches to the shortest queue."""
+        """The replica with the fewest requests in flight for one /generate call (None: this
+        process's engine), as SGLang's data-parallel controller dispatches to the shortest queue."""
         with self._lock:
             i = min(range(len(self._in_flight)), key=self._in_flight.__getitem__)
             self._in_flight[i] += 1
@@ -91,7 +105,9 @@ class Handler(BaseHTTPRequestHandler):
         value = self.headers.get("Authorization")
         return {"Authorization": value} if value else {}
 
-    def _send(self, status: int, payload: Any = None, *, close: bool = False, raw: bytes | None = None) -> None:
+    def _send(
+        self, status: int, payload: Any = None, *, close: bool = False, raw: bytes | None = None
+    ) -> None:
         body = raw if raw is not None else b"" if payload is None else json.dumps(payload).encode()
         # Logged before sending, so a client's next log line (the warmup's ready line) comes after.
         host, port = self.client_address[:2]
@@ -109,7 +125,11 @@ class Handler(BaseHTTPRequestHandler):
     def _refused(self, path: str) -> bool:
         """SGLang's API-key middleware: /health* is open, every other route wants the bearer key."""
         key = self.state.args.api_key
-        if key is None or path.startswith("/health") or self.headers.get("Authorization") == f"Bearer {key}":
+        if (
+            key is None
+            or path.startswith("/health")
+            or self.headers.get("Authorization") == f"Bearer {key}"
+        ):
             return False
         self._send(401, {"error": "Unauthorized"})
         return True
@@ -124,13 +144,22 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(200 if self.state.up else 503)
         if path in ("/model_info", "/get_model_info"):
             return self._send(200, self.state.model_info)
-        if path in ("/server_info", "/get_server_info"):  # one internal state per DP replica, as SGLang
+        if path in (
+            "/server_info",
+            "/get_server_info",
+        ):  # one internal state per DP replica, as SGLang
             engine = self.state.engine
-            internal = [{"avg_spec_accept_length": engine.avg_spec_accept_length(),
-                         "num_completion_tokens": engine.num_completion_tokens,
-                         "spec_verify_ct": engine.num_verify_steps}]
+            internal = [
+                {
+                    "avg_spec_accept_length": engine.avg_spec_accept_length(),
+                    "num_completion_tokens": engine.num_completion_tokens,
+                    "spec_verify_ct": engine.num_verify_steps,
+                }
+            ]
             for w in self.state.workers:
-                internal += json.loads(w.forward("GET", path, headers=self._auth())[1])["internal_states"]
+                internal += json.loads(w.forward("GET", path, headers=self._auth())[1])[
+                    "internal_states"
+                ]
             return self._send(200, {**self.state.server_info, "internal_states": internal})
         if path == "/flush_cache":
             return self._send(200)
@@ -141,15 +170,26 @@ class Handler(BaseHTTPRequestHandler):
         connection marked to close): a bad or huge length must not make a thread wait for bytes."""
         values = [v.strip() for v in self.headers.get_all("Content-Length") or []]
         if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            self._send(411, {"error": "chunked bodies are not supported: send the body with a "
-                                      "Content-Length"}, close=True)
+            self._send(
+                411,
+                {"error": "chunked bodies are not supported: send the body with a Content-Length"},
+                close=True,
+            )
         elif len(set(values)) > 1:
             self._send(400, {"error": f"conflicting Content-Length headers {values}"}, close=True)
         elif values and not (values[0].isascii() and values[0].isdigit()):
-            self._send(400, {"error": f"Content-Length {values[0][:40]!r} is not a byte count"}, close=True)
+            self._send(
+                400, {"error": f"Content-Length {values[0][:40]!r} is not a byte count"}, close=True
+            )
         elif values and (len(values[0]) > 12 or int(values[0]) > MAX_BODY_BYTES):
-            self._send(413, {"error": f"the request body may have at most {MAX_BODY_BYTES} bytes, "
-                                      f"Content-Length says {values[0][:40]}"}, close=True)
+            self._send(
+                413,
+                {
+                    "error": f"the request body may have at most {MAX_BODY_BYTES} bytes, "
+                    f"Content-Length says {values[0][:40]}"
+                },
+                close=True,
+            )
         else:
             return int(values[0]) if values else 0
         return None
@@ -175,8 +215,9 @@ class Handler(BaseHTTPRequestHandler):
             reqs, batched = parse_generate(body, engine.vocab_size, engine.tokenizer)
             with self.state.replica() as worker:
                 if worker is not None:  # checked here, answered there: the worker's reply as it is
-                    status, reply = worker.forward("POST", path, raw, {"Content-Type": "application/json",
-                                                                       **self._auth()})
+                    status, reply = worker.forward(
+                        "POST", path, raw, {"Content-Type": "application/json", **self._auth()}
+                    )
                     return self._send(status, raw=reply)
                 results = [engine.generate(ids, rid, params) for ids, rid, params in reqs]
         except BadRequest as e:
@@ -202,17 +243,24 @@ class Handler(BaseHTTPRequestHandler):
 def _warmup_then_ready(state: ServerState, url: str, skip_warmup: bool) -> None:
     """SGLang's _wait_and_warmup: one real request over HTTP, then the ready line."""
     if not skip_warmup:
-        body = {"sampling_params": {"temperature": 0, "max_new_tokens": 8},
-                "rid": f"WARMUP_{uuid.uuid4().hex}"}
+        body = {
+            "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+            "rid": f"WARMUP_{uuid.uuid4().hex}",
+        }
         if state.engine.tokenizer is not None:
             body["text"] = "The capital city of France is"
         else:
             body["input_ids"] = [i % state.engine.vocab_size for i in (10, 11, 12)]
         try:
             key = state.args.api_key
-            req = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json",
-                                                  **({"Authorization": f"Bearer {key}"} if key else {})})
+            req = urllib.request.Request(
+                f"{url}/generate",
+                data=json.dumps(body).encode(),
+                headers={
+                    "Content-Type": "application/json",
+                    **({"Authorization": f"Bearer {key}"} if key else {}),
+                },
+            )
             with urllib.request.urlopen(req, timeout=600) as res:
                 res.read()
         except Exception:  # noqa: BLE001 - any failure means the server is not usable
@@ -242,21 +290,37 @@ def _dump_writer(args, capture_ids: list[int]) -> DumpWriter | None:
     return None
 
 
-def _infos(args, shown: dict, model, engine, writer: DumpWriter | None, capture_ids: list[int]) -> tuple[dict, dict]:
+def _infos(
+    args, shown: dict, model, engine, writer: DumpWriter | None, capture_ids: list[int]
+) -> tuple[dict, dict]:
     """(/model_info, /server_info) as SGLang answers them, with eyas-local's capture settings."""
     served = args.served_model_name or args.model_path
-    model_info = {"model_path": args.model_path, "tokenizer_path": args.model_path,
-                  "served_model_name": served, "is_generation": True,
-                  "architectures": list(model.config.architectures or [type(model).__name__]),
-                  "model_type": model.config.model_type, "weight_version": "default",
-                  "preferred_sampling_params": None, "has_image_understanding": False,
-                  "has_audio_understanding": False}
-    server_info = {**shown, "served_model_name": served, "version": __version__,
-                   "backend": "eyas-local", "dump_dir": os.environ.get(DUMP_DIR_ENV) if writer else None,
-                   "aux_hidden_state_layer_ids": capture_ids if writer else None,
-                   "layer_convention": "capture-before", "hidden_size": model.config.hidden_size,
-                   "num_hidden_layers": model.config.num_hidden_layers, "vocab_size": model.config.vocab_size,
-                   "context_length": engine.context_len, "internal_states": [{}]}
+    model_info = {
+        "model_path": args.model_path,
+        "tokenizer_path": args.model_path,
+        "served_model_name": served,
+        "is_generation": True,
+        "architectures": list(model.config.architectures or [type(model).__name__]),
+        "model_type": model.config.model_type,
+        "weight_version": "default",
+        "preferred_sampling_params": None,
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+    }
+    server_info = {
+        **shown,
+        "served_model_name": served,
+        "version": __version__,
+        "backend": "eyas-local",
+        "dump_dir": os.environ.get(DUMP_DIR_ENV) if writer else None,
+        "aux_hidden_state_layer_ids": capture_ids if writer else None,
+        "layer_convention": "capture-before",
+        "hidden_size": model.config.hidden_size,
+        "num_hidden_layers": model.config.num_hidden_layers,
+        "vocab_size": model.config.vocab_size,
+        "context_length": engine.context_len,
+        "internal_states": [{}],
+    }
     return model_info, server_info
 
 
@@ -279,8 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dp_size > 1:  # their models while this one loads its own
         log(f"dp_size={args.dp_size}: starting {args.dp_size - 1} more replica(s) of the model")
         workers = start_workers(raw_argv, args.dp_size - 1)
-    model = load_model(args.model_path, load_delay=args.load_delay, fault=args.fault,
-                       fault_shard=args.fault_shard)
+    model = load_model(
+        args.model_path, load_delay=args.load_delay, fault=args.fault, fault_shard=args.fault_shard
+    )
     tokenizer = optional_tokenizer(args.model_path)
 
     # 2. Hidden-state capture: dump only when asked for on the command line and given a folder
@@ -289,15 +354,30 @@ def main(argv: list[str] | None = None) -> int:
     writer = _dump_writer(args, capture_ids)
     speculative = None
     if args.speculative_draft_model_path is not None:
-        speculative = Speculative.load(args.speculative_draft_model_path, args.model_path,
-                                       num_steps=args.speculative_num_steps, num_target_layers=num_layers)
-    engine = Engine(model, tokenizer, chunk_size=args.chunked_prefill_size, writer=writer,
-                    capture_ids=capture_ids, seed=args.random_seed, speculative=speculative,
-                    max_running=args.max_running_requests, think_tokens=args.think_tokens)
+        speculative = Speculative.load(
+            args.speculative_draft_model_path,
+            args.model_path,
+            num_steps=args.speculative_num_steps,
+            num_target_layers=num_layers,
+        )
+    engine = Engine(
+        model,
+        tokenizer,
+        chunk_size=args.chunked_prefill_size,
+        writer=writer,
+        capture_ids=capture_ids,
+        seed=args.random_seed,
+        speculative=speculative,
+        max_running=args.max_running_requests,
+        think_tokens=args.think_tokens,
+    )
     if workers:
         wait_ready(workers, log)
-        log(f"dp_size={args.dp_size}: {args.dp_size} replicas ready (pids {[w.proc.pid for w in workers]} "
-            f"besides this one); each request goes to the least busy")
+        log(
+            f"dp_size={args.dp_size}: {args.dp_size} replicas ready (pids "
+            f"{[w.proc.pid for w in workers]} "
+            f"besides this one); each request goes to the least busy"
+        )
 
     # 3. Serve, then warm up over HTTP and announce readiness
     model_info, server_info = _infos(args, shown, model, engine, writer, capture_ids)
@@ -305,8 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     httpd.state = ServerState(engine, args, model_info, server_info, workers)  # type: ignore[attr-defined]
     url = f"http://{args.host}:{args.port}"
     log(f"INFO:     Uvicorn running on {url} (Press CTRL+C to quit)")
-    threading.Thread(target=_warmup_then_ready, args=(httpd.state, url, args.skip_server_warmup),
-                     daemon=True).start()
+    threading.Thread(
+        target=_warmup_then_ready, args=(httpd.state, url, args.skip_server_warmup), daemon=True
+    ).start()
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:

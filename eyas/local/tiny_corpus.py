@@ -1,7 +1,10 @@
-"""The tiny target's corpus, tokenizer and chat template: everything its build prepares before training.
+"""The tiny target's corpus, tokenizer and chat template: everything its build prepares before
+training.
 
-    info = prepare_inputs(workdir)                            # stdlib *.py -> tokenizer.json, tokens.npz
-    ids = chat_token_ids(hf_tokenizer(tokenizer), messages)   # a conversation, as the target reads it
+    # stdlib *.py -> tokenizer.json, tokens.npz
+    info = prepare_inputs(workdir)
+    # a conversation, as the target reads it
+    ids = chat_token_ids(hf_tokenizer(tokenizer), messages)
 
 The corpus is the Python standard library's own source, split by file (a hash of the path picks
 train / val / test), plus rendered "continue this code" conversations that teach the chat template.
@@ -24,12 +27,20 @@ from transformers import PreTrainedTokenizerFast
 
 from eyas.local.hf_folder import atomic_dir
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Tokens and chat template
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 #: The BPE trainer gives special tokens the first ids, in this order; BOS_ID..PAD_ID rely on it.
-SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>")
+SPECIAL_TOKENS = (
+    "<|bos|>",
+    "<|eos|>",
+    "<|pad|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|system|>",
+    "<|end|>",
+)
 BOS, EOS, PAD, END = "<|bos|>", "<|eos|>", "<|pad|>", "<|end|>"
 BOS_ID, EOS_ID, PAD_ID, END_ID = 0, 1, 2, 6
 #: Generation stops at the end of a turn (<|end|>) or of a document (<|eos|>).
@@ -37,10 +48,11 @@ STOP_TOKEN_IDS = (END_ID, EOS_ID)
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special tokens
 
 #: Each turn is <|role|>content<|end|>, with no text between turns. Every turn boundary is a special
-#: token, and special tokens split the text before BPE runs, so rendering a prefix of the messages (with
-#: or without the generation prompt) gives a token prefix of the full rendering, and an assistant's
-#: content is the contiguous span between its <|assistant|> and <|end|>. (Content that spells a special
-#: token, e.g. "<|end|>", would be read as that token; code and prose here never do.)
+#: token, and special tokens split the text before BPE runs, so rendering a prefix of the messages
+#: (with or without the generation prompt) gives a token prefix of the full rendering, and an
+#: assistant's content is the contiguous span between its <|assistant|> and <|end|>. (Content that
+#: spells a special token, e.g. "<|end|>", would be read as that token; code and prose here never
+#: do.)
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
     "{%- for message in messages -%}"
@@ -51,7 +63,8 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
 )
-#: The task the chat data teaches; scripts/build_conversations.py makes the fixture data the same way.
+#: The task the chat data teaches; scripts/build_conversations.py makes the fixture data the same
+#: way.
 CONTINUE_PROMPT = "Continue this code:\n"
 NEXT_PROMPT = "Continue."
 
@@ -78,17 +91,27 @@ def train_tokenizer(files: list[Path], vocab_size: int) -> Tokenizer:
 def hf_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
     """The transformers view of `tokenizer`, with the chat template and special tokens set."""
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, chat_template=CHAT_TEMPLATE
+        tokenizer_object=tokenizer,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        chat_template=CHAT_TEMPLATE,
     )
 
 
-def chat_token_ids(hf: PreTrainedTokenizerFast, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+def chat_token_ids(
+    hf: PreTrainedTokenizerFast, messages: list[dict], add_generation_prompt: bool = False
+) -> list[int]:
     """Token ids of `messages` rendered with CHAT_TEMPLATE (the rendering starts with <|bos|>)."""
-    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     return hf.backend_tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def code_conversation(lines: list[str], rng: random.Random, *, multi_turn: bool) -> list[dict] | None:
+def code_conversation(
+    lines: list[str], rng: random.Random, *, multi_turn: bool
+) -> list[dict] | None:
     """A "continue this code" conversation cut from a random window of `lines` (kept with their
     newlines); None when the file is too short or a part of the window is blank."""
     num_prompt, num_answer = rng.randint(6, 18), rng.randint(4, 12)
@@ -106,13 +129,16 @@ def code_conversation(lines: list[str], rng: random.Random, *, multi_turn: bool)
         {"role": "assistant", "content": parts[1]},
     ]
     if multi_turn:
-        messages += [{"role": "user", "content": NEXT_PROMPT}, {"role": "assistant", "content": parts[2]}]
+        messages += [
+            {"role": "user", "content": NEXT_PROMPT},
+            {"role": "assistant", "content": parts[2]},
+        ]
     return messages
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Corpus: the standard library's own source, split by file
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 EXCLUDED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages"})
 
@@ -122,30 +148,41 @@ def read_text(path: Path) -> str:
 
 
 def stdlib_files(root: Path | None = None) -> list[Path]:
-    """The *.py files of the standard library under `root`, sorted by relative path, tests excluded."""
+    """The *.py files of the standard library under `root`, sorted by relative path, tests
+    excluded."""
     root = Path(sysconfig.get_paths()["stdlib"]) if root is None else Path(root)
-    files = [p for p in root.rglob("*.py") if not EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])]
+    files = [
+        p
+        for p in root.rglob("*.py")
+        if not EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])
+    ]
     if not files:
         raise ValueError(f"no *.py files under {root} (is it the standard library?)")
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
 def split_of(relative_path: str) -> str:
-    """"test" (2%), "val" (2%) or "train", from a hash of the path: stable when files come and go."""
+    """ "test" (2%), "val" (2%) or "train", from a hash of the path: stable when files come and
+    go."""
     bucket = int(hashlib.sha256(relative_path.encode()).hexdigest(), 16) % 100
     return "test" if bucket < 2 else "val" if bucket < 4 else "train"
 
 
 def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
-    """One token stream, each text framed as <|bos|> text <|eos|> (chat renderings bring their own bos)."""
+    """One token stream, each text framed as <|bos|> text <|eos|> (chat renderings bring their own
+    bos)."""
     framed = [t + EOS if t.startswith(BOS) else BOS + t + EOS for t in texts]
-    ids = [np.asarray(e.ids, dtype=np.uint16) for e in tokenizer.encode_batch(framed, add_special_tokens=False)]
+    ids = [
+        np.asarray(e.ids, dtype=np.uint16)
+        for e in tokenizer.encode_batch(framed, add_special_tokens=False)
+    ]
     return np.concatenate(ids) if ids else np.zeros(0, dtype=np.uint16)
 
 
 def chat_documents(hf: PreTrainedTokenizerFast, texts: list[str], rng: random.Random) -> list[str]:
-    """Rendered "continue this code" conversations, about one per 150 lines, a quarter of them two-turn.
-    They teach the model the chat template, so that it answers the pipeline's prompts in kind."""
+    """Rendered "continue this code" conversations, about one per 150 lines, a quarter of them
+    two-turn. They teach the model the chat template, so that it answers the pipeline's prompts in
+    kind."""
     rendered = []
     for text in texts:
         lines = text.splitlines(keepends=True)
@@ -156,8 +193,11 @@ def chat_documents(hf: PreTrainedTokenizerFast, texts: list[str], rng: random.Ra
     return rendered
 
 
-def prepare_inputs(workdir: Path, *, vocab_size: int = 4096, seed: int = 0, root: Path | None = None) -> dict:
-    """Gather and split the corpus, train the tokenizer and write the token streams into `workdir`."""
+def prepare_inputs(
+    workdir: Path, *, vocab_size: int = 4096, seed: int = 0, root: Path | None = None
+) -> dict:
+    """Gather and split the corpus, train the tokenizer and write the token streams into
+    `workdir`."""
     root = Path(sysconfig.get_paths()["stdlib"]) if root is None else Path(root)
     files = stdlib_files(root)
     names = [f.relative_to(root).as_posix() for f in files]
@@ -190,4 +230,3 @@ def prepare_inputs(workdir: Path, *, vocab_size: int = 4096, seed: int = 0, root
         }
         (tmp / "inputs.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
-

@@ -1,6 +1,7 @@
 """Everything that can be checked before a GPU is touched, all at once, and the plan of the run.
 
-    result = preflight(cfg)                  # Preflight(problems, plan, notes); `eyas preflight CONFIG`
+    # Preflight(problems, plan, notes); `eyas preflight CONFIG`
+    result = preflight(cfg)
     print(format_preflight(result, cfg))     # exit status 1 when result.problems
 
 Every check runs whatever the others found, so one run lists everything to fix, and every problem
@@ -61,7 +62,12 @@ from eyas.preflight.disk import check_disk_rate, existing_parent
 from eyas.preflight.drafter import planned_drafter, warm_start_problems
 from eyas.preflight.dump_dir import check_dump_dir, check_dump_route
 from eyas.preflight.hosts import check_host_access
-from eyas.preflight.target import architecture_problems, layer_id_problems, node_config_problems, read_target
+from eyas.preflight.target import (
+    architecture_problems,
+    layer_id_problems,
+    node_config_problems,
+    read_target,
+)
 
 
 @dataclass(frozen=True)
@@ -75,12 +81,18 @@ class Preflight:
         return not self.problems
 
 
-def preflight(cfg: PipelineConfig, *, check_hosts: bool = True, check_tokenizer: bool = True,
-              free_bytes: int | None = None, patches_dir: Path | None = None,
-              small_data_bytes: int = SMALL_DATA_BYTES) -> Preflight:
-    """Run every check (see the module docstring). check_hosts=False skips SSH; check_tokenizer=False
-    skips loading the tokenizer (its files and chat template are still checked); free_bytes replaces
-    the free space measured at extraction.output_dir."""
+def preflight(
+    cfg: PipelineConfig,
+    *,
+    check_hosts: bool = True,
+    check_tokenizer: bool = True,
+    free_bytes: int | None = None,
+    patches_dir: Path | None = None,
+    small_data_bytes: int = SMALL_DATA_BYTES,
+) -> Preflight:
+    """Run every check (see the module docstring). check_hosts=False skips SSH;
+    check_tokenizer=False skips loading the tokenizer (its files and chat template are still
+    checked); free_bytes replaces the free space measured at extraction.output_dir."""
     from eyas.server.patch_sets import PATCHES_DIR
 
     patches_dir = Path(patches_dir or PATCHES_DIR)
@@ -93,7 +105,12 @@ def preflight(cfg: PipelineConfig, *, check_hosts: bool = True, check_tokenizer:
     version = check_host_access(cfg, problems, notes, check_hosts, patches_dir)
     if check_hosts and cfg.server.host.kind == "ssh" and len(problems) == before:
         check_dump_route(cfg, tcfg, problems, notes)
-    if raw is not None and check_hosts and cfg.server.host.kind == "ssh" and len(problems) == before:
+    if (
+        raw is not None
+        and check_hosts
+        and cfg.server.host.kind == "ssh"
+        and len(problems) == before
+    ):
         problems += node_config_problems(cfg, raw)
     problems += capture_flag_problems(cfg)
     if tcfg is not None:
@@ -123,8 +140,11 @@ def _data_notes(cfg: PipelineConfig, count) -> list[str]:
     if not count.conversations:
         notes.append("data.path holds pre-tokenized records only: the chat template is not used")
     if cfg.data.regenerate.enabled:
-        notes.append("data.regenerate.enabled: extraction sends the target's own answers; the tokens are "
-                     "counted on the data's answers")
+        notes.append(
+            "data.regenerate.enabled: extraction sends the target's own answers; the "
+            "tokens are "
+            "counted on the data's answers"
+        )
     return notes
 
 

@@ -21,18 +21,24 @@ def _is_flag(name: str, flag: tuple[str, str]) -> bool:
 def capture_flag_problems(cfg: PipelineConfig) -> list[str]:
     """Arguments of the capture launch (server.launch_args, server.capture_launch_args) that turn
     SGLang's prefill CUDA graph back on. The capture launch passes --disable-prefill-cuda-graph
-    because eyas's dump hook (and a source-patched model file) run only in eager forwards: a replayed
-    graph skips the Python code, so its requests come back without dump records. In 0.5.23 an
-    explicit --cuda-graph-backend-prefill, and a --cuda-graph-config JSON naming a prefill backend,
-    both win over --disable-prefill-cuda-graph whatever their order (model_executor/
+    because eyas's dump hook (and a source-patched model file) run only in eager forwards: a
+    replayed graph skips the Python code, so its requests come back without dump records. In 0.5.23
+    an explicit --cuda-graph-backend-prefill, and a --cuda-graph-config JSON naming a prefill
+    backend, both win over --disable-prefill-cuda-graph whatever their order (model_executor/
     cuda_graph_config.py, arg_groups/cuda_graph_hook.py _parse_cuda_graph_config)."""
     s = cfg.server
     if s.backend != "sglang":
         return []
     out = []
-    for where, args in (("server.launch_args", s.launch_args), ("server.capture_launch_args", s.capture_launch_args)):
-        fix = ("move it to benchmark.launch_args, which only the serving launches get" if where == "server.launch_args"
-               else "remove it")
+    for where, args in (
+        ("server.launch_args", s.launch_args),
+        ("server.capture_launch_args", s.capture_launch_args),
+    ):
+        fix = (
+            "move it to benchmark.launch_args, which only the serving launches get"
+            if where == "server.launch_args"
+            else "remove it"
+        )
         for i, token in enumerate(args):
             if not token.startswith("--"):
                 continue
@@ -45,16 +51,25 @@ def capture_flag_problems(cfg: PipelineConfig) -> list[str]:
                 try:
                     phase = json.loads(value).get("prefill")
                 except (ValueError, AttributeError):
-                    out.append(f"{where}: {name} {value!r} is not a JSON object, so whether it turns SGLang's "
-                               f"prefill CUDA graph on (and capture off) cannot be told; {fix}")
+                    out.append(
+                        f"{where}: {name} {value!r} is not a JSON object, so whether it "
+                        f"turns SGLang's "
+                        f"prefill CUDA graph on (and capture off) cannot be told; {fix}"
+                    )
                     continue
-                backend = phase.get("backend", "disabled") if isinstance(phase, dict) else "disabled"
+                backend = (
+                    phase.get("backend", "disabled") if isinstance(phase, dict) else "disabled"
+                )
             else:
                 continue
             if backend != "disabled":
-                out.append(f"{where}: {name} {value} sets SGLang's prefill CUDA graph backend to {backend!r}, over the "
-                           f"capture launch's --disable-prefill-cuda-graph; eyas's dump hook (and a source-patched "
-                           f"model) run only in eager forwards, so graph-replayed prefills would write no dump "
-                           f"records and every extraction request would time out; {fix}")
+                out.append(
+                    f"{where}: {name} {value} sets SGLang's prefill CUDA graph backend to "
+                    f"{backend!r}, over the "
+                    f"capture launch's --disable-prefill-cuda-graph; eyas's dump hook (and "
+                    f"a source-patched "
+                    f"model) run only in eager forwards, so graph-replayed prefills would "
+                    f"write no dump "
+                    f"records and every extraction request would time out; {fix}"
+                )
     return out
-

@@ -21,8 +21,9 @@ DISK_PROBE_BYTES = 256 << 20
 DISK_PROBE_CODE = r"""
 import json, os, sys, tempfile, time
 folder, want = sys.argv[1], int(sys.argv[2])
-shards = sorted((e.stat().st_size, e.path) for e in os.scandir(folder) if e.name.endswith(".safetensors")
-                and e.is_file()) if os.path.isdir(folder) else []
+entries = list(os.scandir(folder)) if os.path.isdir(folder) else []
+shards = sorted((e.stat().st_size, e.path) for e in entries
+                if e.name.endswith(".safetensors") and e.is_file())
 temp = None
 if shards and shards[-1][0] >= want // 4:
     path = shards[-1][1]
@@ -50,13 +51,17 @@ try:
 finally:
     if temp:
         os.unlink(temp)
-print(json.dumps({"bytes_per_s": done / max(seconds, 1e-9), "bytes": done, "file": path, "temp": bool(temp)}))
+rate = done / max(seconds, 1e-9)
+print(json.dumps({"bytes_per_s": rate, "bytes": done, "file": path, "temp": bool(temp)}))
 """
 
 
-def check_disk_rate(cfg: PipelineConfig, plan: Plan, problems: list[str], notes: list[str], check: bool) -> Plan:
-    """The shard folder's read rate on the (first) training host against the plan's need (plan.read_bytes_per_s),
-    per training.disk_check: "warn" a note, "refuse" a problem, "off" no probe."""
+def check_disk_rate(
+    cfg: PipelineConfig, plan: Plan, problems: list[str], notes: list[str], check: bool
+) -> Plan:
+    """The shard folder's read rate on the (first) training host against the plan's need
+    (plan.read_bytes_per_s), per training.disk_check: "warn" a note, "refuse" a problem, "off" no
+    probe."""
     t = cfg.training
     if plan.read_bytes_per_s is None:
         return plan
@@ -74,36 +79,56 @@ def check_disk_rate(cfg: PipelineConfig, plan: Plan, problems: list[str], notes:
     python = t.distributed.python or ("python3" if remote else sys.executable)
     # on a remote host the folder may not exist yet: probe its nearest existing parent there
     where = shlex.quote(str(folder))
-    command = (f"d={where}; while [ ! -d \"$d\" ]; do d=$(dirname \"$d\"); done; "
-               f"{shlex.quote(python)} -c {shlex.quote(DISK_PROBE_CODE)} \"$d\" {DISK_PROBE_BYTES}")
+    command = (
+        f'd={where}; while [ ! -d "$d" ]; do d=$(dirname "$d"); done; '
+        f'{shlex.quote(python)} -c {shlex.quote(DISK_PROBE_CODE)} "$d" {DISK_PROBE_BYTES}'
+    )
     if remote:
         r = run_on(hosts[0], "training.distributed.hosts.0", command, problems)
         name = hosts[0].hostname or hosts[0].name
     else:
         from eyas.server.hosts import LocalHost
+
         r, name = LocalHost().run(command, check=False, timeout=120), "this machine"
     try:
         got = json.loads(r.stdout.strip().splitlines()[-1]) if r is not None and r.ok else None
     except (ValueError, IndexError):
         got = None
     if got is None:
-        notes.append(f"extraction.output_dir={cfg.extraction.output_dir}: the disk probe failed on {name}"
-                     + (f" (exit {r.exit_code}: {r.stderr.strip()[-300:]})" if r is not None else ""))
+        notes.append(
+            f"extraction.output_dir={cfg.extraction.output_dir}: the disk probe failed on "
+            f"{name}"
+            + (f" (exit {r.exit_code}: {r.stderr.strip()[-300:]})" if r is not None else "")
+        )
         return dataclasses.replace(plan, disk_probe=f"probe failed on {name}")
     rate = float(got["bytes_per_s"])
-    plan = dataclasses.replace(plan, disk_bytes_per_s=rate, disk_probe=(
-        f"{got['bytes'] / 1e6:,.0f} MB of {'a temp file' if got['temp'] else got['file']} on {name}, page cache "
-        f"dropped"))
+    plan = dataclasses.replace(
+        plan,
+        disk_bytes_per_s=rate,
+        disk_probe=(
+            f"{got['bytes'] / 1e6:,.0f} MB of {'a temp file' if got['temp'] else got['file']} on "
+            f"{name}, page cache "
+            f"dropped"
+        ),
+    )
     if rate < plan.read_bytes_per_s:
         x = cfg.extraction
-        msg = (f"extraction.output_dir={x.output_dir}: training reads {plan.read_bytes_per_s / GB:,.2f} GB/s of shards "
-               f"per node at plan.train_tokens_per_s={cfg.plan.train_tokens_per_s:g} x {t.distributed.nproc_per_node} "
-               f"process(es), but the folder read {rate / GB:,.2f} GB/s on {name} from disk: steps would wait "
-               f"for data once the shards are not in the page cache. Use extraction.encoding=fp8_e4m3 (half "
-               f"the bytes), keep the shards in the page cache (host memory above their size), or put them "
-               f"on local NVMe (docs/training.md, \"Reading the shards\")")
+        msg = (
+            f"extraction.output_dir={x.output_dir}: training reads "
+            f"{plan.read_bytes_per_s / GB:,.2f} GB/s of shards "
+            f"per node at plan.train_tokens_per_s={cfg.plan.train_tokens_per_s:g} x "
+            f"{t.distributed.nproc_per_node} "
+            f"process(es), but the folder read {rate / GB:,.2f} GB/s on {name} from disk: steps "
+            f"would wait "
+            f"for data once the shards are not in the page cache. Use "
+            f"extraction.encoding=fp8_e4m3 (half "
+            f"the bytes), keep the shards in the page cache (host memory above their size), or "
+            f"put them "
+            f'on local NVMe (docs/training.md, "Reading the shards")'
+        )
         (problems if t.disk_check == "refuse" else notes).append(
-            msg + ("" if t.disk_check == "refuse" else " (training.disk_check=warn)"))
+            msg + ("" if t.disk_check == "refuse" else " (training.disk_check=warn)")
+        )
     return plan
 
 

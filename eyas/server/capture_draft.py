@@ -1,6 +1,7 @@
 """The stub EAGLE-3 draft that makes an SGLang without capture-only mode capture hidden states.
 
-    folder = install_capture_draft(host, cfg, target_config, architecture)   # <server.workdir>/capture-draft
+    # <server.workdir>/capture-draft
+    folder = install_capture_draft(host, cfg, target_config, architecture)
     capture_draft_args(folder)   # --speculative-algorithm EAGLE3 --speculative-draft-model-path ...
 
 SGLang 0.5.18 has no `--enable-return-aux-hidden-states`: its target keeps aux hidden states only
@@ -31,8 +32,14 @@ from eyas.server.hosts import Host
 FOLDER = "capture-draft"  #: under server.workdir on the server host
 DRAFT_VOCAB = 32  # the draft vocabulary's size: its proposals are never looked at
 #: one draft step of one token: the least speculative work per forward
-SPECULATIVE_ARGS = ["--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
-                    "--speculative-num-draft-tokens", "2"]
+SPECULATIVE_ARGS = [
+    "--speculative-num-steps",
+    "1",
+    "--speculative-eagle-topk",
+    "1",
+    "--speculative-num-draft-tokens",
+    "2",
+]
 
 
 def draft_shape(target_config: dict) -> DrafterConfig:
@@ -41,16 +48,26 @@ def draft_shape(target_config: dict) -> DrafterConfig:
     hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
     head_dim = 64 if hidden % 64 == 0 else 32
     if hidden % head_dim:
-        raise ValueError(f"target hidden_size {hidden} is not a multiple of 32: no capture draft fits it")
+        raise ValueError(
+            f"target hidden_size {hidden} is not a multiple of 32: no capture draft fits it"
+        )
     heads = hidden // head_dim
-    return DrafterConfig(hidden_size=hidden, target_hidden_size=hidden, num_attention_heads=heads,
-                         num_key_value_heads=heads, head_dim=head_dim, intermediate_size=hidden,
-                         vocab_size=vocab, draft_vocab_size=min(DRAFT_VOCAB, vocab),
-                         max_position_embeddings=int(text.get("max_position_embeddings", 2048)))
+    return DrafterConfig(
+        hidden_size=hidden,
+        target_hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=head_dim,
+        intermediate_size=hidden,
+        vocab_size=vocab,
+        draft_vocab_size=min(DRAFT_VOCAB, vocab),
+        max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
+    )
 
 
-def capture_draft(target_config: dict, capture_ids: list[int],
-                  architecture: str | None) -> tuple[dict, dict[str, torch.Tensor]]:
+def capture_draft(
+    target_config: dict, capture_ids: list[int], architecture: str | None
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json, weights) of the stub draft whose eagle_config makes `architecture` capture
     the capture-before layers `capture_ids`."""
     dcfg = draft_shape(target_config)
@@ -65,17 +82,25 @@ def capture_draft(target_config: dict, capture_ids: list[int],
             weights[name] = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
     weights["d2t"] = torch.zeros(dcfg.draft_vocab_size, dtype=torch.int64)  # draft id i is token i
     t2d = torch.zeros(dcfg.vocab_size, dtype=torch.bool)
-    t2d[:dcfg.draft_vocab_size] = True
+    t2d[: dcfg.draft_vocab_size] = True
     weights["t2d"] = t2d
     ids = server_layer_ids(capture_ids, architecture)
-    config = sglang_config(dcfg, ids, "bfloat16", provenance={
-        "purpose": "capture draft: makes the target capture these layers; its drafts are unused",
-        "capture_ids": list(capture_ids)})
+    config = sglang_config(
+        dcfg,
+        ids,
+        "bfloat16",
+        provenance={
+            "purpose": "capture draft: makes the target capture these layers; its drafts are "
+            "unused",
+            "capture_ids": list(capture_ids),
+        },
+    )
     return config, weights
 
 
-def install_capture_draft(host: Host, cfg: PipelineConfig, target_config: dict,
-                          architecture: str | None) -> str:
+def install_capture_draft(
+    host: Host, cfg: PipelineConfig, target_config: dict, architecture: str | None
+) -> str:
     """Write the stub draft to <server.workdir>/capture-draft on the server host; its path there."""
     folder = f"{str(cfg.server.workdir).rstrip('/')}/{FOLDER}"
     config, weights = capture_draft(target_config, cfg.target.capture_ids(), architecture)
@@ -90,4 +115,10 @@ def install_capture_draft(host: Host, cfg: PipelineConfig, target_config: dict,
 
 def capture_draft_args(folder: str) -> list[str]:
     """The launch flags that load the stub draft."""
-    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", folder, *SPECULATIVE_ARGS]
+    return [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        folder,
+        *SPECULATIVE_ARGS,
+    ]

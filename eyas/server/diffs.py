@@ -72,7 +72,9 @@ def parse_diff(diff: str) -> tuple[str, list[Hunk]]:  # noqa: C901
     if path is None or not hunks:
         raise ValueError("not a unified diff (no +++ header or no hunks)")
     if left_old > 0 or left_new > 0:
-        raise ValueError(f"the last hunk is cut short ({left_old} old / {left_new} new lines missing)")
+        raise ValueError(
+            f"the last hunk is cut short ({left_old} old / {left_new} new lines missing)"
+        )
     return path, hunks
 
 
@@ -85,12 +87,17 @@ def apply_diff(text: str, diff: str, *, reverse: bool = False, name: str = "<fil
     lines = text.splitlines(keepends=True)
     out, pos = [], 0
     for h in hunks:
-        start, count, old, new = ((h.new_start, h.new_count, h.new_lines, h.old_lines) if reverse
-                                  else (h.old_start, h.old_count, h.old_lines, h.new_lines))
+        start, count, old, new = (
+            (h.new_start, h.new_count, h.new_lines, h.old_lines)
+            if reverse
+            else (h.old_start, h.old_count, h.old_lines, h.new_lines)
+        )
         index = start if count == 0 else start - 1  # an empty side names the line before it
-        if index < pos or lines[index:index + len(old)] != old:
-            raise DiffError(f"{name}: hunk at line {start} does not match "
-                             f"({'reverse' if reverse else 'forward'} application)")
+        if index < pos or lines[index : index + len(old)] != old:
+            raise DiffError(
+                f"{name}: hunk at line {start} does not match "
+                f"({'reverse' if reverse else 'forward'} application)"
+            )
         out += lines[pos:index] + new
         pos = index + len(old)
     return "".join(out + lines[pos:])

@@ -30,9 +30,11 @@ else:
 """
 
 
-def check_modules_import(host: Host, python: str, env: dict[str, str] | None,
-                         modules: dict[str, bytes]) -> None:
-    """Refuse (PatchError naming the missing module) a hook that `python` on the host cannot import."""
+def check_modules_import(
+    host: Host, python: str, env: dict[str, str] | None, modules: dict[str, bytes]
+) -> None:
+    """Refuse (PatchError naming the missing module) a hook that `python` on the host cannot
+    import."""
     staging = host.run("mktemp -d /tmp/eyas-hook-check.XXXXXX", timeout=30).stdout.strip()
     try:
         with tempfile.TemporaryDirectory(prefix="eyas-patch-") as tmp:
@@ -46,9 +48,15 @@ def check_modules_import(host: Host, python: str, env: dict[str, str] | None,
     try:
         result = json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        raise PatchError(f"[{host.name}] {python} could not run the hook import check "
-                         f"(exit {r.exit_code}): {(r.stderr or r.stdout).strip()[-1000:]}") from None
+        raise PatchError(
+            f"[{host.name}] {python} could not run the hook import check "
+            f"(exit {r.exit_code}): "
+            f"{(r.stderr or r.stdout).strip()[-1000:]}"
+        ) from None
     if result["error"]:
         missing = f" (module {result['missing']!r} is missing there)" if result["missing"] else ""
-        raise PatchError(f"[{host.name}] the eyas hook does not import in the server's python {python}"
-                         f"{missing}: {result['error']}; nothing was installed")
+        raise PatchError(
+            f"[{host.name}] the eyas hook does not import in the server's python "
+            f"{python}"
+            f"{missing}: {result['error']}; nothing was installed"
+        )

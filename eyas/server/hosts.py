@@ -2,9 +2,9 @@
 eyas/server/ssh_host.py, Fabric), behind one seam: the Host protocol and make_host.
 
     with make_host(cfg.server.host) as host:  # closed (the SSH connection too) on leaving the block
-        pid = host.start("python3 -m eyas serve-local ...", log_path="/srv/eyas/server.log", env={...})
-        while host.is_alive(pid): chunk, offset = host.read_from("/srv/eyas/server.log", offset)
-        host.kill_group(pid)
+        pid = host.start("python3 -m eyas serve-local ...", log_path="/srv/eyas/server.log",
+        env={...}) while host.is_alive(pid): chunk, offset = host.read_from("/srv/eyas/server.log",
+        offset) host.kill_group(pid)
 
 Both implementations have the same methods and the same failure types, so stages never ask which
 one they hold. Commands are shell strings run by /bin/sh on the host: callers quote every value in
@@ -32,6 +32,7 @@ from eyas.secrets import check_env_name, redact, register
 
 class HostError(EyasError, RuntimeError):
     """A command on a host failed; carries the host, the command and what it printed."""
+
     retryable = True  # a command that failed over a connection may pass
 
     def __init__(self, host: str, command: str, exit_code: int | None, stderr: str = ""):
@@ -51,6 +52,7 @@ class HostUnreachable(HostError):
 
 class HostAuthError(HostError):
     """The host refused our credentials or its host key is unknown: never retried."""
+
     retryable = False
 
     def __init__(self, host: str, reason: str):
@@ -59,7 +61,8 @@ class HostAuthError(HostError):
 
 
 class HostConfigError(HostAuthError):
-    """The host's configuration cannot work (a known_hosts file that is not there): never retried."""
+    """The host's configuration cannot work (a known_hosts file that is not there): never
+    retried."""
 
     def __init__(self, host: str, reason: str):
         super().__init__(host, reason)
@@ -80,12 +83,27 @@ class RunResult:
 class Host(Protocol):
     name: str
 
-    def run(self, command: str, *, check: bool = True, timeout: float | None = None,
-            env: dict[str, str] | None = None) -> RunResult: ...
-    def start(self, command: str, *, log_path: str | Path, env: dict[str, str] | None = None,
-              cwd: str | Path | None = None, secret_env: dict[str, str] | None = None) -> int: ...
+    def run(
+        self,
+        command: str,
+        *,
+        check: bool = True,
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+    ) -> RunResult: ...
+    def start(
+        self,
+        command: str,
+        *,
+        log_path: str | Path,
+        env: dict[str, str] | None = None,
+        cwd: str | Path | None = None,
+        secret_env: dict[str, str] | None = None,
+    ) -> int: ...
     def is_alive(self, pid: int) -> bool: ...
-    def read_from(self, path: str | Path, offset: int, max_bytes: int = 1 << 20) -> tuple[bytes, int]: ...
+    def read_from(
+        self, path: str | Path, offset: int, max_bytes: int = 1 << 20
+    ) -> tuple[bytes, int]: ...
     def put(self, local: str | Path, remote: str | Path) -> None: ...
     def get(self, remote: str | Path, local: str | Path) -> None: ...
     def list_dir(self, path: str | Path) -> list[str] | None: ...
@@ -112,9 +130,14 @@ class ProcessIdentity:
 
 
 # One command, any POSIX host: the boot id, the process's stat line and its argv.
-_IDENTITY = ("if [ -r /proc/self/stat ]; then cat /proc/sys/kernel/random/boot_id 2>/dev/null || hostname; "
-             "echo @@; cat /proc/{pid}/stat 2>/dev/null; echo @@; tr '\\0' '\\037' < /proc/{pid}/cmdline 2>/dev/null; "
-             "else echo ps; echo @@; ps -o pgid= -o stat= -o lstart= -p {pid}; echo @@; ps -o args= -p {pid}; fi")
+_IDENTITY = (
+    "if [ -r /proc/self/stat ]; then cat /proc/sys/kernel/random/boot_id 2>/dev/null || "
+    "hostname; "
+    "echo @@; cat /proc/{pid}/stat 2>/dev/null; echo @@; tr '\\0' '\\037' < "
+    "/proc/{pid}/cmdline 2>/dev/null; "
+    "else echo ps; echo @@; ps -o pgid= -o stat= -o lstart= -p {pid}; echo @@; ps -o "
+    "args= -p {pid}; fi"
+)
 
 
 def _parse_identity(out: str) -> ProcessIdentity | None:
@@ -124,10 +147,17 @@ def _parse_identity(out: str) -> ProcessIdentity | None:
     boot, stat, argv = parts[0].strip(), parts[1].strip(), parts[2]
     if boot == "ps":  # no /proc: pgid, state, then the start time to the second (lstart)
         pgid, state, *lstart = stat.split()
-        return ProcessIdentity("ps", " ".join(lstart), int(pgid), state.startswith("Z"), (argv.strip(),))
-    fields = stat[stat.rfind(")") + 2:].split()  # comm may hold spaces and parentheses
-    return ProcessIdentity(boot, fields[19], int(fields[2]), fields[0] == "Z",
-                           tuple(a for a in argv.rstrip("\n").split("\x1f") if a))
+        return ProcessIdentity(
+            "ps", " ".join(lstart), int(pgid), state.startswith("Z"), (argv.strip(),)
+        )
+    fields = stat[stat.rfind(")") + 2 :].split()  # comm may hold spaces and parentheses
+    return ProcessIdentity(
+        boot,
+        fields[19],
+        int(fields[2]),
+        fields[0] == "Z",
+        tuple(a for a in argv.rstrip("\n").split("\x1f") if a),
+    )
 
 
 def alive_from_status(status: str) -> bool:
@@ -143,8 +173,13 @@ def env_exports(env: dict[str, str] | None) -> str:
     return " ".join(f"{check_env_name(k)}={shlex.quote(str(v))}" for k, v in (env or {}).items())
 
 
-def _background_script(command: str, log_path: str | Path, env: dict[str, str] | None,
-                       cwd: str | Path | None, env_on_stdin: bool = False) -> str:
+def _background_script(
+    command: str,
+    log_path: str | Path,
+    env: dict[str, str] | None,
+    cwd: str | Path | None,
+    env_on_stdin: bool = False,
+) -> str:
     """A shell line that starts `command` detached and prints its pid at once.
 
     setsid gives it its own session and process group (so kill_group reaches its children),
@@ -157,8 +192,10 @@ def _background_script(command: str, log_path: str | Path, env: dict[str, str] |
     prefix += f"cd {shlex.quote(str(cwd))}; " if cwd else ""
     log = shlex.quote(str(log_path))
     inner = f"{'export ' + exports + '; ' if exports else ''}exec {command}"
-    return (f"{prefix}mkdir -p \"$(dirname {log})\"; "
-            f"setsid sh -c {shlex.quote(inner)} >> {log} 2>&1 < /dev/null & echo $!")
+    return (
+        f'{prefix}mkdir -p "$(dirname {log})"; '
+        f"setsid sh -c {shlex.quote(inner)} >> {log} 2>&1 < /dev/null & echo $!"
+    )
 
 
 class BaseHost:
@@ -172,7 +209,9 @@ class BaseHost:
     def __exit__(self, *exc) -> None:
         self.close()  # closes the connection; an exception in the block still propagates
 
-    def _result(self, command: str, exit_code: int, stdout: str, stderr: str, check: bool) -> RunResult:
+    def _result(
+        self, command: str, exit_code: int, stdout: str, stderr: str, check: bool
+    ) -> RunResult:
         result = RunResult(exit_code, stdout, stderr)
         if check and not result.ok:
             raise HostError(self.name, command, exit_code, stderr)
@@ -181,18 +220,30 @@ class BaseHost:
     def start(self, command, *, log_path, env=None, cwd=None, secret_env=None) -> int:
         env_exports(secret_env)  # names checked before anything runs
         register(*(secret_env or {}).values())
-        out = self._start_script(_background_script(command, log_path, env, cwd, bool(secret_env)
-                                                    and self._secrets_on_stdin), secret_env or {}).stdout
+        out = self._start_script(
+            _background_script(
+                command, log_path, env, cwd, bool(secret_env) and self._secrets_on_stdin
+            ),
+            secret_env or {},
+        ).stdout
         return int(out.strip().splitlines()[-1])
 
     def process_identity(self, pid: int) -> ProcessIdentity | None:
-        """The process's identity, or None if no process has that pid (read from the process table)."""
-        return _parse_identity(self.run(_IDENTITY.format(pid=int(pid)), check=False, timeout=30).stdout)
+        """The process's identity, or None if no process has that pid (read from the process
+        table)."""
+        return _parse_identity(
+            self.run(_IDENTITY.format(pid=int(pid)), check=False, timeout=30).stdout
+        )
 
     def machine_identity(self) -> tuple[str, str]:
-        """(hostname, machine id): the machine the host's commands run on, however it was reached."""
-        out = self.run("hostname; cat /etc/machine-id 2>/dev/null || cat /var/lib/dbus/machine-id 2>/dev/null "
-                       "|| cat /proc/sys/kernel/random/boot_id", timeout=30).stdout.split()
+        """(hostname, machine id): the machine the host's commands run on, however it was
+        reached."""
+        out = self.run(
+            "hostname; cat /etc/machine-id 2>/dev/null || cat /var/lib/dbus/machine-id "
+            "2>/dev/null "
+            "|| cat /proc/sys/kernel/random/boot_id",
+            timeout=30,
+        ).stdout.split()
         return out[0], out[1] if len(out) > 1 else out[0]
 
 
@@ -211,8 +262,9 @@ class LocalHost(BaseHost):
         env_exports(env)
         full_env = {**os.environ, **(env or {})}
         try:
-            p = subprocess.run(command, shell=True, capture_output=True, text=True,
-                               timeout=timeout, env=full_env)
+            p = subprocess.run(
+                command, shell=True, capture_output=True, text=True, timeout=timeout, env=full_env
+            )
         except subprocess.TimeoutExpired as e:
             raise HostError(self.name, command, None, f"timed out after {timeout}s") from e
         return self._result(command, p.returncode, p.stdout, p.stderr, check)

@@ -1,6 +1,7 @@
 """Launch and stop the target server through a Host, from the config alone.
 
-    handle = start_server(host, cfg, owner)  # detached; returns at once with pid, log offset, identity
+    # detached; returns at once with pid, log offset, identity
+    handle = start_server(host, cfg, owner)
     ...
     stop_server(host, cfg, handle)           # process group TERM, wait, KILL; cleans the dump dir
     stop_recorded(host, cfg)                 # whatever server.pid names (eyas stop, failure hooks)
@@ -34,14 +35,15 @@ from dataclasses import asdict, dataclass, fields
 from eyas.config import PipelineConfig
 from eyas.dump import DUMP_DIR_ENV, server_layer_ids
 from eyas.errors import EyasError
-from eyas.server.launcher import LAUNCHER_ENV, launcher_identity
-from eyas.target import trust_remote_code
 from eyas.secrets import PYDANTIC_MASK, redact, register, secret_flag_values
-from eyas.server.capture_draft import FOLDER as CAPTURE_DRAFT, capture_draft_args, install_capture_draft
+from eyas.server.capture_draft import FOLDER as CAPTURE_DRAFT
+from eyas.server.capture_draft import capture_draft_args, install_capture_draft
 from eyas.server.hosts import Host, HostError, make_host, wait_dead
+from eyas.server.launcher import LAUNCHER_ENV, launcher_identity
+from eyas.server.ownership import Owner, clean_dump_dir, prepare_dump_dir, verdict
 from eyas.server.patch_sets import available_versions, load_patch_set
 from eyas.server.sglang_probe import server_python, sglang_version
-from eyas.server.ownership import Owner, clean_dump_dir, prepare_dump_dir, verdict
+from eyas.target import trust_remote_code
 
 # The forward hook that the patch stage installs on SGLang hosts (patches/sglang/<version>/).
 SGLANG_HOOK = "eyas_sglang_hook:make_hook"
@@ -85,7 +87,9 @@ class ServerHandle:
         return cls(**{**values, "pid": int(record["pid"]), "runs": tuple(values.get("runs") or ())})
 
 
-def launch_command(cfg: PipelineConfig, architecture: str | None = None, capture_draft: str | None = None) -> str:
+def launch_command(
+    cfg: PipelineConfig, architecture: str | None = None, capture_draft: str | None = None
+) -> str:
     """The shell command that starts the configured server backend.
 
     `architecture` (the target config.json's first one, read on the server host) picks how SGLang's
@@ -96,14 +100,30 @@ def launch_command(cfg: PipelineConfig, architecture: str | None = None, capture
     """
     s, t = cfg.server, cfg.target
     python = s.python or (sys.executable if s.host.kind == "local" else "python3")
-    ids = t.capture_ids() if s.backend == "local" else server_layer_ids(t.capture_ids(), architecture)
+    ids = (
+        t.capture_ids() if s.backend == "local" else server_layer_ids(t.capture_ids(), architecture)
+    )
     capture = [str(i) for i in ids]
     if capture_draft is None:
-        capture_flags = ["--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids", *capture]
+        capture_flags = [
+            "--enable-return-aux-hidden-states",
+            "--return-aux-hidden-state-layer-ids",
+            *capture,
+        ]
     else:
         capture_flags = capture_draft_args(capture_draft)
-    common = ["--model-path", str(t.checkpoint), "--host", s.bind, "--port", str(s.port), *capture_flags,
-              "--disable-radix-cache", "--chunked-prefill-size", str(s.chunked_prefill_size)]
+    common = [
+        "--model-path",
+        str(t.checkpoint),
+        "--host",
+        s.bind,
+        "--port",
+        str(s.port),
+        *capture_flags,
+        "--disable-radix-cache",
+        "--chunked-prefill-size",
+        str(s.chunked_prefill_size),
+    ]
     if s.max_running_requests is not None:
         common += ["--max-running-requests", str(s.max_running_requests)]
     if s.dp_size is not None:
@@ -111,21 +131,50 @@ def launch_command(cfg: PipelineConfig, architecture: str | None = None, capture
     if not s.capture_aux:
         # A plain serving launch (the benchmark): no capture, no hook; launch_args add the rest.
         module = ["sglang.launch_server"] if s.backend == "sglang" else ["eyas", "serve-local"]
-        args = [python, "-m", *module, "--model-path", str(t.checkpoint), "--host", s.bind,
-                "--port", str(s.port), *(_trust(cfg) if s.backend == "sglang" else [])]
+        args = [
+            python,
+            "-m",
+            *module,
+            "--model-path",
+            str(t.checkpoint),
+            "--host",
+            s.bind,
+            "--port",
+            str(s.port),
+            *(_trust(cfg) if s.backend == "sglang" else []),
+        ]
         return shlex.join([*args, *s.launch_args])
     if s.backend == "sglang":
         common += _trust(cfg)
         # With capture-only mode EAGLE3 only names the layer-id convention; SGLang loads no draft
         # (docs/sglang-hook.md). Without it, the stub draft's flags above name EAGLE3 already.
         speculative = ["--speculative-algorithm", "EAGLE3"] if capture_draft is None else []
-        args = [python, "-m", "sglang.launch_server", *common, *speculative, "--disable-prefill-cuda-graph"]
-        if s.capture == "forward_hook":  # source_patch: the patched model file dumps (EYAS_DUMP_DIR)
-            config = {"dump_dir": str(s.dump_dir), "layer_ids": t.capture_ids(), "dtype": cfg.extraction.dtype}
+        args = [
+            python,
+            "-m",
+            "sglang.launch_server",
+            *common,
+            *speculative,
+            "--disable-prefill-cuda-graph",
+        ]
+        if (
+            s.capture == "forward_hook"
+        ):  # source_patch: the patched model file dumps (EYAS_DUMP_DIR)
+            config = {
+                "dump_dir": str(s.dump_dir),
+                "layer_ids": t.capture_ids(),
+                "dtype": cfg.extraction.dtype,
+            }
             if architecture:
                 config["architecture"] = architecture
-            hook = [{"name": "eyas-dump", "target_modules": ["*logits_processor"], "hook_factory": SGLANG_HOOK,
-                     "config": config}]
+            hook = [
+                {
+                    "name": "eyas-dump",
+                    "target_modules": ["*logits_processor"],
+                    "hook_factory": SGLANG_HOOK,
+                    "config": config,
+                }
+            ]
             args += ["--forward-hooks", json.dumps(hook)]
     else:
         args = [python, "-m", "eyas", "serve-local", *common]
@@ -133,8 +182,9 @@ def launch_command(cfg: PipelineConfig, architecture: str | None = None, capture
 
 
 def _trust(cfg: PipelineConfig) -> list[str]:
-    """SGLang's --trust-remote-code when target.trust_remote_code resolves on (eyas/target.py), so the
-    server runs the tokenizer and model code the orchestrator trusts; once, if launch_args lack it."""
+    """SGLang's --trust-remote-code when target.trust_remote_code resolves on (eyas/target.py), so
+    the server runs the tokenizer and model code the orchestrator trusts; once, if launch_args lack
+    it."""
     wanted = trust_remote_code(cfg) and "--trust-remote-code" not in cfg.server.launch_args
     return ["--trust-remote-code"] if wanted else []
 
@@ -186,8 +236,11 @@ def host_launch_command(host: Host, cfg: PipelineConfig, *, install_draft: bool 
         draft = f"{str(cfg.server.workdir).rstrip('/')}/{CAPTURE_DRAFT}"
         if install_draft:
             if config is None:
-                raise LaunchError(f"[{host.name}] no readable config.json in {cfg.target.checkpoint}: the "
-                                  f"capture draft this SGLang needs is shaped after it")
+                raise LaunchError(
+                    f"[{host.name}] no readable config.json in "
+                    f"{cfg.target.checkpoint}: the "
+                    f"capture draft this SGLang needs is shaped after it"
+                )
             install_capture_draft(host, cfg, config, architecture)
     return launch_command(cfg, architecture, draft)
 
@@ -198,13 +251,20 @@ def launch_secrets(cfg: PipelineConfig, environ=os.environ) -> dict[str, str]:
     s, out = cfg.server, {}
     for name, source in s.env_from.items():
         if source not in environ:
-            raise LaunchError(f"server.env_from: {source} is not set in the environment of this worker "
-                              f"(pid {os.getpid()}), so the server's {name} cannot be given")
+            raise LaunchError(
+                f"server.env_from: {source} is not set in the environment of this "
+                f"worker "
+                f"(pid {os.getpid()}), so the server's {name} cannot be given"
+            )
         out[name] = environ[source]
     for name, value in s.secret_env.items():
         if value.get_secret_value() == PYDANTIC_MASK:
-            raise LaunchError(f"server.secret_env.{name} holds {PYDANTIC_MASK}, the mask Prefect stored instead of "
-                              f"the value; give the secret through server.env_from or a config file on the worker")
+            raise LaunchError(
+                f"server.secret_env.{name} holds {PYDANTIC_MASK}, the mask Prefect "
+                f"stored instead of "
+                f"the value; give the secret through server.env_from or a config "
+                f"file on the worker"
+            )
         out[name] = value.get_secret_value()
     register(*out.values(), *secret_flag_values([*s.launch_args, *s.capture_launch_args]))
     return out
@@ -218,12 +278,16 @@ def auth_headers(cfg: PipelineConfig) -> dict[str, str]:
     return {"Authorization": f"Bearer {keys[-1]}"} if keys else {}
 
 
-_PORT_PROBE = ("import socket, sys; s = socket.socket(); s.settimeout(1); "
-               "sys.exit(0 if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 1)")
+_PORT_PROBE = (
+    "import socket, sys; s = socket.socket(); s.settimeout(1); "
+    "sys.exit(0 if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 1)"
+)
 
 
 def _port_in_use(host: Host, bind: str, port: int) -> bool:
-    address = "127.0.0.1" if bind in ("0.0.0.0", "", "::") else bind  # values as arguments, never code
+    address = (
+        "127.0.0.1" if bind in ("0.0.0.0", "", "::") else bind
+    )  # values as arguments, never code
     probe = shlex.join(["python3", "-c", _PORT_PROBE, address, str(int(port))])
     return host.run(probe, check=False, timeout=15).ok
 
@@ -255,13 +319,17 @@ def _check(host: Host, cfg: PipelineConfig, handle: ServerHandle) -> str:
     v = verdict(host, handle)
     if v == "unverified":
         found = host.process_identity(handle.pid)
-        return "alive" if found and list(found.argv) == shlex.split(host_launch_command(host, cfg)) else "replaced"
+        return (
+            "alive"
+            if found and list(found.argv) == shlex.split(host_launch_command(host, cfg))
+            else "replaced"
+        )
     return v
 
 
 def gone_reason(host: Host, cfg: PipelineConfig, handle: ServerHandle) -> str | None:
-    """Why the server `handle` names is gone (its log's most telling fatal line since its launch), or
-    None while it still runs."""
+    """Why the server `handle` names is gone (its log's most telling fatal line since its launch),
+    or None while it still runs."""
     from eyas.server.readiness import death_reason
 
     if _check(host, cfg, handle) == "alive":
@@ -270,7 +338,8 @@ def gone_reason(host: Host, cfg: PipelineConfig, handle: ServerHandle) -> str | 
 
 
 def server_alive(cfg: PipelineConfig) -> bool:
-    """Is the server recorded in server.pid_path alive? (Asked after a request failed: connects anew.)"""
+    """Is the server recorded in server.pid_path alive? (Asked after a request failed: connects
+    anew.)"""
     try:
         with make_host(cfg.server.host) as host:
             record = read_record(host, cfg)
@@ -279,13 +348,15 @@ def server_alive(cfg: PipelineConfig) -> bool:
         return True
 
 
-# What this process launched and has not stopped yet: a signal handler stops these (flows/runtime/process.py).
+# What this process launched and has not stopped yet: a signal handler stops these
+# (flows/runtime/process.py).
 _launched: dict[tuple[str, int], tuple[PipelineConfig, ServerHandle]] = {}
 _launched_lock = threading.Lock()
 
 
-def start_server(host: Host, cfg: PipelineConfig, owner: Owner | None = None, *,
-                 leave_up: bool = False) -> ServerHandle:
+def start_server(
+    host: Host, cfg: PipelineConfig, owner: Owner | None = None, *, leave_up: bool = False
+) -> ServerHandle:
     """Start the server detached and record who it is; refuses if its port is taken, a recorded
     server lives, or server.dump_dir holds files eyas did not write.
 
@@ -296,28 +367,53 @@ def start_server(host: Host, cfg: PipelineConfig, owner: Owner | None = None, *,
     old = read_record(host, cfg)
     if old is not None and _check(host, cfg, old) == "alive":
         by = f", launched by flow run {old.runs[0]}" if old.runs else ""
-        raise LaunchError(f"[{host.name}] a server recorded in {s.pid_path} (pid {old.pid}{by}) is still "
-                          f"alive; stop it first (eyas stop)")
+        raise LaunchError(
+            f"[{host.name}] a server recorded in {s.pid_path} (pid {old.pid}{by}) is "
+            f"still "
+            f"alive; stop it first (eyas stop)"
+        )
     if _port_in_use(host, s.bind, s.port):
-        raise LaunchError(f"[{host.name}] port {s.port} is already in use; pick another server.port")
+        raise LaunchError(
+            f"[{host.name}] port {s.port} is already in use; pick another server.port"
+        )
     host.run(f"mkdir -p {q(str(s.workdir))}")
     dump = prepare_dump_dir(host, _python(cfg), str(s.dump_dir), cfg.name)
     if dump["state"] == "refused":
-        raise LaunchError(f"[{host.name}] server.dump_dir {s.dump_dir} holds files eyas did not write "
-                          f"({', '.join(dump['foreign'])}); eyas deletes that folder's contents, so point "
-                          f"server.dump_dir at a new or empty folder")
-    size = host.run(f"stat -c %s {q(str(s.log_path))} 2>/dev/null || echo 0", check=False).stdout.strip()
+        raise LaunchError(
+            f"[{host.name}] server.dump_dir {s.dump_dir} holds files eyas did not "
+            f"write "
+            f"({', '.join(dump['foreign'])}); eyas deletes that folder's contents, "
+            f"so point "
+            f"server.dump_dir at a new or empty folder"
+        )
+    size = host.run(
+        f"stat -c %s {q(str(s.log_path))} 2>/dev/null || echo 0", check=False
+    ).stdout.strip()
     command = host_launch_command(host, cfg, install_draft=True)
     env = launch_env(cfg)
     if s.backend == "local" and s.host.kind == "local" and not leave_up:
         env[LAUNCHER_ENV] = launcher_identity() or ""
     pid = host.start(command, log_path=s.log_path, env=env, cwd=s.workdir, secret_env=secrets)
     found = host.process_identity(pid)
-    handle = ServerHandle(pid, host.name, s.url, str(s.log_path), int(size or 0), redact(command),
-                          found.boot if found else None, found.start if found else None, owner.token,
-                          tuple(owner.runs), cfg.name, time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    handle = ServerHandle(
+        pid,
+        host.name,
+        s.url,
+        str(s.log_path),
+        int(size or 0),
+        redact(command),
+        found.boot if found else None,
+        found.start if found else None,
+        owner.token,
+        tuple(owner.runs),
+        cfg.name,
+        time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
     tmp = f"{s.pid_path}.tmp-{owner.token}"
-    host.run(f"printf '%s\\n' {q(json.dumps(handle.to_dict()))} > {q(tmp)} && mv -f {q(tmp)} {q(str(s.pid_path))}")
+    host.run(
+        f"printf '%s\\n' {q(json.dumps(handle.to_dict()))} > {q(tmp)} && mv -f {q(tmp)} "
+        f"{q(str(s.pid_path))}"
+    )
     with _launched_lock:
         _launched[(host.name, pid)] = (cfg, handle)
     return handle
@@ -325,14 +421,21 @@ def start_server(host: Host, cfg: PipelineConfig, owner: Owner | None = None, *,
 
 def stop_recorded(host: Host, cfg: PipelineConfig, *, runs: set[str] | None = None) -> dict:
     """Stop the server server.pid records (stop_server), if any; with none recorded, clean the dump
-    directory, except for a hook (`runs` given): it proves nothing there, so it leaves the folder alone."""
+    directory, except for a hook (`runs` given): it proves nothing there, so it leaves the folder
+    alone."""
     record = read_record(host, cfg)
     if record is None:
-        return {"pid": None, "outcome": "not running", "dump_dir": _clean(host, cfg) if runs is None else "kept"}
+        return {
+            "pid": None,
+            "outcome": "not running",
+            "dump_dir": _clean(host, cfg) if runs is None else "kept",
+        }
     return stop_server(host, cfg, record, runs=runs)
 
 
-def stop_server(host: Host, cfg: PipelineConfig, handle: ServerHandle, *, runs: set[str] | None = None) -> dict:
+def stop_server(
+    host: Host, cfg: PipelineConfig, handle: ServerHandle, *, runs: set[str] | None = None
+) -> dict:
     """Stop the server eyas launched that `handle` names, then clean its dump directory.
 
     The pid is signalled only while it is still the launched process (same boot id and start
@@ -344,11 +447,17 @@ def stop_server(host: Host, cfg: PipelineConfig, handle: ServerHandle, *, runs: 
     recorded = read_record(host, cfg)
     pid, launched_by = handle.pid, list(handle.runs)
     if runs is not None and not set(launched_by) & {str(r) for r in runs}:
-        who = f"flow run {launched_by[0]}" if launched_by else "a launch this run cannot prove its own"
+        who = (
+            f"flow run {launched_by[0]}"
+            if launched_by
+            else "a launch this run cannot prove its own"
+        )
         return {"pid": pid, "outcome": f"left alone: launched by {who}, not by this run"}
     state = _check(host, cfg, handle)
-    outcome = {"gone": "not running", "replaced": f"not running (pid {pid} is now another process: "
-                                                  "left alone)"}.get(state, "terminated")
+    outcome = {
+        "gone": "not running",
+        "replaced": f"not running (pid {pid} is now another process: left alone)",
+    }.get(state, "terminated")
     if state == "alive":
         host.kill_group(pid, signal.SIGTERM)
         if not wait_dead(host, pid, s.stop_timeout_s):
@@ -384,7 +493,9 @@ def stop_launched(timeout_s: float = 10.0) -> list[dict]:
     for cfg, handle in pending:
         try:
             with make_host(cfg.server.host) as host:
-                quick = cfg.model_copy(update={"server": cfg.server.model_copy(update={"stop_timeout_s": timeout_s})})
+                quick = cfg.model_copy(
+                    update={"server": cfg.server.model_copy(update={"stop_timeout_s": timeout_s})}
+                )
                 out.append(stop_server(host, quick, handle))
         except Exception as e:  # noqa: BLE001 - best effort on the way out
             out.append({"pid": handle.pid, "outcome": f"not stopped: {e}"})

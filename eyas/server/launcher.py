@@ -29,7 +29,7 @@ def _start_time(pid: int) -> str | None:
         stat = open(f"/proc/{pid}/stat").read()
     except OSError:
         return None
-    return stat[stat.rfind(")") + 2:].split()[19]  # field 22; comm may hold spaces and parentheses
+    return stat[stat.rfind(")") + 2 :].split()[19]  # field 22; comm may hold spaces and parentheses
 
 
 def launcher_identity(pid: int | None = None) -> str | None:
@@ -54,8 +54,11 @@ def exit_with_launcher(log: Callable[[str], None], environ=os.environ) -> None:
     def watch() -> None:  # the launcher may be gone already: it can die while this server imports
         while launcher_alive(identity):
             time.sleep(POLL_S)
-        log(f"the process that launched this server (pid {identity.split(':')[0]}) has exited without "
-            f"stopping it: shutting down")
+        log(
+            f"the process that launched this server (pid {identity.split(':')[0]}) has exited "
+            f"without "
+            f"stopping it: shutting down"
+        )
         if os.getpgrp() == os.getsid(0):  # launched through setsid: the group is this server's own
             os.killpg(os.getpgrp(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)  # replicas follow (replicas.exit_with_parent)

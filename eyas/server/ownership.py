@@ -2,9 +2,12 @@
 signalled or deleted.
 
     owner = Owner.new(runs=[flow_run_id, parent_run_id])   # who launches: a token, the flow runs
-    verdict(host, handle)                                  # "alive" | "gone" | "replaced" | "unverified"
-    prepare_dump_dir(host, python, path, config_name)      # make + mark it, or refuse foreign content
-    clean_dump_dir(host, python, path)                     # delete only eyas's records, in a marked folder
+    # "alive" | "gone" | "replaced" | "unverified"
+    verdict(host, handle)
+    # make + mark it, or refuse foreign content
+    prepare_dump_dir(host, python, path, config_name)
+    # delete only eyas's records, in a marked folder
+    clean_dump_dir(host, python, path)
 
 A pid is reused, a process's (boot id, start time) is not: the launch record (server.pid, JSON)
 carries both, read from the host's process table through the Host seam, so a stale record can
@@ -32,7 +35,8 @@ MARKER = ".eyas-owned"
 @dataclass(frozen=True)
 class Owner:
     """Who launches a server: a token unique to this launch, and the flow runs it happens in (the
-    launching run first, then its parents), so a run's failure hook can tell its server from others'."""
+    launching run first, then its parents), so a run's failure hook can tell its server from
+    others'."""
 
     token: str
     runs: tuple[str, ...] = ()
@@ -43,7 +47,8 @@ class Owner:
 
 
 def verdict(host: Host, handle: ServerHandle) -> str:
-    """Is the launched server (launch.ServerHandle, as server.pid records it) still the process it names?
+    """Is the launched server (launch.ServerHandle, as server.pid records it) still the process it
+    names?
 
     alive: the pid lives with the recorded boot id and start time. gone: no such pid (or a zombie
     without threads). replaced: the pid now belongs to another process. unverified: the record has
@@ -63,7 +68,8 @@ _DUMP_SCRIPT = r"""
 import json, os, re, shutil, sys, time
 action, path, name = sys.argv[1:4]
 MARK = ".eyas-owned"
-RID, REC = re.compile(r"[A-Za-z0-9_.:-]+"), re.compile(r"\d{10}\.safetensors|\.\d{10}\.safetensors\.tmp-.+")
+RID = re.compile(r"[A-Za-z0-9_.:-]+")
+REC = re.compile(r"\d{10}\.safetensors|\.\d{10}\.safetensors\.tmp-.+")
 def ours(e):
     p = os.path.join(path, e)
     if e == MARK:
@@ -105,7 +111,8 @@ else:
     else:
         records(entries)
         if foreign:
-            out = {"state": "records removed; other files left", "foreign": foreign[:5], "count": len(foreign)}
+            out = {"state": "records removed; other files left", "foreign": foreign[:5],
+                   "count": len(foreign)}
         elif created:
             os.remove(marker)
             os.rmdir(path)
@@ -124,7 +131,8 @@ def _dump_dir(host: Host, python: str, action: str, path: str, name: str) -> dic
 
 def prepare_dump_dir(host: Host, python: str, path: str, config_name: str) -> dict:
     """Make the dump folder (marked as eyas's) or empty an eyas one of old records; {"state":
-    "refused", "foreign": [...]} when it holds anything eyas did not write: nothing is touched then."""
+    "refused", "foreign": [...]} when it holds anything eyas did not write: nothing is touched
+    then."""
     return _dump_dir(host, python, "prepare", path, config_name)
 
 

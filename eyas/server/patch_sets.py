@@ -17,10 +17,15 @@ from pathlib import Path
 from eyas.errors import EyasError
 from eyas.files import sha256_bytes
 from eyas.resources import shipped
-from eyas.server.diffs import DiffError, apply_diff as _apply, parse_diff
+from eyas.server.diffs import DiffError, parse_diff
+from eyas.server.diffs import apply_diff as _apply
 
-PATCHES_DIR = shipped("patches", "sglang")  #: one folder per SGLang version, each with manifest.json
-DUMP_SOURCE = Path(__file__).resolve().parents[1] / "dump.py"  # eyas/dump.py, copied as eyas_dump.py
+PATCHES_DIR = shipped(
+    "patches", "sglang"
+)  #: one folder per SGLang version, each with manifest.json
+DUMP_SOURCE = (
+    Path(__file__).resolve().parents[1] / "dump.py"
+)  # eyas/dump.py, copied as eyas_dump.py
 DUMP_MODULE = "eyas_dump.py"  #: how eyas/dump.py is installed beside the hook
 
 
@@ -39,6 +44,7 @@ def apply_diff(text: str, diff: str, *, reverse: bool = False, name: str = "<fil
 # ---------------------------------------------------------------------------------------------
 # Patch sets: patches/sglang/<version>/manifest.json
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass
 class PatchedFile:
@@ -80,35 +86,60 @@ def load_patch_set(version: str, patches_dir: Path = PATCHES_DIR) -> PatchSet:
     """The patch set for one SGLang version, with its files checked against the manifest."""
     folder = Path(patches_dir) / version
     if not (folder / "manifest.json").is_file():
-        raise PatchError(f"sglang {version} has no eyas patch set (patch sets exist for: "
-                         f"{', '.join(available_versions(patches_dir)) or 'none'}; see {patches_dir})")
+        raise PatchError(
+            f"sglang {version} has no eyas patch set (patch sets exist for: "
+            f"{', '.join(available_versions(patches_dir)) or 'none'}; see "
+            f"{patches_dir})"
+        )
     manifest = json.loads((folder / "manifest.json").read_text())
     if manifest["sglang_version"] != version:
-        raise PatchError(f"{folder}/manifest.json is for sglang {manifest['sglang_version']}, "
-                         f"not {version}")
+        raise PatchError(
+            f"{folder}/manifest.json is for sglang {manifest['sglang_version']}, not {version}"
+        )
     hook = manifest["hook"]
     hook_path = hook_source(hook["module"], patches_dir)
     hook_bytes = hook_path.read_bytes()
     if sha256_bytes(hook_bytes) != hook["sha256"]:
-        raise PatchError(f"{hook_path} has sha256 {sha256_bytes(hook_bytes)}, {folder}/manifest.json says "
-                         f"{hook['sha256']}: run patches/sglang/refresh_manifest.py after editing it")
-    files = [PatchedFile(f["path"], (folder / f["patch"]).read_text(), f["original_sha256"],
-                         f["patched_sha256"]) for f in manifest["files"]]
+        raise PatchError(
+            f"{hook_path} has sha256 {sha256_bytes(hook_bytes)}, "
+            f"{folder}/manifest.json says "
+            f"{hook['sha256']}: run patches/sglang/refresh_manifest.py after editing "
+            f"it"
+        )
+    files = [
+        PatchedFile(
+            f["path"], (folder / f["patch"]).read_text(), f["original_sha256"], f["patched_sha256"]
+        )
+        for f in manifest["files"]
+    ]
     for f, entry in zip(files, manifest["files"]):
         target, _ = parse_diff(f.diff)
         if target != f.path:
-            raise PatchError(f"{folder / entry['patch']} patches {target}, its manifest says {f.path}")
+            raise PatchError(
+                f"{folder / entry['patch']} patches {target}, its manifest says {f.path}"
+            )
     modules = {hook["module"]: hook_bytes, DUMP_MODULE: DUMP_SOURCE.read_bytes()}
     if not manifest.get("architectures"):
         raise PatchError(f"{folder}/manifest.json lists no supported architectures")
-    return PatchSet(version, manifest["patch_version"], files, modules, list(manifest["architectures"]),
-                    dict(manifest.get("unsupported_architectures", {})),
-                    list(manifest.get("hook_architectures", [])),
-                    bool(manifest.get("capture_only_mode", True)))
+    return PatchSet(
+        version,
+        manifest["patch_version"],
+        files,
+        modules,
+        list(manifest["architectures"]),
+        dict(manifest.get("unsupported_architectures", {})),
+        list(manifest.get("hook_architectures", [])),
+        bool(manifest.get("capture_only_mode", True)),
+    )
 
 
-def check_architecture(manifest_or_version: PatchSet | dict | str, architectures: list[str] | None,
-                       source: str, patches_dir: Path = PATCHES_DIR, capture: str = "forward_hook") -> str:
+def check_architecture(
+    manifest_or_version: PatchSet | dict | str,
+    architectures: list[str] | None,
+    source: str,
+    patches_dir: Path = PATCHES_DIR,
+    capture: str = "forward_hook",
+) -> str:
     """The architecture SGLang will serve, if the patch set supports it; PatchError otherwise.
 
     `manifest_or_version`: a PatchSet, a parsed manifest.json, or an SGLang version (its patch set
@@ -125,23 +156,39 @@ def check_architecture(manifest_or_version: PatchSet | dict | str, architectures
         supported, unsupported = pset.architectures, pset.unsupported_architectures
         hook_only = pset.hook_architectures
     else:
-        version, patch_version = manifest_or_version["sglang_version"], manifest_or_version["patch_version"]
+        version, patch_version = (
+            manifest_or_version["sglang_version"],
+            manifest_or_version["patch_version"],
+        )
         supported = manifest_or_version.get("architectures") or []
         unsupported = manifest_or_version.get("unsupported_architectures", {})
         hook_only = manifest_or_version.get("hook_architectures", [])
     if capture == "forward_hook":
         supported = [*supported, *hook_only]
     elif hook_only:
-        unsupported = {**{a: "supported through the forward hook only (server.capture: forward_hook): "
-                          "the source patch changes DeepSeek-V2's model file" for a in hook_only}, **unsupported}
+        unsupported = {
+            **{
+                a: "supported through the forward hook only (server.capture: "
+                "forward_hook): "
+                "the source patch changes DeepSeek-V2's model "
+                "file"
+                for a in hook_only
+            },
+            **unsupported,
+        }
     if isinstance(architectures, str):
         architectures = [architectures]
     if not architectures:
-        raise PatchError(f"{source} names no architectures; eyas patch set {patch_version} (sglang "
-                         f"{version}) supports: {', '.join(supported)}")
+        raise PatchError(
+            f"{source} names no architectures; eyas patch set {patch_version} (sglang "
+            f"{version}) supports: {', '.join(supported)}"
+        )
     arch = architectures[0]
     if arch not in supported:
         why = f" ({unsupported[arch]})" if arch in unsupported else ""
-        raise PatchError(f"{source}: architecture {arch} is not supported by eyas patch set "
-                         f"{patch_version} (sglang {version}){why}; supported: {', '.join(supported)}")
+        raise PatchError(
+            f"{source}: architecture {arch} is not supported by eyas patch set "
+            f"{patch_version} (sglang {version}){why}; supported: "
+            f"{', '.join(supported)}"
+        )
     return arch

@@ -34,6 +34,7 @@ MAX_UNREACHABLE = 3  # consecutive HostUnreachable before giving up
 # Reading the log incrementally
 # ---------------------------------------------------------------------------------------------
 
+
 class LogCursor:
     """New complete lines of a (growing) log file on a host, from a saved byte offset.
 
@@ -69,6 +70,7 @@ class LogCursor:
 # Loading-bar lines
 # ---------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Progress:
     desc: str  # "Multi-thread loading shards" or "Loading safetensors checkpoint shards"
@@ -87,8 +89,11 @@ class Progress:
 
 # SGLang 0.5.23's BAR_FORMAT, as its weight loader prints it (docs/operations.md):
 #   "{desc}: {percentage:3.0f}% Completed | {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
-_BAR_RE = re.compile(r"(Multi-thread loading shards|Loading safetensors checkpoint shards):\s+(\d+)% "
-                     r"Completed \| (\d+)/(\d+) \[([^<\]]*)<([^,\]]*), ([^\]]*)\]")
+_BAR_RE = re.compile(
+    r"(Multi-thread loading shards|Loading safetensors checkpoint "
+    r"shards):\s+(\d+)% "
+    r"Completed \| (\d+)/(\d+) \[([^<\]]*)<([^,\]]*), ([^\]]*)\]"
+)
 _RATE_RE = re.compile(r"([\d.]+)(it/s|s/it)")
 
 
@@ -132,28 +137,41 @@ def parse_progress(line: str) -> Progress | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Fatal lines SGLang 0.5.23 prints (docs/operations.md, failure table), most specific first: the first class found names the failure
+# Fatal lines SGLang 0.5.23 prints (docs/operations.md, failure table), most specific first: the
+# first class found names the failure
 # ---------------------------------------------------------------------------------------------
 
 _TRACEBACK = "Traceback (most recent call last)"
 _FATAL: list[tuple[str, tuple[str, ...]]] = [
-    ("oom", ("CUDA out of memory", "OutOfMemoryError", "Not enough memory. Please try to increase")),
+    (
+        "oom",
+        ("CUDA out of memory", "OutOfMemoryError", "Not enough memory. Please try to increase"),
+    ),
     ("nccl", ("NCCL error", "DistBackendError", "Watchdog caught collective operation timeout")),
     ("cuda error", ("CUDA error: an illegal memory access",)),
     ("watchdog timeout", ("Scheduler watchdog timeout",)),
     ("cuda graph failed", ("Capture cuda graph failed",)),
     ("health check failed", ("Health check failed",)),
     ("init failed", ("Initialization failed", "scheduler died during initialization")),
-    ("crashed", ("Scheduler hit an exception", "Received sigquit from a child process",
-                 "SIGQUIT received", "DetokenizerManager hit an exception", "crashed with exit code",
-                 _TRACEBACK)),
+    (
+        "crashed",
+        (
+            "Scheduler hit an exception",
+            "Received sigquit from a child process",
+            "SIGQUIT received",
+            "DetokenizerManager hit an exception",
+            "crashed with exit code",
+            _TRACEBACK,
+        ),
+    ),
 ]
 _RANK = {reason: i for i, (reason, _) in enumerate(_FATAL)}
 _SUBPROCESS_CRASHED = re.compile(r"Subprocess \S+ \(pid=\d+\) crashed with exit code")
 
 
 def classify_fatal(line: str) -> str | None:
-    """A short reason ("oom", "nccl", "crashed", ...) if the line means the server failed, else None."""
+    """A short reason ("oom", "nccl", "crashed", ...) if the line means the server failed, else
+    None."""
     for reason, needles in _FATAL:
         for needle in needles:
             if needle in line:
@@ -167,28 +185,40 @@ def classify_fatal(line: str) -> str | None:
 # The wait loop
 # ---------------------------------------------------------------------------------------------
 
+
 class ServerFailed(EyasError, RuntimeError):
     """The server will not become ready. `.reason` is short ("oom", "stalled", "process died", ...),
     `.log_lines` the last lines of its log, `.fatal_lines` the lines that gave it away."""
 
-    def __init__(self, reason: str, log_lines: list[str], detail: str = "",
-                 fatal_lines: list[str] | None = None):
+    def __init__(
+        self,
+        reason: str,
+        log_lines: list[str],
+        detail: str = "",
+        fatal_lines: list[str] | None = None,
+    ):
         self.reason = reason
         self.detail = detail
-        self.log_lines = [redact(line) for line in log_lines]  # SGLang logs its args, an api_key among them
+        self.log_lines = [
+            redact(line) for line in log_lines
+        ]  # SGLang logs its args, an api_key among them
         self.fatal_lines = [redact(line) for line in fatal_lines or []]
         message = f"{reason}: {detail}" if detail else reason
         if self.fatal_lines:
             message += "\n--- offending lines ---\n" + "\n".join(self.fatal_lines[:5])
         if self.log_lines:
-            message += f"\n--- last {len(self.log_lines)} log lines ---\n" + "\n".join(self.log_lines)
+            message += f"\n--- last {len(self.log_lines)} log lines ---\n" + "\n".join(
+                self.log_lines
+            )
         super().__init__(message)
 
 
 @dataclass
 class ReadyReport:
     seconds: float  # from the call to HTTP confirmation
-    shards_total: int | None  # the widest loading bar's total: the target's checkpoint (None: no bar)
+    shards_total: (
+        int | None
+    )  # the widest loading bar's total: the target's checkpoint (None: no bar)
     last_progress: Progress | None
     log_offset: int  # bytes of the log read so far: a later reader can start there
 
@@ -196,8 +226,14 @@ class ReadyReport:
 class _LogWatch:
     """The sensor's view of the log: last lines (bar updates collapsed), newest bar, fatal lines."""
 
-    def __init__(self, host: Host, path: str | Path, offset: int, clock: Callable[[], float],
-                 on_progress: Callable[[Progress], None] | None):
+    def __init__(
+        self,
+        host: Host,
+        path: str | Path,
+        offset: int,
+        clock: Callable[[], float],
+        on_progress: Callable[[Progress], None] | None,
+    ):
         self.cursor = LogCursor(host, path, offset)
         self.clock = clock
         self.on_progress = on_progress
@@ -241,7 +277,8 @@ class _LogWatch:
         return [*self.tail, pending] if pending else list(self.tail)
 
     def confirmed_fatal(self) -> bool:
-        """Any fatal line other than a bare Python traceback, which libraries also print harmlessly."""
+        """Any fatal line other than a bare Python traceback, which libraries also print
+        harmlessly."""
         return any(not _bare_traceback(line) for _, line in self.fatal)
 
 
@@ -254,21 +291,37 @@ def death_reason(host: Host, log_path: str | Path, offset: int = 0) -> str:
     ("oom: torch.OutOfMemoryError: CUDA out of memory ..."), else its last log line."""
     watch = _LogWatch(host, log_path, offset, time.monotonic, None)
     watch.read()
-    fatal = [(reason, line) for reason, line in watch.fatal if not _bare_traceback(line)] or watch.fatal
+    fatal = [
+        (reason, line) for reason, line in watch.fatal if not _bare_traceback(line)
+    ] or watch.fatal
     if fatal:
         reason, line = min(fatal, key=lambda f: _RANK[f[0]])
         return f"{reason}: {redact(line.strip())[:300]}"
     last = [line for line in watch.lines() if line.strip()]
-    return f"no fatal line in {log_path}; its last line: {redact(last[-1].strip())[:300]}" if last else \
-        f"{log_path} is empty"
+    return (
+        f"no fatal line in {log_path}; its last line: {redact(last[-1].strip())[:300]}"
+        if last
+        else f"{log_path} is empty"
+    )
 
 
-def wait_until_ready(host: Host, *, log_path: str | Path, pid: int, url: str,
-                     poll_interval_s: float, stall_timeout_s: float, deadline_s: float,
-                     http_timeout_s: float, on_progress: Callable[[Progress], None] | None = None,
-                     start_offset: int = 0, clock: Callable[[], float] = time.monotonic,
-                     sleep: Callable[[float], None] = time.sleep) -> ReadyReport:
-    """Wait for the ready line, then confirm over HTTP; raise ServerFailed as soon as it cannot come.
+def wait_until_ready(
+    host: Host,
+    *,
+    log_path: str | Path,
+    pid: int,
+    url: str,
+    poll_interval_s: float,
+    stall_timeout_s: float,
+    deadline_s: float,
+    http_timeout_s: float,
+    on_progress: Callable[[Progress], None] | None = None,
+    start_offset: int = 0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> ReadyReport:
+    """Wait for the ready line, then confirm over HTTP; raise ServerFailed as soon as it cannot
+    come.
 
     Each tick reads the new log lines and fails on:
     - a fatal line (an SGLang fatal message, an OOM/NCCL/CUDA error); a bare Python traceback
@@ -285,8 +338,15 @@ def wait_until_ready(host: Host, *, log_path: str | Path, pid: int, url: str,
     start_offset: where this launch's output begins in the log. Host.start appends to the log, so
     after a relaunch pass the log's size from before it, or an earlier run's lines are read too.
     """
-    wait = _Wait(host, log_path, pid, poll_interval_s, clock, sleep,
-                 _LogWatch(host, log_path, start_offset, clock, on_progress))
+    wait = _Wait(
+        host,
+        log_path,
+        pid,
+        poll_interval_s,
+        clock,
+        sleep,
+        _LogWatch(host, log_path, start_offset, clock, on_progress),
+    )
     while True:
         try:
             wait.watch.read()
@@ -295,17 +355,29 @@ def wait_until_ready(host: Host, *, log_path: str | Path, pid: int, url: str,
         except HostUnreachable as e:
             wait.unreachable += 1
             if wait.unreachable >= MAX_UNREACHABLE:
-                raise wait.failed("host unreachable", f"{e} ({wait.unreachable} tries in a row)") from e
+                raise wait.failed(
+                    "host unreachable", f"{e} ({wait.unreachable} tries in a row)"
+                ) from e
             sleep(poll_interval_s)
             continue
         now = clock()
         if wait.watch.confirmed_fatal():
             raise wait.fail_with_log("crashed", "")
         if wait.watch.ready:
-            _confirm_http(url, http_timeout_s, min(wait.start + deadline_s, now + http_timeout_s),
-                          clock, sleep, wait.failed)
-            return ReadyReport(seconds=clock() - wait.start, shards_total=wait.watch.shards_total,
-                               last_progress=wait.watch.progress, log_offset=wait.watch.cursor.offset)
+            _confirm_http(
+                url,
+                http_timeout_s,
+                min(wait.start + deadline_s, now + http_timeout_s),
+                clock,
+                sleep,
+                wait.failed,
+            )
+            return ReadyReport(
+                seconds=clock() - wait.start,
+                shards_total=wait.watch.shards_total,
+                last_progress=wait.watch.progress,
+                log_offset=wait.watch.cursor.offset,
+            )
         wait.check(now, alive, stall_timeout_s, deadline_s)
         sleep(max(0.0, min(poll_interval_s, wait.start + deadline_s - now)))
 
@@ -313,8 +385,15 @@ def wait_until_ready(host: Host, *, log_path: str | Path, pid: int, url: str,
 class _Wait:
     """One wait for readiness: the log being watched, and how each way of failing is named."""
 
-    def __init__(self, host: Host, log_path, pid: int, poll_interval_s: float, clock, sleep, watch: _LogWatch):
-        self.host, self.log_path, self.pid, self.poll_interval_s = host, log_path, pid, poll_interval_s
+    def __init__(
+        self, host: Host, log_path, pid: int, poll_interval_s: float, clock, sleep, watch: _LogWatch
+    ):
+        self.host, self.log_path, self.pid, self.poll_interval_s = (
+            host,
+            log_path,
+            pid,
+            poll_interval_s,
+        )
         self.clock, self.sleep, self.watch = clock, sleep, watch
         self.start = clock()
         self.unreachable = 0
@@ -323,7 +402,12 @@ class _Wait:
 
     def failed(self, reason: str, detail: str) -> ServerFailed:
         where = f"log {self.log_path} on {getattr(self.host, 'name', 'host')}, pid {self.pid}"
-        return ServerFailed(reason, self.watch.lines(), f"{detail} ({where})", [line for _, line in self.watch.fatal])
+        return ServerFailed(
+            reason,
+            self.watch.lines(),
+            f"{detail} ({where})",
+            [line for _, line in self.watch.fatal],
+        )
 
     def fail_with_log(self, default: str, detail: str, dead: bool = False) -> ServerFailed:
         """Name the worst failure in the log's last lines. A live process may still be writing
@@ -344,30 +428,48 @@ class _Wait:
         the deadline. A bare traceback the process outlives is forgotten."""
         watch = self.watch
         if not alive:
-            raise self.fail_with_log("process died", f"server process {self.pid} exited before it was ready",
-                                     dead=True)
+            raise self.fail_with_log(
+                "process died", f"server process {self.pid} exited before it was ready", dead=True
+            )
         if watch.fatal and self.traceback_seen_at is None:
             self.traceback_seen_at = now
-        if self.traceback_seen_at is not None and now - self.traceback_seen_at > self.traceback_grace_s:
+        if (
+            self.traceback_seen_at is not None
+            and now - self.traceback_seen_at > self.traceback_grace_s
+        ):
             watch.fatal.clear()  # the process outlived its traceback: it was not fatal
             self.traceback_seen_at = None
         if now - watch.last_activity > stall_timeout_s:
             p = watch.progress
             at = f" at {p.done}/{p.total} shards" if p else ""
-            raise self.failed("stalled", f"no loading progress or log output for {now - watch.last_activity:.1f}s"
-                                         f"{at} (stall_timeout_s={stall_timeout_s})")
+            raise self.failed(
+                "stalled",
+                f"no loading progress or log output for "
+                f"{now - watch.last_activity:.1f}s"
+                f"{at} (stall_timeout_s={stall_timeout_s})",
+            )
         if now - self.start > deadline_s:
-            raise self.failed("deadline", f"not ready after {now - self.start:.1f}s (deadline_s={deadline_s})")
+            raise self.failed(
+                "deadline", f"not ready after {now - self.start:.1f}s (deadline_s={deadline_s})"
+            )
 
 
-def _confirm_http(url: str, http_timeout_s: float, until: float, clock: Callable[[], float],
-                  sleep: Callable[[float], None], failed: Callable[[str, str], ServerFailed]) -> None:
+def _confirm_http(
+    url: str,
+    http_timeout_s: float,
+    until: float,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+    failed: Callable[[str, str], ServerFailed],
+) -> None:
     """GET /health_generate (or /health where that route is missing) until a 200 or `until`."""
     last = "no answer"
     while True:
         for path in ("/health_generate", "/health"):
             try:
-                r = httpx.get(f"{url}{path}", timeout=max(0.1, min(http_timeout_s, until - clock())))
+                r = httpx.get(
+                    f"{url}{path}", timeout=max(0.1, min(http_timeout_s, until - clock()))
+                )
             except httpx.HTTPError as e:
                 last = f"GET {url}{path}: {type(e).__name__}: {e}"
                 break

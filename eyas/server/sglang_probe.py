@@ -1,6 +1,8 @@
-"""What an SGLang host has: one probe through the server's python, importing neither sglang nor torch.
+"""What an SGLang host has: one probe through the server's python, importing neither sglang nor
+torch.
 
-    found = find_install(host, cfg, patches_dir)   # version, site-packages, state, sha256s, target arch
+    # version, site-packages, state, sha256s, target arch
+    found = find_install(host, cfg, patches_dir)
     sglang_version(host, python, env)               # "0.5.23", or None
 
 The patch stage (eyas/server/sglang_patch.py) plans every write from one such probe; the launch
@@ -91,20 +93,29 @@ def server_python(cfg: PipelineConfig) -> str:
     return s.python or (sys.executable if s.host.kind == "local" else "python3")
 
 
-def probe(host: Host, python: str, env: dict[str, str] | None = None,
-          paths: list[str] | tuple[str, ...] = (), target_config: str | None = None) -> Probe:
+def probe(
+    host: Host,
+    python: str,
+    env: dict[str, str] | None = None,
+    paths: list[str] | tuple[str, ...] = (),
+    target_config: str | None = None,
+) -> Probe:
     """Where sglang is installed for `python` on the host, its version, the sha256 of paths, and
     (with target_config) the `architectures` of that config.json on the host."""
     extra = ["--target-config", target_config] if target_config else []
     cmd = " ".join(shlex.quote(a) for a in [python, "-c", _PROBE, *extra, *paths])
     r = host.run(cmd, check=False, timeout=120, env=env)
     if not r.ok:
-        raise PatchError(f"[{host.name}] cannot run {python} to look for sglang "
-                         f"(exit {r.exit_code}): {r.stderr.strip()[-1000:]}")
+        raise PatchError(
+            f"[{host.name}] cannot run {python} to look for sglang "
+            f"(exit {r.exit_code}): {r.stderr.strip()[-1000:]}"
+        )
     try:
         return Probe(**json.loads(r.stdout.strip().splitlines()[-1]))
     except (ValueError, IndexError, TypeError) as e:
-        raise PatchError(f"[{host.name}] unexpected probe output from {python}: {r.stdout[-500:]!r}") from e
+        raise PatchError(
+            f"[{host.name}] unexpected probe output from {python}: {r.stdout[-500:]!r}"
+        ) from e
 
 
 def sglang_version(host: Host, python: str, env: dict[str, str] | None = None) -> str | None:
@@ -130,6 +141,9 @@ def find_install(host: Host, cfg: PipelineConfig, patches_dir: Path) -> Probe:
     python = server_python(cfg)
     found = probe(host, python, cfg.server.env, _probe_paths(patches_dir), target_config_path(cfg))
     if found.version is None or found.site_dir is None:
-        raise PatchError(f"[{host.name}] sglang is not installed for {python} "
-                         f"(importlib finds {'no package' if found.site_dir is None else 'no metadata'})")
+        raise PatchError(
+            f"[{host.name}] sglang is not installed for {python} "
+            f"(importlib finds "
+            f"{'no package' if found.site_dir is None else 'no metadata'})"
+        )
     return found

@@ -17,8 +17,16 @@ import stat
 from pathlib import Path
 
 from eyas.config import HostConfig
-from eyas.server.hosts import (BaseHost, HostAuthError, HostConfigError, HostError, HostUnreachable, RunResult,
-                               alive_from_status, env_exports)
+from eyas.server.hosts import (
+    BaseHost,
+    HostAuthError,
+    HostConfigError,
+    HostError,
+    HostUnreachable,
+    RunResult,
+    alive_from_status,
+    env_exports,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +47,14 @@ def _classify_connect_error(name: str, e: BaseException) -> HostError:
 
 
 # Files this large are read through `cat` on an exec channel, smaller ones over SFTP: a session
-# costs ~0.1-0.2 s to open on a busy host, and `cat` saves about that per 16 MB (bench/dump_read.py).
+# costs ~0.1-0.2 s to open on a busy host, and `cat` saves about that per 16 MB
+# (bench/dump_read.py).
 STREAM_BYTES = 16 << 20
 
 
 class _WholeStream(io.StringIO):
-    """stdin for Fabric, handed over in one read (invoke reads 1 byte per 10 ms otherwise), then EOF."""
+    """stdin for Fabric, handed over in one read (invoke reads 1 byte per 10 ms otherwise), then
+    EOF."""
 
     def read(self, size: int | None = -1) -> str:
         return super().read()
@@ -52,14 +62,23 @@ class _WholeStream(io.StringIO):
 
 class _AcceptUnknownHostKey:
     """insecure_accept_any_host_key: a host known_hosts does not list is accepted, with a warning,
-    and not written to the file. A listed host whose key differs never gets here: paramiko refuses it."""
+    and not written to the file. A listed host whose key differs never gets here: paramiko refuses
+    it."""
 
     def __init__(self, name: str):
         self.name = name
 
     def missing_host_key(self, client, hostname, key) -> None:
-        log.warning("[%s] accepting the unlisted host key of %s (%s %s) because insecure_accept_any_host_key "
-                    "is true; add it to known_hosts", self.name, hostname, key.get_name(), key.fingerprint)
+        log.warning(
+            "[%s] accepting the unlisted host key of %s (%s %s) because "
+            "insecure_accept_any_host_key "
+            "is true; add it to "
+            "known_hosts",
+            self.name,
+            hostname,
+            key.get_name(),
+            key.fingerprint,
+        )
 
 
 class SSHHost(BaseHost):
@@ -75,42 +94,65 @@ class SSHHost(BaseHost):
         connect_kwargs = {"look_for_keys": cfg.key_filename is None, "allow_agent": False}
         if cfg.key_filename:
             connect_kwargs["key_filename"] = str(Path(cfg.key_filename).expanduser())
-        self._conn = Connection(host=cfg.hostname, user=cfg.user, port=cfg.port,
-                                connect_timeout=cfg.connect_timeout_s, connect_kwargs=connect_kwargs)
+        self._conn = Connection(
+            host=cfg.hostname,
+            user=cfg.user,
+            port=cfg.port,
+            connect_timeout=cfg.connect_timeout_s,
+            connect_kwargs=connect_kwargs,
+        )
         # Fabric installs AutoAddPolicy (trust any key, and write it into a loaded known_hosts).
-        # known_hosts is always read when configured, so a key that contradicts it is always refused.
+        # known_hosts is always read when configured, so a key that contradicts it is always
+        # refused.
         import paramiko
 
         if cfg.known_hosts is not None:
             known = Path(cfg.known_hosts).expanduser()
             if not known.is_file():
-                raise HostConfigError(self.name, f"{field}.known_hosts: {known} does not exist (it must list "
-                                                 f"the host's key: ssh-keyscan -p {cfg.port} {cfg.hostname})")
+                raise HostConfigError(
+                    self.name,
+                    f"{field}.known_hosts: {known} does not exist (it "
+                    f"must list "
+                    f"the host's key: ssh-keyscan -p {cfg.port} "
+                    f"{cfg.hostname})",
+                )
             self._conn.client.load_host_keys(str(known))
         insecure = cfg.insecure_accept_any_host_key
         self._conn.client.set_missing_host_key_policy(
-            _AcceptUnknownHostKey(self.name) if insecure else paramiko.RejectPolicy())
+            _AcceptUnknownHostKey(self.name) if insecure else paramiko.RejectPolicy()
+        )
 
     def _open(self):
         if not self._conn.is_connected:
             if self.cfg.insecure_accept_any_host_key:
-                log.warning("[%s] connecting with insecure_accept_any_host_key: true: a host key known_hosts "
-                            "does not list is accepted unchecked", self.name)
+                log.warning(
+                    "[%s] connecting with insecure_accept_any_host_key: true: a host key "
+                    "known_hosts "
+                    "does not list is accepted unchecked",
+                    self.name,
+                )
             try:
                 self._conn.open()
             except Exception as e:  # noqa: BLE001 - classified into our three error types
                 raise _classify_connect_error(self.name, e) from e
         return self._conn
 
-    def run(self, command, *, check=True, timeout=None, env=None, stdin: str | None = None) -> RunResult:
+    def run(
+        self, command, *, check=True, timeout=None, env=None, stdin: str | None = None
+    ) -> RunResult:
         from invoke.exceptions import CommandTimedOut
 
         if env:
             command = f"export {env_exports(env)}; {command}"
         conn = self._open()
         try:
-            r = conn.run(command, hide=True, warn=True, timeout=timeout,
-                         in_stream=False if stdin is None else _WholeStream(stdin))
+            r = conn.run(
+                command,
+                hide=True,
+                warn=True,
+                timeout=timeout,
+                in_stream=False if stdin is None else _WholeStream(stdin),
+            )
         except CommandTimedOut as e:
             raise HostError(self.name, command, None, f"timed out after {timeout}s") from e
         except (OSError, EOFError) as e:
@@ -180,10 +222,13 @@ class SSHHost(BaseHost):
             return None
         except (EOFError, OSError) as e:
             # The host's answer (permission denied, not a folder: the connection lives) is an error
-            # about the path; a dropped connection is "unreachable", and the next call connects again.
+            # about the path; a dropped connection is "unreachable", and the next call connects
+            # again.
             transport = self._conn.client.get_transport() if self._conn.is_connected else None
             if isinstance(e, OSError) and transport is not None and transport.is_active():
-                raise HostError(self.name, f"<sftp {what} {path}>", None, f"{type(e).__name__}: {e}") from e
+                raise HostError(
+                    self.name, f"<sftp {what} {path}>", None, f"{type(e).__name__}: {e}"
+                ) from e
             self._conn.close()
             raise HostUnreachable(self.name, f"{what} {path}: {type(e).__name__}: {e}") from e
         except Exception as e:  # noqa: BLE001 - paramiko's SSHException: the channel is unusable
@@ -211,11 +256,13 @@ class SSHHost(BaseHost):
                 while chunk := f.read(32768):
                     chunks.append(chunk)
                 return b"".join(chunks)
+
         return self._sftp_call("read", path, read)
 
     def _cat(self, path) -> bytes:
-        """A file's bytes through `cat` on an exec channel: no SFTP framing per 32 KB, so about twice
-        SFTP's rate on loopback, for the price of a session on the host (bench/dump_read.py)."""
+        """A file's bytes through `cat` on an exec channel: no SFTP framing per 32 KB, so about
+        twice SFTP's rate on loopback, for the price of a session on the host
+        (bench/dump_read.py)."""
         channel = self._open().client.get_transport().open_session()
         try:
             channel.exec_command(f"cat -- {shlex.quote(str(path))}")
@@ -252,6 +299,7 @@ class SSHHost(BaseHost):
             if not stat.S_ISDIR(sftp.lstat(str(path)).st_mode or 0):
                 return 0
             return remove(sftp, str(path).rstrip("/"))
+
         return self._sftp_call("remove", path, top) or 0
 
     def kill_group(self, pid: int, sig: int = signal.SIGTERM) -> None:

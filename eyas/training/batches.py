@@ -1,7 +1,10 @@
-"""From shards to training batches: the samples, the length-aware epoch plan, collation and aux noise.
+"""From shards to training batches: the samples, the length-aware epoch plan, collation and aux
+noise.
 
-    data = ShardData(paths, num_validation, ttt_steps)    # samples by global index; the last few held out
-    meta = check_shard_meta(data.readers, target)         # the shards agree with each other and the target
+    # samples by global index; the last few held out
+    data = ShardData(paths, num_validation, ttt_steps)
+    # the shards agree with each other and the target
+    meta = check_shard_meta(data.readers, target)
     plan = epoch_plan(data.lengths, data.train_ids, batch_size, num_micro, seed, epoch)
     batch = add_aux_noise(collate([data.sample(i) for i in plan[0][0]], device), 0.1)
 
@@ -31,19 +34,28 @@ if TYPE_CHECKING:  # eyas.config needs pydantic; the GPU benchmark imports this 
 class ShardData:
     """Samples of several shards, read lazily by global index; the last few are held out."""
 
-    def __init__(self, paths: list[Path], num_validation: int | None = None, ttt_steps: int = 1,
-                 all_positions: bool = False):
+    def __init__(
+        self,
+        paths: list[Path],
+        num_validation: int | None = None,
+        ttt_steps: int = 1,
+        all_positions: bool = False,
+    ):
         if not paths:
             raise ValueError("train_drafter: no shard files given")
         self.readers = [ShardReader(p) for p in paths]
         self.index = [(r, i) for r in self.readers for i in range(len(r))]
-        self.lengths = [int(r.offsets[i + 1] - r.offsets[i]) for r in self.readers for i in range(len(r))]
+        self.lengths = [
+            int(r.offsets[i + 1] - r.offsets[i]) for r in self.readers for i in range(len(r))
+        ]
         hs = {(r.hidden_size, r.num_aux) for r in self.readers}
         if len(hs) != 1:
             raise ValueError(f"shards disagree on (hidden_size, num_aux): {sorted(hs)}")
-        (self.hidden_size, self.num_aux), = hs
+        ((self.hidden_size, self.num_aux),) = hs
         n = len(self.index)
-        self.num_validation = min(64, n // 20) if num_validation is None else min(num_validation, n - 1)
+        self.num_validation = (
+            min(64, n // 20) if num_validation is None else min(num_validation, n - 1)
+        )
         self.train_ids = list(range(n - self.num_validation))
         self.validation_ids = list(range(n - self.num_validation, n))
         self.all_positions = all_positions  # every real token is a label, not only the loss mask's
@@ -54,7 +66,9 @@ class ShardData:
         for r in self.readers:  # the loss-mask column only, never the states
             with safe_open(str(r.path), framework="pt") as f:
                 mask = f.get_tensor("loss_mask").bool() | self.all_positions
-            rows += [scored_counts([mask[r.offsets[i]:r.offsets[i + 1]]], K) for i in range(len(r))]
+            rows += [
+                scored_counts([mask[r.offsets[i] : r.offsets[i + 1]]], K) for i in range(len(r))
+            ]
         return torch.stack(rows)
 
     def sample(self, i: int):
@@ -66,46 +80,66 @@ class ShardData:
 
 
 def check_shard_meta(readers: list[ShardReader], target: TargetConfig) -> dict:
-    """Layer ids, convention and final-norm state the shards agree on, checked against the target config."""
+    """Layer ids, convention and final-norm state the shards agree on, checked against the target
+    config."""
     keys = ("layer_ids", "layer_convention", "last_hidden_norm")
     seen = {}
     for r in readers:
         got = tuple(json.dumps(r.meta.get(k)) for k in keys)
         seen.setdefault(got, r.path)
     if len(seen) > 1:
-        raise ValueError(f"shards disagree on {keys}: " + "; ".join(f"{p}: {g}" for g, p in seen.items()))
+        raise ValueError(
+            f"shards disagree on {keys}: " + "; ".join(f"{p}: {g}" for g, p in seen.items())
+        )
     meta = {k: readers[0].meta.get(k) for k in keys}
     if meta["last_hidden_norm"] not in ("pre", "post"):
-        raise ValueError(f"{readers[0].path}: shard meta must say last_hidden_norm 'pre' or 'post', got "
-                         f"{meta['last_hidden_norm']!r}; without it the labels may be computed on the wrong states")
+        raise ValueError(
+            f"{readers[0].path}: shard meta must say last_hidden_norm 'pre' or "
+            f"'post', got "
+            f"{meta['last_hidden_norm']!r}; without it the labels may be computed on "
+            f"the wrong states"
+        )
     if meta["layer_ids"] is not None:
         shift = 1 if meta["layer_convention"] == "output-of" else 0
         capture = [i + shift for i in meta["layer_ids"]]
         if capture != target.capture_ids():
-            raise ValueError(f"{readers[0].path}: shards hold capture layers {capture} ({meta['layer_ids']} "
-                             f"{meta['layer_convention']}) but target.layer_ids says {target.capture_ids()} "
-                             f"({target.layer_ids} {target.layer_convention})")
+            raise ValueError(
+                f"{readers[0].path}: shards hold capture layers {capture} "
+                f"({meta['layer_ids']} "
+                f"{meta['layer_convention']}) but target.layer_ids says "
+                f"{target.capture_ids()} "
+                f"({target.layer_ids} {target.layer_convention})"
+            )
         meta["capture_ids"] = capture
     return meta
 
 
 def data_digest(readers: list[ShardReader]) -> str:
     """sha256 over what each shard holds: extraction's cache key (its sequences, the target and
-    revision, layers, dtype, encoding, patch), else its planned content hash, else its ids and masks.
-    Same names and sizes with other sequences (a nightly's new data) give another digest."""
+    revision, layers, dtype, encoding, patch), else its planned content hash, else its ids and
+    masks. Same names and sizes with other sequences (a nightly's new data) give another digest."""
     h = hashlib.sha256()
     for r in readers:
         ident = r.meta.get("cache_key") or r.meta.get("content_hash")
         if ident is None:
             with safe_open(str(r.path), framework="pt") as f:
-                ident = hashlib.sha256(f.get_tensor("input_ids").numpy().tobytes()
-                                       + f.get_tensor("loss_mask").numpy().tobytes()).hexdigest()
+                ident = hashlib.sha256(
+                    f.get_tensor("input_ids").numpy().tobytes()
+                    + f.get_tensor("loss_mask").numpy().tobytes()
+                ).hexdigest()
         h.update(f"{Path(r.path).name}:{ident}\n".encode())
     return h.hexdigest()
 
 
-def epoch_plan(lengths: list[int], ids: list[int], micro: int, num_micro: int, seed: int, epoch: int,
-               window: int = 16) -> list[list[list[int]]]:
+def epoch_plan(
+    lengths: list[int],
+    ids: list[int],
+    micro: int,
+    num_micro: int,
+    seed: int,
+    epoch: int,
+    window: int = 16,
+) -> list[list[list[int]]]:
     """One epoch as steps -> micro-batches -> sample ids, length-aware, independent of world size.
 
     A seeded shuffle is cut into windows of `window` global batches (num_micro * micro sequences
@@ -116,11 +150,11 @@ def epoch_plan(lengths: list[int], ids: list[int], micro: int, num_micro: int, s
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     perm = [ids[i] for i in torch.randperm(len(ids), generator=g).tolist()]
     G, steps = micro * num_micro, []
-    perm = perm[:len(perm) - len(perm) % G]
+    perm = perm[: len(perm) - len(perm) % G]
     for s in range(0, len(perm), window * G):
-        chunk = sorted(perm[s:s + window * G], key=lambda i: (-lengths[i], i))
+        chunk = sorted(perm[s : s + window * G], key=lambda i: (-lengths[i], i))
         for b in range(0, len(chunk), G):
-            steps.append([chunk[b + m * micro:b + (m + 1) * micro] for m in range(num_micro)])
+            steps.append([chunk[b + m * micro : b + (m + 1) * micro] for m in range(num_micro)])
     return [steps[i] for i in torch.randperm(len(steps), generator=g).tolist()]
 
 
@@ -128,9 +162,12 @@ def collate(samples, device, dtype=torch.float32, ids: list[int] | None = None) 
     """Right-pad a list of samples: ids (B, T), loss_mask (B, T), aux (B, T, K*H), last (B, T, H);
     with `ids` (the samples' global indices) also sample_ids, for the teacher cache."""
     B, T = len(samples), max(len(s) for s in samples)
-    out = {"ids": torch.zeros(B, T, dtype=torch.long), "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-           "aux": torch.zeros(B, T, samples[0].aux_hidden_states.shape[1], dtype=dtype),
-           "last": torch.zeros(B, T, samples[0].last_hidden_state.shape[1], dtype=dtype)}
+    out = {
+        "ids": torch.zeros(B, T, dtype=torch.long),
+        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
+        "aux": torch.zeros(B, T, samples[0].aux_hidden_states.shape[1], dtype=dtype),
+        "last": torch.zeros(B, T, samples[0].last_hidden_state.shape[1], dtype=dtype),
+    }
     for b, s in enumerate(samples):
         n = len(s)
         out["ids"][b, :n], out["loss_mask"][b, :n] = s.input_ids, s.loss_mask
@@ -156,6 +193,5 @@ def add_aux_noise(batch: dict[str, torch.Tensor], scale: float) -> dict[str, tor
 def shift_left(x: torch.Tensor, s: int) -> torch.Tensor:
     """x[:, t + s] at position t, zeros past the end (B, T, ...)."""
     out = torch.zeros_like(x)
-    out[:, :max(x.shape[1] - s, 0)] = x[:, s:]
+    out[:, : max(x.shape[1] - s, 0)] = x[:, s:]
     return out
-

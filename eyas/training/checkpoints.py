@@ -1,7 +1,7 @@
 """Training checkpoints: written whole, then renamed into place; resumed exactly.
 
-    state = load_checkpoint(resumable_checkpoint(out_dir, log), objective, opt, sched, fingerprint, log)
-    save_checkpoint(out_dir, objective, opt, sched, state, info, rank=rank)
+    state = load_checkpoint(resumable_checkpoint(out_dir, log), objective, opt, sched, fingerprint,
+    log) save_checkpoint(out_dir, objective, opt, sched, state, info, rank=rank)
 
 `output_dir/checkpoints/step-NNNNNN/` holds `model.safetensors` (the trainable weights with d2t and
 t2d, SGLang's names, fp32), `drafter.json` (sizes, the run's fingerprint, provenance),
@@ -68,16 +68,21 @@ def damage(path: Path) -> str | None:
             want = {name: (int(files[name]["bytes"]), str(files[name]["sha256"])) for name in FILES}
         except (ValueError, KeyError, TypeError) as e:
             return f"{SUMS} unreadable ({type(e).__name__}: {e})"
-        for name, (size, _) in want.items():  # sizes first: a truncated file is found without reading it
+        for name, (
+            size,
+            _,
+        ) in want.items():  # sizes first: a truncated file is found without reading it
             if (got := (path / name).stat().st_size) != size:
                 return f"{name} is {got} bytes, {size} when written (truncated?)"
         for name, (_, digest) in want.items():
             if sha256_file(path / name) != digest:
                 return f"{name}: sha256 differs from the one recorded when it was written"
         return None
-    for name, load in (("drafter.json", lambda p: json.loads(p.read_text())["fingerprint"]),
-                       ("model.safetensors", lambda p: load_file(str(p))),
-                       ("trainer_state.pt", lambda p: torch.load(p, map_location="cpu", weights_only=False))):
+    for name, load in (
+        ("drafter.json", lambda p: json.loads(p.read_text())["fingerprint"]),
+        ("model.safetensors", lambda p: load_file(str(p))),
+        ("trainer_state.pt", lambda p: torch.load(p, map_location="cpu", weights_only=False)),
+    ):
         try:
             load(path / name)
         except Exception as e:  # noqa: BLE001 - whatever the loader says, the file is what failed
@@ -86,8 +91,9 @@ def damage(path: Path) -> str | None:
 
 
 def quarantine(path: Path) -> Path:
-    """Move a damaged checkpoint out of the way, to output_dir/checkpoints.quarantine/ (never deleted:
-    the operator may want to look at it); an earlier quarantined one of the same name stays too."""
+    """Move a damaged checkpoint out of the way, to output_dir/checkpoints.quarantine/ (never
+    deleted: the operator may want to look at it); an earlier quarantined one of the same name stays
+    too."""
     root = quarantine_dir(path.parent.parent)
     root.mkdir(parents=True, exist_ok=True)
     dest, k = root / path.name, 1
@@ -98,8 +104,8 @@ def quarantine(path: Path) -> Path:
 
 
 def resumable_checkpoint(output_dir: Path, log) -> Path | None:
-    """The newest intact checkpoint of output_dir (None: none left, so training starts from step 0, as
-    with no checkpoints). Each damaged newer one is named in the log and quarantined.
+    """The newest intact checkpoint of output_dir (None: none left, so training starts from step 0,
+    as with no checkpoints). Each damaged newer one is named in the log and quarantined.
 
     Under torch.distributed rank 0 checks and moves, the others get its answer (every rank must
     resume from the same checkpoint)."""
@@ -112,11 +118,17 @@ def resumable_checkpoint(output_dir: Path, log) -> Path | None:
             if why is None:
                 found = path
                 break
-            log(f"checkpoint {path} is damaged: {why}; moved to {quarantine(path)}, resuming from the newest "
-                f"intact one")
+            log(
+                f"checkpoint {path} is damaged: {why}; moved to {quarantine(path)}, resuming from "
+                f"the newest "
+                f"intact one"
+            )
         if candidates and found is None:
-            log(f"no intact checkpoint left in {Path(output_dir) / 'checkpoints'} (the damaged ones are in "
-                f"{quarantine_dir(output_dir)}): training starts from step 0")
+            log(
+                f"no intact checkpoint left in {Path(output_dir) / 'checkpoints'} (the damaged "
+                f"ones are in "
+                f"{quarantine_dir(output_dir)}): training starts from step 0"
+            )
     if dist.is_initialized():
         box = [None if found is None else str(found)]
         dist.broadcast_object_list(box, src=0)
@@ -135,54 +147,106 @@ def checkpoint_differs(path: Path, fingerprint: dict, *, can_warm_start: bool = 
     return differ
 
 
-LATER_KEYS = frozenset({"data_sha256"})  # fingerprint keys a checkpoint written before eyas recorded them lacks
+LATER_KEYS = frozenset(
+    {"data_sha256"}
+)  # fingerprint keys a checkpoint written before eyas recorded them lacks
 
 
 def _differ(old: dict, new: dict) -> list[str]:
-    return sorted(k for k in set(old) | set(new) if k != "max_steps" and old.get(k) != new.get(k)
-                  and not (k in LATER_KEYS and k not in old))
+    return sorted(
+        k
+        for k in set(old) | set(new)
+        if k != "max_steps" and old.get(k) != new.get(k) and not (k in LATER_KEYS and k not in old)
+    )
 
 
 def refusal(path: Path, differ: list[str]) -> str:
-    return (f"{path}: checkpoint is from a different run ({', '.join(differ)} differ), so it cannot be resumed. "
-            f"To train on from its weights (new data, say), set training.init_from to that run's exported "
-            f"drafter (the pipeline's run_dir/drafter) or to a copy of {path} outside training.output_dir: a "
-            f"warm start (its weights and draft vocabulary, a fresh optimizer and schedule from step 0; the "
-            f"old checkpoints are set aside to {path.parent}.previous/). To start over, remove {path.parent} "
-            f"or use another training.output_dir")
+    return (
+        f"{path}: checkpoint is from a different run ({', '.join(differ)} differ), so it "
+        f"cannot be resumed. "
+        f"To train on from its weights (new data, say), set training.init_from to that run's "
+        f"exported "
+        f"drafter (the pipeline's run_dir/drafter) or to a copy of {path} outside "
+        f"training.output_dir: a "
+        f"warm start (its weights and draft vocabulary, a fresh optimizer and schedule from "
+        f"step 0; the "
+        f"old checkpoints are set aside to {path.parent}.previous/). To start over, remove "
+        f"{path.parent} "
+        f"or use another training.output_dir"
+    )
 
 
 def _state_dicts(objective, opt):
-    """Full (unsharded) model and optimizer state dicts; collective under FSDP, keys without 'drafter.'."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    """Full (unsharded) model and optimizer state dicts; collective under FSDP, keys without
+    'drafter.'."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model = get_model_state_dict(objective, options=opts)
-    model = {k.removeprefix("drafter."): v for k, v in model.items() if k != "drafter.embed_tokens.weight"}
+    model = {
+        k.removeprefix("drafter."): v
+        for k, v in model.items()
+        if k != "drafter.embed_tokens.weight"
+    }
     return model, get_optimizer_state_dict(objective, opt, options=opts)
 
 
-def save_checkpoint(output_dir: Path, objective, opt, sched, state: TrainState, info: dict, *,
-                    rank: int = 0, keep: int = 2, ema=None) -> Path:
-    """Write checkpoints/step-NNNNNN whole in a temp folder, then rename it into place (rank 0 writes)."""
+def save_checkpoint(
+    output_dir: Path,
+    objective,
+    opt,
+    sched,
+    state: TrainState,
+    info: dict,
+    *,
+    rank: int = 0,
+    keep: int = 2,
+    ema=None,
+) -> Path:
+    """Write checkpoints/step-NNNNNN whole in a temp folder, then rename it into place (rank 0
+    writes)."""
     model_sd, opt_sd = _state_dicts(objective, opt)
-    ema_sd = ema.state_dict(keep=rank == 0) if ema is not None else None  # collective under FSDP, as above
+    ema_sd = (
+        ema.state_dict(keep=rank == 0) if ema is not None else None
+    )  # collective under FSDP, as above
     root = output_dir / "checkpoints"
     final = root / f"step-{state.step:06d}"
     if rank == 0:
         tmp = root / f".tmp-step-{state.step:06d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_file({k: v.detach().contiguous().cpu() for k, v in model_sd.items()},
-                  str(tmp / "model.safetensors"))
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in model_sd.items()},
+            str(tmp / "model.safetensors"),
+        )
         (tmp / "drafter.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        rng = {"torch": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-        torch.save({"optimizer": opt_sd, "scheduler": sched.state_dict(), "state": asdict(state),
-                    "rng": rng, "fingerprint": info["fingerprint"], "ema": ema_sd}, tmp / "trainer_state.pt")
+        rng = {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+        torch.save(
+            {
+                "optimizer": opt_sd,
+                "scheduler": sched.state_dict(),
+                "state": asdict(state),
+                "rng": rng,
+                "fingerprint": info["fingerprint"],
+                "ema": ema_sd,
+            },
+            tmp / "trainer_state.pt",
+        )
         # The files as written, read back: a later truncation or overwrite is found before a resume
-        sums = {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in FILES}
-        (tmp / SUMS).write_text(json.dumps({"format": SUMS_FORMAT, "files": sums}, indent=2, sort_keys=True) + "\n")
+        sums = {
+            name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+            for name in FILES
+        }
+        (tmp / SUMS).write_text(
+            json.dumps({"format": SUMS_FORMAT, "files": sums}, indent=2, sort_keys=True) + "\n"
+        )
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -193,34 +257,56 @@ def save_checkpoint(output_dir: Path, objective, opt, sched, state: TrainState, 
     return final
 
 
-def load_checkpoint(path: Path, objective, opt, sched, fingerprint: dict, log, ema=None) -> TrainState:
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
-    try:  # resumable_checkpoint checked the bytes; a failure here is not damage (another torch, say)
+def load_checkpoint(
+    path: Path, objective, opt, sched, fingerprint: dict, log, ema=None
+) -> TrainState:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    # resumable_checkpoint checked the bytes; a failure here is not damage (another torch, say)
+    try:
         ckpt = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
     except Exception as e:
-        raise ValueError(f"{path / 'trainer_state.pt'}: checkpoint does not load ({type(e).__name__}: {e})") from e
+        raise ValueError(
+            f"{path / 'trainer_state.pt'}: checkpoint does not load ({type(e).__name__}: {e})"
+        ) from e
     old = ckpt["fingerprint"]
     differ = _differ(old, fingerprint)
     if differ:
         raise ValueError(refusal(path, differ))
     if old.get("max_steps") != fingerprint.get("max_steps"):
-        log(f"resuming with max_steps {fingerprint['max_steps']} (checkpoint ran with {old['max_steps']})")
+        log(
+            f"resuming with max_steps {fingerprint['max_steps']} (checkpoint ran with "
+            f"{old['max_steps']})"
+        )
     try:
         weights = load_file(str(path / "model.safetensors"))
     except Exception as e:
-        raise ValueError(f"{path / 'model.safetensors'}: checkpoint does not load ({type(e).__name__}: {e})") from e
+        raise ValueError(
+            f"{path / 'model.safetensors'}: checkpoint does not load ({type(e).__name__}: {e})"
+        ) from e
     opts = StateDictOptions(full_state_dict=True, strict=False)
-    result = set_model_state_dict(objective, {"drafter." + k: v for k, v in weights.items()}, options=opts)
+    result = set_model_state_dict(
+        objective, {"drafter." + k: v for k, v in weights.items()}, options=opts
+    )
     missing = [k for k in result.missing_keys if k != "drafter.embed_tokens.weight"]
     if missing or result.unexpected_keys:
-        raise ValueError(f"{path}: checkpoint weights do not fit the drafter (missing {missing}, "
-                         f"unexpected {result.unexpected_keys})")
-    set_optimizer_state_dict(objective, opt, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
+        raise ValueError(
+            f"{path}: checkpoint weights do not fit the drafter (missing {missing}, "
+            f"unexpected {result.unexpected_keys})"
+        )
+    set_optimizer_state_dict(
+        objective, opt, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True)
+    )
     sched.load_state_dict(ckpt["scheduler"])
     if ema is not None:
         if ckpt.get("ema") is None:
-            raise ValueError(f"{path}: checkpoint holds no weight average, but training.ema_decay is set")
+            raise ValueError(
+                f"{path}: checkpoint holds no weight average, but training.ema_decay is set"
+            )
         ema.load_state_dict(ckpt["ema"], str(path))
     torch.set_rng_state(ckpt["rng"]["torch"])
     if ckpt["rng"]["cuda"] and torch.cuda.is_available():

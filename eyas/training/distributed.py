@@ -1,16 +1,17 @@
 """Multi-process drafter training: torchrun on every node, launched through the Host seam.
 
     result = launch_training(cfg.training, cfg.target, shard_paths, log=print)   # blocks
-    python -m torch.distributed.run --nproc-per-node 8 -m eyas.training.distributed JOB.json   # what runs
+    # what runs
+    python -m torch.distributed.run --nproc-per-node 8 -m eyas.training.distributed JOB.json
 
 `launch_training` writes a job file (the training and target config, the shard paths) into
 `training.output_dir/launch/`, then starts one torchrun per node, detached, through `Host.start`:
 node i on `training.distributed.hosts[i]` (this machine when the list is empty), node 0's hostname
 as the rendezvous address. Every process runs this module's `main`, which sets its GPU, initialises
 the process group (NCCL on GPUs, gloo on CPUs) and calls `train_drafter`; the ranks share each
-global batch (eyas/training/train.py), under DDP or FSDP (`training.distributed.strategy`). Rank 0 writes the
-TrainResult to `launch/result.json` atomically, and every step's StepStats as a JSON line to
-`launch/progress.jsonl`. The launcher follows node 0's log (into `log`) and that file (into
+global batch (eyas/training/train.py), under DDP or FSDP (`training.distributed.strategy`). Rank 0
+writes the TrainResult to `launch/result.json` atomically, and every step's StepStats as a JSON line
+to `launch/progress.jsonl`. The launcher follows node 0's log (into `log`) and that file (into
 `on_step`, as train_drafter would call it), and once every node has exited returns the result, or
 raises naming the node, its exit code and its log.
 
@@ -21,13 +22,13 @@ host (a shared filesystem): the job file is copied to each host, nothing else is
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 import json
 import os
 import shlex
 import sys
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -42,52 +43,107 @@ class TrainingLaunchError(EyasError, RuntimeError):
     """A node's torchrun failed or never finished; the message names the node, host and log."""
 
 
-def _node_command(python: str, nnodes: int, node: int, nproc: int, master: str, port: int, job: Path,
-                  rc_path: Path) -> str:
-    run = (f"{shlex.quote(python)} -m torch.distributed.run --nnodes {nnodes} --node-rank {node} "
-           f"--nproc-per-node {nproc} --master-addr {shlex.quote(master)} --master-port {port} "
-           f"-m eyas.training.distributed {shlex.quote(str(job))}")
+def _node_command(
+    python: str,
+    nnodes: int,
+    node: int,
+    nproc: int,
+    master: str,
+    port: int,
+    job: Path,
+    rc_path: Path,
+) -> str:
+    run = (
+        f"{shlex.quote(python)} -m torch.distributed.run --nnodes {nnodes} --node-rank {node} "
+        f"--nproc-per-node {nproc} --master-addr {shlex.quote(master)} --master-port {port} "
+        f"-m eyas.training.distributed {shlex.quote(str(job))}"
+    )
     return f"sh -c {shlex.quote(f'{run}; echo $? > {shlex.quote(str(rc_path))}')}"
 
 
-def _start_node(host, i: int, num_nodes: int, nproc: int, command, folder: Path, progress: Path | None, upload: Path | None,
-                env: dict, log) -> tuple:
+def _start_node(
+    host,
+    i: int,
+    num_nodes: int,
+    nproc: int,
+    command,
+    folder: Path,
+    progress: Path | None,
+    upload: Path | None,
+    env: dict,
+    log,
+) -> tuple:
     """Node i's torchrun started on its host (its old log, rc and progress files removed first, the
     job file uploaded to a remote one) -> (host, pid, log path, rc path)."""
     log_path, rc_path = folder / f"node-{i}.log", folder / f"node-{i}.rc"
-    host.run(f"rm -f {shlex.quote(str(rc_path))} {shlex.quote(str(log_path))}"
-             + (f" {shlex.quote(str(progress))}" if progress is not None else ""), check=False)
+    host.run(
+        f"rm -f {shlex.quote(str(rc_path))} {shlex.quote(str(log_path))}"
+        + (f" {shlex.quote(str(progress))}" if progress is not None else ""),
+        check=False,
+    )
     if upload is not None:
         host.put(upload, upload)
     pid = host.start(command(rc_path), log_path=log_path, env=env, cwd=str(folder))
-    log(f"[{host.name}] node {i}/{num_nodes}: torchrun with {nproc} process(es), pid {pid}, "
-        f"log {log_path}")
+    log(
+        f"[{host.name}] node {i}/{num_nodes}: torchrun with {nproc} process(es), pid {pid}, "
+        f"log {log_path}"
+    )
     return host, pid, log_path, rc_path
 
 
-def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json: dict | None = None,
-                    log: Callable[[str], None] = print, poll_s: float = 1.0, hosts=None,
-                    stop_at_step: int | None = None, on_step: Callable | None = None):
+def launch_training(
+    cfg,
+    target,
+    shard_paths: list[Path],
+    *,
+    target_config_json: dict | None = None,
+    log: Callable[[str], None] = print,
+    poll_s: float = 1.0,
+    hosts=None,
+    stop_at_step: int | None = None,
+    on_step: Callable | None = None,
+):
     """Run train_drafter under torchrun on the configured hosts -> TrainResult (rank 0's).
 
     on_step gets rank 0's StepStats as they reach launch/progress.jsonl (up to poll_s late)."""
-    from eyas.server.hosts import HostError, LocalHost, make_host
     from eyas.files import write_json_atomic
+    from eyas.server.hosts import HostError, LocalHost, make_host
     from eyas.training.train import TrainResult
 
     d = cfg.distributed
-    with contextlib.ExitStack() as made:  # hosts made here are closed at the end; passed-in ones are the caller's
+    with (
+        contextlib.ExitStack() as made
+    ):  # hosts made here are closed at the end; passed-in ones are the caller's
         if hosts is None:
-            hosts = ([made.enter_context(make_host(h, f"training.distributed.hosts[{i}]"))
-                      for i, h in enumerate(d.hosts)] if d.hosts else [LocalHost()])
+            hosts = (
+                [
+                    made.enter_context(make_host(h, f"training.distributed.hosts[{i}]"))
+                    for i, h in enumerate(d.hosts)
+                ]
+                if d.hosts
+                else [LocalHost()]
+            )
         local = all(isinstance(h, LocalHost) for h in hosts)
         master = "127.0.0.1" if local else (d.hosts[0].hostname or d.hosts[0].name)
         python = d.python or (sys.executable if local else "python3")
         folder = Path(cfg.output_dir) / "launch"
-        job, result, progress = folder / "job.json", folder / "result.json", folder / "progress.jsonl"
-        write_json_atomic(job, {"training": cfg.model_dump(mode="json"), "target": target.model_dump(mode="json"),
-                                "shards": [str(p) for p in shard_paths], "target_config_json": target_config_json,
-                                "result": str(result), "progress": str(progress), "stop_at_step": stop_at_step})
+        job, result, progress = (
+            folder / "job.json",
+            folder / "result.json",
+            folder / "progress.jsonl",
+        )
+        write_json_atomic(
+            job,
+            {
+                "training": cfg.model_dump(mode="json"),
+                "target": target.model_dump(mode="json"),
+                "shards": [str(p) for p in shard_paths],
+                "target_config_json": target_config_json,
+                "result": str(result),
+                "progress": str(progress),
+                "stop_at_step": stop_at_step,
+            },
+        )
         if result.exists():
             result.unlink()
         env = {"PYTHONPATH": str(Path(eyas.__file__).resolve().parents[1])} if local else {}
@@ -95,9 +151,30 @@ def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json:
         nodes = []  # (host, pid, log path, rc path)
         try:
             for i, host in enumerate(hosts):
-                command = partial(_node_command, python, len(hosts), i, d.nproc_per_node, master, d.master_port, job)
-                nodes.append(_start_node(host, i, len(hosts), d.nproc_per_node, command, folder, progress if i == 0 else None,
-                                         None if local else job, env, log))
+                command = partial(
+                    _node_command,
+                    python,
+                    len(hosts),
+                    i,
+                    d.nproc_per_node,
+                    master,
+                    d.master_port,
+                    job,
+                )
+                nodes.append(
+                    _start_node(
+                        host,
+                        i,
+                        len(hosts),
+                        d.nproc_per_node,
+                        command,
+                        folder,
+                        progress if i == 0 else None,
+                        None if local else job,
+                        env,
+                        log,
+                    )
+                )
             _wait(nodes, d.timeout_s, poll_s, log, progress, on_step)
         finally:
             for host, pid, _, _ in nodes:
@@ -111,7 +188,9 @@ def launch_training(cfg, target, shard_paths: list[Path], *, target_config_json:
             except (OSError, HostError):
                 pass
         if not result.exists():
-            raise TrainingLaunchError(f"every node exited 0 but rank 0 wrote no {result}; see {nodes[0][2]}")
+            raise TrainingLaunchError(
+                f"every node exited 0 but rank 0 wrote no {result}; see {nodes[0][2]}"
+            )
         return TrainResult(**json.loads(result.read_text()))
 
 
@@ -121,8 +200,11 @@ def _check_exit(i: int, host, pid: int, log_path: Path, rc_path: Path) -> None:
     rc = int(rc_text.decode().strip() or -1) if rc_text else None
     if rc != 0:
         tail = host.read_from(log_path, 0, 1 << 24)[0].decode(errors="replace")[-3000:]
-        raise TrainingLaunchError(f"[{host.name}] training node {i}: torchrun exited "
-                                  f"{'without an exit code' if rc is None else rc}; see {log_path}\n{tail}")
+        raise TrainingLaunchError(
+            f"[{host.name}] training node {i}: torchrun exited "
+            f"{'without an exit code' if rc is None else rc}; see "
+            f"{log_path}\n{tail}"
+        )
 
 
 class _Tail:
@@ -152,7 +234,9 @@ def _wait(nodes, timeout_s: float, poll_s: float, log, progress: Path, on_step) 
     while running:
         running = any(h.is_alive(pid) for h, pid, _, _ in nodes)  # then one last read after the end
         if time.monotonic() > deadline:
-            raise TrainingLaunchError(f"training did not finish within {timeout_s:.0f}s; see {log0}")
+            raise TrainingLaunchError(
+                f"training did not finish within {timeout_s:.0f}s; see {log0}"
+            )
         for line in logs.lines():
             log(line)
         for line in steps.lines() if on_step is not None else []:
@@ -173,9 +257,14 @@ def main(argv: list[str] | None = None) -> None:
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        raise SystemExit("usage: python -m torch.distributed.run ... -m eyas.training.distributed JOB.json")
+        raise SystemExit(
+            "usage: python -m torch.distributed.run ... -m eyas.training.distributed JOB.json"
+        )
     job = json.loads(Path(args[0]).read_text())
-    cfg, target = TrainingConfig.model_validate(job["training"]), TargetConfig.model_validate(job["target"])
+    cfg, target = (
+        TrainingConfig.model_validate(job["training"]),
+        TargetConfig.model_validate(job["target"]),
+    )
     gpu = cfg.device != "cpu" and torch.cuda.is_available()
     if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -187,10 +276,15 @@ def main(argv: list[str] | None = None) -> None:
             f.write(json.dumps(stats.to_json()) + "\n")
 
     try:
-        result = train_drafter(cfg, target, [Path(p) for p in job["shards"]],
-                               target_config_json=job.get("target_config_json"),
-                               log=lambda m: print(m, flush=True), stop_at_step=job.get("stop_at_step"),
-                               on_step=on_step if progress else None)
+        result = train_drafter(
+            cfg,
+            target,
+            [Path(p) for p in job["shards"]],
+            target_config_json=job.get("target_config_json"),
+            log=lambda m: print(m, flush=True),
+            stop_at_step=job.get("stop_at_step"),
+            on_step=on_step if progress else None,
+        )
         if dist.get_rank() == 0:
             write_json_atomic(job["result"], asdict(result))
         dist.barrier()  # every rank is done before any tears the group down

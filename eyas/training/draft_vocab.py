@@ -21,31 +21,41 @@ from safetensors import safe_open
 
 
 def count_tokens(shards: Iterable, vocab_size: int) -> torch.Tensor:
-    """Token counts under the loss mask over shard files (ShardReaders or paths) -> LongTensor[vocab]."""
+    """Token counts under the loss mask over shard files (ShardReaders or paths) ->
+    LongTensor[vocab]."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for shard in shards:
         path = Path(getattr(shard, "path", shard))
-        with safe_open(str(path), framework="pt") as f:  # only the two small columns, never the states
+        with safe_open(
+            str(path), framework="pt"
+        ) as f:  # only the two small columns, never the states
             ids = f.get_tensor("input_ids").long()
             mask = f.get_tensor("loss_mask").bool()
         ids = ids[mask]
         if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise ValueError(f"{path}: token ids span {int(ids.min())}..{int(ids.max())}, outside the "
-                             f"target vocab of {vocab_size}")
+            raise ValueError(
+                f"{path}: token ids span {int(ids.min())}..{int(ids.max())}, outside "
+                f"the "
+                f"target vocab of {vocab_size}"
+            )
         counts += torch.bincount(ids, minlength=vocab_size)
     return counts
 
 
-def build_draft_vocab(token_counts, target_vocab_size: int,
-                      draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick the draft vocab -> (d2t LongTensor[draft_vocab_size], t2d BoolTensor[target_vocab_size]).
+def build_draft_vocab(
+    token_counts, target_vocab_size: int, draft_vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the draft vocab -> (d2t LongTensor[draft_vocab_size], t2d
+    BoolTensor[target_vocab_size]).
 
     token_counts: a LongTensor[vocab] of counts, a {token_id: count} mapping, or an iterable of
     shards (ShardReaders or shard paths) to count under their loss masks.
     """
     if not 0 < draft_vocab_size <= target_vocab_size:
-        raise ValueError(f"draft_vocab_size must be in 1..{target_vocab_size} (the target vocab), "
-                         f"got {draft_vocab_size}")
+        raise ValueError(
+            f"draft_vocab_size must be in 1..{target_vocab_size} (the target vocab), "
+            f"got {draft_vocab_size}"
+        )
     counts = _as_counts(token_counts, target_vocab_size)
     # stable sort on -count keeps ascending ids within a tie: deterministic on every platform
     order = torch.sort(-counts, stable=True).indices
@@ -59,13 +69,17 @@ def build_draft_vocab(token_counts, target_vocab_size: int,
 def _as_counts(token_counts, vocab_size: int) -> torch.Tensor:
     if isinstance(token_counts, torch.Tensor):
         if token_counts.shape != (vocab_size,):
-            raise ValueError(f"token_counts has shape {tuple(token_counts.shape)}, expected ({vocab_size},)")
+            raise ValueError(
+                f"token_counts has shape {tuple(token_counts.shape)}, expected ({vocab_size},)"
+            )
         return token_counts.long()
     if isinstance(token_counts, Mapping):
         counts = torch.zeros(vocab_size, dtype=torch.long)
         for tok, n in token_counts.items():
             if not 0 <= int(tok) < vocab_size:
-                raise ValueError(f"token_counts has token id {tok}, outside the target vocab of {vocab_size}")
+                raise ValueError(
+                    f"token_counts has token id {tok}, outside the target vocab of {vocab_size}"
+                )
             counts[int(tok)] += int(n)
         return counts
     return count_tokens(token_counts, vocab_size)

@@ -3,7 +3,8 @@
     cfg = DrafterConfig(hidden_size=256, target_hidden_size=256, num_attention_heads=4, ...)
     drafter = Eagle3Drafter(cfg)
     logits, h = drafter(input_ids, aux, positions, causal_mask(T))                  # prefill
-    logits, h = drafter(next_ids, h, positions + 1, causal_mask(1, len(cache)), cache)  # one draft step
+    # one draft step
+    logits, h = drafter(next_ids, h, positions + 1, causal_mask(1, len(cache)), cache)
 
 One step: fc(concat of the target's 3 aux hidden states) -> one Llama decoder layer whose q/k/v read
 concat(input_layernorm(embed(token)), hidden_norm(h)) -> final norm -> lm_head over the draft vocab.
@@ -43,8 +44,11 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
-    """Llama (NeoX-style, rotate-half) RoPE tables for integer positions (..., T) -> (..., T, hd)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    """Llama (NeoX-style, rotate-half) RoPE tables for integer positions (..., T) -> (..., T,
+    hd)."""
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim
+    )
     freqs = positions.float()[..., None] * inv_freq  # (..., T, hd/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (..., T, hd)
     return emb.cos(), emb.sin()
@@ -63,7 +67,8 @@ def causal_mask(num_new: int, num_past: int = 0, device=None, dtype=torch.float3
     q = torch.arange(num_new, device=device)[:, None] + num_past
     k = torch.arange(num_past + num_new, device=device)[None, :]
     return torch.zeros(q.shape[0], k.shape[1], device=device, dtype=dtype).masked_fill(
-        k > q, float("-inf"))[None, None]
+        k > q, float("-inf")
+    )[None, None]
 
 
 def ttt_mask(T: int, step: int, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -102,7 +107,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
-    def heads(self, t):  # (B, nkv, S, hd) -> (B, nh, S, hd): grouped-query keys shared by nh / nkv heads
+    def heads(
+        self, t
+    ):  # (B, nkv, S, hd) -> (B, nh, S, hd): grouped-query keys shared by nh / nkv heads
         return t if self.nh == self.nkv else t.repeat_interleave(self.nh // self.nkv, dim=1)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None = None):
@@ -176,11 +183,14 @@ class Eagle3Drafter(nn.Module):
     def forward(self, input_ids, hidden, positions, mask, cache: KVCache | None = None):
         """One draft step -> (logits over the draft vocab (B, T, V_d), pre-norm output h (B, T, H)).
 
-        input_ids (B, T) target ids; hidden (B, T, num_aux*H_t) the target's aux states, or (B, T, H)
-        the previous step's h; positions (T,) or (B, T); mask additive (1|B, 1, T, S), S = len(cache) + T.
+        input_ids (B, T) target ids; hidden (B, T, num_aux*H_t) the target's aux states, or (B, T,
+        H) the previous step's h; positions (T,) or (B, T); mask additive (1|B, 1, T, S), S =
+        len(cache) + T.
         """
         emb = self.embed_tokens(input_ids)  # (B, T, H)
-        if hidden.shape[-1] != self.cfg.hidden_size:  # SGLang's rule: fc only on the target's states
+        if (
+            hidden.shape[-1] != self.cfg.hidden_size
+        ):  # SGLang's rule: fc only on the target's states
             hidden = self.fc(hidden)  # (B, T, H)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         dt = hidden.dtype

@@ -2,23 +2,25 @@
 
     ema = WeightEMA(named_trainable_params, decay=0.995)
     ema.update(step)             # after every optimizer step (step: the steps taken before it)
-    ema.swap()                   # at max_steps: the average becomes the weights evaluated and exported
+    # at max_steps: the average becomes the weights evaluated and exported
+    ema.swap()
 
 Why: late in training each step still moves the weights by lr times a noisy gradient, so the last
-step's weights are one sample around where training settled; their average over the last ~1/(1-decay)
-steps sits nearer the middle. On the embedded default it raised three seeds' mean acceptance length
-by 0.02 (bench/results/2026-12-05_cpu2_quality-ema.md).
+step's weights are one sample around where training settled; their average over the last
+~1/(1-decay) steps sits nearer the middle. On the embedded default it raised three seeds' mean
+acceptance length by 0.02 (bench/results/2026-12-05_cpu2_quality-ema.md).
 
 The average is bias-corrected as Adam's moments are: after t steps it is sum_i decay**(t-i) w_i over
 sum_i decay**(t-i), the trained weights only, never the starting ones (the step's rate
 1 - (1 - decay) / (1 - decay**t) is 0 at the first step and tends to `decay`). A short run is not
 pulled back to its initialisation, and a long one is the plain moving average.
 
-`swap()` exchanges the weights and the average, so it is its own inverse: the final checkpoint holds the
-average as its weights (what export reads) and the raw weights in its trainer state; a run resumed
-past its old max_steps swaps back and trains on from the raw weights (and a mid-run checkpoint
-resumed with a max_steps at or below its step is swapped and written again). Under FSDP the weights are
-DTensors: the average is sharded like them, and state_dict() gathers it (a collective: every rank calls it).
+`swap()` exchanges the weights and the average, so it is its own inverse: the final checkpoint holds
+the average as its weights (what export reads) and the raw weights in its trainer state; a run
+resumed past its old max_steps swaps back and trains on from the raw weights (and a mid-run
+checkpoint resumed with a max_steps at or below its step is swapped and written again). Under FSDP
+the weights are DTensors: the average is sharded like them, and state_dict() gathers it (a
+collective: every rank calls it).
 """
 
 from __future__ import annotations
@@ -55,11 +57,13 @@ class WeightEMA:
         self.swapped = not self.swapped
 
     def state_dict(self, keep: bool = True) -> dict | None:
-        """Full (gathered) tensors on the CPU; collective under FSDP. keep=False (the ranks that do not
-        write the checkpoint): gathered, as every rank must, and dropped at once -> None."""
+        """Full (gathered) tensors on the CPU; collective under FSDP. keep=False (the ranks that do
+        not write the checkpoint): gathered, as every rank must, and dropped at once -> None."""
         average = {}
         for n, t in self.average.items():
-            t = t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor shard, or a whole tensor
+            t = (
+                t.full_tensor() if hasattr(t, "full_tensor") else t
+            )  # a DTensor shard, or a whole tensor
             if keep:
                 average[n] = t.detach().cpu()
         return {"swapped": self.swapped, "average": average} if keep else None
@@ -67,12 +71,17 @@ class WeightEMA:
     def load_state_dict(self, sd: dict, where: str) -> None:
         names = set(sd["average"])
         if names != set(self.params):
-            raise ValueError(f"{where}: its weight average holds {sorted(names ^ set(self.params))} "
-                             f"that this drafter's trainable weights do not (or the other way round)")
+            raise ValueError(
+                f"{where}: its weight average holds "
+                f"{sorted(names ^ set(self.params))} "
+                f"that this drafter's trainable weights do not (or the other way "
+                f"round)"
+            )
         for n, p in self.params.items():
             t = sd["average"][n].to(p.device, p.dtype)
             if hasattr(p, "device_mesh"):  # a DTensor shard (FSDP): the average is sharded alike
                 from torch.distributed.tensor import distribute_tensor
+
                 t = distribute_tensor(t, p.device_mesh, p.placements)
             self.average[n] = t
         self.swapped = bool(sd["swapped"])

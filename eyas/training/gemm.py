@@ -1,8 +1,8 @@
 """The GEMMs of a training step: fp32 outputs from bf16 operands, the CPU's bf16 GEMMs, FP8.
 
-    z = gemm.mm_f32(x, W.T)                 # (n, V) fp32 logits from bf16 operands
-    xg = gemm.gemm_operand(x, torch.bfloat16)   # a CPU's bf16 GEMM operand, rows padded
-    with gemm.teacher_blas(device): ...     # the teacher's GEMMs under cuBLASLt on CUDA
+z = gemm.mm_f32(x, W.T)                 # (n, V) fp32 logits from bf16 operands
+xg = gemm.gemm_operand(x, torch.bfloat16)   # a CPU's bf16 GEMM operand, rows padded
+with gemm.teacher_blas(device): ...     # the teacher's GEMMs under cuBLASLt on CUDA
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ import torch
 
 from eyas.training.kernels import fusable
 
-FP32_OUT = {"mm": True, "addmm": True}  # CUDA bf16 GEMMs with fp32 output (torch >= 2.8); probed once
+FP32_OUT = {
+    "mm": True,
+    "addmm": True,
+}  # CUDA bf16 GEMMs with fp32 output (torch >= 2.8); probed once
 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -28,8 +31,8 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def teacher_blas(device: torch.device):
-    """The BLAS the teacher's GEMMs run under: cuBLASLt on CUDA, which runs its fp32-output GEMMs ~7%
-    faster than cuBLAS (bench/results/2026-12-03_h200_train-step.md); elsewhere as it is."""
+    """The BLAS the teacher's GEMMs run under: cuBLASLt on CUDA, which runs its fp32-output GEMMs
+    ~7% faster than cuBLAS (bench/results/2026-12-03_h200_train-step.md); elsewhere as it is."""
     if device.type != "cuda":
         yield
         return
@@ -56,10 +59,12 @@ def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def cpu_bf16_gemm() -> bool:
-    """Whether this CPU has bf16 matrix units (AMX), where bf16 GEMMs beat fp32 ones ~8x on the drafter's
-    shapes (bench/results/2026-12-03_cpu2_cpu-train-step.md); without them bf16 GEMMs are emulated and
-    slower."""
-    init = getattr(torch._C._cpu, "_init_amx", None)  # True where AMX is there and the kernel lets us use it
+    """Whether this CPU has bf16 matrix units (AMX), where bf16 GEMMs beat fp32 ones ~8x on the
+    drafter's shapes (bench/results/2026-12-03_cpu2_cpu-train-step.md); without them bf16 GEMMs are
+    emulated and slower."""
+    init = getattr(
+        torch._C._cpu, "_init_amx", None
+    )  # True where AMX is there and the kernel lets us use it
     try:
         return bool(init()) if init is not None else False
     except RuntimeError:
@@ -92,10 +97,10 @@ def gemm_operand(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- FP8 GEMMs
-# Row-wise scaled FP8 (e4m3) GEMMs through torch._scaled_mm: each operand quantized with one scale per
-# row along the contraction, so one outlier token or channel costs precision only in its own row. A
-# weight-gradient GEMM contracts over tokens, so its operands are quantized per channel and laid out
-# transposed (_scaled_mm wants the first operand row-major and the second column-major).
+# Row-wise scaled FP8 (e4m3) GEMMs through torch._scaled_mm: each operand quantized with one scale
+# per row along the contraction, so one outlier token or channel costs precision only in its own
+# row. A weight-gradient GEMM contracts over tokens, so its operands are quantized per channel and
+# laid out transposed (_scaled_mm wants the first operand row-major and the second column-major).
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
@@ -118,7 +123,8 @@ def _quant_cols_t(x):
 
 
 def mm_fp8(a8, sa, b8, sb, out_dtype) -> torch.Tensor:
-    """(a8 * sa) @ (b8 * sb).T: a8 (M, K), b8 (N, K) row-major fp8, sa (M, 1), sb (N, 1) -> (M, N) out_dtype."""
+    """(a8 * sa) @ (b8 * sb).T: a8 (M, K), b8 (N, K) row-major fp8, sa (M, 1), sb (N, 1) -> (M, N)
+    out_dtype."""
     return torch._scaled_mm(a8, b8.t(), sa, sb.view(1, -1), out_dtype=out_dtype)
 
 

@@ -1,6 +1,8 @@
-"""How a training step runs (KernelOptions), and its elementwise regions, optionally fused by torch.compile.
+"""How a training step runs (KernelOptions), and its elementwise regions, optionally fused by
+torch.compile.
 
-    kernels = kernel_options(cfg.training, device)   # once per run; TTTObjective(..., kernels=kernels)
+    # once per run; TTTObjective(..., kernels=kernels)
+    kernels = kernel_options(cfg.training, device)
     x = fused.norm_cat(emb, h, w_in, w_hid, eps, compile=kernels.compile)
 
 A drafter step is a handful of large GEMMs (cuBLAS, eager; eyas/training/gemm.py) and, between them,
@@ -10,11 +12,11 @@ is several kernels, each a full pass over an activation; at Kimi-K2.5 size they 
 of the step (bench/results/2026-12-03_h200_train-step.md). Each function here is one such region
 with plain tensor arguments: called directly it is eager PyTorch (the CPU and the tests use that),
 and with `compile=True` it runs through torch.compile, which fuses it into one or two kernels
-(computing in fp32 inside and rounding once) and, for the ones autograd sees, fuses the backward too.
-Sizes are PyTorch's automatic dynamic shapes: each is a constant until it changes, then symbolic, so
-the head size, widths and vocabularies stay constants the kernels index with (all-symbolic sizes
-cost 2.3% of a batch-4 step, same record), and a new batch size or sequence length costs one
-recompile per region, once.
+(computing in fp32 inside and rounding once) and, for the ones autograd sees, fuses the backward
+too. Sizes are PyTorch's automatic dynamic shapes: each is a constant until it changes, then
+symbolic, so the head size, widths and vocabularies stay constants the kernels index with
+(all-symbolic sizes cost 2.3% of a batch-4 step, same record), and a new batch size or sequence
+length costs one recompile per region, once.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ class KernelOptions:
     skipping of unscored positions, the attention and cross-entropy kernels) is what the step is:
     bench/train.py measures each against its absence by building that absence itself.
 
-    Built once per run and passed down, never read from a global: TTTObjective(..., kernels=k) hands it
-    to the TTT step (eyas/training/ttt_step.py), the TTT attention and the fused head loss. Frozen, so
-    one run cannot change another's.
+    Built once per run and passed down, never read from a global: TTTObjective(..., kernels=k) hands
+    it to the TTT step (eyas/training/ttt_step.py), the TTT attention and the fused head loss.
+    Frozen, so one run cannot change another's.
     """
 
     #: the elementwise regions below through torch.compile (fused kernels); False: eager PyTorch
@@ -53,10 +55,12 @@ DEFAULT = KernelOptions()  # eager, full precision GEMMs: what a caller that nam
 
 
 def kernel_options(cfg: TrainingConfig, device: torch.device) -> KernelOptions:
-    """The options a run of `cfg` on `device` uses: torch.compile per training.compile (None: on a GPU
-    only), FP8 GEMMs per training.fp8_gemms."""
-    return KernelOptions(compile=device.type == "cuda" if cfg.compile is None else bool(cfg.compile),
-                         fp8_gemms=cfg.fp8_gemms)
+    """The options a run of `cfg` on `device` uses: torch.compile per training.compile (None: on a
+    GPU only), FP8 GEMMs per training.fp8_gemms."""
+    return KernelOptions(
+        compile=device.type == "cuda" if cfg.compile is None else bool(cfg.compile),
+        fp8_gemms=cfg.fp8_gemms,
+    )
 
 
 _compiled: dict = {}  # fn -> its torch.compile'd twin, made on first use (a cache, not a setting)
@@ -64,13 +68,17 @@ _compiled: dict = {}  # fn -> its torch.compile'd twin, made on first use (a cac
 
 def fusable(fn):
     """fn(*args) eagerly, or through torch.compile with compile=True (KernelOptions.compile)."""
+
     def call(*args, compile: bool = False, **kwargs):
         if not compile:
             return fn(*args, **kwargs)
         if fn not in _compiled:
             _raise_recompile_limit()
-            _compiled[fn] = torch.compile(fn, dynamic=None, fullgraph=True)  # automatic dynamic shapes
+            _compiled[fn] = torch.compile(
+                fn, dynamic=None, fullgraph=True
+            )  # automatic dynamic shapes
         return _compiled[fn](*args, **kwargs)
+
     call.__name__, call.__doc__, call.eager = fn.__name__, fn.__doc__, fn
     return call
 
@@ -128,8 +136,9 @@ def rope_qk(q, k, cos, sin):
 
 @fusable
 def add_rope(x, p, cos, sin):
-    """Rotate-half RoPE of x + p, both (B, T, n, hd) position-major; cos/sin (T, hd) or (B, T, hd): a
-    projection of the hidden state plus the embedding's share of it (eyas/training/shared_emb.py)."""
+    """Rotate-half RoPE of x + p, both (B, T, n, hd) position-major; cos/sin (T, hd) or (B, T, hd):
+    a projection of the hidden state plus the embedding's share of it
+    (eyas/training/shared_emb.py)."""
     return _rotate(x + p, cos[..., None, :], sin[..., None, :])
 
 
@@ -139,14 +148,12 @@ def swiglu(g, u):
     return F.silu(g) * u
 
 
-
 @fusable
 def teacher_softmax(z, dtype: torch.dtype):
-    """The teacher's draft-vocabulary logits (n, V_d) fp32 -> argmax (n,) (the first maximum), max (n,),
-    softmax (n, V_d) in dtype: compiled, one pass that reads z and writes the probabilities once (eager:
-    five passes over the 0.5 GB of a 4096-row chunk at Kimi size)."""
+    """The teacher's draft-vocabulary logits (n, V_d) fp32 -> argmax (n,) (the first maximum), max
+    (n,), softmax (n, V_d) in dtype: compiled, one pass that reads z and writes the probabilities
+    once (eager: five passes over the 0.5 GB of a 4096-row chunk at Kimi size)."""
     return z.argmax(-1), z.amax(-1), torch.softmax(z, dim=-1).to(dtype)
-
 
 
 def _tr(x):  # (B, nh, T, hd) <-> (B, T, nh, hd), and (B, nh, T) <-> (B, T, nh)
@@ -163,7 +170,9 @@ def diag_forward(q, y0, lse0, kd: list, vd: list, scale: float):
     (B, T, nh, hd) in memory, as o_proj reads it (a view, not a copy).
     """
     qf = _tr(q).float()
-    s = torch.stack([_tr(lse0).float()] + [(qf * _tr(k).float()).sum(-1) * scale for k in kd])  # (1+k, B, T, nh)
+    s = torch.stack(
+        [_tr(lse0).float()] + [(qf * _tr(k).float()).sum(-1) * scale for k in kd]
+    )  # (1+k, B, T, nh)
     lse = torch.logsumexp(s, dim=0)
     a = torch.exp(s - lse)
     y = a[0, ..., None] * _tr(y0).float()

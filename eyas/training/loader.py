@@ -2,7 +2,8 @@
 
     steps = plan_steps(data.lengths, data.train_ids, batch_size, num_micro, seed, epoch, batch_pos)
     with BatchLoader(data, steps, device, dtype, rank=rank, world=world, workers=2) as loader:
-        for (epoch, pos, micro), batches in loader:   # batches: this rank's micro[rank::world], collated
+        # batches: this rank's micro[rank::world], collated
+        for (epoch, pos, micro), batches in loader:
             ...
 
 Background threads read each coming micro-batch straight from the shard files (os.preadv into the
@@ -40,14 +41,29 @@ from eyas.training.batches import ShardData, collate, epoch_plan
 
 #: bytes per read call: a closing loader stops a worker within one chunk
 READ_CHUNK = 64 << 20
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.uint8,  # bytes
-           "I32": torch.int32, "U8": torch.uint8, "I64": torch.int64}
+_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F8_E4M3": torch.uint8,  # bytes
+    "I32": torch.int32,
+    "U8": torch.uint8,
+    "I64": torch.int64,
+}
 THREAD_PREFIX = "eyas-loader"
 STOP_POLL_S = 0.2  #: how often an idle worker looks whether the loader stopped
 
 
-def plan_steps(lengths: list[int], ids: list[int], micro: int, num_micro: int, seed: int, epoch: int,
-               pos: int, window: int = 16) -> Iterator[tuple[int, int, list[list[int]]]]:
+def plan_steps(
+    lengths: list[int],
+    ids: list[int],
+    micro: int,
+    num_micro: int,
+    seed: int,
+    epoch: int,
+    pos: int,
+    window: int = 16,
+) -> Iterator[tuple[int, int, list[list[int]]]]:
     """(epoch, position in it, micro-batches) of every step from `pos` of `epoch` on, epoch after
     epoch (epoch_plan's; a position past an epoch's end starts the next epoch)."""
     while True:
@@ -66,7 +82,7 @@ class _Layout:
 
     def __init__(self, path):
         with open(path, "rb") as f:
-            n, = struct.unpack("<Q", f.read(8))
+            (n,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(n))
         header.pop("__metadata__", None)
         self.tensors = {}
@@ -77,18 +93,31 @@ class _Layout:
 
 
 class BatchLoader:
-    """This rank's micro-batches of `steps` (items ending with the step's micro-batches of all ranks),
-    collated, ahead of the step; iterating gives (item, [batch, ...]) per step. See the module doc."""
+    """This rank's micro-batches of `steps` (items ending with the step's micro-batches of all
+    ranks), collated, ahead of the step; iterating gives (item, [batch, ...]) per step. See the
+    module doc."""
 
-    def __init__(self, data: ShardData, steps: Iterable[tuple], device, dtype=torch.float32, *, rank: int = 0,
-                 world: int = 1, workers: int = 2, ahead: int | None = None):
+    def __init__(
+        self,
+        data: ShardData,
+        steps: Iterable[tuple],
+        device,
+        dtype=torch.float32,
+        *,
+        rank: int = 0,
+        world: int = 1,
+        workers: int = 2,
+        ahead: int | None = None,
+    ):
         self.data, self.device, self.dtype = data, torch.device(device), dtype
         self.rank, self.world, self.workers = rank, world, workers
         self.ahead = max(1, ahead if ahead is not None else workers + 1)  # micro-batches read ahead
         self.cuda = self.device.type == "cuda"
         self.wait_s = 0.0  # time the step waited for data
         self.read_bytes = 0  # bytes read from the shards (by the workers)
-        self.empty = torch.empty  # the batches' buffers (bench/loader.py reuses them, as the pinned allocator does)
+        self.empty = (
+            torch.empty
+        )  # the batches' buffers (bench/loader.py reuses them, as the pinned allocator does)
         self._steps = iter(steps)
         self._pending: collections.deque = collections.deque()  # [item, [slot, ...]], plan order
         self._queued = 0  # micro-batches in _pending
@@ -98,8 +127,10 @@ class BatchLoader:
         self._layouts: dict = {}
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(self.device) if self.cuda and workers else None
-        self._threads = [threading.Thread(target=self._work, name=f"{THREAD_PREFIX}-{i}", daemon=True)
-                         for i in range(workers)]
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{THREAD_PREFIX}-{i}", daemon=True)
+            for i in range(workers)
+        ]
         for t in self._threads:
             t.start()
         if workers:
@@ -113,10 +144,14 @@ class BatchLoader:
     def __next__(self) -> tuple[tuple, list[dict]]:
         if self._stop.is_set():
             raise StopIteration
-        if self.workers == 0:  # synchronous: the step reads, collates and copies, as before the loader
+        if (
+            self.workers == 0
+        ):  # synchronous: the step reads, collates and copies, as before the loader
             item = next(self._steps)
-            return item, [collate([self.data.sample(i) for i in m], self.device, self.dtype, ids=m)
-                          for m in item[-1][self.rank::self.world]]
+            return item, [
+                collate([self.data.sample(i) for i in m], self.device, self.dtype, ids=m)
+                for m in item[-1][self.rank :: self.world]
+            ]
         self._fill()
         if not self._pending:
             raise StopIteration
@@ -128,7 +163,8 @@ class BatchLoader:
         return item, batches
 
     def _fill(self) -> None:
-        """Queue the coming steps' micro-batches for the workers, up to `ahead` (at least one step)."""
+        """Queue the coming steps' micro-batches for the workers, up to `ahead` (at least one
+        step)."""
         while not self._exhausted and (self._queued < self.ahead or not self._pending):
             try:
                 item = next(self._steps)
@@ -136,7 +172,7 @@ class BatchLoader:
                 self._exhausted = True
                 return
             slots = []
-            for m in item[-1][self.rank::self.world]:
+            for m in item[-1][self.rank :: self.world]:
                 slot = {"ids": list(m), "host": Future(), "device": None}
                 self._jobs.put(slot)
                 slots.append(slot)
@@ -155,11 +191,14 @@ class BatchLoader:
             stream.wait_event(event)
             for v in batch.values():
                 if isinstance(v, torch.Tensor):
-                    v.record_stream(stream)  # its memory goes back to the side stream after the step's use
+                    v.record_stream(
+                        stream
+                    )  # its memory goes back to the side stream after the step's use
         return batch
 
     def _copy_ahead(self) -> None:
-        """Start the next micro-batch's copy to the GPU now, under the step about to run, if it is read."""
+        """Start the next micro-batch's copy to the GPU now, under the step about to run, if it is
+        read."""
         if not self.cuda or not self._pending:
             return
         slot = self._pending[0][1][0]
@@ -171,11 +210,15 @@ class BatchLoader:
             slot["device"] = (host, None)
             return
         with torch.cuda.stream(self._stream):
-            g = {k: (v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-                 for k, v in host.items()}
+            g = {
+                k: (v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                for k, v in host.items()
+            }
             batch = {"ids": g["ids"], "loss_mask": g["loss_mask"]}
             for name in ("aux", "last"):
-                if f"{name}_fp8" in g:  # as fp8.dequantize, then the reader's bf16, then the step's dtype
+                if (
+                    f"{name}_fp8" in g
+                ):  # as fp8.dequantize, then the reader's bf16, then the step's dtype
                     batch[name] = dequantize(g[f"{name}_fp8"], g[f"{name}_scale"], self.dtype)
                 else:
                     batch[name] = g[name].to(self.dtype)
@@ -211,23 +254,49 @@ class BatchLoader:
         their dtype, FP8 ones as aux_fp8/aux_scale, last_fp8/last_scale; on a CPU already what
         collate returns."""
         samples = [self.data.index[i] for i in ids]
-        kinds = {(r.encoding, self._layout(r).tensors["aux_hidden_states" + "_fp8" * (r.encoding == "fp8_e4m3")][0])
-                 for r, _ in samples}
-        if len(kinds) > 1:  # shards of several encodings in one batch: the reader's way, on the host
+        kinds = {
+            (
+                r.encoding,
+                self._layout(r).tensors["aux_hidden_states" + "_fp8" * (r.encoding == "fp8_e4m3")][
+                    0
+                ],
+            )
+            for r, _ in samples
+        }
+        if (
+            len(kinds) > 1
+        ):  # shards of several encodings in one batch: the reader's way, on the host
             out = collate([self.data.sample(i) for i in ids], "cpu", self.dtype, ids=ids)
-            return {k: (v.pin_memory() if self.cuda and isinstance(v, torch.Tensor) else v) for k, v in out.items()}
-        (encoding, stored), = kinds
+            return {
+                k: (v.pin_memory() if self.cuda and isinstance(v, torch.Tensor) else v)
+                for k, v in out.items()
+            }
+        ((encoding, stored),) = kinds
         fp8 = encoding == "fp8_e4m3"
         B, T = len(ids), max(self.data.lengths[i] for i in ids)
         H, K = self.data.hidden_size, self.data.num_aux
-        names = ({"aux_fp8": ("aux_hidden_states_fp8", K * H), "aux_scale": ("aux_hidden_states_scale", K),
-                  "last_fp8": ("last_hidden_state_fp8", H), "last_scale": ("last_hidden_state_scale", 1)} if fp8 else
-                 {"aux": ("aux_hidden_states", K * H), "last": ("last_hidden_state", H)})
+        names = (
+            {
+                "aux_fp8": ("aux_hidden_states_fp8", K * H),
+                "aux_scale": ("aux_hidden_states_scale", K),
+                "last_fp8": ("last_hidden_state_fp8", H),
+                "last_scale": ("last_hidden_state_scale", 1),
+            }
+            if fp8
+            else {"aux": ("aux_hidden_states", K * H), "last": ("last_hidden_state", H)}
+        )
         layout0 = self._layout(samples[0][0])
-        pin = self.cuda and torch.cuda.is_available()  # (bench/loader.py times the GPU path's host work on a CPU)
-        out = {k: self.empty((B, T, w), dtype=layout0.tensors[name][0], pin_memory=pin)
-               for k, (name, w) in names.items()}
-        raw_ids, raw_mask = torch.zeros(B, T, dtype=torch.int32), torch.zeros(B, T, dtype=torch.uint8)
+        pin = (
+            self.cuda and torch.cuda.is_available()
+        )  # (bench/loader.py times the GPU path's host work on a CPU)
+        out = {
+            k: self.empty((B, T, w), dtype=layout0.tensors[name][0], pin_memory=pin)
+            for k, (name, w) in names.items()
+        }
+        raw_ids, raw_mask = (
+            torch.zeros(B, T, dtype=torch.int32),
+            torch.zeros(B, T, dtype=torch.uint8),
+        )
         for b, (r, j) in enumerate(samples):
             a, e = int(r.offsets[j]), int(r.offsets[j + 1])
             n, lay = e - a, self._layout(r)
@@ -244,14 +313,17 @@ class BatchLoader:
         if self.data.all_positions:  # every real token scored (ShardData.sample's rule)
             mask = torch.zeros_like(mask)
             for b, i in enumerate(ids):
-                mask[b, :self.data.lengths[i]] = True
+                mask[b, : self.data.lengths[i]] = True
         out["ids"], out["loss_mask"] = raw_ids.long(), mask
         if pin:
             out["ids"], out["loss_mask"] = out["ids"].pin_memory(), out["loss_mask"].pin_memory()
         if not self.cuda:  # a CPU step takes the batch as collate makes it
             for name in ("aux", "last"):
-                out[name] = (dequantize(out.pop(f"{name}_fp8"), out.pop(f"{name}_scale"), self.dtype) if fp8
-                             else out[name].to(self.dtype))
+                out[name] = (
+                    dequantize(out.pop(f"{name}_fp8"), out.pop(f"{name}_scale"), self.dtype)
+                    if fp8
+                    else out[name].to(self.dtype)
+                )
         out["sample_ids"] = list(ids)
         return out
 
@@ -262,9 +334,12 @@ class BatchLoader:
         return lay
 
     def _read(self, fd: int, lay: _Layout, name: str, row: int, dst: torch.Tensor) -> None:
-        """Rows row.. of tensor `name` into dst (contiguous), in chunks; the GIL is free while reading."""
+        """Rows row.. of tensor `name` into dst (contiguous), in chunks; the GIL is free while
+        reading."""
         _, offset, row_bytes = lay.tensors[name]
-        view = memoryview(dst.view(torch.uint8).numpy()).cast("B") if dst.numel() else memoryview(b"")
+        view = (
+            memoryview(dst.view(torch.uint8).numpy()).cast("B") if dst.numel() else memoryview(b"")
+        )
         pos, end = offset + row * row_bytes, len(view)
         if end != dst.shape[0] * row_bytes:
             raise ValueError(f"{name}: {end} bytes for {dst.shape[0]} rows of {row_bytes}")
@@ -272,7 +347,7 @@ class BatchLoader:
         while done < end:
             if self._stop.is_set():
                 raise _Stopped()
-            got = os.preadv(fd, [view[done:done + READ_CHUNK]], pos + done)
+            got = os.preadv(fd, [view[done : done + READ_CHUNK]], pos + done)
             if got <= 0:
                 raise OSError(f"{name}: short read at byte {pos + done} (the shard is truncated?)")
             done += got
@@ -282,7 +357,8 @@ class BatchLoader:
     # -------------------------------------------------------------- closing
 
     def close(self) -> None:
-        """Stop and join the workers (pending reads dropped; a read in progress stops at its next chunk)."""
+        """Stop and join the workers (pending reads dropped; a read in progress stops at its next
+        chunk)."""
         self._stop.set()
         for _, slots in self._pending:
             for s in slots:
@@ -309,15 +385,17 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     G = scale.shape[-1]
     out = torch.empty(B, T, width, dtype=dtype, device=q.device)
     for b in range(B):
-        x = q[b].view(torch.float8_e4m3fn).to(torch.float32).view(T, G, width // G) * scale[b].float().unsqueeze(-1)
+        x = q[b].view(torch.float8_e4m3fn).to(torch.float32).view(T, G, width // G) * scale[
+            b
+        ].float().unsqueeze(-1)
         out[b] = x.view(T, width).to(torch.bfloat16)
     return out
 
 
 def drop_cache(path) -> None:
-    """Ask the kernel to forget path's pages (written ones first go to disk): the next read comes from
-    the disk. posix_fadvise(DONTNEED) needs no privileges; it is advice, and a host below a virtual
-    machine may still hold the file in its own cache."""
+    """Ask the kernel to forget path's pages (written ones first go to disk): the next read comes
+    from the disk. posix_fadvise(DONTNEED) needs no privileges; it is advice, and a host below a
+    virtual machine may still hold the file in its own cache."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -327,8 +405,8 @@ def drop_cache(path) -> None:
 
 
 def disk_read_rate(path, max_bytes: int = 512 << 20, chunk: int = 16 << 20) -> tuple[float, int]:
-    """(bytes/s, bytes read): up to max_bytes of path read sequentially, from the disk (the file's pages
-    dropped from the page cache first, and again after: the probe leaves no cache behind)."""
+    """(bytes/s, bytes read): up to max_bytes of path read sequentially, from the disk (the file's
+    pages dropped from the page cache first, and again after: the probe leaves no cache behind)."""
     drop_cache(path)
     buf = bytearray(chunk)
     view, done = memoryview(buf), 0
@@ -336,7 +414,7 @@ def disk_read_rate(path, max_bytes: int = 512 << 20, chunk: int = 16 << 20) -> t
     try:
         t0 = time.perf_counter()
         while done < max_bytes:
-            got = os.preadv(fd, [view[:min(chunk, max_bytes - done)]], done)
+            got = os.preadv(fd, [view[: min(chunk, max_bytes - done)]], done)
             if got <= 0:
                 break
             done += got
@@ -349,4 +427,6 @@ def disk_read_rate(path, max_bytes: int = 512 << 20, chunk: int = 16 << 20) -> t
 
 def threads_left() -> list[str]:
     """Names of loader threads still alive in this process (tests: none after a loader closed)."""
-    return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX) and t.is_alive()]
+    return [
+        t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX) and t.is_alive()
+    ]

@@ -1,20 +1,22 @@
 """The EAGLE-3 objective: teacher labels from the target's head, the TTT unroll, and a fused loss.
 
-    labels = teacher_labels(head, batch["last"], batch["loss_mask"], num_draft, kernels=k)   # once per batch
-    loss, correct, scored = TTTObjective(drafter, kernels=k)(batch["ids"], batch["aux"], labels, 7, 0.8, counts)
+    # once per batch
+    labels = teacher_labels(head, batch["last"], batch["loss_mask"], num_draft, kernels=k)
+    loss, correct, scored = TTTObjective(drafter, kernels=k)(batch["ids"], batch["aux"], labels, 7,
+    0.8, counts)
 
-Never materialised: the target's logits over its whole vocabulary for all positions (the teacher runs
-in chunks of positions over a head whose rows are reordered draft-vocabulary-first: the draft
+Never materialised: the target's logits over its whole vocabulary for all positions (the teacher
+runs in chunks of positions over a head whose rows are reordered draft-vocabulary-first: the draft
 vocabulary's rows give the softmax, the rest only whether the exact full-vocabulary argmax lies
-outside, which a later epoch reads from teacher_cache.ArgmaxMemo instead), and the drafter's
-logits for all positions and TTT steps (`head_soft_ce` computes logits, loss and both gradients a
-chunk of rows at a time during the forward and keeps only the gradients: no logits survive).
+outside, which a later epoch reads from teacher_cache.ArgmaxMemo instead), and the drafter's logits
+for all positions and TTT steps (`head_soft_ce` computes logits, loss and both gradients a chunk of
+rows at a time during the forward and keeps only the gradients: no logits survive).
 
-Loss of a batch = sum_k decay**k * (sum of soft CE over the positions labelled at step k) / counts[k],
-where counts[k] is the number of assistant positions scored at step k in the *global* batch (all
-micro-batches, all ranks): it is known from the loss masks alone, before any forward, so gradient
-accumulation and data parallelism give exactly the loss of one big batch. A position is labelled
-where the token it predicts is an assistant token and the target's argmax lies in the draft
+Loss of a batch = sum_k decay**k * (sum of soft CE over the positions labelled at step k) /
+counts[k], where counts[k] is the number of assistant positions scored at step k in the *global*
+batch (all micro-batches, all ranks): it is known from the loss masks alone, before any forward, so
+gradient accumulation and data parallelism give exactly the loss of one big batch. A position is
+labelled where the token it predicts is an assistant token and the target's argmax lies in the draft
 vocabulary; positions whose argmax does not still count in counts[k] and as misses in accuracy.
 
 Work only where the loss mask can use it: the teacher runs on the scored positions only, and the TTT
@@ -38,7 +40,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from eyas.training import gemm, kernels as fused
+from eyas.training import gemm
+from eyas.training import kernels as fused
 from eyas.training.drafter import Eagle3Drafter
 from eyas.training.kernels import DEFAULT, KernelOptions
 from eyas.training.shared_emb import SharedEmb
@@ -47,8 +50,12 @@ from eyas.training.target_head import TargetHead
 from eyas.training.ttt_step import TTTKeys, emb_proj, ttt_step, ttt_step_concat
 from eyas.training.ttt_weights import TTTWeights, compute_dtype
 
-HEAD_CHUNK_ROWS = 8192  # rows of the drafter's fused head per chunk: (rows, draft_vocab) fp32 transient
-HEAD_CHUNK_ROWS_CPU = 1024  # on a CPU: (1024, 2048) fp32 chunks stay in cache, 15% faster steps than 8192
+HEAD_CHUNK_ROWS = (
+    8192  # rows of the drafter's fused head per chunk: (rows, draft_vocab) fp32 transient
+)
+HEAD_CHUNK_ROWS_CPU = (
+    1024  # on a CPU: (1024, 2048) fp32 chunks stay in cache, 15% faster steps than 8192
+)
 TEACHER_CHUNK_ROWS = 4096  # positions per chunk of the teacher: (rows, vocab) logits transient
 # Gather the positions some step scores only when they are under this share of the span's rows: the
 # gathers of h and the scatter around every step's attention are copies that buy nothing when the
@@ -58,14 +65,17 @@ ROWS_WORTH = 0.9
 
 # ----------------------------------------------------------------------------- teacher
 
+
 @dataclass
 class Labels:
     probs: torch.Tensor  # (B*T, V_d) the target's distribution over the draft vocab, predicting t+1
-    target: torch.Tensor  # (B, T) the target's argmax as a draft id, -1 where outside the draft vocab
+    target: (
+        torch.Tensor
+    )  # (B, T) the target's argmax as a draft id, -1 where outside the draft vocab
     valid: torch.Tensor  # (B, T) bool: token t+1 is an assistant token and target >= 0
     scored: torch.Tensor  # (B, T) bool: token t+1 is an assistant token
-    # [first, last + 1) of the positions scored in any sequence; probs and target hold the teacher only there
-    # (zeros and -1 elsewhere). None: not known (TTTObjective reads it off `scored`).
+    # [first, last + 1) of the positions scored in any sequence; probs and target hold the teacher
+    # only there (zeros and -1 elsewhere). None: not known (TTTObjective reads it off `scored`).
     span: tuple[int, int] | None = None
 
 
@@ -75,25 +85,35 @@ def draft_first_order(t2d: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor, num_draft: int,
-                   probs_dtype=torch.float32, chunk: int = TEACHER_CHUNK_ROWS,
-                   kernels: KernelOptions = DEFAULT, outside: torch.Tensor | None = None) -> Labels:
+def teacher_labels(
+    head: TargetHead,
+    last: torch.Tensor,
+    loss_mask: torch.Tensor,
+    num_draft: int,
+    probs_dtype=torch.float32,
+    chunk: int = TEACHER_CHUNK_ROWS,
+    kernels: KernelOptions = DEFAULT,
+    outside: torch.Tensor | None = None,
+) -> Labels:
     """Labels from the stored last hidden states (B, T, H); head.weight must be draft-first ordered.
 
     The head runs only on the scored positions, gathered: nothing reads the labels of a position
     that is not scored.
 
-    outside: (B, T) bool, where the full-vocabulary argmax is known to lie outside the draft vocabulary
-    (the same sequences' teacher in an earlier epoch: teacher_cache.ArgmaxMemo). The rest of the
-    vocabulary's rows then do not run (at Kimi-K2.5's 32,000 of 163,840, four fifths of the teacher's
-    GEMM), and every scored position's labels are the same bit for bit: the draft vocabulary's
-    logits are one GEMM of their own either way, and the rest only ever gives the one bit."""
+    outside: (B, T) bool, where the full-vocabulary argmax is known to lie outside the draft
+    vocabulary (the same sequences' teacher in an earlier epoch: teacher_cache.ArgmaxMemo). The rest
+    of the vocabulary's rows then do not run (at Kimi-K2.5's 32,000 of 163,840, four fifths of the
+    teacher's GEMM), and every scored position's labels are the same bit for bit: the draft
+    vocabulary's logits are one GEMM of their own either way, and the rest only ever gives the one
+    bit."""
     B, T, H = last.shape
     scored = torch.zeros_like(loss_mask, dtype=torch.bool)
     scored[:, :-1] = loss_mask[:, 1:].bool()  # the target at t predicts token t+1
     first, end = scored_span(scored)
     probs = torch.zeros(B, T, num_draft, dtype=probs_dtype, device=last.device)
-    top = torch.full((B, T), num_draft, dtype=torch.long, device=last.device)  # outside the draft vocab
+    top = torch.full(
+        (B, T), num_draft, dtype=torch.long, device=last.device
+    )  # outside the draft vocab
     W_draft, W_rest = head.weight[:num_draft], head.weight[num_draft:]  # (V_d, H), (V - V_d, H)
 
     def label(x: torch.Tensor, known: torch.Tensor | None):  # (n, H) last states, (n,) bool or None
@@ -103,7 +123,9 @@ def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor
         best, best_logit, p = fused.teacher_softmax(z, probs_dtype, compile=kernels.compile)
         if known is None and not len(W_rest):  # the draft vocabulary is the whole vocabulary
             known = torch.zeros_like(best, dtype=torch.bool)
-        elif known is None:  # the full argmax lies outside where the rest holds a strictly larger logit
+        elif (
+            known is None
+        ):  # the full argmax lies outside where the rest holds a strictly larger logit
             known = gemm.mm_f32(x, W_rest.T).amax(-1) > best_logit
         return torch.where(known, num_draft, best), p
 
@@ -111,42 +133,58 @@ def teacher_labels(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor
         at = scored.view(-1).nonzero().flatten()  # (n,) flat positions
         flat_last, flat_probs, flat_top = last.view(B * T, H), probs.view(B * T, -1), top.view(-1)
         for s in range(0, at.numel(), chunk):
-            r = at[s:s + chunk]
-            flat_top[r], flat_probs[r] = label(flat_last[r], None if outside is None else outside.view(-1)[r])
+            r = at[s : s + chunk]
+            flat_top[r], flat_probs[r] = label(
+                flat_last[r], None if outside is None else outside.view(-1)[r]
+            )
     target = torch.where(top < num_draft, top, -1)
-    return Labels(probs.view(B * T, num_draft), target, scored & (target >= 0), scored, (first, end))
+    return Labels(
+        probs.view(B * T, num_draft), target, scored & (target >= 0), scored, (first, end)
+    )
 
 
 def scored_span(scored: torch.Tensor) -> tuple[int, int]:
-    """[first, last + 1) of the positions scored in any sequence of the batch, (0, 0) if none (one sync)."""
+    """[first, last + 1) of the positions scored in any sequence of the batch, (0, 0) if none (one
+    sync)."""
     at = scored.any(0).nonzero().flatten()
     return (int(at[0]), int(at[-1]) + 1) if at.numel() else (0, 0)
 
 
 # ----------------------------------------------------------------------------- fused head + soft CE
 
+
 class _HeadSoftCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, probs, rows, row_w, chunk, grad, gemm_dtype, kernels):
         N, h_dtype = h.shape[0], h.dtype
-        h = gemm.gemm_operand(h, gemm_dtype or h_dtype)  # (N', H): any rows past N are zeros, of weight 0
+        h = gemm.gemm_operand(
+            h, gemm_dtype or h_dtype
+        )  # (N', H): any rows past N are zeros, of weight 0
         if h.shape[0] > N:
             rows, row_w = F.pad(rows, (0, h.shape[0] - N)), F.pad(row_w, (0, h.shape[0] - N))
         W = weight.to(h.dtype)  # (V_d, H)
         gh = torch.empty_like(h) if grad else None  # (N', H) d loss / d h, filled chunk by chunk
-        gw = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if grad else None  # (V_d, H)
+        gw = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if grad else None
+        )  # (V_d, H)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         pred = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
         for s in range(0, h.shape[0], chunk):
-            hc, rc, wc = h[s:s + chunk], rows[s:s + chunk], row_w[s:s + chunk]  # (n, H), (n,), (n,)
+            hc, rc, wc = (
+                h[s : s + chunk],
+                rows[s : s + chunk],
+                row_w[s : s + chunk],
+            )  # (n, H), (n,), (n,)
             z = gemm.mm_f32(hc, W.T)  # (n, V_d) logits, fp32
             if not grad:
-                part, pred[s:s + chunk] = soft_ce_rows_nograd(z, probs, rc, wc, kernels)
+                part, pred[s : s + chunk] = soft_ce_rows_nograd(z, probs, rc, wc, kernels)
                 loss += part
                 continue
-            part, pred[s:s + chunk], dz = soft_ce_rows(z, probs, rc, wc, h.dtype, kernels)  # dz = (q - p) * w
+            part, pred[s : s + chunk], dz = soft_ce_rows(
+                z, probs, rc, wc, h.dtype, kernels
+            )  # dz = (q - p) * w
             loss += part
-            gh[s:s + chunk] = dz @ W  # in the GEMM dtype; cast to h's once, below
+            gh[s : s + chunk] = dz @ W  # in the GEMM dtype; cast to h's once, below
             gemm.addmm_f32_(gw, dz.T, hc)
         ctx.save_for_backward(gh if gh is None else gh[:N].to(h_dtype), gw)
         ctx.weight_dtype = weight.dtype
@@ -157,11 +195,29 @@ class _HeadSoftCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gloss, _gpred):
         gh, gw = ctx.saved_tensors
-        return gh * gloss.to(gh.dtype), (gw * gloss).to(ctx.weight_dtype), None, None, None, None, None, None, None
+        return (
+            gh * gloss.to(gh.dtype),
+            (gw * gloss).to(ctx.weight_dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def head_soft_ce(h, weight, probs, rows, row_w, chunk: int = HEAD_CHUNK_ROWS, gemm_dtype=None,
-                 kernels: KernelOptions = DEFAULT):
+def head_soft_ce(
+    h,
+    weight,
+    probs,
+    rows,
+    row_w,
+    chunk: int = HEAD_CHUNK_ROWS,
+    gemm_dtype=None,
+    kernels: KernelOptions = DEFAULT,
+):
     """sum_i row_w[i] * CE(probs[rows[i]], softmax(h[i] @ weight.T)) -> (loss, argmax per row).
 
     h (N, H) normed drafter states, weight (V_d, H) the drafter's lm_head, probs (M, V_d) teacher
@@ -176,24 +232,29 @@ def head_soft_ce(h, weight, probs, rows, row_w, chunk: int = HEAD_CHUNK_ROWS, ge
 
 # ----------------------------------------------------------------------------- the TTT unroll
 
+
 def label_rows(B: int, T: int, K: int, device, span: tuple[int, int] | None = None):
     """Row (k, b, t) is labelled by the teacher at (b, t+1+k), for t in span (default all of [0, T))
     -> (flat teacher row (K, B, L), inside (K, 1, L))."""
     s, e = span or (0, T)
-    src = torch.arange(s, e, device=device)[None] + 1 + torch.arange(K, device=device)[:, None]  # (K, L)
+    src = (
+        torch.arange(s, e, device=device)[None] + 1 + torch.arange(K, device=device)[:, None]
+    )  # (K, L)
     inside = (src < T)[:, None]
-    rows = torch.arange(B, device=device)[None, :, None] * T + src.clamp(max=T - 1)[:, None]  # (K, B, L)
+    rows = (
+        torch.arange(B, device=device)[None, :, None] * T + src.clamp(max=T - 1)[:, None]
+    )  # (K, B, L)
     return rows, inside
 
 
 def ttt_rows(scored: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(b, t) of the positions where some TTT step k < K scores row (k, b, t), i.e. scored[b, t+1+k]:
-    each reply's positions and the K before it, per sequence (one sync). Every position where nothing
-    is scored at all (the loss is then 0 and needs a graph all the same)."""
+    """(b, t) of the positions where some TTT step k < K scores row (k, b, t), i.e. scored[b,
+    t+1+k]: each reply's positions and the K before it, per sequence (one sync). Every position
+    where nothing is scored at all (the loss is then 0 and needs a graph all the same)."""
     B, T = scored.shape
     need = torch.zeros_like(scored)
     for k in range(min(K, T - 1)):
-        need[:, :T - 1 - k] |= scored[:, 1 + k:]
+        need[:, : T - 1 - k] |= scored[:, 1 + k :]
     b, t = need.nonzero(as_tuple=True)
     if b.numel() == 0:
         b, t = torch.ones_like(scored).nonzero(as_tuple=True)
@@ -218,7 +279,7 @@ def scored_counts(loss_masks, K: int) -> torch.Tensor:
     for m in loss_masks:
         m = torch.as_tensor(m).bool()
         for k in range(K):
-            counts[k] += int(m[2 + k:].sum())
+            counts[k] += int(m[2 + k :].sum())
     return counts
 
 
@@ -231,36 +292,62 @@ class TTTObjective(nn.Module):
     this dtype (a CPU's bf16 matrix units).
     """
 
-    def __init__(self, drafter: Eagle3Drafter, head_chunk: int = HEAD_CHUNK_ROWS,
-                 gemm_dtype: torch.dtype | None = None, kernels: KernelOptions = DEFAULT):
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        head_chunk: int = HEAD_CHUNK_ROWS,
+        gemm_dtype: torch.dtype | None = None,
+        kernels: KernelOptions = DEFAULT,
+    ):
         super().__init__()
-        self.drafter, self.head_chunk, self.gemm_dtype, self.kernels = drafter, head_chunk, gemm_dtype, kernels
+        self.drafter, self.head_chunk, self.gemm_dtype, self.kernels = (
+            drafter,
+            head_chunk,
+            gemm_dtype,
+            kernels,
+        )
 
     def _shares_emb(self) -> bool:
-        """Whether the embedding's share of q/k/v is one projection per unroll: not with FP8 GEMMs, which
-        quantize q/k/v's weights whole (each step then projects its own concatenation)."""
+        """Whether the embedding's share of q/k/v is one projection per unroll: not with FP8 GEMMs,
+        which quantize q/k/v's weights whole (each step then projects its own concatenation)."""
         return not self.kernels.fp8_gemms
 
     def _weights(self, device) -> TTTWeights:
-        """This unroll's TTTWeights: q/k/v in two column blocks where the embedding's share is apart."""
+        """This unroll's TTTWeights: q/k/v in two column blocks where the embedding's share is
+        apart."""
         kn, m = self.kernels, self.drafter
-        return TTTWeights(m, compute_dtype(device, m.fc.weight.dtype), self.gemm_dtype, fp8=kn.fp8_gemms,
-                          compile=kn.compile, halves=self._shares_emb())
+        return TTTWeights(
+            m,
+            compute_dtype(device, m.fc.weight.dtype),
+            self.gemm_dtype,
+            fp8=kn.fp8_gemms,
+            compile=kn.compile,
+            halves=self._shares_emb(),
+        )
 
     def _emb(self, ids, K: int, weights: TTTWeights, q_from: int = 0) -> SharedEmb | None:
-        """The embedding's share of q/k/v at every position a step reads (None: see _shares_emb). Step
-        k at position t reads token t+1+k (0 past the end), which is ext[t+k] below, so step k's share
-        at t is row t+k of one projection over the T+K-1 tokens (q's from q_from, the first query's
-        position)."""
+        """The embedding's share of q/k/v at every position a step reads (None: see _shares_emb).
+        Step k at position t reads token t+1+k (0 past the end), which is ext[t+k] below, so step
+        k's share at t is row t+k of one projection over the T+K-1 tokens (q's from q_from, the
+        first query's position)."""
         if not self._shares_emb():
             return None
         B, T = ids.shape
         ext = ids.new_zeros(B, T + K - 1)
-        ext[:, :T - 1] = ids[:, 1:]
+        ext[:, : T - 1] = ids[:, 1:]
         return emb_proj(self.drafter, ext, weights, self.kernels, q_from)
 
-    def forward(self, ids, aux, labels: Labels, ttt_steps: int, decay: float, counts: torch.Tensor | None = None):
-        """ids (B, T), aux (B, T, 3H) -> (loss, correct (K,), scored (K,)); counts (K,) the denominators."""
+    def forward(
+        self,
+        ids,
+        aux,
+        labels: Labels,
+        ttt_steps: int,
+        decay: float,
+        counts: torch.Tensor | None = None,
+    ):
+        """ids (B, T), aux (B, T, 3H) -> (loss, correct (K,), scored (K,)); counts (K,) the
+        denominators."""
         m, (B, T), K, kn = self.drafter, ids.shape, ttt_steps, self.kernels
         s, e = ttt_span(labels, T, K)  # the steps >= 1 and the head run on positions [s, e) only
         b, t = ttt_rows(labels.scored, K)
@@ -272,25 +359,42 @@ class TTTObjective(nn.Module):
         pe = self._emb(ids, K, weights, s)
         for k in range(K):
             if pe is not None:  # the embedding's share of q/k/v from pe, shifted by k
-                if k == 0:  # keys and values on [0, e), the rest only on [s, e): the later steps read no more
-                    h, hn = ttt_step(m, aux[:, :e], pe.step(slice(s, e), slice(0, e)), pos[:e], kv, weights, kn,
-                                     slice(s, None) if s else None)  # (B, e - s, H)
+                # keys and values on [0, e), the rest only on [s, e): the later steps read no more
+                if k == 0:
+                    h, hn = ttt_step(
+                        m,
+                        aux[:, :e],
+                        pe.step(slice(s, e), slice(0, e)),
+                        pos[:e],
+                        kv,
+                        weights,
+                        kn,
+                        slice(s, None) if s else None,
+                    )  # (B, e - s, H)
                 else:
                     rows = slice(s + k, e + k)
                     h, hn = ttt_step(m, h, pe.step(rows, rows), pos[s:e] + k, kv, weights, kn)
                 normed.append(hn)
                 continue
             nxt = torch.zeros_like(ids)
-            nxt[:, :T - 1 - k] = ids[:, 1 + k:]  # step k at t reads token t+1+k
+            nxt[:, : T - 1 - k] = ids[:, 1 + k :]  # step k at t reads token t+1+k
             if k == 0:  # all positions: step 0's keys are every later step's causal keys
-                h, hn = ttt_step_concat(m, nxt, aux, pos, kv, weights, kn)  # (B, T, H) pre-norm, normed
-                if (s, e) != (0, T):  # later queries are the last rows of keys [0, e) (bottom-right causal)
+                h, hn = ttt_step_concat(
+                    m, nxt, aux, pos, kv, weights, kn
+                )  # (B, T, H) pre-norm, normed
+                if (s, e) != (
+                    0,
+                    T,
+                ):  # later queries are the last rows of keys [0, e) (bottom-right causal)
                     h, hn, kv[0] = h[:, s:e], hn[:, s:e], tuple(t[:, :, :e] for t in kv[0])
             else:
-                h, hn = ttt_step_concat(m, nxt[:, s:e], h, pos[s:e] + k, kv, weights, kn)  # (B, L, H)
+                h, hn = ttt_step_concat(
+                    m, nxt[:, s:e], h, pos[s:e] + k, kv, weights, kn
+                )  # (B, L, H)
             normed.append(hn)
         hn = torch.stack(normed)  # (K, B, L, H)
-        normed.clear()  # the steps' own copies go before the head's chunks are allocated (peak memory)
+        # the steps' own copies go before the head's chunks are allocated (peak memory)
+        normed.clear()
         rows, inside = label_rows(B, T, K, ids.device, (s, e))
         valid = labels.valid.view(-1)[rows] & inside  # (K, B, L)
         scored = labels.scored.view(-1)[rows] & inside
@@ -298,40 +402,63 @@ class TTTObjective(nn.Module):
             counts = scored.sum((1, 2))
         decay_k = decay ** torch.arange(K, device=ids.device, dtype=torch.float32)
         row_w = valid * (decay_k / counts.to(ids.device, torch.float32).clamp(min=1))[:, None, None]
-        loss, pred = head_soft_ce(hn.view(K * B * (e - s), -1), m.lm_head.weight, labels.probs, rows.view(-1),
-                                  row_w.view(-1), self.head_chunk, self.gemm_dtype, kn)
+        loss, pred = head_soft_ce(
+            hn.view(K * B * (e - s), -1),
+            m.lm_head.weight,
+            labels.probs,
+            rows.view(-1),
+            row_w.view(-1),
+            self.head_chunk,
+            self.gemm_dtype,
+            kn,
+        )
         correct = ((pred.view(K, B, e - s) == labels.target.view(-1)[rows]) & scored).sum((1, 2))
         return loss, correct, scored.sum((1, 2))
 
     def _forward_rows(self, ids, aux, labels: Labels, K: int, decay: float, counts, b, t):
         """forward() with the steps >= 1 and every step's head on the gathered positions some step
-        scores (ttt_rows), as one (1, N) batch: step 0 runs on all of (B, T), since its keys are every
-        later step's causal keys; the attention scatters the gathered queries back for its causal part."""
+        scores (ttt_rows), as one (1, N) batch: step 0 runs on all of (B, T), since its keys are
+        every later step's causal keys; the attention scatters the gathered queries back for its
+        causal part."""
         m, T, kn = self.drafter, ids.shape[1], self.kernels
         weights = self._weights(ids.device)
         pe = self._emb(ids, K, weights)
         kv, normed = TTTKeys(), []
         for k in range(K):
             if pe is not None:  # the embedding's share of q/k/v from pe, shifted by k
-                if k == 0:  # keys and values everywhere, queries and the rest at the gathered rows only
-                    h, hn = ttt_step(m, aux, pe.step((b, t), slice(0, T)), torch.arange(T, device=ids.device),
-                                     kv, weights, kn, (b, t))  # (1, N, H)
+                if (
+                    k == 0
+                ):  # keys and values everywhere, queries and the rest at the gathered rows only
+                    h, hn = ttt_step(
+                        m,
+                        aux,
+                        pe.step((b, t), slice(0, T)),
+                        torch.arange(T, device=ids.device),
+                        kv,
+                        weights,
+                        kn,
+                        (b, t),
+                    )  # (1, N, H)
                     kv.where = (b, t)
                 else:
                     h, hn = ttt_step(m, h, pe.step((b, t + k), (b, t + k)), t + k, kv, weights, kn)
                 normed.append(hn[0])
                 continue
             nxt = torch.zeros_like(ids)
-            nxt[:, :T - 1 - k] = ids[:, 1 + k:]  # step k at t reads token t+1+k
+            nxt[:, : T - 1 - k] = ids[:, 1 + k :]  # step k at t reads token t+1+k
             if k == 0:
-                h, hn = ttt_step_concat(m, nxt, aux, torch.arange(T, device=ids.device), kv, weights, kn)
+                h, hn = ttt_step_concat(
+                    m, nxt, aux, torch.arange(T, device=ids.device), kv, weights, kn
+                )
                 h, hn, kv.where = h[b, t][None], hn[b, t][None], (b, t)  # (1, N, H)
             else:
                 h, hn = ttt_step_concat(m, nxt[b, t][None], h, t + k, kv, weights, kn)  # (1, N, H)
             normed.append(hn[0])
         hn = torch.stack(normed)  # (K, N, H)
         normed.clear()
-        src = t[None] + 1 + torch.arange(K, device=ids.device)[:, None]  # (K, N) row (k, i) labelled at t+1+k
+        src = (
+            t[None] + 1 + torch.arange(K, device=ids.device)[:, None]
+        )  # (K, N) row (k, i) labelled at t+1+k
         inside = src < T
         rows = b[None] * T + src.clamp(max=T - 1)  # (K, N) flat teacher rows
         valid = labels.valid.view(-1)[rows] & inside
@@ -340,7 +467,15 @@ class TTTObjective(nn.Module):
             counts = scored.sum(1)
         decay_k = decay ** torch.arange(K, device=ids.device, dtype=torch.float32)
         row_w = valid * (decay_k / counts.to(ids.device, torch.float32).clamp(min=1))[:, None]
-        loss, pred = head_soft_ce(hn.view(K * b.numel(), -1), m.lm_head.weight, labels.probs, rows.view(-1),
-                                  row_w.view(-1), self.head_chunk, self.gemm_dtype, kn)
+        loss, pred = head_soft_ce(
+            hn.view(K * b.numel(), -1),
+            m.lm_head.weight,
+            labels.probs,
+            rows.view(-1),
+            row_w.view(-1),
+            self.head_chunk,
+            self.gemm_dtype,
+            kn,
+        )
         correct = ((pred.view(K, -1) == labels.target.view(-1)[rows]) & scored).sum(1)
         return loss, correct, scored.sum(1)

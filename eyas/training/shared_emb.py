@@ -25,9 +25,9 @@ def rows_of(x, rows):
 
 
 class _EmbSums:
-    """An unroll's embedding projections, detached (`data`), and their gradients, one (B, S, out) buffer
-    each, made by the first step's backward that reaches it. Holds no graph tensor: the autograd nodes
-    hold it."""
+    """An unroll's embedding projections, detached (`data`), and their gradients, one (B, S, out)
+    buffer each, made by the first step's backward that reaches it. Holds no graph tensor: the
+    autograd nodes hold it."""
 
     def __init__(self, pe: dict):
         self.data = {n: p.detach() for n, p in pe.items()}
@@ -38,13 +38,16 @@ class _EmbSums:
         if buf is None:
             buf = self.bufs[name] = torch.zeros_like(self.data[name])
         if isinstance(rows, slice):
-            # one sequence at a time: buf[b, rows] is contiguous where buf[:, rows] is strided, which
-            # runs CUDA's generic elementwise kernel (bench/results/2026-12-05_h200_copies-adds.md)
+            # one sequence at a time: buf[b, rows] is contiguous where buf[:, rows] is strided,
+            # which runs CUDA's generic elementwise kernel
+            # (bench/results/2026-12-05_h200_copies-adds.md)
             for b in range(buf.shape[0]):
                 buf[b, rows].add_(dy[b])
         else:  # gathered (b, t), distinct: one indexed add into the flat (B * S, out) rows
             b, t = rows
-            buf.view(-1, buf.shape[-1]).index_add_(0, b * buf.shape[1] + t, dy.reshape(-1, buf.shape[-1]))
+            buf.view(-1, buf.shape[-1]).index_add_(
+                0, b * buf.shape[1] + t, dy.reshape(-1, buf.shape[-1])
+            )
 
     def take(self, name: str):
         return self.bufs.pop(name, None)
@@ -65,8 +68,8 @@ class _CollectEmb(torch.autograd.Function):
 
 
 class _EmbRows(torch.autograd.Function):
-    """One step's rows of an embedding projection: the forward a view (or gather) of it, the backward
-    an in-place add into the unroll's sum (_EmbSums)."""
+    """One step's rows of an embedding projection: the forward a view (or gather) of it, the
+    backward an in-place add into the unroll's sum (_EmbSums)."""
 
     @staticmethod
     def forward(ctx, token, sums, name, rows):
@@ -88,18 +91,27 @@ class SharedEmb:
         self.pe, self.start = pe, start or {}
         grad = any(p.requires_grad for p in pe.values())
         self.sums = _EmbSums(pe) if grad else None
-        self.token = {n: _CollectEmb.apply(self.sums, n, p) for n, p in pe.items()} if grad else None
+        self.token = (
+            {n: _CollectEmb.apply(self.sums, n, p) for n, p in pe.items()} if grad else None
+        )
 
     def at(self, name: str, rows):
         """The projection `name` at token positions `rows` (a slice, or gathered (b, t))."""
         off = self.start.get(name, 0)
         if off:
-            rows = slice(rows.start - off, rows.stop - off) if isinstance(rows, slice) else (rows[0], rows[1] - off)
+            rows = (
+                slice(rows.start - off, rows.stop - off)
+                if isinstance(rows, slice)
+                else (rows[0], rows[1] - off)
+            )
         if self.token is None:
             return rows_of(self.pe[name], rows)
         return _EmbRows.apply(self.token[name], self.sums, name, rows)
 
     def step(self, q_rows, kv_rows) -> dict:
         """{q_proj: at q_rows, k_proj and v_proj: at kv_rows}: one TTT step's inputs."""
-        return {"q_proj": self.at("q_proj", q_rows), "k_proj": self.at("k_proj", kv_rows),
-                "v_proj": self.at("v_proj", kv_rows)}
+        return {
+            "q_proj": self.at("q_proj", q_rows),
+            "k_proj": self.at("k_proj", kv_rows),
+            "v_proj": self.at("v_proj", kv_rows),
+        }

@@ -21,7 +21,11 @@ from safetensors import safe_open
 
 from eyas.target import read_config as read_target_config
 
-_NAMES = {"embed": "model.embed_tokens.weight", "lm_head": "lm_head.weight", "norm": "model.norm.weight"}
+_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "lm_head": "lm_head.weight",
+    "norm": "model.norm.weight",
+}
 _PREFIXES = ["", "language_model.", "model.language_model."]
 
 
@@ -33,7 +37,9 @@ def _weight_map(checkpoint: Path) -> dict[str, str]:
     if single.exists():
         with safe_open(str(single), framework="pt") as f:
             return {k: single.name for k in f.keys()}
-    raise ValueError(f"{checkpoint}: neither model.safetensors.index.json nor model.safetensors found")
+    raise ValueError(
+        f"{checkpoint}: neither model.safetensors.index.json nor model.safetensors found"
+    )
 
 
 def load_target_tensors(checkpoint: str | Path, which: list[str]) -> dict[str, torch.Tensor]:
@@ -48,7 +54,9 @@ def load_target_tensors(checkpoint: str | Path, which: list[str]) -> dict[str, t
             names += [p + _NAMES["embed"] for p in _PREFIXES]
         name = next((n for n in names if n in wmap), None)
         if name is None:
-            raise ValueError(f"{checkpoint}: no tensor {_NAMES[key]} (tried {names}) in the weight map")
+            raise ValueError(
+                f"{checkpoint}: no tensor {_NAMES[key]} (tried {names}) in the weight map"
+            )
         found[key] = name
     out = {}
     for file in sorted({wmap[n] for n in found.values()}):
@@ -67,7 +75,9 @@ class TargetHead(nn.Module):
     always returns logits in target-id order.
     """
 
-    def __init__(self, lm_head: torch.Tensor, norm: torch.Tensor | None, eps: float, dtype=torch.float32):
+    def __init__(
+        self, lm_head: torch.Tensor, norm: torch.Tensor | None, eps: float, dtype=torch.float32
+    ):
         super().__init__()
         self.register_buffer("weight", lm_head.to(dtype))  # (V, H), rows in `order`
         self.register_buffer("norm_weight", None if norm is None else norm.float())  # (H,) or None
@@ -75,7 +85,9 @@ class TargetHead(nn.Module):
         self.eps = eps
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: str | Path, *, last_hidden_norm: str, dtype=torch.float32) -> "TargetHead":
+    def from_checkpoint(
+        cls, checkpoint: str | Path, *, last_hidden_norm: str, dtype=torch.float32
+    ) -> "TargetHead":
         """last_hidden_norm: "post" (stored states are already normed) or "pre" (apply the norm)."""
         if last_hidden_norm not in ("pre", "post"):
             raise ValueError(f"last_hidden_norm must be 'pre' or 'post', got {last_hidden_norm!r}")
@@ -91,7 +103,8 @@ class TargetHead(nn.Module):
         return self
 
     def prepare(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """(..., H) stored states -> the head's input, in the head's dtype (final norm in fp32 if pre)."""
+        """(..., H) stored states -> the head's input, in the head's dtype (final norm in fp32 if
+        pre)."""
         x = last_hidden.float()
         if self.norm_weight is not None:
             x = self.norm_weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))

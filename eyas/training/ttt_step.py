@@ -1,10 +1,15 @@
-"""One TTT step of the drafter as training runs it: the plain model's function, through fused kernels.
+"""One TTT step of the drafter as training runs it: the plain model's function, through fused
+kernels.
 
-    weights = TTTWeights(drafter, dtype, halves=True)        # once per unroll (eyas/training/ttt_weights.py)
-    pe = emb_proj(drafter, tokens, weights, kernels)          # the embedding's share of q/k/v, once per unroll
+    # once per unroll (eyas/training/ttt_weights.py)
+    weights = TTTWeights(drafter, dtype, halves=True)
+    # the embedding's share of q/k/v, once per unroll
+    pe = emb_proj(drafter, tokens, weights, kernels)
     kv = TTTKeys()
-    h, hn = ttt_step(drafter, aux, pe.step(rows, rows), positions, kv, weights, kernels)      # step 0
-    h, hn = ttt_step(drafter, h, pe.step(rows1, rows1), positions + 1, kv, weights, kernels)  # step 1, ...
+    # step 0
+    h, hn = ttt_step(drafter, aux, pe.step(rows, rows), positions, kv, weights, kernels)
+    # step 1, ...
+    h, hn = ttt_step(drafter, h, pe.step(rows1, rows1), positions + 1, kv, weights, kernels)
 
 Each step computes what Eagle3Drafter.forward computes under ttt_mask (eyas/training/drafter.py),
 -> (h, norm(h)): the GEMMs through the unroll's TTTWeights (each weight cast once, its gradient
@@ -26,23 +31,24 @@ import torch.nn.functional as F
 
 from eyas.training import kernels as fused
 from eyas.training.attention import ttt_attention
-from eyas.training.drafter import Attention, Eagle3Drafter, MLP, rope_cos_sin
+from eyas.training.drafter import MLP, Attention, Eagle3Drafter, rope_cos_sin
 from eyas.training.kernels import KernelOptions
 from eyas.training.shared_emb import SharedEmb, rows_of
 from eyas.training.ttt_weights import TTTWeights
 
 
 class TTTKeys(list):
-    """What a TTT unroll's attention reads across its steps: step 0's (k, v) for every position of the
-    (B, T) batch, then one diagonal (k, v) per later step. `where`: the (b, t) positions of the later
-    steps' rows when they run gathered, as a (1, N) batch (TTTObjective's per-position skipping);
-    None: they run on the batch's own (B, L) layout."""
+    """What a TTT unroll's attention reads across its steps: step 0's (k, v) for every position of
+    the (B, T) batch, then one diagonal (k, v) per later step. `where`: the (b, t) positions of the
+    later steps' rows when they run gathered, as a (1, N) batch (TTTObjective's per-position
+    skipping); None: they run on the batch's own (B, L) layout."""
 
     where: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class _SwiGLU(torch.autograd.Function):
-    """silu(g) * u keeping only g and u for the backward (silu(g) is recomputed): a third less MLP memory."""
+    """silu(g) * u keeping only g and u for the backward (silu(g) is recomputed): a third less MLP
+    memory."""
 
     @staticmethod
     def forward(ctx, g, u):  # (B, T, I) each
@@ -57,20 +63,32 @@ class _SwiGLU(torch.autograd.Function):
 
 def _mlp(mlp: MLP, x, weights: TTTWeights, kernels: KernelOptions):  # (B, L, H) -> (B, L, H)
     g, u = weights.linears(("gate_proj", "up_proj"), x)  # (B, L, I) each
-    return weights.linear("down_proj", fused.swiglu(g, u, compile=True) if kernels.compile else _SwiGLU.apply(g, u))
+    return weights.linear(
+        "down_proj", fused.swiglu(g, u, compile=True) if kernels.compile else _SwiGLU.apply(g, u)
+    )
 
 
 def _attend(attn: Attention, q, ttt: TTTKeys, weights: TTTWeights, kernels: KernelOptions, where):
-    """q (B, nh, L, hd) against step 0's keys (causal) and each later step's diagonal key -> o_proj's output."""
+    """q (B, nh, L, hd) against step 0's keys (causal) and each later step's diagonal key ->
+    o_proj's output."""
     (k0, v0), diag = ttt[0], ttt[1:]
-    y = ttt_attention(q, attn.heads(k0), attn.heads(v0), [attn.heads(kd) for kd, _ in diag],
-                      [attn.heads(vd) for _, vd in diag], 1.0 / math.sqrt(attn.hd), kernels, where)  # (B, nh, L, hd)
+    y = ttt_attention(
+        q,
+        attn.heads(k0),
+        attn.heads(v0),
+        [attn.heads(kd) for kd, _ in diag],
+        [attn.heads(vd) for _, vd in diag],
+        1.0 / math.sqrt(attn.hd),
+        kernels,
+        where,
+    )  # (B, nh, L, hd)
     B, _, L, _ = y.shape
     return weights.linear("o_proj", y.transpose(1, 2).reshape(B, L, attn.nh * attn.hd))
 
 
 def _rows(x, keep):
-    """x (B, L, ...) at the rows `keep` names: None all, a slice of L, or gathered (b, t) -> (1, N, ...)."""
+    """x (B, L, ...) at the rows `keep` names: None all, a slice of L, or gathered (b, t) -> (1, N,
+    ...)."""
     return x if keep is None else rows_of(x, keep)
 
 
@@ -81,43 +99,74 @@ def _pos_rows(x, keep):
     return x[keep] if isinstance(keep, slice) else x[keep[1]]
 
 
-def emb_proj(m: Eagle3Drafter, tokens: torch.Tensor, weights: TTTWeights, kernels: KernelOptions,
-             q_from: int = 0) -> SharedEmb:
-    """input_layernorm(embed(tokens)) @ W_e.T for q, k and v, W_e their embedding columns: the part of
-    every TTT step's q/k/v that depends on its token alone. tokens (B, S) -> SharedEmb of
-    {q_proj, k_proj, v_proj: (B, S, out)} (q_proj from token q_from on: no step queries the tokens before)."""
+def emb_proj(
+    m: Eagle3Drafter,
+    tokens: torch.Tensor,
+    weights: TTTWeights,
+    kernels: KernelOptions,
+    q_from: int = 0,
+) -> SharedEmb:
+    """input_layernorm(embed(tokens)) @ W_e.T for q, k and v, W_e their embedding columns: the part
+    of every TTT step's q/k/v that depends on its token alone. tokens (B, S) -> SharedEmb of
+    {q_proj, k_proj, v_proj: (B, S, out)} (q_proj from token q_from on: no step queries the tokens
+    before)."""
     norm = m.midlayer.input_layernorm
     e = m.embed_tokens(tokens).to(weights.dtype)  # (B, S, H), frozen
     en = fused.norm(e, norm.weight, norm.eps, compile=kernels.compile)
-    names = ("k_proj", "v_proj") if q_from else ("q_proj", "k_proj", "v_proj")  # q apart where it starts later
+    names = (
+        ("k_proj", "v_proj") if q_from else ("q_proj", "k_proj", "v_proj")
+    )  # q apart where it starts later
     pe = dict(zip(names, weights.linears(names, en, 0)))
     if q_from:
         pe["q_proj"] = weights.linear("q_proj", en[:, q_from:], 0)
     return SharedEmb(pe, {"q_proj": q_from})
 
 
-def ttt_step(m: Eagle3Drafter, hidden, pe: dict, positions, ttt: TTTKeys, weights: TTTWeights,
-             kernels: KernelOptions, keep=None):
+def ttt_step(
+    m: Eagle3Drafter,
+    hidden,
+    pe: dict,
+    positions,
+    ttt: TTTKeys,
+    weights: TTTWeights,
+    kernels: KernelOptions,
+    keep=None,
+):
     """One TTT step -> (h, norm(h)) (B, Lq, H) at the query rows.
 
     hidden (B, L, num_aux*H_t) the target's aux states (step 0) or (B, L, H) the previous step's h;
-    pe {k_proj, v_proj: (B, L, out), q_proj: the same at the query rows} the embedding's share at the
-    same positions (SharedEmb.step); positions (L,). keep (step 0 of a skipping unroll): the queries
-    only at these rows, a slice of L (the last rows: bottom-right causal) or gathered (b, t) -> (1, N);
-    keys and values at every row, since they are every later step's causal keys."""
+    pe {k_proj, v_proj: (B, L, out), q_proj: the same at the query rows} the embedding's share at
+    the same positions (SharedEmb.step); positions (L,). keep (step 0 of a skipping unroll): the
+    queries only at these rows, a slice of L (the last rows: bottom-right causal) or gathered (b, t)
+    -> (1, N); keys and values at every row, since they are every later step's causal keys."""
     layer, c = m.midlayer, kernels.compile
     if hidden.shape[-1] != m.cfg.hidden_size:
         hidden = weights.linear("fc", hidden)  # (B, L, H)
-    cos, sin = (t.to(hidden.dtype) for t in rope_cos_sin(positions, m.cfg.head_dim, m.cfg.rope_theta))
+    cos, sin = (
+        t.to(hidden.dtype) for t in rope_cos_sin(positions, m.cfg.head_dim, m.cfg.rope_theta)
+    )
     x = fused.norm(hidden, layer.hidden_norm.weight, layer.hidden_norm.eps, compile=c)  # (B, L, H)
     a = _attention_emb(layer.self_attn, x, pe, cos, sin, ttt, weights, kernels, keep)  # (B, Lq, H)
     post = layer.post_attention_layernorm
-    h, x = fused.add_norm(_rows(hidden, keep), a, post.weight, post.eps, compile=c)  # the residual starts at h
-    return fused.add_norm(h, _mlp(layer.mlp, x, weights, kernels), m.norm.weight, m.norm.eps, compile=c)
+    h, x = fused.add_norm(
+        _rows(hidden, keep), a, post.weight, post.eps, compile=c
+    )  # the residual starts at h
+    return fused.add_norm(
+        h, _mlp(layer.mlp, x, weights, kernels), m.norm.weight, m.norm.eps, compile=c
+    )
 
 
-def _attention_emb(attn: Attention, x, pe: dict, cos, sin, ttt: TTTKeys, weights: TTTWeights,
-                   kernels: KernelOptions, keep):
+def _attention_emb(
+    attn: Attention,
+    x,
+    pe: dict,
+    cos,
+    sin,
+    ttt: TTTKeys,
+    weights: TTTWeights,
+    kernels: KernelOptions,
+    keep,
+):
     """x (B, L, H) hidden_norm(h); q/k/v = x @ W_h.T + pe -> o_proj's output at the query rows."""
     B, L, _ = x.shape
     nh, nkv, hd, c = attn.nh, attn.nkv, attn.hd, kernels.compile
@@ -126,39 +175,67 @@ def _attention_emb(attn: Attention, x, pe: dict, cos, sin, ttt: TTTKeys, weights
     else:
         yk, yv = weights.linears(("k_proj", "v_proj"), x, 1)
         yq = weights.linear("q_proj", _rows(x, keep), 1)
-    k = fused.add_rope(yk.view(B, L, nkv, hd), pe["k_proj"].view(B, L, nkv, hd), cos, sin, compile=c).transpose(1, 2)
+    k = fused.add_rope(
+        yk.view(B, L, nkv, hd), pe["k_proj"].view(B, L, nkv, hd), cos, sin, compile=c
+    ).transpose(1, 2)
     v = (yv + pe["v_proj"]).view(B, L, nkv, hd).transpose(1, 2)  # (B, nkv, L, hd)
     Bq, Lq = yq.shape[:2]
-    q = fused.add_rope(yq.view(Bq, Lq, nh, hd), pe["q_proj"].view(Bq, Lq, nh, hd),
-                       _pos_rows(cos, keep), _pos_rows(sin, keep), compile=c).transpose(1, 2)  # (Bq, nh, Lq, hd)
+    q = fused.add_rope(
+        yq.view(Bq, Lq, nh, hd),
+        pe["q_proj"].view(Bq, Lq, nh, hd),
+        _pos_rows(cos, keep),
+        _pos_rows(sin, keep),
+        compile=c,
+    ).transpose(1, 2)  # (Bq, nh, Lq, hd)
     ttt.append((k, v))
     where = ttt.where if len(ttt) > 1 else (keep if isinstance(keep, tuple) else None)
     return _attend(attn, q, ttt, weights, kernels, where)
 
 
-def ttt_step_concat(m: Eagle3Drafter, input_ids, hidden, positions, ttt: TTTKeys, weights: TTTWeights,
-                    kernels: KernelOptions):
-    """ttt_step with q/k/v projecting each step's own concat(input_layernorm(embed), hidden_norm(h)):
-    input_ids (B, L) the tokens the step reads -> (h, norm(h)) (B, L, H)."""
+def ttt_step_concat(
+    m: Eagle3Drafter,
+    input_ids,
+    hidden,
+    positions,
+    ttt: TTTKeys,
+    weights: TTTWeights,
+    kernels: KernelOptions,
+):
+    """ttt_step with q/k/v projecting each step's own concat(input_layernorm(embed),
+    hidden_norm(h)): input_ids (B, L) the tokens the step reads -> (h, norm(h)) (B, L, H)."""
     layer, c = m.midlayer, kernels.compile
     emb = m.embed_tokens(input_ids)  # (B, L, H)
     if hidden.shape[-1] != m.cfg.hidden_size:
         hidden = weights.linear("fc", hidden)  # (B, L, H)
-    cos, sin = (t.to(hidden.dtype) for t in rope_cos_sin(positions, m.cfg.head_dim, m.cfg.rope_theta))
+    cos, sin = (
+        t.to(hidden.dtype) for t in rope_cos_sin(positions, m.cfg.head_dim, m.cfg.rope_theta)
+    )
     inorm = layer.input_layernorm
-    x = fused.norm_cat(emb.to(hidden.dtype), hidden, inorm.weight, layer.hidden_norm.weight, inorm.eps,
-                       compile=c)  # (B, L, 2H)
+    x = fused.norm_cat(
+        emb.to(hidden.dtype), hidden, inorm.weight, layer.hidden_norm.weight, inorm.eps, compile=c
+    )  # (B, L, 2H)
     post = layer.post_attention_layernorm
-    h, x = fused.add_norm(hidden, _attention_concat(layer.self_attn, x, cos, sin, ttt, weights, kernels),
-                          post.weight, post.eps, compile=c)
-    return fused.add_norm(h, _mlp(layer.mlp, x, weights, kernels), m.norm.weight, m.norm.eps, compile=c)
+    h, x = fused.add_norm(
+        hidden,
+        _attention_concat(layer.self_attn, x, cos, sin, ttt, weights, kernels),
+        post.weight,
+        post.eps,
+        compile=c,
+    )
+    return fused.add_norm(
+        h, _mlp(layer.mlp, x, weights, kernels), m.norm.weight, m.norm.eps, compile=c
+    )
 
 
-def _attention_concat(attn: Attention, x, cos, sin, ttt: TTTKeys, weights: TTTWeights, kernels: KernelOptions):
+def _attention_concat(
+    attn: Attention, x, cos, sin, ttt: TTTKeys, weights: TTTWeights, kernels: KernelOptions
+):
     B, L, _ = x.shape  # x (B, L, 2H)
     q = weights.linear("q_proj", x).view(B, L, attn.nh, attn.hd)
     k = weights.linear("k_proj", x).view(B, L, attn.nkv, attn.hd)
     v = weights.linear("v_proj", x).view(B, L, attn.nkv, attn.hd).transpose(1, 2)  # (B, nkv, L, hd)
-    q, k = (t.transpose(1, 2) for t in fused.rope_qk(q, k, cos, sin, compile=kernels.compile))  # (B, nh|nkv, L, hd)
+    q, k = (
+        t.transpose(1, 2) for t in fused.rope_qk(q, k, cos, sin, compile=kernels.compile)
+    )  # (B, nh|nkv, L, hd)
     ttt.append((k, v))
     return _attend(attn, q, ttt, weights, kernels, ttt.where if len(ttt) > 1 else None)

@@ -1,14 +1,17 @@
-"""The drafter's GEMM weights for one TTT unroll: cast once, their gradients summed inside the GEMMs.
+"""The drafter's GEMM weights for one TTT unroll: cast once, their gradients summed inside the
+GEMMs.
 
     shared = TTTWeights(drafter, dtype=torch.bfloat16)     # once per unroll (TTTObjective)
-    y = shared.linear("o_proj", x)                          # x @ o_proj.weight.T, any number of times
+    # x @ o_proj.weight.T, any number of times
+    y = shared.linear("o_proj", x)
     q, k, v = shared.linears(("q_proj", "k_proj", "v_proj"), x)
 
 Every TTT step uses the same weights. Through nn.Linear each step would cast each weight to the
 compute dtype again and form a weight gradient of its own for autograd to add up and cast. Here a
 weight is cast once per unroll, and each step's weight-gradient GEMM accumulates into one buffer
 (beta = 1: gradient-accumulation fusion) that reaches the weight, once, as an ordinary gradient
-(the DDP/FSDP hooks see nothing unusual). The math is the nn.Linear modules'; only the kernels differ.
+(the DDP/FSDP hooks see nothing unusual). The math is the nn.Linear modules'; only the kernels
+differ.
 
 With fp8 (training.fp8_gemms) the layer's GEMMs run in FP8 e4m3 with one scale per row and column
 (_SharedLinearFP8): not the same function, FP8 rounds each operand to 3 mantissa bits.
@@ -36,23 +39,28 @@ def compute_dtype(device: torch.device, default: torch.dtype) -> torch.dtype:
 
 
 class _GradSink:
-    """The gradient of one weight, summed over the TTT steps inside the weight-gradient GEMMs (beta = 1),
-    in the GEMM dtype (bf16 on a GPU: the sum autograd would form, one fused GEMM instead of a GEMM
-    and an add per step; fp32 sums run ~10% slower on cuBLAS, bench/results/2026-12-03_h200_train-step.md).
-    `part`: the column block a GEMM's gradient belongs to, for a weight used as two halves (q/k/v's
-    embedding and hidden-state columns: eyas/training/shared_emb.py); take() joins them."""
+    """The gradient of one weight, summed over the TTT steps inside the weight-gradient GEMMs (beta
+    = 1), in the GEMM dtype (bf16 on a GPU: the sum autograd would form, one fused GEMM instead of a
+    GEMM and an add per step; fp32 sums run ~10% slower on cuBLAS,
+    bench/results/2026-12-03_h200_train-step.md). `part`: the column block a GEMM's gradient belongs
+    to, for a weight used as two halves (q/k/v's embedding and hidden-state columns:
+    eyas/training/shared_emb.py); take() joins them."""
 
     def __init__(self):
         self.bufs = {}  # part (None: the whole weight) -> (out, in) buffer, made by its first GEMM
 
-    def add(self, dy_t, x, part: int | None = None):  # += dy_t @ x: the first GEMM writes the buffer
+    def add(
+        self, dy_t, x, part: int | None = None
+    ):  # += dy_t @ x: the first GEMM writes the buffer
         buf = self.bufs.get(part)
         if buf is None:
             self.bufs[part] = dy_t @ x
         else:
             buf.addmm_(dy_t, x)
 
-    def add_product(self, g):  # += g, a weight gradient formed elsewhere (the FP8 GEMMs: no accumulating kernel)
+    def add_product(
+        self, g
+    ):  # += g, a weight gradient formed elsewhere (the FP8 GEMMs: no accumulating kernel)
         buf = self.bufs.get(None)
         if buf is None:
             self.bufs[None] = g
@@ -93,16 +101,16 @@ class _SharedLinear(torch.autograd.Function):
         xg = gemm.gemm_operand(x2, w.dtype)  # (M or more, in): CPU bf16 GEMMs get padded rows
         ctx.save_for_backward(xg)
         ctx.w, ctx.sink, ctx.x_dtype, ctx.x_shape, ctx.part = w, sink, x.dtype, x.shape, part
-        return (xg @ w.T)[:x2.shape[0]].to(out_dtype).view(*x.shape[:-1], w.shape[0])
+        return (xg @ w.T)[: x2.shape[0]].to(out_dtype).view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        xg, = ctx.saved_tensors
+        (xg,) = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         dyg = gemm.gemm_operand(dy2, ctx.w.dtype)
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = (dyg @ ctx.w)[:dy2.shape[0]].view(ctx.x_shape).to(ctx.x_dtype)
+            dx = (dyg @ ctx.w)[: dy2.shape[0]].view(ctx.x_shape).to(ctx.x_dtype)
         ctx.sink.add(dyg.T, xg, ctx.part)  # padded rows are zeros on both sides: they add nothing
         return dx, dy.new_zeros((), dtype=torch.float32), None, None, None, None
 
@@ -111,12 +119,13 @@ class _SharedLinears(torch.autograd.Function):
     """_SharedLinear for weights that read one x (q/k/v, gate/up): x saved once, and its gradient
     summed inside the input-gradient GEMMs (beta = 1) instead of one GEMM per weight and autograd's
     adds of their (M, in) results. Only where x is already in the GEMM dtype (a GPU under autocast,
-    or fp32 throughout): the CPU's bf16 GEMMs over fp32 activations keep one node per weight and their
-    sums in fp32 (TTTWeights.linears)."""
+    or fp32 throughout): the CPU's bf16 GEMMs over fp32 activations keep one node per weight and
+    their sums in fp32 (TTTWeights.linears)."""
 
     @staticmethod
     def forward(ctx, x, ws, sinks, out_dtype, part, *tokens):
-        # x (..., in); ws: the weights (out_i, in), detached, in x's dtype -> one output (..., out_i) each
+        # x (..., in); ws: the weights (out_i, in), detached, in x's dtype -> one output (...,
+        # out_i) each
         x2 = x.reshape(-1, x.shape[-1])  # (M, in)
         ctx.save_for_backward(x2)
         ctx.ws, ctx.sinks, ctx.x_shape, ctx.part = ws, sinks, x.shape, part
@@ -124,25 +133,28 @@ class _SharedLinears(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *dys):
-        x2, = ctx.saved_tensors
+        (x2,) = ctx.saved_tensors
         dx = None
         for dy, w, sink in zip(dys, ctx.ws, ctx.sinks):
             dy2 = dy.reshape(-1, dy.shape[-1]).to(w.dtype)  # (M, out_i)
             if ctx.needs_input_grad[0]:
-                dx = dy2 @ w if dx is None else dx.addmm_(dy2, w)  # (M, in): the sum in the GEMM's epilogue
+                dx = (
+                    dy2 @ w if dx is None else dx.addmm_(dy2, w)
+                )  # (M, in): the sum in the GEMM's epilogue
             sink.add(dy2.T, x2, ctx.part)
         dx = None if dx is None else dx.view(ctx.x_shape)
         return (dx, None, None, None, None, *(dy.new_zeros((), dtype=torch.float32) for dy in dys))
 
 
 class _SharedLinearFP8(torch.autograd.Function):
-    """_SharedLinear with its three GEMMs in FP8: x quantized per token for the forward and per channel
-    (transposed) for the weight gradient, dy likewise in the backward, the weight per output and per
-    input channel (once per unroll, _Fp8Weight). Rows are padded to a multiple of 16."""
+    """_SharedLinear with its three GEMMs in FP8: x quantized per token for the forward and per
+    channel (transposed) for the weight gradient, dy likewise in the backward, the weight per output
+    and per input channel (once per unroll, _Fp8Weight). Rows are padded to a multiple of 16."""
 
     @staticmethod
     def forward(ctx, x, token, wq, xq, sink, out_dtype):
-        # x (..., in) the activation (for its shape and autograd); xq its quantized rows/columns (_quantized)
+        # x (..., in) the activation (for its shape and autograd); xq its quantized rows/columns
+        # (_quantized)
         x8, sx, xc8, sxc, M = xq
         ctx.save_for_backward(xc8, sxc)
         ctx.wq, ctx.sink, ctx.x_dtype, ctx.x_shape, ctx.M = wq, sink, x.dtype, x.shape, M
@@ -156,14 +168,17 @@ class _SharedLinearFP8(torch.autograd.Function):
         dy8, sdy, dyc8, sdyc, _ = _quantized(dy, wq.compile)
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = gemm.mm_fp8(dy8, sdy, wq.col8, wq.col_s, ctx.x_dtype)[:M].view(ctx.x_shape)  # (M, in)
+            dx = gemm.mm_fp8(dy8, sdy, wq.col8, wq.col_s, ctx.x_dtype)[:M].view(
+                ctx.x_shape
+            )  # (M, in)
         ctx.sink.add_product(gemm.mm_fp8(dyc8, sdyc, xc8, sxc, dy.dtype))
         return dx, dy.new_zeros((), dtype=torch.float32), None, None, None, None
 
 
 def _quantized(x, compile: bool):
-    """x (..., K) -> (rows fp8 (Mp, K), their scales (Mp, 1), columns fp8 (K, Mp) transposed, their scales
-    (K, 1), M): both quantizations of one operand, rows padded with zeros to Mp, a multiple of 16."""
+    """x (..., K) -> (rows fp8 (Mp, K), their scales (Mp, 1), columns fp8 (K, Mp) transposed, their
+    scales (K, 1), M): both quantizations of one operand, rows padded with zeros to Mp, a multiple
+    of 16."""
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]
     if gemm.fp8_pad(M) > M:
@@ -175,6 +190,7 @@ def _quantized(x, compile: bool):
 class _Fp8Weight:
     """A weight quantized once per unroll: per output channel for the forward, per input channel
     (transposed) for the input gradient."""
+
     row8: torch.Tensor  # (out, in) fp8
     row_s: torch.Tensor  # (out, 1)
     col8: torch.Tensor  # (in, out) fp8
@@ -195,21 +211,47 @@ class TTTWeights:
     in FP8 where their shapes allow. halves: q/k/v as two column blocks, the embedding's and the
     hidden state's (eyas/training/shared_emb.py), picked by linear's `part`."""
 
-    def __init__(self, drafter: Eagle3Drafter, dtype: torch.dtype, gemm_dtype: torch.dtype | None = None,
-                 fp8: bool = False, compile: bool = False, halves: bool = False):
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        dtype: torch.dtype,
+        gemm_dtype: torch.dtype | None = None,
+        fp8: bool = False,
+        compile: bool = False,
+        halves: bool = False,
+    ):
         a, m = drafter.midlayer.self_attn, drafter.midlayer.mlp
-        mods = {"fc": drafter.fc, "q_proj": a.q_proj, "k_proj": a.k_proj, "v_proj": a.v_proj, "o_proj": a.o_proj,
-                "gate_proj": m.gate_proj, "up_proj": m.up_proj, "down_proj": m.down_proj}
+        mods = {
+            "fc": drafter.fc,
+            "q_proj": a.q_proj,
+            "k_proj": a.k_proj,
+            "v_proj": a.v_proj,
+            "o_proj": a.o_proj,
+            "gate_proj": m.gate_proj,
+            "up_proj": m.up_proj,
+            "down_proj": m.down_proj,
+        }
         grad = torch.is_grad_enabled()
-        self.w, self.sink, self.token, self.dtype, self.q8, self.compile = {}, {}, {}, dtype, {}, compile
+        self.w, self.sink, self.token, self.dtype, self.q8, self.compile = (
+            {},
+            {},
+            {},
+            dtype,
+            {},
+            compile,
+        )
         self._last: tuple | None = None  # (x, its FP8 quantization): q/k/v and gate/up read one x
         H = drafter.cfg.hidden_size
         for name, mod in mods.items():
             w = mod.weight
             self.sink[name] = _GradSink()
-            self.token[name] = _Collect.apply(self.sink[name], w) if grad and w.requires_grad else None
+            self.token[name] = (
+                _Collect.apply(self.sink[name], w) if grad and w.requires_grad else None
+            )
             if fp8 and w.shape[0] % gemm.FP8_MULTIPLE == 0 and w.shape[1] % gemm.FP8_MULTIPLE == 0:
-                self.q8[name] = _Fp8Weight.of(w, compile)  # from the master weights; no bf16 copy needed
+                self.q8[name] = _Fp8Weight.of(
+                    w, compile
+                )  # from the master weights; no bf16 copy needed
             elif halves and name in ("q_proj", "k_proj", "v_proj"):
                 # two column blocks, each contiguous (the cast copies anyway)
                 w = w.detach().to(gemm_dtype or dtype)
@@ -217,19 +259,31 @@ class TTTWeights:
             else:
                 self.w[name] = w.detach().to(gemm_dtype or dtype)
 
-    def linears(self, names: tuple[str, ...], x: torch.Tensor, part: int | None = None) -> list[torch.Tensor]:
-        """[linear(name, x, part) for name in names], as one _SharedLinears where it applies (x in the
-        GEMM dtype, gradients wanted, no FP8): the same function, x's gradient summed in the GEMMs."""
+    def linears(
+        self, names: tuple[str, ...], x: torch.Tensor, part: int | None = None
+    ) -> list[torch.Tensor]:
+        """[linear(name, x, part) for name in names], as one _SharedLinears where it applies (x in
+        the GEMM dtype, gradients wanted, no FP8): the same function, x's gradient summed in the
+        GEMMs."""
         if len(names) < 2 or any(n in self.q8 or self.token[n] is None for n in names):
             return [self.linear(n, x, part) for n in names]
         ws = [self.w[n] if part is None else self.w[n][part] for n in names]
         if any(w.dtype != x.dtype for w in ws):
             return [self.linear(n, x, part) for n in names]
-        return list(_SharedLinears.apply(x, tuple(ws), tuple(self.sink[n] for n in names), self.dtype, part,
-                                         *(self.token[n] for n in names)))
+        return list(
+            _SharedLinears.apply(
+                x,
+                tuple(ws),
+                tuple(self.sink[n] for n in names),
+                self.dtype,
+                part,
+                *(self.token[n] for n in names),
+            )
+        )
 
     def linear(self, name: str, x: torch.Tensor, part: int | None = None) -> torch.Tensor:
-        """x @ W.T for the weight `name`; part 0 / 1: x @ W[:, :H].T / x @ W[:, H:].T (q/k/v with halves)."""
+        """x @ W.T for the weight `name`; part 0 / 1: x @ W[:, :H].T / x @ W[:, H:].T (q/k/v with
+        halves)."""
         if name in self.q8:
             if self._last is None or self._last[0] is not x:
                 self._last = (x, _quantized(x.detach(), self.compile))
@@ -237,8 +291,12 @@ class TTTWeights:
             if token is None:  # no gradient: the forward GEMM alone
                 x8, sx, _, _, M = self._last[1]
                 w8 = self.q8[name]
-                return gemm.mm_fp8(x8, sx, w8.row8, w8.row_s, self.dtype)[:M].view(*x.shape[:-1], w8.row8.shape[0])
-            return _SharedLinearFP8.apply(x, token, self.q8[name], self._last[1], self.sink[name], self.dtype)
+                return gemm.mm_fp8(x8, sx, w8.row8, w8.row_s, self.dtype)[:M].view(
+                    *x.shape[:-1], w8.row8.shape[0]
+                )
+            return _SharedLinearFP8.apply(
+                x, token, self.q8[name], self._last[1], self.sink[name], self.dtype
+            )
         w = self.w[name] if part is None else self.w[name][part]
         if self.token[name] is None:
             return (x.to(w.dtype) @ w.T).to(self.dtype)

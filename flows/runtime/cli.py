@@ -17,7 +17,8 @@ from eyas import cli as core
 
 def cmd_run(args) -> int:
     # No Prefect telemetry from eyas's own process (read when prefect is first imported, below)
-    # unless the operator asks for it: offline it only printed tracebacks that looked like eyas failing.
+    # unless the operator asks for it: offline it only printed tracebacks that looked like eyas
+    # failing.
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     cfg = core.load(args)
@@ -27,15 +28,31 @@ def cmd_run(args) -> int:
 
     # SIGTERM / SIGINT: the run's servers stopped, its flow runs final, exit within seconds.
     state = run_in_process(eagle3_pipeline, cfg, return_state=True)
-    if not state.is_completed():  # the reason was logged once, as `failed at TASK: reason`: no traceback
+    if (
+        not state.is_completed()
+    ):  # the reason was logged once, as `failed at TASK: reason`: no traceback
         message = state.message or ""
-        raise SystemExit(f"eyas: run {state.name}" + (f": {message}" if not printed(message)
-                                                      else f" ({message.split(': ', 1)[0]})"))
+        raise SystemExit(
+            f"eyas: run {state.name}"
+            + (f": {message}" if not printed(message) else f" ({message.split(': ', 1)[0]})")
+        )
     report = state.result()
-    per_set = {name: {chain: c["acceptance_length"] for chain, c in s["chains"].items()}
-               for name, s in (report["benchmarks"] or {}).items()}  # acceptance per prompt set and chain
-    print(json.dumps({**{k: report[k] for k in ("acceptance_length", "speedup", "extraction", "stages_seconds")},
-                      "acceptance_per_set": per_set}, indent=2))
+    per_set = {
+        name: {chain: c["acceptance_length"] for chain, c in s["chains"].items()}
+        for name, s in (report["benchmarks"] or {}).items()
+    }  # acceptance per prompt set and chain
+    print(
+        json.dumps(
+            {
+                **{
+                    k: report[k]
+                    for k in ("acceptance_length", "speedup", "extraction", "stages_seconds")
+                },
+                "acceptance_per_set": per_set,
+            },
+            indent=2,
+        )
+    )
     print(f"report:  {Path(cfg.run_dir) / 'report.json'}")
     print(f"drafter: {report['drafter_dir']}")
     return 0

@@ -78,7 +78,9 @@ def ensure_host_limit(cfg: PipelineConfig) -> str:
             client.read_global_concurrency_limit_by_name(name)
         except ObjectNotFound:
             try:
-                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+                client.create_global_concurrency_limit(
+                    GlobalConcurrencyLimitCreate(name=name, limit=1)
+                )
             except ObjectAlreadyExists:
                 pass
     return name
@@ -87,6 +89,7 @@ def ensure_host_limit(cfg: PipelineConfig) -> str:
 def this_machine() -> dict:
     """Where this process runs: what a holder record says, and what tells "the same machine" (same
     hostname, machine id and pid namespace: a container's pids are not its host's)."""
+
     def read(path: str) -> str:
         try:
             return Path(path).read_text().strip()
@@ -97,8 +100,12 @@ def this_machine() -> dict:
         pidns = os.readlink("/proc/self/ns/pid")
     except OSError:
         pidns = ""
-    return {"hostname": socket.gethostname(), "machine": read("/etc/machine-id") or read("/var/lib/dbus/machine-id"),
-            "boot": read("/proc/sys/kernel/random/boot_id"), "pidns": pidns}
+    return {
+        "hostname": socket.gethostname(),
+        "machine": read("/etc/machine-id") or read("/var/lib/dbus/machine-id"),
+        "boot": read("/proc/sys/kernel/random/boot_id"),
+        "pidns": pidns,
+    }
 
 
 def holder_record(cfg: PipelineConfig) -> dict:
@@ -106,9 +113,15 @@ def holder_record(cfg: PipelineConfig) -> dict:
     from prefect.runtime import flow_run
 
     me = LocalHost().process_identity(os.getpid())
-    return {**this_machine(), "run": str(flow_run.id) if flow_run.id else None, "run_name": flow_run.name,
-            "pid": os.getpid(), "start": me.start if me else None, "server_host": cfg.server.host.name,
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return {
+        **this_machine(),
+        "run": str(flow_run.id) if flow_run.id else None,
+        "run_name": flow_run.name,
+        "pid": os.getpid(),
+        "start": me.start if me else None,
+        "server_host": cfg.server.host.name,
+        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
 
 def dead_because(client, rec, here: dict) -> str | None:
@@ -129,7 +142,11 @@ def dead_because(client, rec, here: dict) -> str | None:
         return f"{rec['hostname']} rebooted since it took the host"
     if same:
         found = LocalHost().process_identity(rec["pid"])
-        if found is None or found.start != rec.get("start") or (found.zombie and not LocalHost().is_alive(rec["pid"])):
+        if (
+            found is None
+            or found.start != rec.get("start")
+            or (found.zombie and not LocalHost().is_alive(rec["pid"]))
+        ):
             return f"its process (pid {rec['pid']} on {rec['hostname']}) is gone"
     return None
 
@@ -137,7 +154,11 @@ def dead_because(client, rec, here: dict) -> str | None:
 def _describe(rec) -> str:
     if not isinstance(rec, dict):
         return f"an unreadable record {rec!r}"
-    run = f"flow run {rec.get('run_name')} ({rec['run']})" if rec.get("run") else "a process outside any flow run"
+    run = (
+        f"flow run {rec.get('run_name')} ({rec['run']})"
+        if rec.get("run")
+        else "a process outside any flow run"
+    )
     return f"{run}, pid {rec.get('pid')} on {rec.get('hostname')}, since {rec.get('since')}"
 
 
@@ -171,15 +192,27 @@ def _take(client, name: str, me: dict, cfg: PipelineConfig, log):
         why = dead_because(client, held.value, here)
         if why is not None:
             if _delete(client, held.id):
-                log.warning("GPU host %s (%s): took it from %s: %s", cfg.server.host.name, name,
-                            _describe(held.value), why)
+                log.warning(
+                    "GPU host %s (%s): took it from %s: %s",
+                    cfg.server.host.name,
+                    name,
+                    _describe(held.value),
+                    why,
+                )
             continue
         if reported is None or time.monotonic() - reported >= REPORT_EVERY_S:
             reported = time.monotonic()
-            log.info("waiting for GPU host %s (%s): held by %s. If that run is dead, set its state to "
-                     "Crashed or Cancelled in the UI (or `prefect variable unset %s` when it ran outside "
-                     "a flow run) and this run takes the host", cfg.server.host.name, name,
-                     _describe(held.value), name)
+            log.info(
+                "waiting for GPU host %s (%s): held by %s. If that run is dead, set its state "
+                "to "
+                "Crashed or Cancelled in the UI (or `prefect variable unset %s` when it ran "
+                "outside "
+                "a flow run) and this run takes the host",
+                cfg.server.host.name,
+                name,
+                _describe(held.value),
+                name,
+            )
         time.sleep(POLL_S)
 
 
@@ -205,7 +238,9 @@ def gpu_host(cfg: PipelineConfig) -> Iterator[None]:
             # Holding the Variable, no live run holds a slot: any taken one is a dead holder's.
             held = client.read_global_concurrency_limit_by_name(name).active_slots
             if held:
-                client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
+                client.update_global_concurrency_limit(
+                    name, GlobalConcurrencyLimitUpdate(active_slots=0)
+                )
                 log.warning("gave back %d slot(s) of %s kept by a killed run", held, name)
             client.increment_concurrency_slots([name], 1, "concurrency")
         except BaseException:

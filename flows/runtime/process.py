@@ -47,8 +47,9 @@ class Server(uvicorn.Server):
     def install_signal_handlers(self):
         pass
 
-server = Server(uvicorn.Config("prefect.server.api.server:create_app", factory=True, host="127.0.0.1",
-                               port=int(sys.argv[1]), log_level="error", lifespan="on"))
+app = "prefect.server.api.server:create_app"
+server = Server(uvicorn.Config(app, factory=True, host="127.0.0.1", port=int(sys.argv[1]),
+                               log_level="error", lifespan="on"))
 
 def watch():
     sys.stdin.buffer.read()  # end of file: eyas has exited or is done with us
@@ -68,24 +69,44 @@ class TemporaryServer:
         from eyas.net import free_port
 
         settings = get_current_settings()
-        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
-               "PREFECT__SERVER_FINAL": "1", **settings.to_environment_variables(exclude_unset=True),
-               # no telemetry from a server that lives for one run: its session row raced the run's
-               # writes ("database is locked") and its heartbeat failed offline, both as tracebacks
-               "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+        env = {
+            **os.environ,
+            "PREFECT_UI_ENABLED": "0",
+            "PREFECT__SERVER_EPHEMERAL": "1",
+            "PREFECT__SERVER_FINAL": "1",
+            **settings.to_environment_variables(exclude_unset=True),
+            # no telemetry from a server that lives for one run: its session row raced the run's
+            # writes ("database is locked") and its heartbeat failed offline, both as tracebacks
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "1",
+        }
         env.pop("PREFECT_API_URL", None)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
-        print(f"eyas: starting a temporary Prefect server on {self.url} (set PREFECT_API_URL to use yours)",
-              file=sys.stderr, flush=True)
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(self.port)], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + max(timeout_s, settings.server.ephemeral.startup_timeout_seconds)
+        print(
+            f"eyas: starting a temporary Prefect server on {self.url} (set PREFECT_API_URL to "
+            f"use yours)",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVER, str(self.port)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + max(
+            timeout_s, settings.server.ephemeral.startup_timeout_seconds
+        )
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"the temporary Prefect server on port {self.port} did not start "
-                                   f"(exit code {self.proc.returncode})")
+                raise RuntimeError(
+                    f"the temporary Prefect server on port {self.port} did not "
+                    f"start "
+                    f"(exit code {self.proc.returncode})"
+                )
             time.sleep(0.2)
 
     def _healthy(self) -> bool:
@@ -106,7 +127,8 @@ class TemporaryServer:
 
 
 class Termination:
-    """SIGTERM and SIGINT for a run in this process: the first one starts the stop, later ones wait."""
+    """SIGTERM and SIGINT for a run in this process: the first one starts the stop, later ones
+    wait."""
 
     def __init__(self, grace_s: float = GRACE_S):
         self.grace_s, self.signum, self.server = grace_s, None, None
@@ -122,18 +144,28 @@ class Termination:
         if self.signum is not None:
             return  # already stopping; the watchdog bounds it
         self.signum = signum
-        print(f"eyas: {signal.Signals(signum).name}: ending the run (its servers stopped, its flow runs "
-              f"final); exiting within {self.grace_s:.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"eyas: {signal.Signals(signum).name}: ending the run (its servers stopped, its flow "
+            f"runs "
+            f"final); exiting within {self.grace_s:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         threading.Thread(target=self._watchdog, daemon=True, name="eyas-termination").start()
         raise TerminationSignal(signal=signum)
 
     def _watchdog(self) -> None:
         time.sleep(self.grace_s)
-        print(f"eyas: still not stopped after {self.grace_s:.0f} s: exiting now", file=sys.stderr, flush=True)
+        print(
+            f"eyas: still not stopped after {self.grace_s:.0f} s: exiting now",
+            file=sys.stderr,
+            flush=True,
+        )
         self.exit()
 
     def exit(self) -> None:
-        """Stop what this process launched and is still up, hand the logs over, exit 128 + signal."""
+        """Stop what this process launched and is still up, hand the logs over, exit 128 +
+        signal."""
         if not self._done.acquire(blocking=False):
             return
         from eyas.server.launch import stop_launched
@@ -151,9 +183,9 @@ class Termination:
 
 
 def _global_settings_from_env() -> None:
-    """Prefect's process-wide settings, read again from the environment. A thread the run starts (the
-    regeneration's workers, a progress publisher) sees those, not the flow's settings context: with
-    the API URL they were read with at import (none), its first log line makes Prefect start an
+    """Prefect's process-wide settings, read again from the environment. A thread the run starts
+    (the regeneration's workers, a progress publisher) sees those, not the flow's settings context:
+    with the API URL they were read with at import (none), its first log line makes Prefect start an
     ephemeral server of its own ("Starting temporary server"), which then runs beside the run to its
     end and slows it (a regeneration part of the embedded default 27 s instead of 18)."""
     from prefect.context import refresh_global_settings_context

@@ -32,18 +32,35 @@ def deployed(tmp_path_factory, webhooks):
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    """Dotted overrides for a deployment run: the tiny target on 40 conversations, 20 steps, own dirs and port."""
+    """Dotted overrides for a deployment run: the tiny target on 40 conversations, 20 steps, own
+    dirs and port."""
+
     def make(name: str, **extra) -> dict:
         tmp = tmp_path_factory.mktemp(name)
         data = tmp / "conversations.jsonl"
         lines = (ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:40]
         data.write_text("\n".join(lines) + "\n")
-        return {"name": name, "run_dir": str(tmp / "run"), "server.port": free_port(),
-                "server.workdir": str(tmp / "server"), "server.dump_dir": str(tmp / "server" / "dump"),
-                "data.path": str(data), "data.max_length": 128, "data.num_heldout": 2,
-                "extraction.output_dir": str(tmp / "shards"), "training.output_dir": str(tmp / "train"),
-                "training.max_steps": 20, "training.warmup_steps": 2, "training.checkpoint_every": 10,
-                "training.batch_size": 4, "evaluation.num_prompts": 2,
-                "evaluation.max_new_tokens": 8, "benchmark.suites": [], "sensor.poll_interval_s": 0.1,
-                "server.dp_size": None, **extra}  # one replica: these runs share 2 cores with other tests
+        return {
+            "name": name,
+            "run_dir": str(tmp / "run"),
+            "server.port": free_port(),
+            "server.workdir": str(tmp / "server"),
+            "server.dump_dir": str(tmp / "server" / "dump"),
+            "data.path": str(data),
+            "data.max_length": 128,
+            "data.num_heldout": 2,
+            "extraction.output_dir": str(tmp / "shards"),
+            "training.output_dir": str(tmp / "train"),
+            "training.max_steps": 20,
+            "training.warmup_steps": 2,
+            "training.checkpoint_every": 10,
+            "training.batch_size": 4,
+            "evaluation.num_prompts": 2,
+            "evaluation.max_new_tokens": 8,
+            "benchmark.suites": [],
+            "sensor.poll_interval_s": 0.1,
+            "server.dp_size": None,
+            **extra,
+        }  # one replica: these runs share 2 cores with other tests
+
     return make

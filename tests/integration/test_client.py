@@ -1,4 +1,5 @@
-"""The async client pool against real HTTP servers on loopback (stdlib servers that count and fail)."""
+"""The async client pool against real HTTP servers on loopback (stdlib servers that count and
+fail)."""
 
 import json
 import threading
@@ -11,7 +12,8 @@ from eyas.extraction.client import Endpoint, RequestFailed, ServerPool, ServerSt
 
 
 class Counting(ThreadingHTTPServer):
-    """Answers /generate after `delay` s; counts requests in flight; fails the first `fail` with `status`."""
+    """Answers /generate after `delay` s; counts requests in flight; fails the first `fail` with
+    `status`."""
 
     daemon_threads = True
 
@@ -53,7 +55,9 @@ class _Handler(BaseHTTPRequestHandler):
         with s.lock:
             s.in_flight -= 1
         status = s.status if failing else 200
-        out = json.dumps({"error": "nope"} if failing else {"meta_info": {"id": body["rid"]}}).encode()
+        out = json.dumps(
+            {"error": "nope"} if failing else {"meta_info": {"id": body["rid"]}}
+        ).encode()
         self.send_response(status)
         self.send_header("Content-Length", str(len(out)))
         self.end_headers()
@@ -62,11 +66,14 @@ class _Handler(BaseHTTPRequestHandler):
 
 def test_in_flight_is_bounded_per_server_across_callers(tmp_path):
     a, b = Counting(), Counting()
-    with ServerPool([Endpoint(a.url, tmp_path, 2), Endpoint(b.url, tmp_path, 3)], retries=0) as pool:
+    with ServerPool(
+        [Endpoint(a.url, tmp_path, 2), Endpoint(b.url, tmp_path, 3)], retries=0
+    ) as pool:
         # Two "shard tasks" (threads) submitting 20 requests each share the per-server bounds.
         def shard(k):
             futs = [pool.generate([1, 2], f"s{k}-{i}", {}) for i in range(20)]
             return [f.result(10) for f in futs]
+
         threads = [threading.Thread(target=shard, args=(k,)) for k in range(2)]
         [t.start() for t in threads]
         [t.join() for t in threads]
@@ -89,7 +96,9 @@ def test_transient_errors_are_retried_with_a_new_rid_and_4xx_is_not(tmp_path):
 
 
 def test_a_dead_server_fails_after_the_retries_naming_the_error(tmp_path, free_port):
-    with ServerPool([Endpoint(f"http://127.0.0.1:{free_port}", tmp_path, 2)], retries=2, backoff_s=0.05) as pool:
+    with ServerPool(
+        [Endpoint(f"http://127.0.0.1:{free_port}", tmp_path, 2)], retries=2, backoff_s=0.05
+    ) as pool:
         t0 = time.monotonic()
         with pytest.raises(RequestFailed, match=r"failed after 3 attempts.*ConnectError") as e:
             pool.generate([1], "x", {}).result(10)
@@ -108,20 +117,28 @@ def test_every_retry_is_a_warning_naming_the_rid_the_attempt_and_the_error(tmp_p
     server = Counting(fail=1, status=503)
     with ServerPool([Endpoint(server.url, tmp_path, 1)], retries=2, backoff_s=0.05) as pool:
         assert pool.generate([1, 2], "eyas-w", {}).result(10).attempts == 2
-    [warning] = [r for r in caplog.records if r.levelname == "WARNING" and r.name == "eyas.extraction.client"]
-    assert "rid eyas-w: attempt 1 of 3 failed" in warning.getMessage() and "answered 503" in warning.getMessage()
+    [warning] = [
+        r for r in caplog.records if r.levelname == "WARNING" and r.name == "eyas.extraction.client"
+    ]
+    assert (
+        "rid eyas-w: attempt 1 of 3 failed" in warning.getMessage()
+        and "answered 503" in warning.getMessage()
+    )
 
 
 def test_a_slow_server_that_answers_health_is_not_a_stall(tmp_path, caplog):
     server = Counting(delay=2.5)
-    with ServerPool([Endpoint(server.url, tmp_path, 1)], retries=0, stall_timeout_s=0.8,
-                    health_timeout_s=1) as pool:
+    with ServerPool(
+        [Endpoint(server.url, tmp_path, 1)], retries=0, stall_timeout_s=0.8, health_timeout_s=1
+    ) as pool:
         assert pool.generate([1], "eyas-slow", {}).result(20).attempts == 1
         assert pool.stalled is None
     assert "slow, not stalled" in caplog.text
 
 
-def test_a_stopped_server_is_a_stall_named_in_one_line_not_hours_of_retries(tmp_path, random_target):
+def test_a_stopped_server_is_a_stall_named_in_one_line_not_hours_of_retries(
+    tmp_path, random_target
+):
     """SIGSTOP: the kernel still accepts connections, nothing answers. The watchdog fails every
     request in flight and every later one, with the reason, within stall + health timeouts."""
     import os
@@ -135,12 +152,25 @@ def test_a_stopped_server_is_a_stall_named_in_one_line_not_hours_of_retries(tmp_
     host, cfg = LocalHost(), stage_config(tmp_path, random_target)
     handle = start_server(host, cfg)
     try:
-        wait_until_ready(host, log_path=handle.log_path, pid=handle.pid, url=handle.url,
-                         start_offset=handle.log_offset, poll_interval_s=0.2, stall_timeout_s=60,
-                         deadline_s=120, http_timeout_s=5)
+        wait_until_ready(
+            host,
+            log_path=handle.log_path,
+            pid=handle.pid,
+            url=handle.url,
+            start_offset=handle.log_offset,
+            poll_interval_s=0.2,
+            stall_timeout_s=60,
+            deadline_s=120,
+            http_timeout_s=5,
+        )
         os.killpg(handle.pid, signal.SIGSTOP)
-        with ServerPool([Endpoint(handle.url, cfg.server.dump_dir, 2)], request_timeout_s=600, retries=5,
-                        stall_timeout_s=2, health_timeout_s=1) as pool:
+        with ServerPool(
+            [Endpoint(handle.url, cfg.server.dump_dir, 2)],
+            request_timeout_s=600,
+            retries=5,
+            stall_timeout_s=2,
+            health_timeout_s=1,
+        ) as pool:
             t0 = time.monotonic()
             first = pool.generate([1, 2, 3], "eyas-stop-0", {"max_new_tokens": 1})
             second = pool.generate([4, 5, 6], "eyas-stop-1", {"max_new_tokens": 1})
@@ -149,7 +179,9 @@ def test_a_stopped_server_is_a_stall_named_in_one_line_not_hours_of_retries(tmp_
             with pytest.raises(ServerStalled):
                 second.result(5)
             assert time.monotonic() - t0 < 15
-            with pytest.raises(ServerStalled, match="server stalled"):  # later requests fail at once
+            with pytest.raises(
+                ServerStalled, match="server stalled"
+            ):  # later requests fail at once
                 pool.generate([7], "eyas-stop-2", {}).result(1)
     finally:
         os.killpg(handle.pid, signal.SIGCONT)

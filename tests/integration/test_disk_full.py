@@ -1,5 +1,6 @@
 """A full disk while writing shards and manifests: one DiskFull naming the file, the folder and the
-free bytes, nothing partial left, earlier shards untouched, and the extraction tasks never retry it."""
+free bytes, nothing partial left, earlier shards untouched, and the extraction tasks never retry
+it."""
 
 import errno
 import json
@@ -19,9 +20,15 @@ H, K = 64, 3  # bf16: (K + 1) * H * 2 + 5 = 517 bytes a token
 
 def make_samples(n, length, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [Sample(torch.randint(0, 100, (length,), generator=g), torch.rand(length, generator=g) > 0.5,
-                   torch.randn(length, K * H, generator=g).to(torch.bfloat16),
-                   torch.randn(length, H, generator=g).to(torch.bfloat16)) for _ in range(n)]
+    return [
+        Sample(
+            torch.randint(0, 100, (length,), generator=g),
+            torch.rand(length, generator=g) > 0.5,
+            torch.randn(length, K * H, generator=g).to(torch.bfloat16),
+            torch.randn(length, H, generator=g).to(torch.bfloat16),
+        )
+        for _ in range(n)
+    ]
 
 
 @pytest.fixture
@@ -30,11 +37,18 @@ def small_disk(tmp_path):
     where = tmp_path / "disk"
     where.mkdir()
     try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)], check=True,
-                       capture_output=True, text=True, timeout=30)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"cannot mount a 2 MiB tmpfs (needs root and CAP_SYS_ADMIN): "
-                    f"{getattr(e, 'stderr', None) or e}")
+        pytest.skip(
+            f"cannot mount a 2 MiB tmpfs (needs root and CAP_SYS_ADMIN): "
+            f"{getattr(e, 'stderr', None) or e}"
+        )
     yield where
     subprocess.run(["umount", "-l", str(where)], check=False, timeout=30)
 
@@ -71,14 +85,21 @@ def test_a_shard_that_does_not_fit_raises_disk_full_and_leaves_nothing(small_dis
             w.put(i, s)
     e = got.value
     assert e.errno == errno.ENOSPC and e.filename == str(path)
-    assert str(e).startswith(f"disk full writing {path}: ") and "the partial file was removed" in str(e)
+    assert str(e).startswith(
+        f"disk full writing {path}: "
+    ) and "the partial file was removed" in str(e)
     free = free_in(str(e), small_disk)
     assert 0 <= free < 64 * 1024  # what the filesystem said was left when the write failed
-    assert sorted(p.name for p in small_disk.iterdir()) == ["shard-00000.json", "shard-00000.safetensors"]
+    assert sorted(p.name for p in small_disk.iterdir()) == [
+        "shard-00000.json",
+        "shard-00000.safetensors",
+    ]
     with pytest.raises(DiskFull):  # every later write (another thread's sample) gets the same error
         w.put(7, samples[7])
     w.abort()
-    assert shutil.disk_usage(small_disk).free > 2 * 2**20 - 128 * 1024  # the unlinked file's space is back
+    assert (
+        shutil.disk_usage(small_disk).free > 2 * 2**20 - 128 * 1024
+    )  # the unlinked file's space is back
     assert_untouched(first, manifest)
 
 
@@ -90,10 +111,16 @@ def test_a_manifest_that_does_not_fit_removes_its_shard_too(small_disk):
     for i, s in enumerate(samples):
         w.put(i, s)
     fill(small_disk, leave=0)  # the shard's data is all on disk: only its manifest is left to write
-    with pytest.raises(DiskFull, match=re.escape(f"disk full writing {manifest_path(path)}: ")) as got:
+    with pytest.raises(
+        DiskFull, match=re.escape(f"disk full writing {manifest_path(path)}: ")
+    ) as got:
         w.close()
     assert free_in(str(got.value), small_disk) < 4096
-    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "shard-00000.json", "shard-00000.safetensors"]
+    assert sorted(p.name for p in small_disk.iterdir()) == [
+        "filler",
+        "shard-00000.json",
+        "shard-00000.safetensors",
+    ]
     assert_untouched(first, manifest)
 
 
@@ -109,7 +136,8 @@ def test_a_json_write_on_a_full_disk_keeps_the_old_file(small_disk):
 
 
 def test_an_injected_enospc_at_the_shard_writer(tmp_path, monkeypatch):
-    """Where no tmpfs can be mounted: the same error from a write that fails as a full disk's does."""
+    """Where no tmpfs can be mounted: the same error from a write that fails as a full disk's
+    does."""
     first, manifest = finished_shard(tmp_path)
     real, calls = shards._pwrite_all, []
 
@@ -127,31 +155,44 @@ def test_an_injected_enospc_at_the_shard_writer(tmp_path, monkeypatch):
             w.put(i, s)
     w.abort()
     assert got.value.filename == str(path) and free_in(str(got.value), tmp_path) > 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-00000.json", "shard-00000.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "shard-00000.json",
+        "shard-00000.safetensors",
+    ]
     assert_untouched(first, manifest)
 
 
 def test_the_extraction_tasks_do_not_retry_a_full_disk(small_disk, monkeypatch, prefect_harness):
-    """The real extract_shard_task (retries=2): a full disk runs once; another OSError three times."""
+    """The real extract_shard_task (retries=2): a full disk runs once; another OSError three
+    times."""
     from prefect import flow
     from prefect.cache_policies import NO_CACHE
 
     import tasks.extract as tx
-
     from tasks.retry import worth_retrying
 
-    assert tx.regenerate_data.retry_condition_fn is tx.extract_shard_task.retry_condition_fn is worth_retrying
+    assert (
+        tx.regenerate_data.retry_condition_fn
+        is tx.extract_shard_task.retry_condition_fn
+        is worth_retrying
+    )
     calls = []
 
     def run_shard(ctx, cfg, plan, patch_version, *, log, warn=None):
         calls.append(plan)
         if plan == "eio":
             raise OSError(errno.EIO, "Input/output error")
-        write_shard(small_disk / "shard-00001.safetensors", make_samples(8, 512), {})  # about 2.1 MB
+        write_shard(
+            small_disk / "shard-00001.safetensors", make_samples(8, 512), {}
+        )  # about 2.1 MB
 
     monkeypatch.setattr(tx.stage, "run_shard", run_shard)
-    quick = tx.extract_shard_task.with_options(task_run_name="extract-test", cache_policy=NO_CACHE,
-                                          persist_result=False, retry_delay_seconds=0)
+    quick = tx.extract_shard_task.with_options(
+        task_run_name="extract-test",
+        cache_policy=NO_CACHE,
+        persist_result=False,
+        retry_delay_seconds=0,
+    )
 
     @flow
     def one(plan):

@@ -12,12 +12,21 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_first_eyas_run_prints_no_traceback(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != "DO_NOT_TRACK"}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != "DO_NOT_TRACK"
+    }
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    sets = overrides(tmp_path, small_data(tmp_path), **{  # regeneration: its workers log from threads
-        "data.regenerate.enabled": True, "data.regenerate.max_new_tokens": 4})
-    r = subprocess.run(command("run", sets), cwd=ROOT, env=env,
-                       text=True, capture_output=True, timeout=600)
+    sets = overrides(
+        tmp_path,
+        small_data(tmp_path),
+        **{  # regeneration: its workers log from threads
+            "data.regenerate.enabled": True,
+            "data.regenerate.max_new_tokens": 4,
+        },
+    )
+    r = subprocess.run(
+        command("run", sets), cwd=ROOT, env=env, text=True, capture_output=True, timeout=600
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert "Traceback" not in out, out

@@ -25,12 +25,26 @@ def server(deployed):
     return deployed
 
 
-def logs_of(server, run_ids: list[str], last: str = "Finished", timeout_s: float = 30.0) -> list[str]:
+def logs_of(
+    server, run_ids: list[str], last: str = "Finished", timeout_s: float = 30.0
+) -> list[str]:
     """The runs' log lines, once one starting with `last` is there (the flow-run process sends its
     last batch after the state is final)."""
-    def newest() -> list[str]:  # the newest 200 lines (the API's page), oldest first: a run's end is asserted on
-        return [x["message"] for x in server.post("/logs/filter", {
-            "logs": {"flow_run_id": {"any_": run_ids}}, "limit": 200, "sort": "TIMESTAMP_DESC"})][::-1]
+
+    def newest() -> list[
+        str
+    ]:  # the newest 200 lines (the API's page), oldest first: a run's end is asserted on
+        return [
+            x["message"]
+            for x in server.post(
+                "/logs/filter",
+                {
+                    "logs": {"flow_run_id": {"any_": run_ids}},
+                    "limit": 200,
+                    "sort": "TIMESTAMP_DESC",
+                },
+            )
+        ][::-1]
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -56,8 +70,13 @@ def posts_about(webhooks, name: str, settle_s: float = 8.0, timeout_s: float = 6
 
 
 def test_a_bad_config_fails_with_one_line_no_traceback_and_an_artifact(server):
-    out = server.cli("deployment", "run", "eagle3-pipeline/pipeline", "--params",
-                     json.dumps({"overrides": {"name": "bad-cfg", "training.max_stepz": 20}}))
+    out = server.cli(
+        "deployment",
+        "run",
+        "eagle3-pipeline/pipeline",
+        "--params",
+        json.dumps({"overrides": {"name": "bad-cfg", "training.max_stepz": 20}}),
+    )
     run = wait_flow_run(server, re.search(r"UUID:\s*([0-9a-f-]{36})", out).group(1), timeout=180)
     state = run["state"]
     assert state["type"] == "FAILED", state
@@ -67,12 +86,16 @@ def test_a_bad_config_fails_with_one_line_no_traceback_and_an_artifact(server):
     logs = logs_of(server, [run["id"]])
     text = "\n".join(logs)
     assert "Traceback" not in text and "Engine execution exited" not in text, text
-    assert [line for line in logs if "training.max_stepz" in line] == [message], logs  # the reason, once
+    assert [line for line in logs if "training.max_stepz" in line] == [message], (
+        logs
+    )  # the reason, once
     art = server.post("/artifacts/filter", {"artifacts": {"key": {"any_": ["failure-bad-cfg"]}}})
     assert art and message in art[0]["data"], art
 
 
-def test_a_launch_failure_posts_once_with_the_run_link_deployment_task_and_reason(server, small, webhooks):
+def test_a_launch_failure_posts_once_with_the_run_link_deployment_task_and_reason(
+    server, small, webhooks
+):
     """A launch refused deep in `serve` (its port taken) fails serve, extract and the pipeline: one
     POST, for the pipeline's deployment run."""
     blocker = socket.socket()
@@ -86,11 +109,16 @@ def test_a_launch_failure_posts_once_with_the_run_link_deployment_task_and_reaso
         blocker.close()
     state = run["state"]
     assert state["type"] == "FAILED", state
-    assert state["message"] == f"failed at launch-local@localhost: [localhost] port {port} is already in use; " \
-                               "pick another server.port", state["message"]
+    assert (
+        state["message"]
+        == f"failed at launch-local@localhost: [localhost] port {port} is already in use; "
+        "pick another server.port"
+    ), state["message"]
     logs = logs_of(server, family(server, run, "fail-launch"))
     assert not any("Traceback" in line for line in logs), logs
-    assert [line for line in logs if f"port {port} is already in use" in line] == [state["message"]], logs
+    assert [line for line in logs if f"port {port} is already in use" in line] == [
+        state["message"]
+    ], logs
     posts = posts_about(webhooks, "fail-launch")
     assert len(posts) == 1, posts
     body = posts[0]["body"]
@@ -100,15 +128,24 @@ def test_a_launch_failure_posts_once_with_the_run_link_deployment_task_and_reaso
 
 
 def test_an_operator_cancel_reads_as_a_cancel(server, small):
-    """Cancelled while the server loads (it hangs at its first weight shard): the run ends Cancelled,
-    and nothing in its log or its subflows' says Crash or Running."""
-    overrides = small("cancel", **{"server.launch_args": ["--fault", "hang-at-shard", "--fault-shard", "1"]})
+    """Cancelled while the server loads (it hangs at its first weight shard): the run ends
+    Cancelled, and nothing in its log or its subflows' says Crash or Running."""
+    overrides = small(
+        "cancel", **{"server.launch_args": ["--fault", "hang-at-shard", "--fault-shard", "1"]}
+    )
     run_id = deployment_run(server, "eagle3-pipeline/pipeline", overrides)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
-        tasks = server.post("/task_runs/filter", {"task_runs": {"name": {"any_": ["wait-ready@localhost"]}},
-                                                  "flow_runs": {"name": {"like_": "%-cancel@localhost"}}})
-        if tasks and (tasks[0].get("state") or {}).get("type") == "RUNNING":  # a new run may have no state yet
+        tasks = server.post(
+            "/task_runs/filter",
+            {
+                "task_runs": {"name": {"any_": ["wait-ready@localhost"]}},
+                "flow_runs": {"name": {"like_": "%-cancel@localhost"}},
+            },
+        )
+        if (
+            tasks and (tasks[0].get("state") or {}).get("type") == "RUNNING"
+        ):  # a new run may have no state yet
             break
         time.sleep(0.5)
     else:
@@ -123,18 +160,36 @@ def test_an_operator_cancel_reads_as_a_cancel(server, small):
 
 
 def test_a_second_run_of_a_busy_config_prints_the_refusal_once(tmp_path):
-    """`eyas run` while another process holds the output directory: OutputBusy, once, no traceback."""
+    """`eyas run` while another process holds the output directory: OutputBusy, once, no
+    traceback."""
     data = eyas_run.small_data(tmp_path)
     sets = eyas_run.overrides(tmp_path, data, name="busy")
     (tmp_path / "shards").mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom eyas.extraction.locks import "
-                               "lock_output_dir\nlock_output_dir(sys.argv[1], 'flow run first')\nprint('held', "
-                               "flush=True)\ntime.sleep(600)", str(tmp_path / "shards")],
-                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom eyas.extraction.locks "
+            "import "
+            "lock_output_dir\nlock_output_dir(sys.argv[1], 'flow run "
+            "first')\nprint('held', "
+            "flush=True)\ntime.sleep(600)",
+            str(tmp_path / "shards"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
-        r = subprocess.run(eyas_run.command("run", sets), cwd=ROOT, env=eyas_run.env(tmp_path, None),
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            eyas_run.command("run", sets),
+            cwd=ROOT,
+            env=eyas_run.env(tmp_path, None),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         holder.kill()
         holder.wait(10)
@@ -142,5 +197,7 @@ def test_a_second_run_of_a_busy_config_prints_the_refusal_once(tmp_path):
     assert r.returncode == 1, out[-3000:]
     assert out.count("is in use by another eyas run") == 1, out
     assert "Traceback" not in out, out
-    assert f"failed at prepare-data: extraction.output_dir {tmp_path / 'shards'} is in use" in out, out
+    assert (
+        f"failed at prepare-data: extraction.output_dir {tmp_path / 'shards'} is in use" in out
+    ), out
     assert out.rstrip().endswith("eyas: run Failed (failed at prepare-data)"), out[-500:]

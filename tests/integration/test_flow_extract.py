@@ -1,5 +1,5 @@
-"""flows/extract.py with regeneration: the shards hold the target's own answers, and a re-run needs no
-server at all (regenerated parts and shards are both found intact)."""
+"""flows/extract.py with regeneration: the shards hold the target's own answers, and a re-run needs
+no server at all (regenerated parts and shards are both found intact)."""
 
 import json
 
@@ -13,10 +13,11 @@ from tests.stage_config import ROOT, stage_config
 pytestmark = pytest.mark.slow
 
 
-def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(prefect_harness, tmp_path,
-                                                                               monkeypatch):
-    """Also: regeneration dies after its first part (any error), and its task's retry answers only the
-    second, in the same flow run."""
+def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(
+    prefect_harness, tmp_path, monkeypatch
+):
+    """Also: regeneration dies after its first part (any error), and its task's retry answers only
+    the second, in the same flow run."""
     from eyas.extraction import regenerate as regen
 
     real, calls = regen.regenerate, []
@@ -27,34 +28,71 @@ def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(p
         def part_done(k, n, m):
             on_part(k, n, m)
             if len(calls) == 1:
-                raise ConnectionResetError("injected: the first attempt loses its server after part 1")
+                raise ConnectionResetError(
+                    "injected: the first attempt loses its server after part 1"
+                )
+
         return real(*args, on_part=part_done, **kw)
+
     monkeypatch.setattr(regen, "regenerate", dies_after_the_first_part)
     data = tmp_path / "conversations.jsonl"
-    data.write_text("\n".join((ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:10]) + "\n")
-    cfg = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{
-        "data.path": str(data), "data.num_heldout": 2, "data.max_length": 384,
-        "data.regenerate.enabled": True, "data.regenerate.max_new_tokens": 12, "data.regenerate.num_parts": 2,
-        "extraction.num_shards": 2, "server.chunked_prefill_size": 128})
+    data.write_text(
+        "\n".join(
+            (ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:10]
+        )
+        + "\n"
+    )
+    cfg = stage_config(
+        tmp_path,
+        ROOT / "fixtures" / "tiny-target",
+        **{
+            "data.path": str(data),
+            "data.num_heldout": 2,
+            "data.max_length": 384,
+            "data.regenerate.enabled": True,
+            "data.regenerate.max_new_tokens": 12,
+            "data.regenerate.num_parts": 2,
+            "extraction.num_shards": 2,
+            "server.chunked_prefill_size": 128,
+        },
+    )
 
     first = extract(cfg)
     assert set(first.stages) >= {"prepare", "regenerate", "extract", "stop"}
     regenerated = tmp_path / "shards" / "regenerated" / "regenerated.jsonl"
     summary = json.loads((regenerated.parent / "regenerate.json").read_text())
-    assert summary["conversations"] == 8 and summary["regenerated_turns"] >= 8 and summary["passed_through"] == 2
-    assert len(calls) == 2 and summary["parts_reused"] == 1  # the retry kept the first attempt's part
-    assert json.loads(dataset_path(cfg.extraction.output_dir).read_text())["data"]["data_path"] == str(regenerated)
+    assert (
+        summary["conversations"] == 8
+        and summary["regenerated_turns"] >= 8
+        and summary["passed_through"] == 2
+    )
+    assert (
+        len(calls) == 2 and summary["parts_reused"] == 1
+    )  # the retry kept the first attempt's part
+    assert json.loads(dataset_path(cfg.extraction.output_dir).read_text())["data"][
+        "data_path"
+    ] == str(regenerated)
     # The shards hold the regenerated conversations, token for token.
     from eyas.extraction.data import load_records, prepare
     from eyas.target import load_tokenizer
 
     records, _ = load_records(regenerated)
-    ours = prepare(records, load_tokenizer(cfg.target.checkpoint), cfg.data.model_copy(update={"path": regenerated}),
-                   vocab_size=10**9).train
-    stored = sorted(s.input_ids.tolist() for m in first.manifests for s in ShardReader(tmp_path / "shards" / m.file))
+    ours = prepare(
+        records,
+        load_tokenizer(cfg.target.checkpoint),
+        cfg.data.model_copy(update={"path": regenerated}),
+        vocab_size=10**9,
+    ).train
+    stored = sorted(
+        s.input_ids.tolist()
+        for m in first.manifests
+        for s in ShardReader(tmp_path / "shards" / m.file)
+    )
     assert stored == sorted(t.input_ids for t in ours) and len(stored) == 8
     original, _ = load_records(data)
-    assert [r.messages for r in records[-2:]] == [r.messages for r in original[-2:]]  # held out: as they were
+    assert [r.messages for r in records[-2:]] == [
+        r.messages for r in original[-2:]
+    ]  # held out: as they were
     assert records[0].messages != original[0].messages
     # Its progress in the UI: the regenerate-NAME artifact, complete.
     from tests.integration.test_progress_artifacts import artifacts
@@ -68,13 +106,19 @@ def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(p
     assert [m.sha256 for m in second.manifests] == [m.sha256 for m in first.manifests]
 
 
-def test_a_layer_id_out_of_range_fails_at_preflight_before_anything_is_written(prefect_harness, tmp_path):
-    cfg = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{"target.layer_ids": [2, 4, 50]})
+def test_a_layer_id_out_of_range_fails_at_preflight_before_anything_is_written(
+    prefect_harness, tmp_path
+):
+    cfg = stage_config(
+        tmp_path, ROOT / "fixtures" / "tiny-target", **{"target.layer_ids": [2, 4, 50]}
+    )
     state = extract(cfg, return_state=True)
     assert state.is_failed()
     with pytest.raises(ValueError, match=r"target\.layer_ids.*50"):
         state.result()
-    assert not (tmp_path / "shards").exists() and not (tmp_path / "server").exists()  # no plan, no launch
+    assert (
+        not (tmp_path / "shards").exists() and not (tmp_path / "server").exists()
+    )  # no plan, no launch
 
 
 def _kill_the_server(cfg) -> int:
@@ -87,10 +131,11 @@ def _kill_the_server(cfg) -> int:
 
 
 def test_a_killed_server_is_relaunched_once_and_a_second_death_fails_with_both_reasons(
-        prefect_harness, tmp_path, monkeypatch):
-    """The server dies under the second shard: no request or task retry against the dead process; the
-    flow relaunches it once, the first shard stays, the second resumes. Dying on every launch fails
-    the run naming both deaths."""
+    prefect_harness, tmp_path, monkeypatch
+):
+    """The server dies under the second shard: no request or task retry against the dead process;
+    the flow relaunches it once, the first shard stays, the second resumes. Dying on every launch
+    fails the run naming both deaths."""
     from eyas.extraction import stage
     from eyas.server.launch import ServerDied
 
@@ -100,12 +145,25 @@ def test_a_killed_server_is_relaunched_once_and_a_second_death_fails_with_both_r
         if plan.index == 1 and len(killed) < limit:
             killed.append(_kill_the_server(cfg))
         return real(ctx, cfg, plan, patch_version, **kw)
+
     monkeypatch.setattr(stage, "run_shard", kills_the_server_once)
     data = tmp_path / "conversations.jsonl"
-    data.write_text("\n".join((ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:8]) + "\n")
-    cfg = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{
-        "data.path": str(data), "data.num_heldout": 2, "data.max_length": 256, "extraction.num_shards": 2,
-        "extraction.request_retries": 5, "extraction.retry_backoff_s": 5.0})
+    data.write_text(
+        "\n".join((ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:8])
+        + "\n"
+    )
+    cfg = stage_config(
+        tmp_path,
+        ROOT / "fixtures" / "tiny-target",
+        **{
+            "data.path": str(data),
+            "data.num_heldout": 2,
+            "data.max_length": 256,
+            "extraction.num_shards": 2,
+            "extraction.request_retries": 5,
+            "extraction.retry_backoff_s": 5.0,
+        },
+    )
 
     limit = 1
     done = extract(cfg)
@@ -113,12 +171,18 @@ def test_a_killed_server_is_relaunched_once_and_a_second_death_fails_with_both_r
     for m in done.manifests:
         verify_shard(tmp_path / "shards" / m.file)  # raises on a damaged shard
     log = cfg.server.log_path.read_text()
-    assert log.count("The server is fired up and ready to roll!") == 2  # launched, then relaunched once
+    assert (
+        log.count("The server is fired up and ready to roll!") == 2
+    )  # launched, then relaunched once
 
     limit = 3
     for m in done.manifests:  # everything to do again, so the shard tasks talk to the server
         (tmp_path / "shards" / m.file).unlink()
-    with pytest.raises(ServerDied, match=r"died during extraction \(pid \d+ exited: .*\), was relaunched, and "
-                                         r"died again \(pid \d+ exited"):
+    with pytest.raises(
+        ServerDied,
+        match=r"died during extraction \(pid \d+ exited: .*\), was "
+        r"relaunched, and "
+        r"died again \(pid \d+ exited",
+    ):
         extract(cfg)
     assert len(killed) == 3

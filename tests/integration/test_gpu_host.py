@@ -1,5 +1,5 @@
-"""flows/runtime/host_lock.py gpu_host: one run per GPU host, whatever lock directory or label each run
-has, and a run killed with -9 does not block the host.
+"""flows/runtime/host_lock.py gpu_host: one run per GPU host, whatever lock directory or label each
+run has, and a run killed with -9 does not block the host.
 
 Real processes against the session's real (temporary) Prefect server: the holder record and the
 concurrency limit live there, and both only mean something across processes.
@@ -38,8 +38,14 @@ hold(sys.argv[1], sys.argv[2])
 
 
 def _child(label: str, hold: Path, env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CHILD, label, str(hold)], cwd=ROOT, env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, label, str(hold)],
+        cwd=ROOT,
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _wait_for(log: Path, word: str, timeout: float) -> float | None:
@@ -73,12 +79,19 @@ def child_env(prefect_harness, tmp_path):
     from prefect.settings import PREFECT_API_URL
 
     def env(lock_dir: str) -> dict:
-        return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT),
-                "EYAS_LOCK_DIR": str(tmp_path / lock_dir)}
+        return {
+            **os.environ,
+            "PREFECT_API_URL": PREFECT_API_URL.value(),
+            "PYTHONPATH": str(ROOT),
+            "EYAS_LOCK_DIR": str(tmp_path / lock_dir),
+        }
+
     return env
 
 
-def test_two_runs_with_other_lock_dirs_take_turns_and_a_killed_holder_is_reclaimed(child_env, tmp_path):
+def test_two_runs_with_other_lock_dirs_take_turns_and_a_killed_holder_is_reclaimed(
+    child_env, tmp_path
+):
     """The second run waits while the first holds, though each has its own EYAS_LOCK_DIR; once the
     holder is killed with -9, the second takes the host and the slot the dead one kept."""
     label = "gpu-node-shared"
@@ -87,17 +100,24 @@ def test_two_runs_with_other_lock_dirs_take_turns_and_a_killed_holder_is_reclaim
     first = _child(label, tmp_path / "hold", child_env("locks-a"), tmp_path / "first.log")
     second = None
     try:
-        assert _wait_for(tmp_path / "first.log", "IN", 90) is not None, (tmp_path / "first.log").read_text()
+        assert _wait_for(tmp_path / "first.log", "IN", 90) is not None, (
+            tmp_path / "first.log"
+        ).read_text()
         assert _active_slots(name) == 1
         second = _child(label, tmp_path / "no-hold", child_env("locks-b"), tmp_path / "second.log")
-        assert _wait_for(tmp_path / "second.log", "IN", 20) is None, (tmp_path / "second.log").read_text()
+        assert _wait_for(tmp_path / "second.log", "IN", 20) is None, (
+            tmp_path / "second.log"
+        ).read_text()
         log = (tmp_path / "second.log").read_text()
         assert f"waiting for GPU host {label} ({name}): held by flow run" in log, log
         assert _active_slots(name) == 1  # still the first run's
-        # kill -9: no cleanup runs; its record and its slot stay in Prefect, its flow run stays Running.
+        # kill -9: no cleanup runs; its record and its slot stay in Prefect, its flow run stays
+        # Running.
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(10)
-        assert _wait_for(tmp_path / "second.log", "OUT", 60) is not None, (tmp_path / "second.log").read_text()
+        assert _wait_for(tmp_path / "second.log", "OUT", 60) is not None, (
+            tmp_path / "second.log"
+        ).read_text()
         assert second.wait(60) == 0
         log = (tmp_path / "second.log").read_text()
         assert "took it from flow run" in log and "is gone" in log, log
@@ -117,12 +137,20 @@ def test_runs_on_one_host_take_turns_cleanly(child_env, tmp_path):
         assert _wait_for(tmp_path / "a.log", "IN", 90) is not None, (tmp_path / "a.log").read_text()
         b = _child("node", tmp_path / "no-hold", child_env("locks"), tmp_path / "b.log")
         end = time.monotonic() + 60
-        while "waiting for GPU host" not in (tmp_path / "b.log").read_text() and time.monotonic() < end:
+        while (
+            "waiting for GPU host" not in (tmp_path / "b.log").read_text()
+            and time.monotonic() < end
+        ):
             time.sleep(0.2)
-        assert "waiting for GPU host" in (tmp_path / "b.log").read_text(), (tmp_path / "b.log").read_text()
+        assert "waiting for GPU host" in (tmp_path / "b.log").read_text(), (
+            tmp_path / "b.log"
+        ).read_text()
         hold.unlink()  # the first run stops its server and leaves
         assert a.wait(30) == 0 and b.wait(60) == 0
-        a_out, b_in = _wait_for(tmp_path / "a.log", "OUT", 1), _wait_for(tmp_path / "b.log", "IN", 1)
+        a_out, b_in = (
+            _wait_for(tmp_path / "a.log", "OUT", 1),
+            _wait_for(tmp_path / "b.log", "IN", 1),
+        )
         assert b_in >= a_out, (a_out, b_in)
         log = (tmp_path / "b.log").read_text()
         assert "kept by a killed run" not in log and "took it from" not in log  # a clean handover
@@ -132,7 +160,8 @@ def test_runs_on_one_host_take_turns_cleanly(child_env, tmp_path):
 
 
 def test_a_holder_elsewhere_is_waited_for_until_its_flow_run_is_final(prefect_harness):
-    """A holder on another machine cannot be checked by pid: only its flow run's final state frees it."""
+    """A holder on another machine cannot be checked by pid: only its flow run's final state frees
+    it."""
     import threading
 
     from prefect import flow
@@ -145,6 +174,7 @@ def test_a_holder_elsewhere_is_waited_for_until_its_flow_run_is_final(prefect_ha
     @flow(name="elsewhere")
     def elsewhere():
         from prefect.runtime import flow_run
+
         return str(flow_run.id)
 
     cfg = resolve_config("configs/local-tiny.yaml")
@@ -153,8 +183,16 @@ def test_a_holder_elsewhere_is_waited_for_until_its_flow_run_is_final(prefect_ha
     run_id = state.result()
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(run_id, state=Running(), force=True)  # as if it were still going
-        record = {**this_machine(), "hostname": "gpu-node-far", "machine": "f" * 32, "run": run_id,
-                  "run_name": "elsewhere", "pid": 1, "start": "1", "since": "earlier"}
+        record = {
+            **this_machine(),
+            "hostname": "gpu-node-far",
+            "machine": "f" * 32,
+            "run": run_id,
+            "run_name": "elsewhere",
+            "pid": 1,
+            "start": "1",
+            "since": "earlier",
+        }
         client.create_variable(VariableCreate(name=name, value=record))
     entered = threading.Event()
 

@@ -5,15 +5,25 @@ import os
 import pytest
 
 from eyas.config import HostConfig
-from eyas.server import ssh_host
 from eyas.net import free_port
+from eyas.server import ssh_host
 from eyas.server.hosts import HostError, HostUnreachable, LocalHost
 from eyas.server.ssh_host import SSHHost
 
 
 def _ssh_host(sshd) -> SSHHost:
-    return SSHHost(HostConfig(kind="ssh", name="loopback", hostname="127.0.0.1", port=sshd.port, user=sshd.user,
-                              key_filename=sshd.client_key, known_hosts=sshd.known_hosts, connect_timeout_s=5))
+    return SSHHost(
+        HostConfig(
+            kind="ssh",
+            name="loopback",
+            hostname="127.0.0.1",
+            port=sshd.port,
+            user=sshd.user,
+            key_filename=sshd.client_key,
+            known_hosts=sshd.known_hosts,
+            connect_timeout_s=5,
+        )
+    )
 
 
 @pytest.fixture(params=["local", pytest.param("ssh", marks=pytest.mark.ssh)])
@@ -52,7 +62,9 @@ def test_a_large_file_streams_through_cat_over_ssh(host, tmp_path, monkeypatch):
     data = os.urandom((2 << 20) + 5)
     (tmp_path / "big").write_bytes(data)
     (tmp_path / "odd name's").write_bytes(data)
-    assert host.read_file(tmp_path / "big") == data and host.read_file(tmp_path / "odd name's") == data
+    assert (
+        host.read_file(tmp_path / "big") == data and host.read_file(tmp_path / "odd name's") == data
+    )
 
 
 def test_reading_a_folder_is_an_error_naming_the_host(host, tmp_path):
@@ -71,7 +83,17 @@ def test_a_dropped_connection_reconnects_and_a_closed_port_is_unreachable(sshd, 
         assert host.list_dir(tmp_path) == ["f"]  # the next call connects again
     finally:
         host.close()
-    gone = SSHHost(HostConfig(kind="ssh", name="gone", hostname="127.0.0.1", port=free_port(), user=sshd.user,
-                              key_filename=sshd.client_key, known_hosts=sshd.known_hosts, connect_timeout_s=5))
+    gone = SSHHost(
+        HostConfig(
+            kind="ssh",
+            name="gone",
+            hostname="127.0.0.1",
+            port=free_port(),
+            user=sshd.user,
+            key_filename=sshd.client_key,
+            known_hosts=sshd.known_hosts,
+            connect_timeout_s=5,
+        )
+    )
     with pytest.raises(HostUnreachable, match=r"\[gone\]"):
         gone.list_dir(tmp_path)

@@ -37,8 +37,12 @@ def test_run_passes_env(host):
 def test_start_is_detached_and_kill_group_reaches_children(host, tmp_path):
     log = tmp_path / "logs" / "bg.log"
     t0 = time.monotonic()
-    pid = host.start("sh -c 'echo started $GREETING; sleep 60 & sleep 60'", log_path=log,
-                     env={"GREETING": "hi"}, cwd=tmp_path)
+    pid = host.start(
+        "sh -c 'echo started $GREETING; sleep 60 & sleep 60'",
+        log_path=log,
+        env={"GREETING": "hi"},
+        cwd=tmp_path,
+    )
     assert time.monotonic() - t0 < 5  # returns at once, not when the command ends
     assert host.is_alive(pid)
     deadline = time.monotonic() + 5

@@ -2,27 +2,44 @@ import socket
 
 import pytest
 
+from eyas.config import load_config
 from eyas.server import readiness
 from eyas.server.hosts import LocalHost
 from eyas.server.launch import LaunchError, launch_command, start_server, stop_recorded, stop_server
-from eyas.config import load_config
 from tests.stage_config import ROOT, stage_config
 
 
 def _wait(host, cfg, handle):
     s = cfg.sensor
-    return readiness.wait_until_ready(host, log_path=handle.log_path, pid=handle.pid, url=handle.url,
-                                      start_offset=handle.log_offset, poll_interval_s=s.poll_interval_s,
-                                      stall_timeout_s=30, deadline_s=120, http_timeout_s=5)
+    return readiness.wait_until_ready(
+        host,
+        log_path=handle.log_path,
+        pid=handle.pid,
+        url=handle.url,
+        start_offset=handle.log_offset,
+        poll_interval_s=s.poll_interval_s,
+        stall_timeout_s=30,
+        deadline_s=120,
+        http_timeout_s=5,
+    )
 
 
 def test_sglang_command_has_the_capture_flags():
     cfg = load_config(ROOT / "configs" / "kimi-k2.5-sglang.yaml")
     cmd = launch_command(cfg)
-    assert cmd.startswith("/opt/sglang/.venv/bin/python3 -m sglang.launch_server --model-path /models/Kimi-K2.5")
-    for flag in ("--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids 2 30 58",
-                 "--disable-radix-cache", "--disable-prefill-cuda-graph", "--speculative-algorithm EAGLE3",
-                 "--forward-hooks", "--tp-size 8", "--chunked-prefill-size 8192"):
+    assert cmd.startswith(
+        "/opt/sglang/.venv/bin/python3 -m sglang.launch_server --model-path /models/Kimi-K2.5"
+    )
+    for flag in (
+        "--enable-return-aux-hidden-states",
+        "--return-aux-hidden-state-layer-ids 2 30 58",
+        "--disable-radix-cache",
+        "--disable-prefill-cuda-graph",
+        "--speculative-algorithm EAGLE3",
+        "--forward-hooks",
+        "--tp-size 8",
+        "--chunked-prefill-size 8192",
+    ):
         assert flag in cmd, flag
 
 
@@ -65,7 +82,8 @@ def test_max_running_requests_goes_to_the_extraction_launch_only(tmp_path, rando
 
     cfg = stage_config(tmp_path, random_target, **{"server.max_running_requests": 6})
     assert "--max-running-requests 6" in launch_command(cfg)
-    # the serving benchmark compares plain and speculative serving, which eyas-local runs one at a time
+    # the serving benchmark compares plain and speculative serving, which eyas-local runs one at a
+    # time
     assert "--max-running-requests" not in launch_command(server_config(cfg, "plain", None))
     unset = stage_config(tmp_path, random_target, **{"server.max_running_requests": None})
     assert "--max-running-requests" not in launch_command(unset)
@@ -76,8 +94,12 @@ def test_dp_size_goes_to_the_extraction_launch_only(tmp_path, random_target):
 
     cfg = stage_config(tmp_path, random_target, **{"server.dp_size": 2})
     assert "--dp-size 2" in launch_command(cfg)
-    assert "--dp-size" not in launch_command(server_config(cfg, "plain", None))  # speed is compared per replica
-    assert "--dp-size" not in launch_command(stage_config(tmp_path, random_target, **{"server.dp_size": None}))
+    assert "--dp-size" not in launch_command(
+        server_config(cfg, "plain", None)
+    )  # speed is compared per replica
+    assert "--dp-size" not in launch_command(
+        stage_config(tmp_path, random_target, **{"server.dp_size": None})
+    )
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -85,17 +107,26 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
 
-def test_only_the_capture_launch_gets_the_dump_folder_and_the_capture_settings(tmp_path, random_target):
+def test_only_the_capture_launch_gets_the_dump_folder_and_the_capture_settings(
+    tmp_path, random_target
+):
     """server.env/launch_args reach every launch; capture_env, capture_launch_args and EYAS_DUMP_DIR
     only the extraction launch; benchmark.launch_args only the serving benchmark's launches."""
     from eyas.dump import DUMP_DIR_ENV
     from eyas.evaluation.serving import server_config
 
     host = LocalHost()
-    cfg = stage_config(tmp_path, random_target, **{
-        "server.env": {"EYAS_T_EVERY": "1"}, "server.capture_env": {"EYAS_T_CAPTURE": "1"},
-        "server.launch_args": ["--served-model-name", "t"], "server.capture_launch_args": ["--random-seed", "7"],
-        "benchmark.launch_args": ["--dtype", "bfloat16"]})
+    cfg = stage_config(
+        tmp_path,
+        random_target,
+        **{
+            "server.env": {"EYAS_T_EVERY": "1"},
+            "server.capture_env": {"EYAS_T_CAPTURE": "1"},
+            "server.launch_args": ["--served-model-name", "t"],
+            "server.capture_launch_args": ["--random-seed", "7"],
+            "benchmark.launch_args": ["--dtype", "bfloat16"],
+        },
+    )
     serving = server_config(cfg, "plain", None)
     for launch_cfg, capture in ((cfg, True), (serving, False)):
         handle = start_server(host, launch_cfg)
@@ -106,7 +137,9 @@ def test_only_the_capture_launch_gets_the_dump_folder_and_the_capture_settings(t
             stop_server(host, launch_cfg, handle)
         assert env["EYAS_T_EVERY"] == "1" and argv[argv.index("--served-model-name") + 1] == "t"
         assert (DUMP_DIR_ENV in env) == capture and ("EYAS_T_CAPTURE" in env) == capture
-        assert ("--random-seed" in argv) == capture and ("--enable-return-aux-hidden-states" in argv) == capture
+        assert ("--random-seed" in argv) == capture and (
+            "--enable-return-aux-hidden-states" in argv
+        ) == capture
         assert ("--dtype" in argv) != capture
     assert env.get(DUMP_DIR_ENV) is None
 
@@ -114,6 +147,8 @@ def test_only_the_capture_launch_gets_the_dump_folder_and_the_capture_settings(t
 def test_the_source_patch_mode_launches_without_forward_hooks(tmp_path):
     base = {"server.backend": "sglang"}
     hook = launch_command(stage_config(tmp_path, tmp_path / "ckpt", **base))
-    patch = launch_command(stage_config(tmp_path, tmp_path / "ckpt", **base, **{"server.capture": "source_patch"}))
+    patch = launch_command(
+        stage_config(tmp_path, tmp_path / "ckpt", **base, **{"server.capture": "source_patch"})
+    )
     assert "--forward-hooks" in hook and "--forward-hooks" not in patch
     assert "--enable-return-aux-hidden-states" in patch and "--disable-prefill-cuda-graph" in patch

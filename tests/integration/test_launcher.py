@@ -39,17 +39,25 @@ def _gone(host: LocalHost, pid: int, within_s: float) -> bool:
 def test_a_local_server_ends_with_the_process_that_launched_it(tmp_path, random_target, mode):
     host, cfg = LocalHost(), stage_config(tmp_path, random_target)
     (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "cfg.json"), mode],
-                                stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(tmp_path / "cfg.json"), mode],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         pid = int(launcher.stdout.readline())
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(10)
         if mode == "tied":
             assert _gone(host, pid, 15), "the server outlived the run that launched it"
-            assert "has exited without stopping it: shutting down" in cfg.server.log_path.read_text()
+            assert (
+                "has exited without stopping it: shutting down" in cfg.server.log_path.read_text()
+            )
         else:
-            assert not _gone(host, pid, 3), "a server launched to stay up went down with its launcher"
+            assert not _gone(host, pid, 3), (
+                "a server launched to stay up went down with its launcher"
+            )
     finally:
         launcher.kill()
         stop_recorded(host, cfg)

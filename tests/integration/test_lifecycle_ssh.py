@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from eyas.server import readiness, sglang_patch
-from eyas.server.ssh_host import SSHHost
 from eyas.server.launch import start_server, stop_server
+from eyas.server.ssh_host import SSHHost
 from tests.sshd import ssh_host_fields
 from tests.stage_config import stage_config
 
@@ -16,14 +16,30 @@ pytestmark = pytest.mark.ssh
 
 def ssh_stage_config(tmp, sshd, target, **extra):
     host = ssh_host_fields(sshd)
-    return stage_config(tmp, target, **{"server.host": host, "server.python": sys.executable,
-                                        "server.url_host": "127.0.0.1",
-                                        "server.env": {"OMP_NUM_THREADS": "1"}, **extra})
+    return stage_config(
+        tmp,
+        target,
+        **{
+            "server.host": host,
+            "server.python": sys.executable,
+            "server.url_host": "127.0.0.1",
+            "server.env": {"OMP_NUM_THREADS": "1"},
+            **extra,
+        },
+    )
 
 
 def _sense(host, cfg, handle, **kw):
-    args = dict(log_path=handle.log_path, pid=handle.pid, url=handle.url, start_offset=handle.log_offset,
-                poll_interval_s=0.2, stall_timeout_s=30, deadline_s=120, http_timeout_s=5)
+    args = dict(
+        log_path=handle.log_path,
+        pid=handle.pid,
+        url=handle.url,
+        start_offset=handle.log_offset,
+        poll_interval_s=0.2,
+        stall_timeout_s=30,
+        deadline_s=120,
+        http_timeout_s=5,
+    )
     return readiness.wait_until_ready(host, **{**args, **kw})
 
 
@@ -39,7 +55,8 @@ def test_patch_launch_sense_stop_over_ssh(tmp_path, sshd, random_target):
             assert report.shards_total == len(list(random_target.glob("*.safetensors")))
             assert progress and progress[-1].done == progress[-1].total
             record = json.loads((cfg.server.workdir / "server.pid").read_text())
-            # who the server is, read from the SSH host's process table: what every stop checks first
+            # who the server is, read from the SSH host's process table: what every stop checks
+            # first
             assert record["pid"] == handle.pid and record["start"] and record["boot"]
             assert host.process_identity(handle.pid).start == record["start"]
         finally:
@@ -51,8 +68,12 @@ def test_patch_launch_sense_stop_over_ssh(tmp_path, sshd, random_target):
 
 
 def test_a_crash_over_ssh_is_reported_with_the_log(tmp_path, sshd, random_target):
-    cfg = ssh_stage_config(tmp_path, sshd, random_target, **{
-        "server.launch_args": ["--fault", "oom-at-shard", "--fault-shard", "2"]})
+    cfg = ssh_stage_config(
+        tmp_path,
+        sshd,
+        random_target,
+        **{"server.launch_args": ["--fault", "oom-at-shard", "--fault-shard", "2"]},
+    )
     host = SSHHost(cfg.server.host)
     try:
         handle = start_server(host, cfg)

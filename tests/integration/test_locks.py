@@ -5,8 +5,8 @@ SIGKILL as soon as the first shard file is published. The local target server it
 session) exits with it (eyas/server/launcher.py). The second run, same command, must discard the
 partial file, serve the finished shards from Prefect's cache without rewriting them (same inode and
 mtime), give back the GPU-host slot the killed run kept, extract the rest, and complete. A server
-that outlives its run (one a `serve` run left up, an SGLang server) is stopped by the next run of its
-config: test_a_stale_server_of_this_config_is_stopped_and_another_configs_left_alone.
+that outlives its run (one a `serve` run left up, an SGLang server) is stopped by the next run of
+its config: test_a_stale_server_of_this_config_is_stopped_and_another_configs_left_alone.
 
 Both runs talk to the test session's Prefect server (no temporary server to start per run); the
 shard cache records live in the runs' own PREFECT_HOME, as they would on a worker.
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from eyas.server.hosts import LocalHost, wait_dead
 from eyas.extraction.shards import ShardReader, verify_shard
 from eyas.net import free_port
+from eyas.server.hosts import LocalHost, wait_dead
 from tests.stage_config import ROOT
 
 pytestmark = pytest.mark.slow
@@ -34,15 +34,35 @@ HOST = "resume-test"  # the run's name and host label (the GPU-host lock is the 
 
 
 def _command(tmp: Path, data: Path, port: int) -> list[str]:
-    sets = {"name": HOST, "run_dir": tmp / "run", "server.host.name": HOST, "server.port": port, "server.workdir": tmp / "server",
-            "server.dump_dir": tmp / "server" / "dump", "extraction.output_dir": tmp / "shards",
-            "training.output_dir": tmp / "train", "data.path": data, "data.num_heldout": 2,
-            "extraction.num_shards": 8, "extraction.concurrency": 2, "training.max_steps": 2,
-            "training.batch_size": 2, "training.warmup_steps": 0, "evaluation.num_prompts": 1,
-            "evaluation.max_new_tokens": 4, "sensor.poll_interval_s": 0.1,
-            "benchmark.enabled": False,  # the serving benchmark (two more servers) is not under test
-            "data.regenerate.enabled": False}  # nor regeneration (tests/integration/test_flow_extract.py)
-    cmd = [sys.executable, "-m", "flows.runtime.cli", "run", str(ROOT / "configs" / "local-tiny.yaml")]  # `eyas run`
+    sets = {
+        "name": HOST,
+        "run_dir": tmp / "run",
+        "server.host.name": HOST,
+        "server.port": port,
+        "server.workdir": tmp / "server",
+        "server.dump_dir": tmp / "server" / "dump",
+        "extraction.output_dir": tmp / "shards",
+        "training.output_dir": tmp / "train",
+        "data.path": data,
+        "data.num_heldout": 2,
+        "extraction.num_shards": 8,
+        "extraction.concurrency": 2,
+        "training.max_steps": 2,
+        "training.batch_size": 2,
+        "training.warmup_steps": 0,
+        "evaluation.num_prompts": 1,
+        "evaluation.max_new_tokens": 4,
+        "sensor.poll_interval_s": 0.1,
+        "benchmark.enabled": False,  # the serving benchmark (two more servers) is not under test
+        "data.regenerate.enabled": False,
+    }  # nor regeneration (tests/integration/test_flow_extract.py)
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.runtime.cli",
+        "run",
+        str(ROOT / "configs" / "local-tiny.yaml"),
+    ]  # `eyas run`
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     return cmd
@@ -52,8 +72,13 @@ def _env(tmp: Path) -> dict:
     from prefect.settings import PREFECT_API_URL
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp / "prefect"), PREFECT_API_URL=PREFECT_API_URL.value(),
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.update(
+        PREFECT_HOME=str(tmp / "prefect"),
+        PREFECT_API_URL=PREFECT_API_URL.value(),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     return env
 
 
@@ -65,8 +90,9 @@ def test_kill_9_mid_extraction_then_rerun_keeps_finished_shards(tmp_path, prefec
 
     # 1. First run, killed with SIGKILL once a shard is published and while others are not.
     with open(tmp_path / "run1.log", "w") as log:
-        first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        first = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + 240
         while not list(shards.glob("shard-*.json")):
             assert first.poll() is None, (tmp_path / "run1.log").read_text()[-3000:]
@@ -75,8 +101,11 @@ def test_kill_9_mid_extraction_then_rerun_keeps_finished_shards(tmp_path, prefec
         time.sleep(1.0)  # let Prefect record the first shard's result (later ones may lack it)
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(30)
-    done = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in shards.glob("shard-*.safetensors")
-            if p.with_suffix(".json").exists()}
+    done = {
+        p.name: (p.stat().st_ino, p.stat().st_mtime_ns)
+        for p in shards.glob("shard-*.safetensors")
+        if p.with_suffix(".json").exists()
+    }
     assert 1 <= len(done) < 8, done
     host, pid = LocalHost(), json.loads((tmp_path / "server" / "server.pid").read_text())["pid"]
     assert wait_dead(host, pid, 15), "the killed run's local server outlived it"
@@ -84,8 +113,9 @@ def test_kill_9_mid_extraction_then_rerun_keeps_finished_shards(tmp_path, prefec
 
     # 2. Same command again: completes.
     with open(tmp_path / "run2.log", "w") as log:
-        second = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        second = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             second.wait(300)
         except subprocess.TimeoutExpired:
@@ -93,14 +123,15 @@ def test_kill_9_mid_extraction_then_rerun_keeps_finished_shards(tmp_path, prefec
             second.wait(30)
     out = (tmp_path / "run2.log").read_text()
     assert second.returncode == 0, out[-4000:]
-    # the killed run's flow runs, set Crashed when this run took the output directory, and so its hold
-    # on the GPU host, taken over
+    # the killed run's flow runs, set Crashed when this run took the output directory, and so its
+    # hold on the GPU host, taken over
     assert "flow runs of a killed process, still shown Running, set Crashed" in out
     assert "took it from flow run" in out and "is Crashed" in out
     assert "slot(s) of eyas-gpu-host-" in out and "kept by a killed run" in out
 
     # Finished shards untouched: served from Prefect's cache, or (published but killed before
-    # Prefect recorded the result) found intact on disk; never rewritten. The rest complete and valid.
+    # Prefect recorded the result) found intact on disk; never rewritten. The rest complete and
+    # valid.
     cached = 0
     for name, ident in done.items():
         p = shards / name
@@ -122,9 +153,17 @@ def test_kill_9_mid_extraction_then_rerun_keeps_finished_shards(tmp_path, prefec
     assert ds["eyas_version"] and ds["data"]["stats"]["sequences"] == 32
 
     # Progress: the same figures in the task log and in the run's artifacts.
-    assert f"extraction: 8/8 shards ({len(done)} reused)" in out and "tok/s" in out and "GB written" in out
+    assert (
+        f"extraction: 8/8 shards ({len(done)} reused)" in out
+        and "tok/s" in out
+        and "GB written" in out
+    )
     progress, table = _artifacts(f"extract-{HOST}"), _artifacts(f"extract-shards-{HOST}")
-    assert progress.type == "progress" and progress.data == 100.0 and "8/8 shards" in progress.description
+    assert (
+        progress.type == "progress"
+        and progress.data == 100.0
+        and "8/8 shards" in progress.description
+    )
     assert table.type == "table" and len(json.loads(table.data)) == 8
     assert {r["status"] for r in json.loads(table.data)} == {"done", "reused"}
 
@@ -134,17 +173,34 @@ def _artifacts(key: str):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+        )
     assert found, f"no artifact {key}"
     return max(found, key=lambda a: a.updated)
 
 
 def test_output_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
-    from eyas.extraction.locks import OutputBusy, discard_partials, lock_output_dir, unlock_output_dir
+    from eyas.extraction.locks import (
+        OutputBusy,
+        discard_partials,
+        lock_output_dir,
+        unlock_output_dir,
+    )
 
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from eyas.extraction.locks import lock_output_dir; "
-                               f"lock_output_dir({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)"],
-                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from eyas.extraction.locks "
+            "import lock_output_dir; "
+            f"lock_output_dir({str(tmp_path)!r}); print('held', flush=True); "
+            f"time.sleep(60)",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(OutputBusy, match=rf"in use by another eyas run \(pid {holder.pid}"):
@@ -160,10 +216,13 @@ def test_output_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
     unlock_output_dir(tmp_path)
 
 
-def test_a_stale_server_of_this_config_is_stopped_and_another_configs_left_alone(tmp_path, random_target):
-    """A server that outlives the run that launched it (launched to stay up, as a `serve` run's, or an
-    SGLang server, which does not watch its launcher): the next run of the same config, holding the
-    output directory's lock, stops it; a server of another config (another command line) is left."""
+def test_a_stale_server_of_this_config_is_stopped_and_another_configs_left_alone(
+    tmp_path, random_target
+):
+    """A server that outlives the run that launched it (launched to stay up, as a `serve` run's, or
+    an SGLang server, which does not watch its launcher): the next run of the same config, holding
+    the output directory's lock, stops it; a server of another config (another command line) is
+    left."""
     from eyas.extraction.locks import lock_output_dir, reclaim_stale_server, unlock_output_dir
     from eyas.server.launch import start_server, stop_server
     from tests.stage_config import stage_config
@@ -171,10 +230,14 @@ def test_a_stale_server_of_this_config_is_stopped_and_another_configs_left_alone
     host, cfg = LocalHost(), stage_config(tmp_path, random_target)
     handle = start_server(host, cfg, leave_up=True)
     try:
-        other = cfg.model_copy(update={"server": cfg.server.model_copy(update={"chunked_prefill_size": 32})})
+        other = cfg.model_copy(
+            update={"server": cfg.server.model_copy(update={"chunked_prefill_size": 32})}
+        )
         lock_output_dir(cfg.extraction.output_dir)
         left = reclaim_stale_server(host, other)
-        assert left["outcome"] == "left alone: not this config's server" and host.is_alive(handle.pid)
+        assert left["outcome"] == "left alone: not this config's server" and host.is_alive(
+            handle.pid
+        )
         stopped = reclaim_stale_server(host, cfg)
         assert stopped["reason"] == "stale server of a killed run of this config"
         assert wait_dead(host, handle.pid, 10)

@@ -21,36 +21,44 @@ pytestmark = pytest.mark.slow
 #: Every command line of the docs' bash blocks, and what runs it. "here": this module, against its
 #: server. The others need what a test machine lacks, or are run elsewhere as named.
 COMMANDS = {
-    "python3 -m venv .venv && .venv/bin/pip install -q --no-compile torch==2.13.0 -e . && .venv/bin/eyas run configs/local-tiny.yaml":
-        "the install: .ci/run; `eyas run` of this config: tests/integration/test_eyas_run_output.py (reduced)",
-    "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 && .venv/bin/pip install -q -e '.[test]' && .venv/bin/python -m pytest -q":
-        ".ci/run, exactly (tests/unit/test_readme.py)",
-    ".venv/bin/prefect server start --host 127.0.0.1 --port 4200 &": "here (tests/prefect_server.py, on a free port)",
+    "python3 -m venv .venv && .venv/bin/pip install -q --no-compile torch==2.13.0 -e . && "
+    ".venv/bin/eyas run "
+    "configs/local-tiny.yaml": "the install: .ci/run; `eyas run` of this config: "
+    "tests/integration/test_eyas_run_output.py (reduced)",
+    "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 && .venv/bin/pip install -q "
+    "-e '.[test]' && .venv/bin/python -m pytest -q": ".ci/run, exactly (tests/unit/test_readme.py)",
+    ".venv/bin/prefect server start --host 127.0.0.1 --port 4200 "
+    "&": "here (tests/prefect_server.py, on a free port)",
     "export PREFECT_API_URL=http://127.0.0.1:4200/api": "here (the server's env)",
-    "export PREFECT_SERVER_ANALYTICS_ENABLED=false": "here (the server's env: tests/prefect_server.py)",
-    ".venv/bin/eyas run configs/local-tiny.yaml": "tests/integration/test_eyas_run_output.py (reduced)",
+    "export PREFECT_SERVER_ANALYTICS_ENABLED=false": "here (the server's env: "
+    "tests/prefect_server.py)",
+    ".venv/bin/eyas run "
+    "configs/local-tiny.yaml": "tests/integration/test_eyas_run_output.py (reduced)",
     "eyas check-config configs/kimi-k2.5-sglang.yaml": "here",
     "eyas preflight configs/kimi-k2.5-sglang.yaml": "needs the production SSH hosts",
     "eyas run configs/kimi-k2.5-sglang.yaml": "needs the production GPU hosts",
-    "eyas run configs/local-tiny.yaml --set training.max_steps=50": "tests/integration/test_eyas_run_output.py (reduced)",
+    "eyas run configs/local-tiny.yaml --set "
+    "training.max_steps=50": "tests/integration/test_eyas_run_output.py (reduced)",
     "eyas stop configs/kimi-k2.5-sglang.yaml": "needs the production SSH hosts",
-    ".venv/bin/python -m flows.serve_bench configs/kimi-k2.5-sglang.yaml /data/eyas/runs/kimi-k2.5/drafter":
-        "needs the production GPU hosts",
+    ".venv/bin/python -m flows.serve_bench configs/kimi-k2.5-sglang.yaml "
+    "/data/eyas/runs/kimi-k2.5/drafter": "needs the production GPU hosts",
     "cd /srv/eyas": "here (the repository root)",
     "export PREFECT_API_URL=http://prefect-host:4200/api": "here (the server's env)",
-    ".venv/bin/prefect server start --host 0.0.0.0 --port 4200 &": "here (tests/prefect_server.py, 127.0.0.1)",
+    ".venv/bin/prefect server start --host 0.0.0.0 --port 4200 "
+    "&": "here (tests/prefect_server.py, 127.0.0.1)",
     ".venv/bin/prefect work-pool create eyas --type process": "here",
     ".venv/bin/prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml": "here",
     ".venv/bin/prefect worker start --pool eyas": "here, stopped by SIGTERM",
     ".venv/bin/prefect deployment run 'eagle3-pipeline/pipeline'": "here (pool paused)",
-    ".venv/bin/prefect deployment run 'eagle3-pipeline/pipeline' --param config=configs/kimi-k2.5-sglang.yaml": "here (pool paused)",
-    """.venv/bin/prefect deployment run 'eagle3-pipeline/pipeline' --params '{"overrides": {"training.max_steps": 50}}'""":
-        "here (pool paused)",
-    """.venv/bin/prefect deployment run 'eyas-train/train' --params "$(.venv/bin/python -c 'import json, yaml; print(json.dumps({"config": yaml.safe_load(open("configs/local-tiny.yaml"))}))')\"""":
-        "here (pool paused)",
-    """.venv/bin/python deployments/automations.py kimi-k2.5 --params '{"config": "configs/kimi-k2.5-sglang.yaml"}'""": "here",
-    ".venv/bin/prefect deployment run 'eyas-extract/extract' --param config=configs/kimi-k2.5-sglang.yaml": "here (pool paused)",
-    ".venv/bin/python deployments/notifications.py https://hooks.example.com/eyas": "here (URL: a receiver on 127.0.0.1)",
+    ".venv/bin/prefect deployment run 'eagle3-pipeline/pipeline' --param "
+    "config=configs/kimi-k2.5-sglang.yaml": "here (pool paused)",
+    """.venv/bin/prefect deployment run 'eagle3-pipeline/pipeline' --params '{"overrides": {"training.max_steps": 50}}'""": "here (pool paused)",  # noqa: E501 - the docs' command, verbatim
+    """.venv/bin/prefect deployment run 'eyas-train/train' --params "$(.venv/bin/python -c 'import json, yaml; print(json.dumps({"config": yaml.safe_load(open("configs/local-tiny.yaml"))}))')\"""": "here (pool paused)",  # noqa: E501 - the docs' command, verbatim
+    """.venv/bin/python deployments/automations.py kimi-k2.5 --params '{"config": "configs/kimi-k2.5-sglang.yaml"}'""": "here",  # noqa: E501 - the docs' command, verbatim
+    ".venv/bin/prefect deployment run 'eyas-extract/extract' --param "
+    "config=configs/kimi-k2.5-sglang.yaml": "here (pool paused)",
+    ".venv/bin/python deployments/notifications.py "
+    "https://hooks.example.com/eyas": "here (URL: a receiver on 127.0.0.1)",
 }
 
 
@@ -69,8 +77,16 @@ def run_deployment(server, name: str, params: dict) -> str:
 
 
 BAD = [  # parameters, the run's name, what the one-line message names
-    ({"overrides": {"training.max_stepz": 20}}, "eagle3-local-tiny", "training.max_stepz: Extra inputs"),
-    ({"overrides": {"training.max_steps": "many"}}, "eagle3-local-tiny", "training.max_steps: Input should be a valid integer"),
+    (
+        {"overrides": {"training.max_stepz": 20}},
+        "eagle3-local-tiny",
+        "training.max_stepz: Extra inputs",
+    ),
+    (
+        {"overrides": {"training.max_steps": "many"}},
+        "eagle3-local-tiny",
+        "training.max_steps: Input should be a valid integer",
+    ),
     ({"config": "configs/no-such.yaml"}, "eagle3-no-such", "no-such.yaml: config file not found"),
 ]
 
@@ -83,10 +99,14 @@ def test_a_bad_config_fails_with_the_reason_under_a_readable_name_and_notifies(s
         assert state["type"] == "FAILED", (params, state)
         assert reason in state["message"] and "\n" not in state["message"], state["message"]
         assert run["name"] == name, run["name"]
+
     # The failure webhook: one POST per failed run, naming it and the reason (the receiver is the
     # session's: other modules' runs post to it too).
     def posted(name: str, reason: str) -> bool:
-        return any(p["body"].startswith(f"{name} ended Failed: ") and reason in p["body"] for p in webhooks.posts)
+        return any(
+            p["body"].startswith(f"{name} ended Failed: ") and reason in p["body"]
+            for p in webhooks.posts
+        )
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not all(posted(name, reason) for _, name, reason in BAD):
@@ -100,20 +120,38 @@ def test_overrides_are_typed_in_the_run_form(server):
     schema = dep["parameter_openapi_schema"]["properties"]["overrides"]
     mapping = next(s for s in schema["anyOf"] if s.get("type") == "object")
     assert {t.get("type") for t in mapping["additionalProperties"]["anyOf"]} == {
-        "string", "integer", "number", "boolean", "array", "object", "null"}
+        "string",
+        "integer",
+        "number",
+        "boolean",
+        "array",
+        "object",
+        "null",
+    }
 
 
 def test_flow_and_task_runs_carry_config_host_and_revision_tags(server, tmp_path):
-    params = {"overrides": {"name": "op-tags", "server.port": free_port(),
-                            "server.workdir": str(tmp_path / "server"),
-                            "server.dump_dir": str(tmp_path / "server" / "dump")}}
-    run = wait_flow_run(server, run_deployment(server, "eyas-teardown/teardown", params), timeout=180)
+    params = {
+        "overrides": {
+            "name": "op-tags",
+            "server.port": free_port(),
+            "server.workdir": str(tmp_path / "server"),
+            "server.dump_dir": str(tmp_path / "server" / "dump"),
+        }
+    }
+    run = wait_flow_run(
+        server, run_deployment(server, "eyas-teardown/teardown", params), timeout=180
+    )
     assert run["state"]["type"] == "COMPLETED", run["state"]
     assert run["name"] == "teardown-op-tags@localhost"
     want = {"config:op-tags", "host:localhost"}
-    assert want <= set(run["tags"]) and any(t.startswith("revision:") for t in run["tags"]), run["tags"]
+    assert want <= set(run["tags"]) and any(t.startswith("revision:") for t in run["tags"]), run[
+        "tags"
+    ]
     tasks = server.post("/task_runs/filter", {"flow_runs": {"id": {"any_": [run["id"]]}}})
-    assert tasks and all(want <= set(t["tags"]) for t in tasks), [(t["name"], t["tags"]) for t in tasks]
+    assert tasks and all(want <= set(t["tags"]) for t in tasks), [
+        (t["name"], t["tags"]) for t in tasks
+    ]
 
 
 def test_the_documented_runs_are_accepted_as_written(server):
@@ -122,8 +160,13 @@ def test_the_documented_runs_are_accepted_as_written(server):
     sh(server, "prefect work-pool pause eyas")
     try:
         before = {r["id"] for r in server.post("/flow_runs/filter", {})}
-        lines = [c for c in doc_commands() if c.startswith(".venv/bin/prefect deployment run")
-                 or "automations.py" in c or c.startswith("eyas check-config")]
+        lines = [
+            c
+            for c in doc_commands()
+            if c.startswith(".venv/bin/prefect deployment run")
+            or "automations.py" in c
+            or c.startswith("eyas check-config")
+        ]
         for line in lines:
             sh(server, line.replace("eyas check-config", "python -m eyas check-config"))
         new = [r for r in server.post("/flow_runs/filter", {}) if r["id"] not in before]
@@ -131,21 +174,26 @@ def test_the_documented_runs_are_accepted_as_written(server):
         inline = next(r for r in new if isinstance(r["parameters"].get("config"), dict))
         assert inline["parameters"]["config"]["name"] == "local-tiny"
         for r in new:
-            server.post(f"/flow_runs/{r['id']}/set_state", {"state": {"type": "CANCELLED"}, "force": True})
+            server.post(
+                f"/flow_runs/{r['id']}/set_state", {"state": {"type": "CANCELLED"}, "force": True}
+            )
     finally:
         sh(server, "prefect work-pool resume eyas")
 
 
 def test_the_worker_stops_on_sigterm_within_seconds(server):
-    """SIGTERM stops the worker. Prefect 3.9.1's handler sends the worker SIGINT, whose handler sends
-    SIGINT again and then arms SIGKILL for the next one. That second SIGINT usually meets the SIGKILL
-    (the worker is gone at once); racing with it, it can meet asyncio's own handler instead, which
-    starts a graceful stop that took over 15 s on a loaded CI machine. A second SIGTERM is then
-    Prefect's SIGKILL, as a supervisor escalates (systemd after its stop timeout, `kill` twice).
-    The worker is a second one of the documented command, so the session's own worker serves on."""
+    """SIGTERM stops the worker. Prefect 3.9.1's handler sends the worker SIGINT, whose handler
+    sends SIGINT again and then arms SIGKILL for the next one. That second SIGINT usually meets the
+    SIGKILL (the worker is gone at once); racing with it, it can meet asyncio's own handler instead,
+    which starts a graceful stop that took over 15 s on a loaded CI machine. A second SIGTERM is
+    then Prefect's SIGKILL, as a supervisor escalates (systemd after its stop timeout, `kill`
+    twice). The worker is a second one of the documented command, so the session's own worker serves
+    on."""
     line = next(c for c in doc_commands() if " worker start " in c)
-    worker = server.spawn(shlex.split(line.replace(".venv/bin/prefect ", "")) + ["--name", "sigterm-test"],
-                          "worker-sigterm.log")
+    worker = server.spawn(
+        shlex.split(line.replace(".venv/bin/prefect ", "")) + ["--name", "sigterm-test"],
+        "worker-sigterm.log",
+    )
     log = server.home / "worker-sigterm.log"
     deadline = time.monotonic() + 90
     while "started!" not in log.read_text() and time.monotonic() < deadline:  # its handlers are set
@@ -156,7 +204,9 @@ def test_the_worker_stops_on_sigterm_within_seconds(server):
     try:
         worker.wait(15)
         assert time.monotonic() - t0 < 15
-    except subprocess.TimeoutExpired:  # the graceful stop won the race: not a worker deaf to SIGTERM
+    except (
+        subprocess.TimeoutExpired
+    ):  # the graceful stop won the race: not a worker deaf to SIGTERM
         assert "Received SIGTERM. Sending SIGINT" in log.read_text()
         os.kill(worker.pid, signal.SIGTERM)
         worker.wait(5)

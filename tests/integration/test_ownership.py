@@ -25,7 +25,7 @@ def _started(pid: int) -> str | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
         return None
-    return None if stat[stat.rfind(")") + 2] == "Z" else stat[stat.rfind(")") + 2:].split()[19]
+    return None if stat[stat.rfind(")") + 2] == "Z" else stat[stat.rfind(")") + 2 :].split()[19]
 
 
 @pytest.fixture
@@ -35,13 +35,21 @@ def api_url(prefect_harness) -> str:
     return PREFECT_API_URL.value()
 
 
-def test_a_second_run_of_a_busy_config_fails_at_once_and_leaves_the_first_runs_server_alone(tmp_path, api_url):
+def test_a_second_run_of_a_busy_config_fails_at_once_and_leaves_the_first_runs_server_alone(
+    tmp_path, api_url
+):
     data = eyas_run.small_data(tmp_path)
     sets = eyas_run.overrides(tmp_path, data, name="owned")
     run, env, host = eyas_run.command("run", sets), eyas_run.env(tmp_path, api_url), LocalHost()
     first_log = tmp_path / "first.log"
-    first = subprocess.Popen(run, cwd=eyas_run.ROOT, env=env, stdout=open(first_log, "w"),
-                             stderr=subprocess.STDOUT, start_new_session=True)
+    first = subprocess.Popen(
+        run,
+        cwd=eyas_run.ROOT,
+        env=env,
+        stdout=open(first_log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     server = None
     try:
         record = eyas_run.wait_for_server(tmp_path, first_log, first)
@@ -50,11 +58,15 @@ def test_a_second_run_of_a_busy_config_fails_at_once_and_leaves_the_first_runs_s
         os.killpg(first.pid, signal.SIGSTOP)
         before = _started(server)
         t0 = time.monotonic()
-        second = subprocess.run(run, cwd=eyas_run.ROOT, env=env, capture_output=True, text=True, timeout=240)
+        second = subprocess.run(
+            run, cwd=eyas_run.ROOT, env=env, capture_output=True, text=True, timeout=240
+        )
         took, out = time.monotonic() - t0, second.stdout + second.stderr
         assert second.returncode != 0, out[-3000:]
         # The first run's server is untouched: same process, its record and dump folder in place.
-        assert _started(server) == before, "the second run stopped the first run's server:\n" + out[-3000:]
+        assert _started(server) == before, (
+            "the second run stopped the first run's server:\n" + out[-3000:]
+        )
         assert f"is in use by another eyas run (pid {first.pid}, flow run " in out, out[-3000:]
         assert "this run stopped before touching anything" in out, out[-3000:]
         assert took < 120, f"the second run took {took:.0f} s to fail"
@@ -63,11 +75,21 @@ def test_a_second_run_of_a_busy_config_fails_at_once_and_leaves_the_first_runs_s
         # The first run dies without cleaning up; `eyas stop` stops the server it recorded.
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(30)
-        stop = subprocess.run(eyas_run.command("stop", sets), cwd=eyas_run.ROOT, env=env, capture_output=True,
-                              text=True, timeout=120)
-        # the local server also exits by itself with the killed run (eyas/server/launcher.py): a race
-        assert stop.returncode == 0 and json.loads(stop.stdout)["outcome"] in ("terminated", "killed",
-                                                                               "not running"), stop
+        stop = subprocess.run(
+            eyas_run.command("stop", sets),
+            cwd=eyas_run.ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        # the local server also exits by itself with the killed run (eyas/server/launcher.py): a
+        # race
+        assert stop.returncode == 0 and json.loads(stop.stdout)["outcome"] in (
+            "terminated",
+            "killed",
+            "not running",
+        ), stop
         assert wait_dead(host, server, 5)
         assert not (tmp_path / "server" / "dump").exists()  # eyas made it, eyas removed it
     finally:
@@ -90,8 +112,15 @@ def test_eyas_stop_never_signals_a_process_a_stale_record_names_nor_deletes_fore
     env = eyas_run.env(tmp_path, None)
 
     def stop(**extra):
-        return subprocess.run(eyas_run.command("stop", {**sets, **extra}), cwd=eyas_run.ROOT, env=env,
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            eyas_run.command("stop", {**sets, **extra}),
+            cwd=eyas_run.ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
     try:
         # An older eyas's record (a bare pid) whose pid is now an unrelated process.
         record.write_text(f"{sleeper.pid}\n")
@@ -103,16 +132,31 @@ def test_eyas_stop_never_signals_a_process_a_stale_record_names_nor_deletes_fore
         assert (dump / "notes.txt").read_text() == "not eyas's"
         # A record with identity, its pid reused by another process (another start time).
         me = host.process_identity(sleeper.pid)
-        record.write_text(json.dumps({"pid": sleeper.pid, "boot": me.boot, "start": str(int(me.start) - 1),
-                                      "command": "sleep 300", "owner": "x", "runs": []}))
+        record.write_text(
+            json.dumps(
+                {
+                    "pid": sleeper.pid,
+                    "boot": me.boot,
+                    "start": str(int(me.start) - 1),
+                    "command": "sleep 300",
+                    "owner": "x",
+                    "runs": [],
+                }
+            )
+        )
         r = stop()
-        assert r.returncode == 0 and "is now another process" in json.loads(r.stdout)["outcome"], r.stdout
+        assert r.returncode == 0 and "is now another process" in json.loads(r.stdout)["outcome"], (
+            r.stdout
+        )
         time.sleep(0.5)
         assert sleeper.poll() is None and (dump / "notes.txt").exists()
         assert not record.exists()  # the stale record is gone, the process it named is not
         # A folder eyas would empty may not be a filesystem root or a home folder: refused up front.
-        for field, value in (("server.dump_dir", "/"), ("server.workdir", "/root"),
-                             ("server.dump_dir", tmp_path / "server" / "..")):
+        for field, value in (
+            ("server.dump_dir", "/"),
+            ("server.workdir", "/root"),
+            ("server.dump_dir", tmp_path / "server" / ".."),
+        ):
             r = stop(**{field: value})
             assert r.returncode != 0 and field in r.stderr, (field, r.stderr)
     finally:
@@ -126,11 +170,19 @@ def test_launch_refuses_a_dump_dir_holding_files_eyas_did_not_write(tmp_path, ra
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "thesis.tex").write_text("years of work")
     try:
-        with pytest.raises(LaunchError, match=r"server.dump_dir .* holds files eyas did not write \(thesis.tex\)"):
+        with pytest.raises(
+            LaunchError,
+            match=r"server.dump_dir .* holds files eyas did not write "
+            r"\(thesis.tex\)",
+        ):
             start_server(host, cfg)
         assert (tmp_path / "data" / "thesis.tex").read_text() == "years of work"
         assert not cfg.server.pid_path.exists()  # nothing was launched
     finally:
-        if cfg.server.pid_path.exists():  # (the old behaviour: it launched, after deleting the file)
+        if (
+            cfg.server.pid_path.exists()
+        ):  # (the old behaviour: it launched, after deleting the file)
             text = cfg.server.pid_path.read_text().strip()
-            host.kill_group(json.loads(text)["pid"] if text.startswith("{") else int(text), signal.SIGKILL)
+            host.kill_group(
+                json.loads(text)["pid"] if text.startswith("{") else int(text), signal.SIGKILL
+            )

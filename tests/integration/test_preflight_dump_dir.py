@@ -1,6 +1,6 @@
 """eyas preflight measures server.dump_dir on the server host over SSH (a real OpenSSH server,
-tests/sshd.py): the folder, its free bytes and what the capture needs are named when it is too small,
-and a host that cannot be reached is reported once, by the host check."""
+tests/sshd.py): the folder, its free bytes and what the capture needs are named when it is too
+small, and a host that cannot be reached is reported once, by the host check."""
 
 from __future__ import annotations
 
@@ -20,8 +20,17 @@ pytestmark = pytest.mark.ssh
 def _ssh_config(tmp_path, sshd, **overrides):
     stand_in = sglang_stand_in(tmp_path)
     host = ssh_host_fields(sshd)
-    return tiny(tmp_path, **{"server.backend": "sglang", "server.host": host, "target.checkpoint": str(TINY),
-                             "server.workdir": "/tmp/w", "server.python": str(stand_in), **overrides})
+    return tiny(
+        tmp_path,
+        **{
+            "server.backend": "sglang",
+            "server.host": host,
+            "target.checkpoint": str(TINY),
+            "server.workdir": "/tmp/w",
+            "server.python": str(stand_in),
+            **overrides,
+        },
+    )
 
 
 def test_the_dump_dirs_filesystem_is_measured_on_the_host_over_ssh(tmp_path, sshd):
@@ -47,5 +56,7 @@ def test_an_unknown_host_key_is_reported_once(tmp_path, sshd):
     unknown.write_text("")
     cfg = _ssh_config(tmp_path, sshd, **{"server.dump_dir": "/dev/shm/eyas-x"})
     host = {**cfg.server.host.model_dump(mode="json"), "known_hosts": str(unknown)}
-    r = preflight(_ssh_config(tmp_path, sshd, **{"server.dump_dir": "/dev/shm/eyas-x", "server.host": host}))
+    r = preflight(
+        _ssh_config(tmp_path, sshd, **{"server.dump_dir": "/dev/shm/eyas-x", "server.host": host})
+    )
     assert fields(r) == ["server.host.hostname"]

@@ -47,9 +47,15 @@ def _watch_server(workdir: Path, seen: dict, stop: threading.Event) -> None:
     while not stop.is_set():
         try:
             pid = json.loads((workdir / "server.pid").read_text())["pid"]  # the launch record
-            seen["environ"] = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if e)
+            seen["environ"] = dict(
+                e.split(b"=", 1)
+                for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                if e
+            )
             seen["argv"] = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if b"eyas.local.server" in b" ".join(seen["argv"]) or b"serve-local" in b" ".join(seen["argv"]):
+            if b"eyas.local.server" in b" ".join(seen["argv"]) or b"serve-local" in b" ".join(
+                seen["argv"]
+            ):
                 return
         except (OSError, ValueError):
             pass
@@ -61,10 +67,19 @@ def test_canaries_reach_the_server_and_nowhere_else(tmp_path):
     data = tmp_path / "conversations.jsonl"
     lines = (ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:6]
     data.write_text("\n".join(lines) + "\n")
-    cfg = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{
-        "data.path": str(data), "data.num_heldout": 2, "data.max_length": 128, "extraction.num_shards": 2,
-        "server.chunked_prefill_size": 64, "server.launch_args": ["--load-delay", "0.2"],
-        "training.batch_size": 2})  # preflight: a global batch must fit the 4 training sequences
+    cfg = stage_config(
+        tmp_path,
+        ROOT / "fixtures" / "tiny-target",
+        **{
+            "data.path": str(data),
+            "data.num_heldout": 2,
+            "data.max_length": 128,
+            "extraction.num_shards": 2,
+            "server.chunked_prefill_size": 64,
+            "server.launch_args": ["--load-delay", "0.2"],
+            "training.batch_size": 2,
+        },
+    )  # preflight: a global batch must fit the 4 training sequences
     raw = cfg.model_dump(mode="json")
     raw["server"]["secret_env"] = {"EYAS_SECRET": canary["secret"]}
     raw["server"]["env_from"] = {"EYAS_FROM_WORKER": "EYAS_TEST_WORKER_TOKEN"}
@@ -79,14 +94,28 @@ def test_canaries_reach_the_server_and_nowhere_else(tmp_path):
     prefect = start_prefect_server(tmp_path / "prefect-home")
     seen: dict = {}
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch_server, args=(cfg.server.workdir, seen, stop), daemon=True)
+    watcher = threading.Thread(
+        target=_watch_server, args=(cfg.server.workdir, seen, stop), daemon=True
+    )
     watcher.start()
     try:
-        env = {**prefect.env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-               "EYAS_TEST_WORKER_TOKEN": canary["worker"]}
-        run = subprocess.run([sys.executable, str(driver), str(config_file)], cwd=ROOT, env=env, text=True,
-                             capture_output=True, timeout=600)
-        assert run.returncode == 0 and "extract done" in run.stdout, (run.stdout + run.stderr)[-4000:]
+        env = {
+            **prefect.env,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "EYAS_TEST_WORKER_TOKEN": canary["worker"],
+        }
+        run = subprocess.run(
+            [sys.executable, str(driver), str(config_file)],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=600,
+        )
+        assert run.returncode == 0 and "extract done" in run.stdout, (run.stdout + run.stderr)[
+            -4000:
+        ]
         flow_runs = prefect.post("/flow_runs/filter", {"limit": 50})
     finally:
         stop.set()
@@ -97,7 +126,9 @@ def test_canaries_reach_the_server_and_nowhere_else(tmp_path):
     assert seen.get("environ", {}).get(b"EYAS_SECRET") == canary["secret"].encode()
     assert seen["environ"].get(b"EYAS_FROM_WORKER") == canary["worker"].encode()
     assert seen["argv"][seen["argv"].index(b"--api-key") + 1] == canary["apikey"].encode()
-    assert len(list((tmp_path / "shards").glob("shard-*.safetensors"))) == 1  # the keyed requests worked
+    assert (
+        len(list((tmp_path / "shards").glob("shard-*.safetensors"))) == 1
+    )  # the keyed requests worked
 
     # Prefect recorded the parameters, masked.
     extract_run = next(r for r in flow_runs if r["parameters"].get("overrides"))
@@ -108,10 +139,17 @@ def test_canaries_reach_the_server_and_nowhere_else(tmp_path):
 
     # Nothing else holds them: the database, result storage, outputs, server log, console.
     (tmp_path / "console.txt").write_text(run.stdout + run.stderr)
-    places = [tmp_path / "prefect-home", tmp_path / "run", tmp_path / "shards", tmp_path / "server",
-              tmp_path / "console.txt"]
+    places = [
+        tmp_path / "prefect-home",
+        tmp_path / "run",
+        tmp_path / "shards",
+        tmp_path / "server",
+        tmp_path / "console.txt",
+    ]
     checked = list(_files(*places))
-    assert any(p.name == "prefect.db" for p in checked) and any(p.name == "server.log" for p in checked)
+    assert any(p.name == "prefect.db" for p in checked) and any(
+        p.name == "server.log" for p in checked
+    )
     for path in checked:
         blob = path.read_bytes()
         for name, value in canary.items():

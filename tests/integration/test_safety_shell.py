@@ -1,4 +1,5 @@
-"""Issue 16.2: config values that reach a shell, locally and over a real sshd, never run as commands.
+"""Issue 16.2: config values that reach a shell, locally and over a real sshd, never run as
+commands.
 
 Every string field that ends up in a command carries shell metacharacters (`;`, `$( )`, backticks,
 both quotes, a backslash, a newline, spaces); each would `touch` a marker file if a shell read it as
@@ -61,7 +62,9 @@ def _proc(pid: int, name: str) -> bytes:
     return Path(f"/proc/{pid}/{name}").read_bytes()
 
 
-def test_metacharacters_in_every_launch_field_arrive_intact_and_run_nothing(tmp_path, where, request):
+def test_metacharacters_in_every_launch_field_arrive_intact_and_run_nothing(
+    tmp_path, where, request
+):
     marker = tmp_path / "pwned"
     bad = evil(marker)
     root = tmp_path / f"root {bad}"
@@ -69,13 +72,20 @@ def test_metacharacters_in_every_launch_field_arrive_intact_and_run_nothing(tmp_
     checkpoint.parent.mkdir(parents=True)
     checkpoint.symlink_to(TINY)
     # server.python: an interpreter at a path full of metacharacters; it notes how it was called
-    python = _script(root / f"py {bad}" / "python3", f'printf %s "$0" > "$(dirname "$0")/ran"\nexec {shlex.quote(REAL_PYTHON)} "$@"\n')
+    python = _script(
+        root / f"py {bad}" / "python3",
+        f'printf %s "$0" > "$(dirname "$0")/ran"\nexec {shlex.quote(REAL_PYTHON)} "$@"\n',
+    )
     host_cfg = _host_cfg(where, request)
-    overrides = {"server.python": str(python), "server.workdir": str(root / f"work {bad}"),
-                 "server.dump_dir": str(root / f"dump {bad}"), "server.url_host": "127.0.0.1",
-                 "server.launch_args": ["--served-model-name", bad, "--load-delay", "0.3"],
-                 "server.env": {"OMP_NUM_THREADS": "1", "EYAS_EVIL": bad},
-                 "server.secret_env": {"EYAS_EVIL_SECRET": bad + " secret"}}
+    overrides = {
+        "server.python": str(python),
+        "server.workdir": str(root / f"work {bad}"),
+        "server.dump_dir": str(root / f"dump {bad}"),
+        "server.url_host": "127.0.0.1",
+        "server.launch_args": ["--served-model-name", bad, "--load-delay", "0.3"],
+        "server.env": {"OMP_NUM_THREADS": "1", "EYAS_EVIL": bad},
+        "server.secret_env": {"EYAS_EVIL_SECRET": bad + " secret"},
+    }
     if host_cfg:
         overrides["server.host"] = host_cfg
     cfg = stage_config(tmp_path, checkpoint, **overrides)
@@ -84,19 +94,26 @@ def test_metacharacters_in_every_launch_field_arrive_intact_and_run_nothing(tmp_
         handle = launch.start_server(host, cfg)
         try:
             deadline = time.monotonic() + 30
-            while _proc(handle.pid, "cmdline").split(b"\0")[0] != REAL_PYTHON.encode():  # the wrapper exec'd
+            while (
+                _proc(handle.pid, "cmdline").split(b"\0")[0] != REAL_PYTHON.encode()
+            ):  # the wrapper exec'd
                 assert time.monotonic() < deadline, _proc(handle.pid, "cmdline")
                 time.sleep(0.05)
             argv = [a.decode() for a in _proc(handle.pid, "cmdline").split(b"\0")[:-1]]
             assert argv[1:] == shlex.split(launch.launch_command(cfg))[1:]
             assert argv[argv.index("--model-path") + 1] == str(checkpoint)
             assert argv[argv.index("--served-model-name") + 1] == bad
-            environ = dict(e.decode().split("=", 1) for e in _proc(handle.pid, "environ").split(b"\0") if e)
+            environ = dict(
+                e.decode().split("=", 1) for e in _proc(handle.pid, "environ").split(b"\0") if e
+            )
             assert environ["EYAS_EVIL"] == bad and environ["EYAS_EVIL_SECRET"] == bad + " secret"
             assert environ["EYAS_DUMP_DIR"] == str(cfg.server.dump_dir)
             assert os.readlink(f"/proc/{handle.pid}/cwd") == str(cfg.server.workdir)
             assert (python.parent / "ran").read_text() == str(python)
-            assert cfg.server.log_path.exists() and json.loads(Path(cfg.server.pid_path).read_text())["pid"] == handle.pid
+            assert (
+                cfg.server.log_path.exists()
+                and json.loads(Path(cfg.server.pid_path).read_text())["pid"] == handle.pid
+            )
         finally:
             assert launch.stop_server(host, cfg, handle)["outcome"] in ("terminated", "killed")
         assert not cfg.server.dump_dir.exists()
@@ -112,8 +129,14 @@ def test_metacharacters_in_every_launch_field_arrive_intact_and_run_nothing(tmp_
             (drafter / name).write_text(name)
         staged = stage_drafter(host, cfg, drafter)
         assert (staged / "model.safetensors").read_text() == "model.safetensors"
-        # the port probe takes the address as an argument: a bad one (were the config bypassed) is no code
-        assert launch._port_in_use(host, f"127.0.0.1$(touch {marker})`touch {marker}`", cfg.server.port) is False
+        # the port probe takes the address as an argument: a bad one (were the config bypassed) is
+        # no code
+        assert (
+            launch._port_in_use(
+                host, f"127.0.0.1$(touch {marker})`touch {marker}`", cfg.server.port
+            )
+            is False
+        )
     finally:
         host.close()
     assert not marker.exists()
@@ -122,20 +145,34 @@ def test_metacharacters_in_every_launch_field_arrive_intact_and_run_nothing(tmp_
 def test_training_nodes_get_python_paths_and_env_intact(tmp_path, where, request, free_port):
     marker = tmp_path / "pwned"
     bad = evil(marker)
-    fake = _script(tmp_path / f"py {bad}" / "python3",
-                   'd="$(dirname "$0")"\nprintf "%s\\0" "$0" "$@" > "$d/argv"\nprintf %s "$EYAS_EVIL" > "$d/env"\n')
+    fake = _script(
+        tmp_path / f"py {bad}" / "python3",
+        'd="$(dirname "$0")"\nprintf "%s\\0" "$0" "$@" > "$d/argv"\nprintf %s '
+        '"$EYAS_EVIL" > "$d/env"\n',
+    )
     host_cfg = _host_cfg(where, request)
-    distributed = {"nproc_per_node": 2, "master_port": free_port, "python": str(fake), "env": {"EYAS_EVIL": bad}}
+    distributed = {
+        "nproc_per_node": 2,
+        "master_port": free_port,
+        "python": str(fake),
+        "env": {"EYAS_EVIL": bad},
+    }
     if host_cfg:
         distributed["hosts"] = [host_cfg]
     out = tmp_path / f"train {bad}"
     cfg = training_config(out, distributed=distributed)
     target = TargetConfig(checkpoint=tmp_path / f"target {bad}", layer_ids=[1, 2, 3])
     with pytest.raises(TrainingLaunchError, match="wrote no"):  # the fake torchrun trains nothing
-        launch_training(cfg, target, [tmp_path / f"shard {bad}.safetensors"], log=lambda _: None, poll_s=0.1)
+        launch_training(
+            cfg, target, [tmp_path / f"shard {bad}.safetensors"], log=lambda _: None, poll_s=0.1
+        )
     argv = (fake.parent / "argv").read_bytes().decode().split("\0")[:-1]
     job = out / "launch" / "job.json"
-    assert argv[0] == str(fake) and argv[1:3] == ["-m", "torch.distributed.run"] and argv[-1] == str(job)
+    assert (
+        argv[0] == str(fake)
+        and argv[1:3] == ["-m", "torch.distributed.run"]
+        and argv[-1] == str(job)
+    )
     assert argv[argv.index("--master-port") + 1] == str(free_port)
     assert (fake.parent / "env").read_text() == bad
     assert (out / "launch" / "node-0.rc").read_text().strip() == "0"
@@ -144,23 +181,29 @@ def test_training_nodes_get_python_paths_and_env_intact(tmp_path, where, request
 
 def test_names_and_addresses_are_refused_by_the_config_naming_the_field(tmp_path):
     marker = tmp_path / "pwned"
-    cases = {"server.env": {f"A=1; touch {marker}; B": "1"},
-             "server.secret_env": {f"X$(touch {marker})": "1"},
-             "server.env_from": [f"Y`touch {marker}`"],
-             "training.distributed.env": {"A B": "1"},
-             "server.bind": f"127.0.0.1$(touch {marker})",
-             "server.url_host": "host name",
-             "server.host.name": "../../etc/x"}
+    cases = {
+        "server.env": {f"A=1; touch {marker}; B": "1"},
+        "server.secret_env": {f"X$(touch {marker})": "1"},
+        "server.env_from": [f"Y`touch {marker}`"],
+        "training.distributed.env": {"A B": "1"},
+        "server.bind": f"127.0.0.1$(touch {marker})",
+        "server.url_host": "host name",
+        "server.host.name": "../../etc/x",
+    }
     for field, value in cases.items():
         with pytest.raises(ConfigError) as e:
             load_config(ROOT / "configs" / "local-tiny.yaml", {field: value})
         assert field in str(e.value), str(e.value)
     for ok in ("0.0.0.0", "::1", "gpu-node-1.example.org"):
-        assert load_config(ROOT / "configs" / "local-tiny.yaml", {"server.bind": ok}).server.bind == ok
+        assert (
+            load_config(ROOT / "configs" / "local-tiny.yaml", {"server.bind": ok}).server.bind == ok
+        )
     assert not marker.exists()
 
 
-def test_the_host_seam_refuses_a_bad_variable_name_before_running_anything(tmp_path, where, request):
+def test_the_host_seam_refuses_a_bad_variable_name_before_running_anything(
+    tmp_path, where, request
+):
     marker = tmp_path / "pwned"
     host = _make_host(_host_cfg(where, request))
     bad_name = f"A=1; touch {marker}; B"

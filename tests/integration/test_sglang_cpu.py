@@ -26,8 +26,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.sglang_cpu import (capture_stand, compare_with_transformers, cpu_server, extract, sglang_cpu_python,
-                              subset_of_conversations)
+from tests.sglang_cpu import (
+    capture_stand,
+    compare_with_transformers,
+    cpu_server,
+    extract,
+    sglang_cpu_python,
+    subset_of_conversations,
+)
 
 pytestmark = pytest.mark.sglang_cpu
 
@@ -55,10 +61,17 @@ def real_sglang(tmp_path_factory, figures):
     tmp = tmp_path_factory.mktemp("sglang-cpu")
     target = write_tiny_llama(tmp / "tiny-llama")
     overrides = {
-        **cpu_server(VERSION, python), "server.chunked_prefill_size": 64, "server.max_running_requests": 8,
-        "sensor.poll_interval_s": 0.5, "sensor.stall_timeout_s": 300, "sensor.deadline_s": 900,
-        "data.path": str(subset_of_conversations(tmp / "conversations.jsonl", 14)), "data.num_heldout": 2,
-        "data.regenerate.enabled": False, "extraction.num_shards": 3, "extraction.concurrency": 4,
+        **cpu_server(VERSION, python),
+        "server.chunked_prefill_size": 64,
+        "server.max_running_requests": 8,
+        "sensor.poll_interval_s": 0.5,
+        "sensor.stall_timeout_s": 300,
+        "sensor.deadline_s": 900,
+        "data.path": str(subset_of_conversations(tmp / "conversations.jsonl", 14)),
+        "data.num_heldout": 2,
+        "data.regenerate.enabled": False,
+        "extraction.num_shards": 3,
+        "extraction.concurrency": 4,
         "extraction.keep_free_gb": 0.1,
         "server.capture": "forward_hook",  # the default, said explicitly: no SGLang file changes
     }
@@ -90,7 +103,10 @@ def test_ready_is_read_from_sglangs_own_log(real_sglang):
     shards = len(list(Path(cfg.target.checkpoint).glob("*.safetensors")))
     assert report.shards_total == shards, (report, shards)
     assert progress and progress[-1].done == shards
-    assert progress[-1].desc in ("Multi-thread loading shards", "Loading safetensors checkpoint shards")
+    assert progress[-1].desc in (
+        "Multi-thread loading shards",
+        "Loading safetensors checkpoint shards",
+    )
     assert READY_LINE in Path(handle.log_path).read_text(errors="replace")
     assert "--forward-hooks" in handle.command and "eyas_sglang_hook:make_hook" in handle.command
     assert "--enable-return-aux-hidden-states" in handle.command  # 0.5.23's capture-only mode

@@ -1,9 +1,9 @@
-"""A DeepSeek-V3-architecture target through real SGLang 0.5.18 on this machine's CPU, from capture to
-EAGLE-3 serving of the drafter eyas trained on what it captured.
+"""A DeepSeek-V3-architecture target through real SGLang 0.5.18 on this machine's CPU, from capture
+to EAGLE-3 serving of the drafter eyas trained on what it captured.
 
 Runs where a real SGLang 0.5.18 CPU environment is installed (tests/sglang_cpu.py); skips elsewhere,
-saying why. The target is fixtures/tiny-target-cpu: the embedded default's tiny DeepSeek-V3 (MLA, MoE
-with a shared expert, sigmoid routing), trained the same way, at the widths SGLang's CPU kernels
+saying why. The target is fixtures/tiny-target-cpu: the embedded default's tiny DeepSeek-V3 (MLA,
+MoE with a shared expert, sigmoid routing), trained the same way, at the widths SGLang's CPU kernels
 take. eyas's own path, unchanged:
 
 - the patch stage installs the 0.5.18 patch set (hook only: no SGLang file changes);
@@ -28,8 +28,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.sglang_cpu import (ROOT, capture_stand, compare_with_transformers, cpu_server, extract, sglang_cpu_python,
-                              subset_of_conversations)
+from tests.sglang_cpu import (
+    ROOT,
+    capture_stand,
+    compare_with_transformers,
+    cpu_server,
+    extract,
+    sglang_cpu_python,
+    subset_of_conversations,
+)
 
 pytestmark = pytest.mark.sglang_cpu
 
@@ -38,21 +45,26 @@ TARGET = ROOT / "fixtures" / "tiny-target-cpu"
 REPORT_ENV = "EYAS_SGLANG_CPU_REPORT_DSV3"
 CAPTURE = [2, 4, 5]  # capture-before ids of the 8-layer tiny target (local-tiny's)
 STEPS = 200  # drafter training steps: a drafter whose drafts SGLang accepts, in about a minute
-# Share of the output tokens before speculative decoding first leaves the plain server's output. Both
-# run bf16 forwards of other shapes, so a near tie may go the other way early (half the tokens kept
-# here); a verify forward that leaves out cached tokens keeps only the first one or two (under 10%).
+# Share of the output tokens before speculative decoding first leaves the plain server's output.
+# Both run bf16 forwards of other shapes, so a near tie may go the other way early (half the tokens
+# kept here); a verify forward that leaves out cached tokens keeps only the first one or two (under
+# 10%).
 FOLLOWS = 0.35
 AGREE = 0.03  # acceptance lengths of one drafter from three evaluators: relative difference at most
-# Acceptance lost with the layer ids one off. Adjacent layers' residual streams are alike, so the loss
-# is small but systematic (greedy, same kernels): 1.55 to 1.46 for this module's drafter, 2.07 to 1.97
-# for the pipeline's (configs/sglang-cpu.yaml); ids starting at 1 are not tried, as SGLang adds 1 to
-# those (DeepseekV2ForCausalLM.set_eagle3_layers_to_capture), which would undo the fault.
+# Acceptance lost with the layer ids one off. Adjacent layers' residual streams are alike, so the
+# loss is small but systematic (greedy, same kernels): 1.55 to 1.46 for this module's drafter, 2.07
+# to 1.97 for the pipeline's (configs/sglang-cpu.yaml); ids starting at 1 are not tried, as SGLang
+# adds 1 to those (DeepseekV2ForCausalLM.set_eagle3_layers_to_capture), which would undo the fault.
 DROP = 0.04
 
 
 @pytest.fixture(scope="module")
 def figures():
-    out = {"sglang": VERSION, "target": str(TARGET.relative_to(ROOT)), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    out = {
+        "sglang": VERSION,
+        "target": str(TARGET.relative_to(ROOT)),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     yield out
     path = os.environ.get(REPORT_ENV)
     if path:
@@ -66,14 +78,28 @@ def cfg(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("sglang-dsv3")
     overrides = {
-        **cpu_server(VERSION, python), "server.chunked_prefill_size": 64, "server.max_running_requests": 8,
-        "sensor.poll_interval_s": 0.5, "sensor.stall_timeout_s": 300, "sensor.deadline_s": 900,
-        "data.path": str(subset_of_conversations(tmp / "conversations.jsonl", 72)), "data.num_heldout": 8,
-        "data.regenerate.enabled": False, "extraction.num_shards": 2, "extraction.concurrency": 8,
-        "extraction.keep_free_gb": 0.1, "training.max_steps": STEPS,
-        "evaluation.draft_steps": [3], "evaluation.num_prompts": 6, "evaluation.max_new_tokens": 24,
-        "benchmark.enabled": False, "benchmark.interleave": False, "benchmark.concurrent": False,
-        "benchmark.suites": [], "benchmark.num_warmup": 1, "server.stop_timeout_s": 20,
+        **cpu_server(VERSION, python),
+        "server.chunked_prefill_size": 64,
+        "server.max_running_requests": 8,
+        "sensor.poll_interval_s": 0.5,
+        "sensor.stall_timeout_s": 300,
+        "sensor.deadline_s": 900,
+        "data.path": str(subset_of_conversations(tmp / "conversations.jsonl", 72)),
+        "data.num_heldout": 8,
+        "data.regenerate.enabled": False,
+        "extraction.num_shards": 2,
+        "extraction.concurrency": 8,
+        "extraction.keep_free_gb": 0.1,
+        "training.max_steps": STEPS,
+        "evaluation.draft_steps": [3],
+        "evaluation.num_prompts": 6,
+        "evaluation.max_new_tokens": 24,
+        "benchmark.enabled": False,
+        "benchmark.interleave": False,
+        "benchmark.concurrent": False,
+        "benchmark.suites": [],
+        "benchmark.num_warmup": 1,
+        "server.stop_timeout_s": 20,
         "benchmark.reference_backend": "local",
     }
     out = stage_config(tmp, TARGET, **overrides)
@@ -88,9 +114,16 @@ def captured(cfg, figures):
     with capture_stand(cfg, figures) as (handle, report, patch, progress, prepared):
         manifests = extract(cfg, patch, prepared, figures)
         draft = Path(cfg.server.workdir) / "capture-draft" / "config.json"
-        seen = {"handle": handle, "report": report, "patch": patch, "progress": progress, "prepared": prepared,
-                "manifests": manifests, "draft_config": json.loads(draft.read_text()),
-                "log": Path(handle.log_path).read_text(errors="replace")}
+        seen = {
+            "handle": handle,
+            "report": report,
+            "patch": patch,
+            "progress": progress,
+            "prepared": prepared,
+            "manifests": manifests,
+            "draft_config": json.loads(draft.read_text()),
+            "log": Path(handle.log_path).read_text(errors="replace"),
+        }
     return seen
 
 
@@ -104,8 +137,13 @@ def drafter(cfg, captured, figures) -> Path:
     paths = [Path(cfg.extraction.output_dir) / m.file for m in captured["manifests"]]
     result = train_drafter(cfg.training, cfg.target, paths, log=lambda *a: None)
     figures["training"] = {"steps": STEPS, "seconds": round(time.monotonic() - t0, 1)}
-    return export_drafter(result.checkpoint_dir, Path(cfg.run_dir) / "drafter", target=cfg.target,
-                          export=cfg.export, shard_meta=captured["manifests"][0].meta)
+    return export_drafter(
+        result.checkpoint_dir,
+        Path(cfg.run_dir) / "drafter",
+        target=cfg.target,
+        export=cfg.export,
+        shard_meta=captured["manifests"][0].meta,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +152,20 @@ def served(cfg, captured, drafter, figures):
     eyas's own server (benchmark.reference_backend)."""
     from eyas.evaluation.serve_bench import run_serve_bench
 
-    sets = {"heldout": {"prompts": captured["prepared"].prompts, "source": "held-out conversations"}}
+    sets = {
+        "heldout": {"prompts": captured["prepared"].prompts, "source": "held-out conversations"}
+    }
     t0 = time.monotonic()
     result = run_serve_bench(cfg, drafter, sets, log=print)
     held = result.chains["3/1/4"]["sets"]["heldout"]
-    figures["serving"] = {"seconds": round(time.monotonic() - t0, 1), "acceptance": held["acceptance_length"],
-                          "per_prompt": [p["acceptance_length"] for p in held["per_prompt"]],
-                          "same_prefix": [p["same_prefix"] for p in held["per_prompt"]],
-                          "new_tokens": [p["new_tokens"] for p in held["per_prompt"]],
-                          "reference": result.reference["chains"]["3/1/4"]["heldout"]}
+    figures["serving"] = {
+        "seconds": round(time.monotonic() - t0, 1),
+        "acceptance": held["acceptance_length"],
+        "per_prompt": [p["acceptance_length"] for p in held["per_prompt"]],
+        "same_prefix": [p["same_prefix"] for p in held["per_prompt"]],
+        "new_tokens": [p["new_tokens"] for p in held["per_prompt"]],
+        "reference": result.reference["chains"]["3/1/4"]["heldout"],
+    }
     return result
 
 
@@ -132,7 +175,9 @@ def in_process(cfg, captured, drafter, figures) -> float:
     from eyas.evaluation.evaluate import evaluate_acceptance
 
     prompts = captured["prepared"].prompts[: cfg.evaluation.num_prompts]
-    al = evaluate_acceptance(drafter, TARGET, prompts, cfg.evaluation, cfg.target.capture_ids()).acceptance_length
+    al = evaluate_acceptance(
+        drafter, TARGET, prompts, cfg.evaluation, cfg.target.capture_ids()
+    ).acceptance_length
     figures["in_process_acceptance"] = al
     return al
 
@@ -167,7 +212,10 @@ def test_the_0518_patch_set_installs_the_hook_and_changes_no_sglang_file(capture
 
     patch = captured["patch"]
     assert patch.status in ("patched", "already patched") and patch.sglang_version == VERSION, patch
-    assert patch.patch_version == "eyas-sglang-0.5.18-r1" and patch.architecture == "DeepseekV3ForCausalLM"
+    assert (
+        patch.patch_version == "eyas-sglang-0.5.18-r1"
+        and patch.architecture == "DeepseekV3ForCausalLM"
+    )
     site = Path(patch.site_packages)
     for f in load_patch_set(VERSION).files:  # deepseek_v2.py: the wheel's bytes
         assert hashlib.sha256((site / f.path).read_bytes()).hexdigest() == f.original_sha256, f.path
@@ -177,7 +225,10 @@ def test_the_capture_launch_loads_a_stub_draft_that_names_the_layers(captured):
     """0.5.18 refuses --enable-return-aux-hidden-states: the capture launch loads eyas's stub draft,
     and the target captured the layers its eagle_config names (the shards say which)."""
     command = captured["handle"].command
-    assert "--enable-return-aux-hidden-states" not in command and "--return-aux-hidden-state-layer-ids" not in command
+    assert (
+        "--enable-return-aux-hidden-states" not in command
+        and "--return-aux-hidden-state-layer-ids" not in command
+    )
     assert "--speculative-algorithm EAGLE3 --speculative-draft-model-path" in command
     assert "--forward-hooks" in command and "eyas_sglang_hook:make_hook" in command
     draft = captured["draft_config"]
@@ -190,13 +241,17 @@ def test_ready_is_read_from_0518s_own_log(captured):
     from eyas.server.readiness import READY_LINE
 
     shards = len(list(TARGET.glob("*.safetensors")))
-    assert captured["report"].shards_total == shards  # the target's bar, not the stub draft's after it
+    assert (
+        captured["report"].shards_total == shards
+    )  # the target's bar, not the stub draft's after it
     assert captured["progress"] and captured["progress"][-1].done == captured["progress"][-1].total
     assert READY_LINE in captured["log"]
 
 
 def test_the_shards_hold_the_targets_hidden_states(cfg, captured, figures):
-    assert len(captured["manifests"]) == 2 and sum(m.num_samples for m in captured["manifests"]) == 64
+    assert (
+        len(captured["manifests"]) == 2 and sum(m.num_samples for m in captured["manifests"]) == 64
+    )
     compare_with_transformers(cfg, captured["manifests"], figures, samples_per_shard=1)
 
 
@@ -213,9 +268,9 @@ def test_real_eagle3_serves_the_drafter_and_reports_acceptance_from_meta_info(se
 
 
 def test_speculative_outputs_follow_the_plain_servers_greedy_ones(served):
-    """A faithful verify forward commits the target's own tokens: with the drafter, each output stays
-    on the plain server's until a bf16 near tie, not leaving it at the first verified token (as it
-    did before scripts/sglang-cpu/patches/0.5.18/intel_amx_verify_seq_lens.patch)."""
+    """A faithful verify forward commits the target's own tokens: with the drafter, each output
+    stays on the plain server's until a bf16 near tie, not leaving it at the first verified token
+    (as it did before scripts/sglang-cpu/patches/0.5.18/intel_amx_verify_seq_lens.patch)."""
     held = served.chains["3/1/4"]["sets"]["heldout"]["per_prompt"]
     same, tokens = sum(p["same_prefix"] for p in held), sum(p["new_tokens"] for p in held)
     assert same >= FOLLOWS * tokens, [(p["same_prefix"], p["new_tokens"]) for p in held]
@@ -227,7 +282,11 @@ def test_sglang_eyas_and_in_process_agree_on_the_drafters_acceptance(served, in_
     sglang = served.chains["3/1/4"]["sets"]["heldout"]["acceptance_length"]
     eyas = served.reference["chains"]["3/1/4"]["heldout"]["acceptance_length"]
     assert served.reference["backend"] == "local"
-    assert abs(eyas / sglang - 1) <= AGREE and abs(in_process / sglang - 1) <= AGREE, (sglang, eyas, in_process)
+    assert abs(eyas / sglang - 1) <= AGREE and abs(in_process / sglang - 1) <= AGREE, (
+        sglang,
+        eyas,
+        in_process,
+    )
 
 
 def test_a_drafter_fed_the_wrong_layers_loses_acceptance(served, shifted):

@@ -23,9 +23,9 @@ import pytest
 
 from eyas.server import patch_sets, sglang_patch, sglang_probe
 from eyas.server.hosts import LocalHost
-from eyas.server.ssh_host import SSHHost
 from eyas.server.patch_sets import PATCHES_DIR, PatchError, apply_diff
 from eyas.server.sglang_patch import ensure_patched, reverse_patch
+from eyas.server.ssh_host import SSHHost
 from tests.sglang_wheel import DSV2, TARGET_ARCH, VERSION, make_site, sglang_config, wheel_text  # noqa: F401
 from tests.stage_config import stage_config
 
@@ -46,13 +46,18 @@ def site(tmp_path, sglang_wheel) -> Path:
 # server.capture forward_hook (the default): no SGLang file changes
 # ---------------------------------------------------------------------------------------------
 
+
 def test_the_forward_hook_alone_changes_no_sglang_file_and_reverses(tmp_path, site):
     host, cfg = LocalHost(), sglang_config(tmp_path, site, capture="forward_hook")
     assert stage_config(tmp_path, tmp_path / "c").server.capture == "forward_hook"  # the default
     original = (site / DSV2).read_bytes()
     done = ensure_patched(host, cfg)
     assert done.status == "patched" and done.capture == "forward_hook"
-    assert done.actions == {DSV2: sglang_patch.ORIGINAL, HOOK: "installed", "eyas_dump.py": "installed"}
+    assert done.actions == {
+        DSV2: sglang_patch.ORIGINAL,
+        HOOK: "installed",
+        "eyas_dump.py": "installed",
+    }
     assert (site / DSV2).read_bytes() == original and (site / HOOK).is_file()
     state = json.loads((site / "sglang" / ".eyas-patch.json").read_text())
     assert state["capture"] == "forward_hook" and state["files"] == []
@@ -83,7 +88,10 @@ def test_an_sglang_patched_by_hand_is_accepted_while_its_capture_code_is_there(t
         ensure_patched(LocalHost(), sglang_config(tmp_path, site, capture="source_patch"))
     done = ensure_patched(LocalHost(), sglang_config(tmp_path, site, capture="forward_hook"))
     assert done.actions[DSV2] == sglang_patch.LEFT and (site / DSV2).read_bytes() == hand
-    assert reverse_patch(LocalHost(), sglang_config(tmp_path, site, capture="forward_hook")).status == "reversed"
+    assert (
+        reverse_patch(LocalHost(), sglang_config(tmp_path, site, capture="forward_hook")).status
+        == "reversed"
+    )
     assert (site / DSV2).read_bytes() == hand  # reverse leaves what eyas did not write
 
     (site / DSV2).write_text(text.replace("def set_eagle3_layers_to_capture", "def _layers_off"))
@@ -100,6 +108,7 @@ def test_a_llama_target_is_captured_by_the_forward_hook_alone(tmp_path, site):
 # ---------------------------------------------------------------------------------------------
 # The patch set itself
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("version", patch_sets.available_versions())
 def test_manifest_matches_the_wheel_the_patch_and_the_hook(version):
@@ -127,6 +136,7 @@ def test_manifest_matches_the_wheel_the_patch_and_the_hook(version):
 # On this machine
 # ---------------------------------------------------------------------------------------------
 
+
 def test_apply_is_idempotent_and_reverse_restores_the_original_bytes(tmp_path, site):
     host, cfg = LocalHost(), sglang_config(tmp_path, site)
     original = (site / DSV2).read_bytes()
@@ -144,7 +154,9 @@ def test_apply_is_idempotent_and_reverse_restores_the_original_bytes(tmp_path, s
     assert (site / HOOK).read_bytes() == (PATCHES_DIR / HOOK).read_bytes()
     assert (site / "eyas_dump.py").read_bytes() == patch_sets.DUMP_SOURCE.read_bytes()
     state = json.loads((site / "sglang" / ".eyas-patch.json").read_text())
-    assert state["patch_version"] == manifest["patch_version"] and state["sglang_version"] == VERSION
+    assert (
+        state["patch_version"] == manifest["patch_version"] and state["sglang_version"] == VERSION
+    )
     assert state["files"][0]["original_sha256"] == hashlib.sha256(original).hexdigest()
     py_compile.compile(str(site / DSV2), cfile=str(tmp_path / "dsv2.pyc"), doraise=True)
     assert not list(site.rglob("*.tmp-*"))  # writes went through temp files that were renamed
@@ -168,7 +180,10 @@ def test_another_sglang_version_is_refused_naming_it(tmp_path, sglang_wheel):
     with pytest.raises(PatchError) as e:
         ensure_patched(LocalHost(), sglang_config(tmp_path, site))
     assert "sglang 0.5.22 has no eyas patch set" in str(e.value) and VERSION in str(e.value)
-    assert sglang_probe.sglang_version(LocalHost(), sys.executable, {"PYTHONPATH": str(site)}) == "0.5.22"
+    assert (
+        sglang_probe.sglang_version(LocalHost(), sys.executable, {"PYTHONPATH": str(site)})
+        == "0.5.22"
+    )
 
 
 def test_a_locally_modified_file_is_refused_and_nothing_is_written(tmp_path, site):
@@ -178,13 +193,17 @@ def test_a_locally_modified_file_is_refused_and_nothing_is_written(tmp_path, sit
         ensure_patched(LocalHost(), sglang_config(tmp_path, site))
     msg = str(e.value)
     assert str(site / DSV2) in msg and "modified locally" in msg
-    assert sha(site / DSV2) in msg and json.loads((SET_DIR / "manifest.json").read_text())[
-        "files"][0]["original_sha256"] in msg
+    assert (
+        sha(site / DSV2) in msg
+        and json.loads((SET_DIR / "manifest.json").read_text())["files"][0]["original_sha256"]
+        in msg
+    )
     assert not (site / HOOK).exists() and not (site / "sglang" / ".eyas-patch.json").exists()
 
 
 def test_a_hook_that_does_not_import_in_the_server_python_is_refused_before_any_write(
-        tmp_path, site, monkeypatch):
+    tmp_path, site, monkeypatch
+):
     """The server's python has no eyas (as on a GPU host): a dump module that imports eyas, as one
     did, is refused at the patch stage, naming the missing module; nothing is written."""
     from tests.without_eyas import without_eyas
@@ -194,7 +213,9 @@ def test_a_hook_that_does_not_import_in_the_server_python_is_refused_before_any_
     cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"env": env})})
     importing_eyas = tmp_path / "dump.py"
     source = patch_sets.DUMP_SOURCE.read_text()
-    importing_eyas.write_text(source.replace("import torch\n", "import torch\n\nfrom eyas.errors import EyasError\n", 1))
+    importing_eyas.write_text(
+        source.replace("import torch\n", "import torch\n\nfrom eyas.errors import EyasError\n", 1)
+    )
     monkeypatch.setattr(patch_sets, "DUMP_SOURCE", importing_eyas)
     with pytest.raises(PatchError) as e:
         ensure_patched(LocalHost(), cfg)
@@ -229,21 +250,44 @@ def test_a_changed_module_or_a_reinstalled_sglang_is_redone(tmp_path, site, sgla
 
 
 def test_an_older_eyas_patch_is_replaced(tmp_path, site):
-    """A host patched by an earlier patch revision: reversed with the recorded diff, then patched."""
+    """A host patched by an earlier patch revision: reversed with the recorded diff, then
+    patched."""
     host, cfg = LocalHost(), sglang_config(tmp_path, site)
     original = (site / DSV2).read_text()
-    older = original.replace('"""Inference-only DeepseekV2 model."""',
-                             '"""Inference-only DeepseekV2 model."""\n# eyas r0 was here')
-    diff = "".join(difflib.unified_diff(original.splitlines(True), older.splitlines(True),
-                                        f"a/{DSV2}", f"b/{DSV2}"))
+    older = original.replace(
+        '"""Inference-only DeepseekV2 model."""',
+        '"""Inference-only DeepseekV2 model."""\n# eyas r0 was here',
+    )
+    diff = "".join(
+        difflib.unified_diff(
+            original.splitlines(True), older.splitlines(True), f"a/{DSV2}", f"b/{DSV2}"
+        )
+    )
     (site / DSV2).write_text(older)
-    (site / "sglang" / ".eyas-patch.json").write_text(json.dumps({
-        "format": 1, "patch_version": "eyas-sglang-0.5.23-r0", "sglang_version": VERSION,
-        "files": [{"path": DSV2, "diff": diff, "original_sha256": hashlib.sha256(original.encode()).hexdigest(),
-                   "patched_sha256": hashlib.sha256(older.encode()).hexdigest()}], "modules": {}}))
+    (site / "sglang" / ".eyas-patch.json").write_text(
+        json.dumps(
+            {
+                "format": 1,
+                "patch_version": "eyas-sglang-0.5.23-r0",
+                "sglang_version": VERSION,
+                "files": [
+                    {
+                        "path": DSV2,
+                        "diff": diff,
+                        "original_sha256": hashlib.sha256(original.encode()).hexdigest(),
+                        "patched_sha256": hashlib.sha256(older.encode()).hexdigest(),
+                    }
+                ],
+                "modules": {},
+            }
+        )
+    )
     done = ensure_patched(host, cfg)
     assert done.actions[DSV2] == "re-patched (was eyas-sglang-0.5.23-r0)"
-    assert sha(site / DSV2) == json.loads((SET_DIR / "manifest.json").read_text())["files"][0]["patched_sha256"]
+    assert (
+        sha(site / DSV2)
+        == json.loads((SET_DIR / "manifest.json").read_text())["files"][0]["patched_sha256"]
+    )
     reverse_patch(host, cfg)
     assert (site / DSV2).read_text() == original
 
@@ -252,12 +296,16 @@ def test_an_older_eyas_patch_is_replaced(tmp_path, site):
 # Architectures: which model classes the patch set supports
 # ---------------------------------------------------------------------------------------------
 
+
 def test_an_unsupported_architecture_is_refused_naming_it_the_file_and_the_list(tmp_path, site):
     manifest = json.loads((SET_DIR / "manifest.json").read_text())
     supported = manifest["architectures"]
     original = (site / DSV2).read_bytes()
-    for arch, reason in (("KimiVLForConditionalGeneration", "set_eagle3_layers_to_capture"),
-                         ("LlamaForCausalLM", "forward hook only"), ("GPT2LMHeadModel", None)):
+    for arch, reason in (
+        ("KimiVLForConditionalGeneration", "set_eagle3_layers_to_capture"),
+        ("LlamaForCausalLM", "forward hook only"),
+        ("GPT2LMHeadModel", None),
+    ):
         cfg = sglang_config(tmp_path, site, architectures=[arch])
         for dry_run in (True, False):
             with pytest.raises(PatchError) as e:
@@ -277,10 +325,13 @@ def test_an_unsupported_architecture_is_refused_naming_it_the_file_and_the_list(
     # no config.json on the host: reported, not refused (the server refuses to start without one)
     (tmp_path / "checkpoint" / "config.json").unlink()
     cfg = sglang_config(tmp_path, site, architectures=None)
-    assert ensure_patched(LocalHost(), cfg, dry_run=True).architecture.startswith("unchecked: no config.json")
+    assert ensure_patched(LocalHost(), cfg, dry_run=True).architecture.startswith(
+        "unchecked: no config.json"
+    )
 
 
-# Wrappers whose call into the language model tests/unit/test_sglang_hook.py drives from the wheel's code.
+# Wrappers whose call into the language model tests/unit/test_sglang_hook.py drives from the wheel's
+# code.
 DRIVEN_WRAPPERS = {"KimiK25ForConditionalGeneration"}
 NO_EAGLE3 = "defines no set_eagle3_layers_to_capture"
 
@@ -297,19 +348,31 @@ def _wheel_models(wheel: Path) -> tuple[dict[str, tuple[str, ast.ClassDef]], set
                 if isinstance(node, ast.ClassDef):
                     classes.setdefault(node.name, (member, node))
             for node in tree.body:
-                if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "EntryClass"
-                                                        for t in node.targets):
-                    items = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
+                if isinstance(node, ast.Assign) and any(
+                    getattr(t, "id", None) == "EntryClass" for t in node.targets
+                ):
+                    items = (
+                        node.value.elts
+                        if isinstance(node.value, (ast.List, ast.Tuple))
+                        else [node.value]
+                    )
                     entries.update(i.id for i in items if isinstance(i, ast.Name))
     return classes, entries
 
 
 def _name(node) -> str | None:
-    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+    return (
+        node.id
+        if isinstance(node, ast.Name)
+        else node.attr
+        if isinstance(node, ast.Attribute)
+        else None
+    )
 
 
 def _deepseek_family(classes) -> dict[str, str]:
-    """Classes that subclass DeepseekV2ForCausalLM or build one (or a subclass) inside: name -> how."""
+    """Classes that subclass DeepseekV2ForCausalLM or build one (or a subclass) inside: name ->
+    how."""
     family = {"DeepseekV2ForCausalLM": "itself"}
     grew = True
     while grew:
@@ -318,7 +381,9 @@ def _deepseek_family(classes) -> dict[str, str]:
             if name in family:
                 continue
             bases = [b for b in map(_name, node.bases) if b in family]
-            built = sorted({_name(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)} & set(family))
+            built = sorted(
+                {_name(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)} & set(family)
+            )
             if bases or built:
                 family[name] = f"subclass of {bases[0]}" if bases else f"builds {built[0]}"
                 grew = True
@@ -340,8 +405,9 @@ def _defines(node: ast.ClassDef, method: str) -> bool:
 
 
 def test_every_deepseek_v2_model_class_of_the_wheel_is_classified(sglang_wheel):
-    """A class that subclasses or wraps DeepseekV2ForCausalLM is either supported (and its path is the
-    one eyas tests) or listed as unsupported with a reason; a new one in a later SGLang fails here."""
+    """A class that subclasses or wraps DeepseekV2ForCausalLM is either supported (and its path is
+    the one eyas tests) or listed as unsupported with a reason; a new one in a later SGLang fails
+    here."""
     manifest = json.loads((SET_DIR / "manifest.json").read_text())
     supported, unsupported = set(manifest["architectures"]), manifest["unsupported_architectures"]
     assert not supported & set(unsupported) and all(unsupported.values())
@@ -350,24 +416,30 @@ def test_every_deepseek_v2_model_class_of_the_wheel_is_classified(sglang_wheel):
     served = {name for name in family if name in entries}  # what the model registry can build
     unclassified = {name: family[name] for name in served - supported - set(unsupported)}
     assert not unclassified, f"classify these in {SET_DIR / 'manifest.json'}: {unclassified}"
-    assert supported | set(unsupported) <= served, "the manifest names classes the wheel does not serve"
+    assert supported | set(unsupported) <= served, (
+        "the manifest names classes the wheel does not serve"
+    )
 
     base = classes["DeepseekV2ForCausalLM"][1]
     assert _defines(base, "forward") and _defines(base, "set_eagle3_layers_to_capture")
     for name in sorted(supported):
         chain = _chain(classes, name)
-        if family[name].startswith("builds"):  # a wrapper: its call path is driven in the hook tests
+        if family[name].startswith(
+            "builds"
+        ):  # a wrapper: its call path is driven in the hook tests
             assert name in DRIVEN_WRAPPERS, f"{name} is a wrapper no test drives"
             assert _defines(chain[0], "set_eagle3_layers_to_capture")
             continue
         # a subclass runs DeepseekV2ForCausalLM's own __init__, forward and capture switch (patched)
-        below = chain[:[n.name for n in chain].index("DeepseekV2ForCausalLM")]
+        below = chain[: [n.name for n in chain].index("DeepseekV2ForCausalLM")]
         for node in below:
             for method in ("__init__", "forward", "set_eagle3_layers_to_capture"):
                 assert not _defines(node, method), f"{node.name} overrides {method}: check its path"
     for name, reason in unsupported.items():
         if NO_EAGLE3 in reason:  # SGLang's model runner refuses aux capture for it at startup
-            assert not any(_defines(n, "set_eagle3_layers_to_capture") for n in _chain(classes, name)), name
+            assert not any(
+                _defines(n, "set_eagle3_layers_to_capture") for n in _chain(classes, name)
+            ), name
         else:
             assert reason.startswith("draft model") and name.endswith(("NextN", "Eagle")), name
 
@@ -376,11 +448,19 @@ def test_every_deepseek_v2_model_class_of_the_wheel_is_classified(sglang_wheel):
 # Over SSH, against a real sshd on loopback
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.ssh
 def test_the_same_over_ssh(tmp_path, sglang_wheel, sshd):
-    host_cfg = dict(kind="ssh", name="loopback", hostname="127.0.0.1", port=sshd.port, user=sshd.user,
-                    key_filename=str(sshd.client_key), known_hosts=str(sshd.known_hosts),
-                    connect_timeout_s=5)
+    host_cfg = dict(
+        kind="ssh",
+        name="loopback",
+        hostname="127.0.0.1",
+        port=sshd.port,
+        user=sshd.user,
+        key_filename=str(sshd.client_key),
+        known_hosts=str(sshd.known_hosts),
+        connect_timeout_s=5,
+    )
     site = make_site(tmp_path, sglang_wheel)
     cfg = sglang_config(tmp_path, site, host_cfg)
     original = (site / DSV2).read_bytes()

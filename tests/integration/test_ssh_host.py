@@ -1,5 +1,5 @@
-"""The SSH host against a real sshd on loopback: a with block closes its connection, and a wrong key,
-an unknown host key and a closed port each fail as their own error (what both hosts do alike:
+"""The SSH host against a real sshd on loopback: a with block closes its connection, and a wrong
+key, an unknown host key and a closed port each fail as their own error (what both hosts do alike:
 test_hosts.py)."""
 
 from __future__ import annotations

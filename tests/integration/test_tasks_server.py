@@ -8,7 +8,8 @@ from prefect import flow
 
 from eyas.server.hosts import LocalHost
 from eyas.server.launch import stop_recorded
-from tasks.server import launch_server, stop as stop_task, wait_ready
+from tasks.server import launch_server, wait_ready
+from tasks.server import stop as stop_task
 from tests.stage_config import stage_config
 
 
@@ -16,9 +17,16 @@ async def _events(prefix: str, since_s: float = 300) -> list[dict]:
     from prefect.client.orchestration import get_client
 
     async with get_client() as client:
-        r = await client._client.post("/events/filter", json={"filter": {
-            "event": {"prefix": [prefix]}, "occurred": {"since": _iso(time.time() - since_s)}},
-            "limit": 50})
+        r = await client._client.post(
+            "/events/filter",
+            json={
+                "filter": {
+                    "event": {"prefix": [prefix]},
+                    "occurred": {"since": _iso(time.time() - since_s)},
+                },
+                "limit": 50,
+            },
+        )
         return r.json()["events"]
 
 
@@ -28,12 +36,17 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=timezone.utc).isoformat()
 
 
-def _wait_for_events(prefix: str, resource_id: str, names: set[str], timeout: float = 20) -> set[str]:
+def _wait_for_events(
+    prefix: str, resource_id: str, names: set[str], timeout: float = 20
+) -> set[str]:
     deadline = time.monotonic() + timeout
     seen: set[str] = set()
     while time.monotonic() < deadline and not names <= seen:
-        seen = {e["event"] for e in asyncio.run(_events(prefix))
-                if e["resource"]["prefect.resource.id"] == resource_id}
+        seen = {
+            e["event"]
+            for e in asyncio.run(_events(prefix))
+            if e["resource"]["prefect.resource.id"] == resource_id
+        }
         time.sleep(0.5)
     return seen
 
@@ -50,7 +63,8 @@ def serve_and_stop(cfg):
 def test_ready_server_gives_progress_artifact_and_events(prefect_harness, tmp_path, random_target):
     from prefect.client.orchestration import get_client
 
-    # capitals, '_' and '.' are fine in a run name but not in a Prefect artifact key: the key is normalised
+    # capitals, '_' and '.' are fine in a run name but not in a Prefect artifact key: the key is
+    # normalised
     cfg = stage_config(tmp_path, random_target, **{"name": "Sensor_OK.1"})
     ready = serve_and_stop(cfg)
     assert ready.shards_total >= 8
@@ -60,15 +74,26 @@ def test_ready_server_gives_progress_artifact_and_events(prefect_harness, tmp_pa
             return await client.read_latest_artifacts()
 
     latest = {a.key: a for a in asyncio.run(artifact())}
-    assert latest["load-sensor-ok-1"].type == "progress" and float(latest["load-sensor-ok-1"].data) == 100.0
+    assert (
+        latest["load-sensor-ok-1"].type == "progress"
+        and float(latest["load-sensor-ok-1"].data) == 100.0
+    )
     rid = f"eyas.server.localhost.{cfg.server.port}"
     seen = _wait_for_events("eyas.server.", rid, {"eyas.server.loading", "eyas.server.ready"})
     assert {"eyas.server.loading", "eyas.server.ready"} <= seen
 
 
-def test_crash_fails_the_task_with_the_reason_and_stops_the_server(prefect_harness, tmp_path, random_target):
-    cfg = stage_config(tmp_path, random_target, **{
-        "name": "sensor-oom", "server.launch_args": ["--fault", "oom-at-shard", "--fault-shard", "3"]})
+def test_crash_fails_the_task_with_the_reason_and_stops_the_server(
+    prefect_harness, tmp_path, random_target
+):
+    cfg = stage_config(
+        tmp_path,
+        random_target,
+        **{
+            "name": "sensor-oom",
+            "server.launch_args": ["--fault", "oom-at-shard", "--fault-shard", "3"],
+        },
+    )
     state = serve_and_stop(cfg, return_state=True)
     assert state.is_failed()
     with pytest.raises(Exception, match="oom") as e:

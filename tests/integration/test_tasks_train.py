@@ -6,11 +6,19 @@ from tasks.train import evaluate_for
 from tests.stage_config import stage_config
 
 
-def test_evaluation_is_cached_on_the_drafters_bytes_and_refreshed_on_request(prefect_harness, exported_drafter,
-                                                                            tmp_path):
+def test_evaluation_is_cached_on_the_drafters_bytes_and_refreshed_on_request(
+    prefect_harness, exported_drafter, tmp_path
+):
     target, drafter = exported_drafter
-    cfg = stage_config(tmp_path, target, **{"evaluation.num_prompts": 2, "evaluation.max_new_tokens": 6,
-                                            "evaluation.draft_steps": [2]})
+    cfg = stage_config(
+        tmp_path,
+        target,
+        **{
+            "evaluation.num_prompts": 2,
+            "evaluation.max_new_tokens": 6,
+            "evaluation.draft_steps": [2],
+        },
+    )
     prompts = [[5, 6, 7, 8, 9], [9, 10, 11, 12]]
 
     @flow
@@ -21,13 +29,22 @@ def test_evaluation_is_cached_on_the_drafters_bytes_and_refreshed_on_request(pre
     first_state, first = evaluate_once(cfg, str(drafter))
     again_state, again = evaluate_once(cfg, str(drafter))
     assert (first_state, again_state) == ("Completed", "Cached") and again == first
-    other_state, _ = evaluate_once(cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(
-        update={"max_new_tokens": 5})}), str(drafter))
+    other_state, _ = evaluate_once(
+        cfg.model_copy(
+            update={"evaluation": cfg.evaluation.model_copy(update={"max_new_tokens": 5})}
+        ),
+        str(drafter),
+    )
     assert other_state == "Completed"  # other settings: evaluated
-    refreshed_state, refreshed = evaluate_once(cfg.model_copy(update={"refresh": ["evaluate"]}), str(drafter))
-    assert refreshed_state == "Completed" and refreshed.settings == first.settings  # greedy: same figures
+    refreshed_state, refreshed = evaluate_once(
+        cfg.model_copy(update={"refresh": ["evaluate"]}), str(drafter)
+    )
+    assert (
+        refreshed_state == "Completed" and refreshed.settings == first.settings
+    )  # greedy: same figures
 
-    # Another drafter (here: the same folder with one weight changed) is never served from the cache.
+    # Another drafter (here: the same folder with one weight changed) is never served from the
+    # cache.
     import shutil
 
     from safetensors.torch import load_file, save_file

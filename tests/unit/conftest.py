@@ -12,4 +12,6 @@ def sharp_target(random_target, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shards(sharp_target, tmp_path_factory):
-    return write_shards(sharp_target, tmp_path_factory.mktemp("shards"), num_shards=2, per_shard=12, length=40)
+    return write_shards(
+        sharp_target, tmp_path_factory.mktemp("shards"), num_shards=2, per_shard=12, length=40
+    )

@@ -1,5 +1,5 @@
-"""The docs are reference, not a diary: docs/performance.md stays a page read in two minutes, and dated
-records of runs live only under bench/results/<date>_<machine>_<what>.md."""
+"""The docs are reference, not a diary: docs/performance.md stays a page read in two minutes, and
+dated records of runs live only under bench/results/<date>_<machine>_<what>.md."""
 
 import re
 from pathlib import Path
@@ -18,8 +18,11 @@ def _texts():
     """(path, text) of docs/*.md and every text file under eyas/, tasks/, flows/ and configs/."""
     files = sorted((ROOT / "docs").glob("*.md"))
     for folder in ("eyas", "tasks", "flows", "configs"):
-        files += sorted(p for p in (ROOT / folder).rglob("*") if p.is_file()
-                        and not SKIP_PARTS & set(p.parts) and p.suffix not in SKIP_SUFFIXES)
+        files += sorted(
+            p
+            for p in (ROOT / folder).rglob("*")
+            if p.is_file() and not SKIP_PARTS & set(p.parts) and p.suffix not in SKIP_SUFFIXES
+        )
     for path in files:
         try:
             yield path, path.read_text()
@@ -35,37 +38,57 @@ def test_the_date_check_allows_a_results_path_and_nothing_else():
     assert dates_outside_results_paths("see bench/results/2026-12-05_h100_goal-rows.md") == []
     assert dates_outside_results_paths("[record](../bench/results/2026-12-05_cpu2_loader.md)") == []
     assert dates_outside_results_paths("measured 2026-12-05 on the H200") == ["2026-12-05"]
-    assert dates_outside_results_paths("[2026-12-05](../bench/results/2026-12-05_x.md)") == ["2026-12-05"]
+    assert dates_outside_results_paths("[2026-12-05](../bench/results/2026-12-05_x.md)") == [
+        "2026-12-05"
+    ]
 
 
 def test_performance_page_fits_two_minutes():
     num_lines = len(PERFORMANCE.read_text().splitlines())
     assert num_lines <= MAX_PERFORMANCE_LINES, (
-        f"docs/performance.md has {num_lines} lines, at most {MAX_PERFORMANCE_LINES}: move dated records to "
-        "bench/results/<date>_<machine>_<what>.md and link them")
+        f"docs/performance.md has {num_lines} lines, at most {MAX_PERFORMANCE_LINES}: move dated "
+        f"records to "
+        "bench/results/<date>_<machine>_<what>.md and link them"
+    )
 
 
 def test_no_date_outside_results_files():
-    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}"
-             for path, text in _texts()
-             for n, line in enumerate(text.splitlines(), 1) if dates_outside_results_paths(line)]
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}"
+        for path, text in _texts()
+        for n, line in enumerate(text.splitlines(), 1)
+        if dates_outside_results_paths(line)
+    ]
     assert not found, "dates belong in bench/results/ files only:\n" + "\n".join(found)
 
 
 def test_every_results_file_the_docs_link_exists():
-    missing = [f"{path.relative_to(ROOT)}: {ref}" for path, text in _texts()
-               for ref in RESULTS_PATH.findall(text) if not (ROOT / ref).is_file()]
+    missing = [
+        f"{path.relative_to(ROOT)}: {ref}"
+        for path, text in _texts()
+        for ref in RESULTS_PATH.findall(text)
+        if not (ROOT / ref).is_file()
+    ]
     assert not missing, "links to results files that do not exist:\n" + "\n".join(missing)
 
 
 def test_the_first_screen_answers_how_fast_and_how_to_check():
-    """The summary table (figure, goal, machine, commit, command) starts within the first 20 lines."""
+    """The summary table (figure, goal, machine, commit, command) starts within the first 20
+    lines."""
     head = PERFORMANCE.read_text().splitlines()[:20]
-    assert any(re.match(r"\| what \| figure \| goal \| machine \| commit \| command \|", line) for line in head)
+    assert any(
+        re.match(
+            r"\| what \| figure \| goal \| machine \| commit \| command "
+            r"\|",
+            line,
+        )
+        for line in head
+    )
 
 
 def test_the_runbooks_capture_launch_is_the_one_eyas_builds():
-    """docs/production.md shows the Kimi capture launch whole: a hand-copied launch must be eyas's own."""
+    """docs/production.md shows the Kimi capture launch whole: a hand-copied launch must be eyas's
+    own."""
     from eyas.config import load_config
     from eyas.server.launch import launch_command
 

@@ -1,5 +1,6 @@
-"""The dump protocol: writer, reader and reassembly, on real safetensors files; records fetched as bytes
-(a dump folder on another machine) read the same, with the same refusals, as the files here."""
+"""The dump protocol: writer, reader and reassembly, on real safetensors files; records fetched as
+bytes (a dump folder on another machine) read the same, with the same refusals, as the files
+here."""
 
 from __future__ import annotations
 
@@ -11,8 +12,18 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eyas.dump import (DUMP_DIR_ENV, AssembledSample, DumpError, DumpWriter, assemble, read_records,
-                       records_from_bytes, remove_records, should_skip, validate)
+from eyas.dump import (
+    DUMP_DIR_ENV,
+    AssembledSample,
+    DumpError,
+    DumpWriter,
+    assemble,
+    read_records,
+    records_from_bytes,
+    remove_records,
+    should_skip,
+    validate,
+)
 
 H, K = 8, 3  # hidden size, captured layers
 
@@ -60,7 +71,9 @@ def test_roundtrip_three_chunks(writer, tmp_path):
     assert [r.prefix_offset for r in records] == [0, 4, 8]
     sample = assemble(records, ids.tolist())
     assert isinstance(sample, AssembledSample)
-    assert torch.equal(sample.aux_hidden_states, aux) and torch.equal(sample.last_hidden_state, last)
+    assert torch.equal(sample.aux_hidden_states, aux) and torch.equal(
+        sample.last_hidden_state, last
+    )
     assert sample.token_ids.tolist() == ids.tolist()
     assert sample.meta["num_chunks"] == 3 and sample.meta["layer_ids"] == [1, 3, 5]
 
@@ -187,7 +200,8 @@ def test_reader_never_sees_a_half_file(tmp_path):
     assert sorted(os.listdir(tmp_path / "race")) == ["0000000000.safetensors"]
 
 
-# ----------------------------------------------------------------------------- records fetched as bytes
+# ----------------------------------------------------------------------------- records fetched as b
+
 
 @pytest.fixture
 def dumped(tmp_path):
@@ -205,8 +219,13 @@ def _files(folder, rid):
 
 def test_bytes_give_the_same_records_as_the_files(dumped):
     folder, ids = dumped
-    (folder / "r-1" / ".0000000099.safetensors.tmp-1-2").write_bytes(b"half")  # a temp file: skipped
-    here, there = read_records(folder, "r-1"), records_from_bytes("r-1", _files(folder, "r-1")[::-1])
+    (folder / "r-1" / ".0000000099.safetensors.tmp-1-2").write_bytes(
+        b"half"
+    )  # a temp file: skipped
+    here, there = (
+        read_records(folder, "r-1"),
+        records_from_bytes("r-1", _files(folder, "r-1")[::-1]),
+    )
     assert [r.prefix_offset for r in there] == [0, 8, 16]
     for a, b in zip(here, there):
         assert a.meta == b.meta

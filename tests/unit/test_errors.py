@@ -22,16 +22,28 @@ def _wrapped(inner: BaseException) -> BaseException:
 
 
 def test_what_a_retry_cannot_help_is_refused_however_it_is_wrapped():
-    never = [HostAuthError("gpu", "denied"), HostConfigError("gpu", "no known_hosts"), LaunchError("port taken"),
-             PatchError("unknown version"), ServersGone("r", "gone", transient=True),
-             ServerStalled("r", "stalled", transient=True), RequestFailed("r", "answered 400", transient=False),
-             DiskFull(errno.ENOSPC, "disk full writing x"), OSError(errno.ENOSPC, "No space left on device"),
-             OSError(errno.EDQUOT, "Disk quota exceeded")]
+    never = [
+        HostAuthError("gpu", "denied"),
+        HostConfigError("gpu", "no known_hosts"),
+        LaunchError("port taken"),
+        PatchError("unknown version"),
+        ServersGone("r", "gone", transient=True),
+        ServerStalled("r", "stalled", transient=True),
+        RequestFailed("r", "answered 400", transient=False),
+        DiskFull(errno.ENOSPC, "disk full writing x"),
+        OSError(errno.ENOSPC, "No space left on device"),
+        OSError(errno.EDQUOT, "Disk quota exceeded"),
+    ]
     for e in never:
         assert not retry_can_help(e), e
         assert not retry_can_help(_wrapped(e)), e
-    for e in (HostUnreachable("gpu", "timed out"), RequestFailed("r", "connection reset", transient=True),
-              OSError(errno.EIO, "Input/output error"), ConnectionResetError("reset"), TimeoutError()):
+    for e in (
+        HostUnreachable("gpu", "timed out"),
+        RequestFailed("r", "connection reset", transient=True),
+        OSError(errno.EIO, "Input/output error"),
+        ConnectionResetError("reset"),
+        TimeoutError(),
+    ):
         assert retry_can_help(e) and retry_can_help(_wrapped(e)), e
 
 
@@ -41,6 +53,16 @@ def test_eyas_errors_keep_the_builtin_base_their_callers_catch():
 
     assert issubclass(ConfigError, ValueError) and issubclass(DataError, ValueError)
     assert issubclass(DiskFull, OSError) and issubclass(LaunchError, RuntimeError)
-    for cls in (ConfigError, DataError, DiskFull, LaunchError, HostAuthError, PatchError, RequestFailed):
+    for cls in (
+        ConfigError,
+        DataError,
+        DiskFull,
+        LaunchError,
+        HostAuthError,
+        PatchError,
+        RequestFailed,
+    ):
         assert issubclass(cls, EyasError), cls
-    assert not retry_can_help(ConfigError("bad field"))  # an eyas error says no unless its class says yes
+    assert not retry_can_help(
+        ConfigError("bad field")
+    )  # an eyas error says no unless its class says yes

@@ -39,4 +39,6 @@ def test_disk_full_names_the_file_and_its_free_bytes(tmp_path):
     assert isinstance(e, DiskFull) and is_disk_full(e)
     assert str(e).startswith(f"disk full writing {tmp_path / 'shard.safetensors'}: ")
     assert "bytes free in" in str(e)
-    assert is_disk_full(OSError(errno.EDQUOT, "quota")) and not is_disk_full(OSError(errno.EIO, "io"))
+    assert is_disk_full(OSError(errno.EDQUOT, "quota")) and not is_disk_full(
+        OSError(errno.EIO, "io")
+    )

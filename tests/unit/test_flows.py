@@ -1,4 +1,5 @@
-"""The flows' config parameter: a YAML path, an inline mapping, or a loaded config, plus overrides."""
+"""The flows' config parameter: a YAML path, an inline mapping, or a loaded config, plus
+overrides."""
 
 import re
 
@@ -14,7 +15,9 @@ def test_a_path_is_taken_from_the_repository_root_wherever_the_run_starts(tmp_pa
     monkeypatch.chdir(tmp_path)
     cfg = resolve_config("configs/local-tiny.yaml", {"training.max_steps": 20})
     assert cfg == load_config(ROOT / "configs" / "local-tiny.yaml", {"training.max_steps": 20})
-    assert cfg.training.max_steps == 20 and cfg.target.checkpoint == ROOT / "fixtures" / "tiny-target"
+    assert (
+        cfg.training.max_steps == 20 and cfg.target.checkpoint == ROOT / "fixtures" / "tiny-target"
+    )
 
 
 def test_an_inline_mapping_resolves_relative_paths_against_the_repository_root():
@@ -54,10 +57,15 @@ def test_every_task_that_retries_asks_the_one_retry_condition():
     import tasks
     from tasks.retry import worth_retrying
 
-    retrying = [obj for info in pkgutil.iter_modules(tasks.__path__)
-                for obj in vars(importlib.import_module(f"tasks.{info.name}")).values()
-                if isinstance(obj, Task) and obj.retries]
-    assert len(retrying) >= 6  # regenerate, extract-shard, patch, unpatch, launch, stop, server-gone
+    retrying = [
+        obj
+        for info in pkgutil.iter_modules(tasks.__path__)
+        for obj in vars(importlib.import_module(f"tasks.{info.name}")).values()
+        if isinstance(obj, Task) and obj.retries
+    ]
+    assert (
+        len(retrying) >= 6
+    )  # regenerate, extract-shard, patch, unpatch, launch, stop, server-gone
     assert all(t.retry_condition_fn is worth_retrying for t in retrying), [t.name for t in retrying]
 
 
@@ -67,7 +75,17 @@ def test_the_core_command_line_has_no_run_and_the_eyas_script_adds_it(capsys):
 
     with pytest.raises(SystemExit, match="`run` starts Prefect flows: use the `eyas` script"):
         core.main(["run", "configs/local-tiny.yaml"])
-    assert cli.main(["check-config", str(ROOT / "configs" / "local-tiny.yaml"), "--set", "training.max_steps=9"]) == 0
+    assert (
+        cli.main(
+            [
+                "check-config",
+                str(ROOT / "configs" / "local-tiny.yaml"),
+                "--set",
+                "training.max_steps=9",
+            ]
+        )
+        == 0
+    )
     assert '"max_steps": 9' in capsys.readouterr().out  # a core command, handed over as it is
     with pytest.raises(SystemExit, match="--set expects key=value, got 'max_steps'"):
         cli.main(["check-config", str(ROOT / "configs" / "local-tiny.yaml"), "--set", "max_steps"])

@@ -23,9 +23,9 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_every_prefect_server_block_exports_the_api_url_and_analytics_before_starting_it():
-    """The UI a `prefect server start` serves reads its API address from PREFECT_API_URL at start: on any
-    port but 4200 it cannot reach its API when the export comes after; analytics off spares an offline
-    server its telemetry errors."""
+    """The UI a `prefect server start` serves reads its API address from PREFECT_API_URL at start:
+    on any port but 4200 it cannot reach its API when the export comes after; analytics off spares
+    an offline server its telemetry errors."""
     for doc in ("README.md", "docs/operations.md", "docs/production.md"):
         for block in re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), re.S):
             lines = block.splitlines()

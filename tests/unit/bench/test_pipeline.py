@@ -1,4 +1,5 @@
-"""bench/pipeline.py's pure parts: the README command it times, the seed runs' dirs, the goal line."""
+"""bench/pipeline.py's pure parts: the README command it times, the seed runs' dirs, the goal
+line."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from bench import pipeline  # noqa: E402 - bench/ is a folder of scripts, found 
 
 def test_readme_command_is_the_first_bash_block():
     command = pipeline.readme_command((ROOT / "README.md").read_text())
-    assert command.startswith("python3 -m venv .venv") and command.endswith("eyas run configs/local-tiny.yaml")
+    assert command.startswith("python3 -m venv .venv") and command.endswith(
+        "eyas run configs/local-tiny.yaml"
+    )
     with pytest.raises(ValueError):
         pipeline.readme_command("```bash\npytest -q\n```\n")
 
@@ -30,7 +33,12 @@ def test_seed_runs_share_the_shards_and_nothing_else(tmp_path):
 def test_goals_mean_over_seeds_and_the_time_measured():
     g = pipeline.goals(2.04, {0: 2.04, 1: 1.9, 2: 2.0}, readme_s=479.0, flow_s=0.0)
     assert g["acceptance_length"]["met"] and g["readme_run_seconds"]["met"]
-    assert g["mean_acceptance_3_seeds"] == {"value": 1.98, "goal": ">= 2.0", "met": False, "seeds": [0, 1, 2]}
+    assert g["mean_acceptance_3_seeds"] == {
+        "value": 1.98,
+        "goal": ">= 2.0",
+        "met": False,
+        "seeds": [0, 1, 2],
+    }
     g = pipeline.goals(1.99, {0: 1.99}, readme_s=None, flow_s=601.0)
     assert set(g) == {"acceptance_length", "pipeline_wall_seconds"}
     assert not g["acceptance_length"]["met"] and not g["pipeline_wall_seconds"]["met"]

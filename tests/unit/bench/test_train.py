@@ -21,7 +21,9 @@ def test_prefix_masks_shape_and_share():
         m = masks.prefix_masks(3, T, f)
         assert m.shape == (3, T) and m.dtype == np.bool_
         assert masks.unscored_share(m) == pytest.approx(round(f * T) / T)
-        assert not m[:, : round(f * T)].any() and m[:, round(f * T):].all()  # a leading prompt only
+        assert (
+            not m[:, : round(f * T)].any() and m[:, round(f * T) :].all()
+        )  # a leading prompt only
     with pytest.raises(ValueError):
         masks.prefix_masks(1, 64, 1.0)
 
@@ -36,14 +38,18 @@ def test_pack_keeps_order_and_drops_the_tail():
 
 
 def test_conversation_masks_are_eyas_loss_masks_packed(tmp_path):
-    convs = masks.conversation_masks(ROOT / "fixtures/data/conversations.jsonl", ROOT / "fixtures/tiny-target", 512)
+    convs = masks.conversation_masks(
+        ROOT / "fixtures/data/conversations.jsonl", ROOT / "fixtures/tiny-target", 512
+    )
     assert len(convs) == 468  # 500 lines, 32 held out, as local-tiny prepares them
     m = masks.pack(convs, 512)
     total = sum(len(c) for c in convs)
     assert m.shape == (total // 512, 512)
     share = masks.unscored_share(m)
     assert 0.3 < share < 0.8  # user turns and template tokens between replies
-    assert (m.mean(1) > 0).sum() > 0.9 * len(m) and (~m).any(1).mean() > 0.9  # nearly every row has both
+    assert (m.mean(1) > 0).sum() > 0.9 * len(m) and (~m).any(
+        1
+    ).mean() > 0.9  # nearly every row has both
     path = tmp_path / "masks.npy"
     np.save(path, m, allow_pickle=False)
     again = masks.load_masks(path, 512)
@@ -53,25 +59,57 @@ def test_conversation_masks_are_eyas_loss_masks_packed(tmp_path):
 
 
 def test_goal_json_is_well_formed(tmp_path):
-    m = masks.pack(masks.conversation_masks(ROOT / "fixtures/data/conversations.jsonl",
-                                            ROOT / "fixtures/tiny-target", 256), 256)
+    m = masks.pack(
+        masks.conversation_masks(
+            ROOT / "fixtures/data/conversations.jsonl", ROOT / "fixtures/tiny-target", 256
+        ),
+        256,
+    )
     np.save(tmp_path / "m.npy", m, allow_pickle=False)
-    out = subprocess.run([sys.executable, str(ROOT / "bench/train.py"), "--device", "cpu", "--steps", "1",
-                          "--batches", "1", "--masks-from", str(tmp_path / "m.npy"), "--prompt-fraction", "0.125"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
-                         env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench/train.py"),
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--batches",
+            "1",
+            "--masks-from",
+            str(tmp_path / "m.npy"),
+            "--prompt-fraction",
+            "0.125",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    line = json.loads(out.stdout.strip().splitlines()[-1],
-                      parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))  # NaN would fail here
+    line = json.loads(
+        out.stdout.strip().splitlines()[-1],
+        parse_constant=lambda c: pytest.fail(f"{c} is not JSON"),
+    )  # NaN would fail here
     assert line["bench"] == "train" and set(line) == {"bench", "figures", "goals"}
     for name, g in line["goals"].items():
         assert set(g) >= {"value", "goal", "met"} and isinstance(g["met"], bool), name
         assert g["goal"].split()[0] in (">=", "<=", "fits"), name
-    for key in ("chat_masks_b1_2x_specforge", "chat_masks_b4_2x_specforge", "all_scored_b4_1.5x_specforge"):
+    for key in (
+        "chat_masks_b1_2x_specforge",
+        "chat_masks_b4_2x_specforge",
+        "all_scored_b4_1.5x_specforge",
+    ):
         assert line["goals"][key]["met"] is False  # the tiny drafter meets no Kimi-size goal
     rows = {(r["mask"], r["batch"], r["variant"]): r for r in line["figures"]["mask_rows"]}
-    assert set(rows) == {(k, b, v) for k in ("all-scored", "prompt-0.3", "masks-from") for b in (1, 2)
-                         for v in ("default", "nomemo")}  # later epochs, and a first
+    assert set(rows) == {
+        (k, b, v)
+        for k in ("all-scored", "prompt-0.3", "masks-from")
+        for b in (1, 2)
+        for v in ("default", "nomemo")
+    }  # later epochs, and a first
     rows = {(m, b): r for (m, b, v), r in rows.items() if v == "default"}
     assert rows[("all-scored", 1)]["unscored_share"] == 0
     assert rows[("prompt-0.3", 2)]["unscored_share"] == pytest.approx(0.3, abs=0.02)
@@ -80,32 +118,43 @@ def test_goal_json_is_well_formed(tmp_path):
 
 
 def test_goals_judge_a_whole_run_from_its_first_and_later_epochs():
-    """The default's goals average a run of --epochs: one first epoch (the `nomemo` row) and the rest
-    (the default's row, the teacher's argmax bit remembered); without the first epoch's row, no value."""
+    """The default's goals average a run of --epochs: one first epoch (the `nomemo` row) and the
+    rest (the default's row, the teacher's argmax bit remembered); without the first epoch's row, no
+    value."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("bench_train", ROOT / "bench" / "train.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.run_average(20000.0, 21000.0, 10) == pytest.approx(10 / (1 / 20000 + 9 / 21000))
     assert bench.run_average(20000.0, 21000.0, 1) == pytest.approx(20000.0)
-    rows = [{"mask": "prompt-0.3", "batch": 4, "variant": "default", "tokens_per_s": 21000.0},
-            {"mask": "prompt-0.3", "batch": 4, "variant": "nomemo", "tokens_per_s": 20000.0},
-            {"mask": "all-scored", "batch": 4, "variant": "default", "tokens_per_s": 16000.0}]
+    rows = [
+        {"mask": "prompt-0.3", "batch": 4, "variant": "default", "tokens_per_s": 21000.0},
+        {"mask": "prompt-0.3", "batch": 4, "variant": "nomemo", "tokens_per_s": 20000.0},
+        {"mask": "all-scored", "batch": 4, "variant": "default", "tokens_per_s": 16000.0},
+    ]
     goals = bench.specforge_goals(rows, tiny=False, epochs=10)
     g = goals["prompt30_b4_2x_specforge"]
-    assert g["value"] == pytest.approx(20895.5, abs=0.1) and g["met"]  # 20,800 needed: the run meets it
+    assert (
+        g["value"] == pytest.approx(20895.5, abs=0.1) and g["met"]
+    )  # 20,800 needed: the run meets it
     assert (g["first_epoch"], g["later_epochs"], g["epochs"]) == (20000.0, 21000.0, 10)
-    assert not bench.specforge_goals(rows, tiny=False, epochs=2)["prompt30_b4_2x_specforge"]["met"]  # 20,488
+    assert not bench.specforge_goals(rows, tiny=False, epochs=2)["prompt30_b4_2x_specforge"][
+        "met"
+    ]  # 20,488
     a = goals["all_scored_b4_1.5x_specforge"]
-    assert a["value"] is None and not a["met"] and a["later_epochs"] == 16000.0  # no first epoch measured
+    assert (
+        a["value"] is None and not a["met"] and a["later_epochs"] == 16000.0
+    )  # no first epoch measured
     first = bench.specforge_goals(rows, tiny=False, variant_name="nomemo")
     assert first["prompt30_b4_2x_specforge_nomemo"]["value"] == 20000.0
     assert not first["prompt30_b4_2x_specforge_nomemo"]["met"]
 
 
 def test_each_variant_switches_its_optimisation_off_for_its_steps_only():
-    """bench/train.py builds an optimisation's absence itself (OFF patches eyas's code inside the block):
-    each is in force inside, undone after, and the CPU step computes the same loss and gradients."""
+    """bench/train.py builds an optimisation's absence itself (OFF patches eyas's code inside the
+    block): each is in force inside, undone after, and the CPU step computes the same loss and
+    gradients."""
     import torch
 
     from bench import train as bench
@@ -113,11 +162,21 @@ def test_each_variant_switches_its_optimisation_off_for_its_steps_only():
     from tests.unit.training.test_ttt_step import assert_same_step, loss_and_grads
 
     base = loss_and_grads()
-    for name in set(bench.OFF) - {"fused_clip"}:  # the clip is the optimizer's, tests/unit/training/test_optim.py
+    for name in set(bench.OFF) - {
+        "fused_clip"
+    }:  # the clip is the optimizer's, tests/unit/training/test_optim.py
         with bench.switched_off([name]):
             assert_same_step(loss_and_grads(), base, atol=1e-6, rtol=1e-4)
     with bench.switched_off(["cudnn", "rows", "skip"]):
-        assert "cudnn" in attention._refused and losses.ROWS_WORTH == 0.0 and losses.ttt_span(None, 9, 3) == (0, 9)
-    assert "cudnn" not in attention._refused and losses.ROWS_WORTH > 0 and losses.ttt_span.__name__ == "ttt_span"
+        assert (
+            "cudnn" in attention._refused
+            and losses.ROWS_WORTH == 0.0
+            and losses.ttt_span(None, 9, 3) == (0, 9)
+        )
+    assert (
+        "cudnn" not in attention._refused
+        and losses.ROWS_WORTH > 0
+        and losses.ttt_span.__name__ == "ttt_span"
+    )
     assert torch.equal(loss_and_grads()[0], base[0])
     assert all(set(v.get("off", ())) <= set(bench.OFF) for v in bench.VARIANTS.values())

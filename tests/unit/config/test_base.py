@@ -24,8 +24,10 @@ def test_a_strict_section_refuses_unknown_keys_and_bad_assignments():
         s.count = "many"  # assignments are validated too
 
 
-@pytest.mark.parametrize("field, value", [("name", "A;rm"), ("name", "1A"), ("host", "gpu-1; touch x"),
-                                          ("host", "$(id)")])
+@pytest.mark.parametrize(
+    "field, value",
+    [("name", "A;rm"), ("name", "1A"), ("host", "gpu-1; touch x"), ("host", "$(id)")],
+)
 def test_values_a_shell_would_read_as_more_are_refused(field, value):
     with pytest.raises(ValidationError):
         _Section(**{field: value})

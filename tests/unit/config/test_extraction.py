@@ -1,4 +1,5 @@
-"""The extraction section: shards, encoding, and further servers (endpoints) with their dump folders."""
+"""The extraction section: shards, encoding, and further servers (endpoints) with their dump
+folders."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from tests.stage_config import ROOT
 def test_an_endpoints_dump_dir_must_be_absolute_and_its_url_http():
     e = EndpointConfig(url="http://gpu-node-2:30000", dump_dir="/dev/shm/d")
     assert e.host is None and e.concurrency is None
-    with pytest.raises(ValueError, match="endpoint http://gpu-node-2:30000: dump_dir must be absolute, got d"):
+    with pytest.raises(
+        ValueError, match="endpoint http://gpu-node-2:30000: dump_dir must be absolute, got d"
+    ):
         EndpointConfig(url="http://gpu-node-2:30000", dump_dir="d")
     with pytest.raises(ValueError, match="url"):
         EndpointConfig(url="gpu-node-2:30000", dump_dir="/d")

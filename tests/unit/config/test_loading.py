@@ -21,10 +21,13 @@ def test_production_config_describes_kimi_on_eight_gpus_over_ssh():
     cfg = load_config(ROOT / "configs" / "kimi-k2.5-sglang.yaml")
     assert cfg.server.backend == "sglang" and cfg.server.host.kind == "ssh"
     assert cfg.server.launch_args[:2] == ["--tp-size", "8"]
-    # the hand-run node's proven environment: Ring on every launch, LL on the capture as the team ran it
-    # and on the serving launches
+    # the hand-run node's proven environment: Ring on every launch, LL on the capture as the team
+    # ran it and on the serving launches
     assert cfg.server.env["NCCL_ALGO"] == "Ring" and "NCCL_PROTO" not in cfg.server.env
-    assert cfg.server.capture_env["NCCL_PROTO"] == "LL" and cfg.benchmark.server_env["NCCL_PROTO"] == "LL"
+    assert (
+        cfg.server.capture_env["NCCL_PROTO"] == "LL"
+        and cfg.benchmark.server_env["NCCL_PROTO"] == "LL"
+    )
     assert str(cfg.server.dump_dir).startswith("/dev/shm")
     assert len(cfg.target.capture_ids()) == 3
     assert cfg.server.url == "http://gpu-node-1:30000"
@@ -40,7 +43,11 @@ def test_overrides_are_validated_too():
 def test_bad_config_names_file_field_and_value(tmp_path):
     text = (ROOT / "configs" / "local-tiny.yaml").read_text()
     bad = tmp_path / "bad.yaml"
-    bad.write_text(text.replace("num_shards: 4", "num_shards: many").replace("dtype: bfloat16", "dtype: int4", 1))
+    bad.write_text(
+        text.replace("num_shards: 4", "num_shards: many").replace(
+            "dtype: bfloat16", "dtype: int4", 1
+        )
+    )
     with pytest.raises(ConfigError) as e:
         load_config(bad)
     msg = str(e.value)
@@ -51,7 +58,11 @@ def test_bad_config_names_file_field_and_value(tmp_path):
 
 def test_unknown_key_is_refused(tmp_path):
     bad = tmp_path / "typo.yaml"
-    bad.write_text((ROOT / "configs" / "local-tiny.yaml").read_text().replace("stall_timeout_s", "stall_timout_s"))
+    bad.write_text(
+        (ROOT / "configs" / "local-tiny.yaml")
+        .read_text()
+        .replace("stall_timeout_s", "stall_timout_s")
+    )
     with pytest.raises(ConfigError, match=r"sensor\.stall_timout_s.*Extra inputs"):
         load_config(bad)
 
@@ -67,8 +78,17 @@ def test_missing_and_malformed_files(tmp_path):
 def test_a_local_server_python_is_expanded_and_read_from_the_configs_folder(monkeypatch):
     monkeypatch.setenv("HOME", "/home/op")
     cfg = ROOT / "configs" / "local-tiny.yaml"
-    assert load_config(cfg, {"server.python": "~/envs/sglang/bin/python"}).server.python == "/home/op/envs/sglang/bin/python"
-    assert load_config(cfg, {"server.python": "../venv/bin/python"}).server.python == str(ROOT / "venv" / "bin" / "python")
-    assert load_config(cfg, {"server.python": "python3"}).server.python == "python3"  # the shell's PATH finds it
-    ssh = load_config(ROOT / "configs" / "kimi-k2.5-sglang.yaml", {"server.python": "~/sglang/bin/python"})
+    assert (
+        load_config(cfg, {"server.python": "~/envs/sglang/bin/python"}).server.python
+        == "/home/op/envs/sglang/bin/python"
+    )
+    assert load_config(cfg, {"server.python": "../venv/bin/python"}).server.python == str(
+        ROOT / "venv" / "bin" / "python"
+    )
+    assert (
+        load_config(cfg, {"server.python": "python3"}).server.python == "python3"
+    )  # the shell's PATH finds it
+    ssh = load_config(
+        ROOT / "configs" / "kimi-k2.5-sglang.yaml", {"server.python": "~/sglang/bin/python"}
+    )
     assert ssh.server.python == "~/sglang/bin/python"  # the GPU host's home, not this machine's

@@ -1,6 +1,6 @@
-"""PipelineConfig's checks across sections: paths on an SSH host are absolute, evaluation is served (never
-in process with SGLang), the serving launches' environment holds no secrets, and data.tokenizer is read
-as target.local_dir, another name for it."""
+"""PipelineConfig's checks across sections: paths on an SSH host are absolute, evaluation is served
+(never in process with SGLang), the serving launches' environment holds no secrets, and
+data.tokenizer is read as target.local_dir, another name for it."""
 
 from __future__ import annotations
 
@@ -26,7 +26,11 @@ def test_evaluation_is_served_by_default_and_never_in_process_with_sglang():
     assert EvaluationConfig().method == "server"
     small = load_config(ROOT / "configs" / "local-tiny.yaml", {"evaluation.method": "in_process"})
     assert small.evaluation.method == "in_process"  # a small target, chosen explicitly
-    with pytest.raises(ConfigError, match=r"evaluation\.method: in_process .* server\.backend sglang"):
+    with pytest.raises(
+        ConfigError,
+        match=r"evaluation\.method: in_process .* server\.backend "
+        r"sglang",
+    ):
         load_config(ROOT / "configs" / "kimi-k2.5-sglang.yaml", {"evaluation.method": "in_process"})
     with pytest.raises(ConfigError, match="evaluation.method"):
         load_config(ROOT / "configs" / "local-tiny.yaml", {"evaluation.method": "loaded"})
@@ -41,13 +45,20 @@ def test_serving_launches_env_holds_no_secrets():
 
 
 def test_data_tokenizer_is_read_as_target_local_dir(tmp_path):
-    raw = {"name": "x", "run_dir": "run", "target": {"checkpoint": "/models/t", "layer_ids": [2, 4, 6]},
-           "server": {"workdir": "/tmp/eyas-w", "dump_dir": "/tmp/eyas-d"},
-           "data": {"path": "data.jsonl", "tokenizer": "copy"}, "extraction": {"output_dir": "shards"},
-           "training": {"output_dir": "train"}}
+    raw = {
+        "name": "x",
+        "run_dir": "run",
+        "target": {"checkpoint": "/models/t", "layer_ids": [2, 4, 6]},
+        "server": {"workdir": "/tmp/eyas-w", "dump_dir": "/tmp/eyas-d"},
+        "data": {"path": "data.jsonl", "tokenizer": "copy"},
+        "extraction": {"output_dir": "shards"},
+        "training": {"output_dir": "train"},
+    }
     cfg = config_from_dict(raw, base_dir=tmp_path)
     assert cfg.target.local_dir == tmp_path / "copy" and "tokenizer" not in cfg.data.model_dump()
     same = {**raw, "target": {**raw["target"], "local_dir": "copy"}}
     assert config_from_dict(same, base_dir=tmp_path).target.local_dir == tmp_path / "copy"
     with pytest.raises(ConfigError, match="data.tokenizer is another name for target.local_dir"):
-        config_from_dict({**raw, "target": {**raw["target"], "local_dir": "other"}}, base_dir=tmp_path)
+        config_from_dict(
+            {**raw, "target": {**raw["target"], "local_dir": "other"}}, base_dir=tmp_path
+        )

@@ -1,4 +1,5 @@
-"""The server and sensor sections: where the server is reached, and environments that hold no secrets."""
+"""The server and sensor sections: where the server is reached, and environments that hold no
+secrets."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ def test_env_from_as_a_list_keeps_the_names_and_capture_env_holds_no_secret():
     assert _server(env_from=["HF_TOKEN"]).env_from == {"HF_TOKEN": "HF_TOKEN"}
     with pytest.raises(ValueError, match="server.capture_env.HF_TOKEN looks like a secret"):
         _server(capture_env={"HF_TOKEN": "x"})
-    with pytest.raises(ValueError, match=r"\['A'\] set in more than one of env, secret_env, env_from"):
+    with pytest.raises(
+        ValueError,
+        match=r"\['A'\] set in more than one of env, secret_env, "
+        r"env_from",
+    ):
         _server(capture_env={"A": "1"}, env_from=["A"])
 
 

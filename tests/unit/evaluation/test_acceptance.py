@@ -1,4 +1,5 @@
-"""The acceptance arithmetic shared by in-process and served evaluation (eyas/evaluation/acceptance.py)."""
+"""The acceptance arithmetic shared by in-process and served evaluation
+(eyas/evaluation/acceptance.py)."""
 
 import pytest
 
@@ -10,9 +11,17 @@ def test_chain_names_are_sglangs_steps_topk_draft_tokens():
 
 
 def test_one_prompt_is_completion_tokens_over_verify_steps():
-    rec = prompt_record(prompt_tokens=9, output=list(range(10)), verify_steps=4, reference=list(range(10)))
-    assert rec == {"prompt_tokens": 9, "new_tokens": 10, "verify_steps": 4, "acceptance_length": 2.5,
-                   "identical": True, "same_prefix": 10}
+    rec = prompt_record(
+        prompt_tokens=9, output=list(range(10)), verify_steps=4, reference=list(range(10))
+    )
+    assert rec == {
+        "prompt_tokens": 9,
+        "new_tokens": 10,
+        "verify_steps": 4,
+        "acceptance_length": 2.5,
+        "identical": True,
+        "same_prefix": 10,
+    }
     differs = prompt_record(9, [1, 2], 1, reference=[1, 3])
     assert differs["identical"] is False and differs["same_prefix"] == 1
     assert prompt_record(9, [1, 2, 3], 1, reference=[1, 2])["same_prefix"] == 2  # an earlier eos
@@ -33,8 +42,13 @@ def test_pooled_is_the_ratio_of_sums_not_the_mean_of_ratios():
 
 
 def test_pooled_equality_and_the_degenerate_cases():
-    same, other = prompt_record(3, [1, 2, 3], 1, reference=[1, 2, 3]), prompt_record(3, [1, 2], 1, reference=[1, 9])
+    same, other = (
+        prompt_record(3, [1, 2, 3], 1, reference=[1, 2, 3]),
+        prompt_record(3, [1, 2], 1, reference=[1, 9]),
+    )
     assert pooled([same, other])["identical_to_target"] is False
-    assert pooled([prompt_record(3, [1, 2], 1)])["identical_to_target"] is None  # no reference anywhere
+    assert (
+        pooled([prompt_record(3, [1, 2], 1)])["identical_to_target"] is None
+    )  # no reference anywhere
     one_token = pooled([prompt_record(3, [1], 0), prompt_record(4, [2], 0)])
     assert one_token["acceptance_length"] == 1.0 and one_token["accepted_per_verify"] == 0.0

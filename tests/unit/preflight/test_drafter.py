@@ -1,4 +1,5 @@
-"""The drafter against the target: a warm start's training.init_from must be there and of this run's sizes."""
+"""The drafter against the target: a warm start's training.init_from must be there and of this run's
+sizes."""
 
 from __future__ import annotations
 
@@ -24,8 +25,13 @@ def test_a_warm_starts_init_from_is_checked_naming_the_field(tmp_path):
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"")  # preflight reads the sizes only
         other = dcfg.__class__(**{**dcfg.__dict__, "draft_vocab_size": dvocab})
-        (folder / "config.json").write_text(json.dumps(sglang_config(other, cfg.target.capture_ids(), "bfloat16", {})))
+        (folder / "config.json").write_text(
+            json.dumps(sglang_config(other, cfg.target.capture_ids(), "bfloat16", {}))
+        )
     assert preflight(tiny(tmp_path, **{"training.init_from": str(tmp_path / "fits")})).ok
     r = preflight(tiny(tmp_path, **{"training.init_from": str(tmp_path / "other")}))
     assert fields(r) == ["training.init_from"]
-    assert "training.draft_vocab_size gives draft_vocab_size=2048 in this run, 1024 in the drafter" in r.problems[0]
+    assert (
+        "training.draft_vocab_size gives draft_vocab_size=2048 in this run, 1024 in the drafter"
+        in r.problems[0]
+    )

@@ -1,5 +1,5 @@
-"""server.dump_dir's filesystem measured on the server host (here a local one, with the real /dev/shm)
-against the dump records extraction keeps there. The SSH form is in
+"""server.dump_dir's filesystem measured on the server host (here a local one, with the real
+/dev/shm) against the dump records extraction keeps there. The SSH form is in
 tests/integration/test_preflight_dump_dir.py."""
 
 from __future__ import annotations
@@ -30,8 +30,12 @@ SHM = Path("/dev/shm")
 
 
 @pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm on this machine")
-def test_a_dump_dir_too_small_for_the_capture_is_refused_naming_folder_free_bytes_and_need(tmp_path):
-    dump = SHM / f"eyas-test-{tmp_path.name}" / "dump"  # not created: its nearest existing parent is measured
+def test_a_dump_dir_too_small_for_the_capture_is_refused_naming_folder_free_bytes_and_need(
+    tmp_path,
+):
+    dump = (
+        SHM / f"eyas-test-{tmp_path.name}" / "dump"
+    )  # not created: its nearest existing parent is measured
     ok = preflight(tiny(tmp_path, **{"server.dump_dir": str(dump)}))
     assert "server.dump_dir" not in fields(ok)
     cfg = tiny(tmp_path, **{"server.dump_dir": str(dump), "extraction.concurrency": 10**6})

@@ -1,5 +1,6 @@
 """eyas/server/hosts.py on this machine: the seam as a context manager, names checked before a shell
-sees them, and the process-table parsing every stop relies on. (Over SSH: tests/integration/test_hosts.py.)"""
+sees them, and the process-table parsing every stop relies on. (Over SSH:
+tests/integration/test_hosts.py.)"""
 
 import os
 
@@ -36,4 +37,6 @@ def test_this_process_has_an_identity_and_a_gone_pid_has_none():
 def test_a_zombie_is_dead_only_once_its_threads_are_gone():
     assert alive_from_status("Name:\tx\nState:\tS (sleeping)\nThreads:\t1\n")
     assert not alive_from_status("Name:\tx\nState:\tZ (zombie)\nThreads:\t1\n")
-    assert alive_from_status("Name:\tx\nState:\tZ (zombie)\nThreads:\t3\n")  # may still hold the port
+    assert alive_from_status(
+        "Name:\tx\nState:\tZ (zombie)\nThreads:\t3\n"
+    )  # may still hold the port

@@ -1,5 +1,5 @@
-"""eyas/server/launch.py without a server: the launch record (server.pid) as a ServerHandle, and what
-stop_server and stop_recorded do with a handle whose process is not the one it names."""
+"""eyas/server/launch.py without a server: the launch record (server.pid) as a ServerHandle, and
+what stop_server and stop_recorded do with a handle whose process is not the one it names."""
 
 import json
 import subprocess
@@ -15,8 +15,13 @@ from tests.stage_config import ROOT
 @pytest.fixture
 def cfg(tmp_path):
     (tmp_path / "server").mkdir()
-    return load_config(ROOT / "configs" / "local-tiny.yaml", {
-        "server.workdir": str(tmp_path / "server"), "server.dump_dir": str(tmp_path / "server" / "dump")})
+    return load_config(
+        ROOT / "configs" / "local-tiny.yaml",
+        {
+            "server.workdir": str(tmp_path / "server"),
+            "server.dump_dir": str(tmp_path / "server" / "dump"),
+        },
+    )
 
 
 @pytest.fixture
@@ -28,8 +33,20 @@ def sleeper():
 
 
 def test_a_handle_round_trips_through_its_record(cfg):
-    handle = ServerHandle(1234, "gpu-1", "http://h:30000", "/srv/log", 77, "python3 -m x", "boot", "99", "tok",
-                          ("run-a", "run-b"), "cfg", "2026-01-01T00:00:00+0000")
+    handle = ServerHandle(
+        1234,
+        "gpu-1",
+        "http://h:30000",
+        "/srv/log",
+        77,
+        "python3 -m x",
+        "boot",
+        "99",
+        "tok",
+        ("run-a", "run-b"),
+        "cfg",
+        "2026-01-01T00:00:00+0000",
+    )
     text = json.dumps(handle.to_dict())
     assert json.loads(text)["runs"] == ["run-a", "run-b"]
     assert ServerHandle.from_record(json.loads(text)) == handle
@@ -43,7 +60,9 @@ def test_records_without_identity_or_of_another_shape(cfg):
     cfg.server.pid_path.write_text("4321\n")  # a bare pid: a handle of that pid alone
     assert read_record(host, cfg) == ServerHandle(4321)
     cfg.server.pid_path.write_text(json.dumps({"pid": 5, "start": None, "future_field": 1}))
-    assert read_record(host, cfg) == ServerHandle(5)  # unknown fields dropped, None takes the default
+    assert read_record(host, cfg) == ServerHandle(
+        5
+    )  # unknown fields dropped, None takes the default
     for text in ("not json", json.dumps({"pid": "5"}), json.dumps([5])):
         cfg.server.pid_path.write_text(text)
         assert read_record(host, cfg) is None, text
@@ -65,11 +84,18 @@ def test_a_handle_whose_pid_is_now_another_process_is_never_signalled(cfg, sleep
     stale = ServerHandle(sleeper.pid, boot=me.boot, start=str(int(me.start) - 1), owner="t")
     cfg.server.pid_path.write_text(json.dumps(stale.to_dict()))
     out = stop_server(host, cfg, stale)
-    assert out["outcome"].startswith("not running (pid ") and "is now another process" in out["outcome"]
+    assert (
+        out["outcome"].startswith("not running (pid ")
+        and "is now another process" in out["outcome"]
+    )
     assert sleeper.poll() is None
     assert not cfg.server.pid_path.exists()  # the stale record goes; the process it named stays
 
 
 def test_stop_recorded_with_nothing_recorded(cfg):
     assert stop_recorded(LocalHost(), cfg)["outcome"] == "not running"
-    assert stop_recorded(LocalHost(), cfg, runs={"r"}) == {"pid": None, "outcome": "not running", "dump_dir": "kept"}
+    assert stop_recorded(LocalHost(), cfg, runs={"r"}) == {
+        "pid": None,
+        "outcome": "not running",
+        "dump_dir": "kept",
+    }

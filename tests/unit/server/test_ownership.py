@@ -13,9 +13,14 @@ def test_verdict_tells_the_launched_process_from_a_reused_pid():
     try:
         me = host.process_identity(p.pid)
         assert verdict(host, ServerHandle(p.pid, boot=me.boot, start=me.start)) == "alive"
-        assert verdict(host, ServerHandle(p.pid, boot=me.boot, start=str(int(me.start) + 1))) == "replaced"
+        assert (
+            verdict(host, ServerHandle(p.pid, boot=me.boot, start=str(int(me.start) + 1)))
+            == "replaced"
+        )
         assert verdict(host, ServerHandle(p.pid, boot="another-boot", start=me.start)) == "replaced"
-        assert verdict(host, ServerHandle(p.pid)) == "unverified"  # no identity: the command line decides
+        assert (
+            verdict(host, ServerHandle(p.pid)) == "unverified"
+        )  # no identity: the command line decides
     finally:
         p.kill()
         p.wait(10)
@@ -36,4 +41,8 @@ def test_a_process_that_leads_no_group_is_not_the_server():
 
 def test_an_owner_keeps_its_runs_in_order_without_blanks():
     owner = Owner.new(["run-1", None, "", "run-0"])
-    assert owner.runs == ("run-1", "run-0") and len(owner.token) == 32 and owner != Owner.new(["run-1", "run-0"])
+    assert (
+        owner.runs == ("run-1", "run-0")
+        and len(owner.token) == 32
+        and owner != Owner.new(["run-1", "run-0"])
+    )

@@ -1,4 +1,5 @@
-"""Damaged training checkpoints: named, quarantined, skipped; training resumes from the newest intact one."""
+"""Damaged training checkpoints: named, quarantined, skipped; training resumes from the newest
+intact one."""
 
 import json
 import os
@@ -22,8 +23,12 @@ def quiet(_):
 @pytest.fixture(scope="module")
 def uninterrupted(sharp_target, shards, tmp_path_factory):
     """9 steps in one go: what every resumed run below must reproduce bit for bit."""
-    return train_drafter(training_config(tmp_path_factory.mktemp("full"), max_steps=9, checkpoint_every=3),
-                         target_config(sharp_target), shards, log=quiet)
+    return train_drafter(
+        training_config(tmp_path_factory.mktemp("full"), max_steps=9, checkpoint_every=3),
+        target_config(sharp_target),
+        shards,
+        log=quiet,
+    )
 
 
 def truncate(path, keep=0.5):
@@ -40,9 +45,12 @@ def flip_a_byte(path):
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-@pytest.mark.parametrize("fault", ["truncated-trainer-state", "flipped-weight-byte", "truncated-legacy"])
+@pytest.mark.parametrize(
+    "fault", ["truncated-trainer-state", "flipped-weight-byte", "truncated-legacy"]
+)
 def test_a_damaged_latest_checkpoint_is_quarantined_and_training_resumes_from_the_one_before(
-        sharp_target, shards, tmp_path, uninterrupted, fault):
+    sharp_target, shards, tmp_path, uninterrupted, fault
+):
     """Checkpoints at 3 and 6, the one at 6 damaged: the re-run names it, moves it to
     checkpoints.quarantine/ and resumes from 3, giving the uninterrupted run's losses and weights.
     truncated-legacy: checkpoints written before checksums existed (no checksums.json) still resume;
@@ -70,9 +78,13 @@ def test_a_damaged_latest_checkpoint_is_quarantined_and_training_resumes_from_th
     logs = []
     resumed = train_drafter(cfg, tgt, shards, log=logs.append)
     named = [line for line in logs if line.startswith(f"checkpoint {bad} is damaged")]
-    assert len(named) == 1 and f"moved to {out / 'checkpoints.quarantine' / 'step-000006'}" in named[0], logs
+    assert (
+        len(named) == 1 and f"moved to {out / 'checkpoints.quarantine' / 'step-000006'}" in named[0]
+    ), logs
     assert re.search(why, named[0]), named[0]
-    assert (out / "checkpoints.quarantine" / "step-000006" / "trainer_state.pt").exists()  # kept for a look
+    assert (
+        out / "checkpoints.quarantine" / "step-000006" / "trainer_state.pt"
+    ).exists()  # kept for a look
     assert resumed.resumed_from_step == 3 and any(line.startswith("resumed from") for line in logs)
     assert resumed.losses == uninterrupted.losses  # bit for bit, as a resume from 3 always was
     wa = load_file(f"{uninterrupted.checkpoint_dir}/model.safetensors")
@@ -81,7 +93,9 @@ def test_a_damaged_latest_checkpoint_is_quarantined_and_training_resumes_from_th
     assert damage(ckpts / "step-000009") is None  # the new ones carry checksums again
 
 
-def test_no_intact_checkpoint_left_starts_from_step_0_saying_so(sharp_target, shards, tmp_path, uninterrupted):
+def test_no_intact_checkpoint_left_starts_from_step_0_saying_so(
+    sharp_target, shards, tmp_path, uninterrupted
+):
     tgt, out = target_config(sharp_target), tmp_path / "t"
     cfg = training_config(out, max_steps=9, checkpoint_every=3)
     train_drafter(cfg, tgt, shards, log=quiet, stop_at_step=3)
@@ -90,7 +104,8 @@ def test_no_intact_checkpoint_left_starts_from_step_0_saying_so(sharp_target, sh
     again = train_drafter(cfg, tgt, shards, log=logs.append)
     assert [line for line in logs if line.startswith("no intact checkpoint left")] == [
         f"no intact checkpoint left in {out / 'checkpoints'} (the damaged ones are in "
-        f"{out / 'checkpoints.quarantine'}): training starts from step 0"]
+        f"{out / 'checkpoints.quarantine'}): training starts from step 0"
+    ]
     assert again.resumed_from_step == 0 and again.losses == uninterrupted.losses
 
 

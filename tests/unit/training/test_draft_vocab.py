@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from eyas.training.draft_vocab import build_draft_vocab, count_tokens
 from eyas.extraction.shards import Sample, ShardReader, write_shard
+from eyas.training.draft_vocab import build_draft_vocab, count_tokens
 
 
 def test_most_frequent_tokens_with_offsets_and_mask():
@@ -45,6 +45,10 @@ def test_bad_input_is_refused(tmp_path):
     with pytest.raises(ValueError, match="outside the target vocab"):
         build_draft_vocab({12: 1}, 10, 2)
     p = tmp_path / "shard-00000.safetensors"
-    write_shard(p, [Sample(torch.tensor([99]), torch.tensor([True]), torch.zeros(1, 6), torch.zeros(1, 2))], {})
+    write_shard(
+        p,
+        [Sample(torch.tensor([99]), torch.tensor([True]), torch.zeros(1, 6), torch.zeros(1, 2))],
+        {},
+    )
     with pytest.raises(ValueError, match="outside the target vocab"):
         count_tokens([p], 10)

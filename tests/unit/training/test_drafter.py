@@ -2,17 +2,32 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eyas.training.drafter import (DrafterConfig, Eagle3Drafter, KVCache, apply_rope, causal_mask, rope_cos_sin,
-                                  ttt_mask)
 from eyas.evaluation.export import expected_weights
 from eyas.training.batches import shift_left
+from eyas.training.drafter import (
+    DrafterConfig,
+    Eagle3Drafter,
+    KVCache,
+    apply_rope,
+    causal_mask,
+    rope_cos_sin,
+    ttt_mask,
+)
 
 torch.set_num_threads(1)
 
 
 def tiny(**kw) -> DrafterConfig:
-    base = dict(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=8, intermediate_size=48, vocab_size=64, draft_vocab_size=40)
+    base = dict(
+        hidden_size=32,
+        target_hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        vocab_size=64,
+        draft_vocab_size=40,
+    )
     return DrafterConfig(**{**base, **kw})
 
 
@@ -67,13 +82,26 @@ def test_ttt_step_k_equals_incremental_drafting_with_a_kv_cache():
         train_logits = ttt_unroll(m, ids, aux, K)
         for t in [0, 3, 5]:
             cache = KVCache()  # prefill positions 0..t, then draft one token at a time
-            logits, h = m(ids[:, 1:t + 2], aux[:, :t + 1], torch.arange(t + 1), causal_mask(t + 1), cache=cache)
+            logits, h = m(
+                ids[:, 1 : t + 2],
+                aux[:, : t + 1],
+                torch.arange(t + 1),
+                causal_mask(t + 1),
+                cache=cache,
+            )
             torch.testing.assert_close(logits[0, -1], train_logits[0][0, t], atol=1e-5, rtol=1e-5)
             h = h[:, -1:]
             for k in range(1, K):
-                logits, h = m(ids[:, t + 1 + k:t + 2 + k], h, torch.tensor([t + k]), causal_mask(1, len(cache)),
-                              cache=cache)
-                torch.testing.assert_close(logits[0, -1], train_logits[k][0, t], atol=1e-5, rtol=1e-5)
+                logits, h = m(
+                    ids[:, t + 1 + k : t + 2 + k],
+                    h,
+                    torch.tensor([t + k]),
+                    causal_mask(1, len(cache)),
+                    cache=cache,
+                )
+                torch.testing.assert_close(
+                    logits[0, -1], train_logits[k][0, t], atol=1e-5, rtol=1e-5
+                )
 
 
 def test_ttt_is_causal():
@@ -81,12 +109,14 @@ def test_ttt_is_causal():
     ids, aux = inputs(m)
     t = 4
     ids2, aux2 = ids.clone(), aux.clone()
-    ids2[:, t + 1:] = (ids2[:, t + 1:] + 7) % m.cfg.vocab_size  # changes tokens step 0 reads after t
-    aux2[:, t + 1:] += 3.0
+    ids2[:, t + 1 :] = (
+        ids2[:, t + 1 :] + 7
+    ) % m.cfg.vocab_size  # changes tokens step 0 reads after t
+    aux2[:, t + 1 :] += 3.0
     with torch.no_grad():
         a, b = ttt_unroll(m, ids, aux, 3), ttt_unroll(m, ids2, aux2, 3)
     for k in range(3):  # step k at t reads token t+1+k, so only positions < t-k are untouched
-        torch.testing.assert_close(a[k][:, :t - k], b[k][:, :t - k])
+        torch.testing.assert_close(a[k][:, : t - k], b[k][:, : t - k])
         assert not torch.allclose(a[k][:, t], b[k][:, t])
 
 
@@ -101,7 +131,9 @@ def test_step0_attention_is_plain_causal_attention():
         k = attn.k_proj(x).view(2, T, 2, 8).transpose(1, 2)
         v = attn.v_proj(x).view(2, T, 2, 8).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+        y = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
+        )
         want = attn.o_proj(y.transpose(1, 2).reshape(2, T, 32))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -134,7 +166,9 @@ def test_ttt_mask_is_causal_over_step_0_and_diagonal_over_the_later_steps():
     assert m.shape == (4, 12)
     seen = m == 0
     assert torch.equal(seen[:, :4], torch.ones(4, 4, dtype=torch.bool).tril())
-    assert torch.equal(seen[:, 4:8], torch.eye(4, dtype=torch.bool)) and torch.equal(seen[:, 8:], seen[:, 4:8])
+    assert torch.equal(seen[:, 4:8], torch.eye(4, dtype=torch.bool)) and torch.equal(
+        seen[:, 8:], seen[:, 4:8]
+    )
     assert torch.equal(ttt_mask(5, 0), causal_mask(5))
 
 

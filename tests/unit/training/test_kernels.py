@@ -1,4 +1,5 @@
-"""KernelOptions holds the user's choices only; the elementwise regions run eagerly or through torch.compile."""
+"""KernelOptions holds the user's choices only; the elementwise regions run eagerly or through
+torch.compile."""
 
 import ast
 import dataclasses
@@ -30,7 +31,9 @@ def test_kernel_options_are_the_training_configs_choices():
 
 def test_kernel_options_follow_the_training_config(tmp_path):
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert kernel_options(training_config(tmp_path), cpu) == KernelOptions()  # compile: None = on a GPU only
+    assert (
+        kernel_options(training_config(tmp_path), cpu) == KernelOptions()
+    )  # compile: None = on a GPU only
     assert kernel_options(training_config(tmp_path), gpu) == KernelOptions(compile=True)
     assert kernel_options(training_config(tmp_path, compile=True), cpu).compile
     assert not kernel_options(training_config(tmp_path, compile=False), gpu).compile
@@ -48,22 +51,36 @@ def test_compile_routes_every_region_through_torch_compile(monkeypatch):
     def fake_compile(fn, **kw):
         seen.append(fn.__name__)
         return fn
+
     monkeypatch.setattr(torch, "compile", fake_compile)
     monkeypatch.setattr(fused, "_compiled", {})
     eager = loss_and_grads(KernelOptions())
     assert not seen
     assert_same_step(loss_and_grads(KernelOptions(compile=True)), eager, atol=1e-7, rtol=1e-6)
-    assert {"norm", "add_norm", "add_rope", "swiglu", "diag_forward", "diag_backward",
-            "_soft_ce_torch"} <= set(seen)
+    assert {
+        "norm",
+        "add_norm",
+        "add_rope",
+        "swiglu",
+        "diag_forward",
+        "diag_backward",
+        "_soft_ce_torch",
+    } <= set(seen)
     seen.clear()  # every step projecting its own concatenation (the FP8 GEMMs' path)
     fused._compiled.clear()
     monkeypatch.setattr(TTTObjective, "_shares_emb", lambda self: False)
-    assert_same_step(loss_and_grads(KernelOptions(compile=True)), loss_and_grads(KernelOptions()), atol=1e-7, rtol=1e-6)
+    assert_same_step(
+        loss_and_grads(KernelOptions(compile=True)),
+        loss_and_grads(KernelOptions()),
+        atol=1e-7,
+        rtol=1e-6,
+    )
     assert {"norm_cat", "add_norm", "rope_qk", "swiglu"} <= set(seen)
 
 
 def test_compile_routes_the_teachers_softmax_through_torch_compile(monkeypatch):
-    """The teacher's argmax, max and softmax are one compiled region (stubbed as above): same labels."""
+    """The teacher's argmax, max and softmax are one compiled region (stubbed as above): same
+    labels."""
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(fn.__name__) or fn)
     monkeypatch.setattr(fused, "_compiled", {})
@@ -78,10 +95,16 @@ def test_compile_routes_the_teachers_softmax_through_torch_compile(monkeypatch):
     assert torch.equal(compiled.target, eager.target) and torch.equal(compiled.probs, eager.probs)
 
 
-#: Module-level state that eyas/training may keep: caches and memos of what this process found, none a choice.
-MEMOS = {("attention", "_refused"), ("kernels", "_compiled"), ("gemm", "FP32_OUT"),
-         ("target_head", "_NAMES"), ("target_head", "_PREFIXES"),  # these two: constant lookup tables
-         ("loader", "_DTYPES")}  # a constant lookup table too
+#: Module-level state that eyas/training may keep: caches and memos of what this process found, none
+#: a choice.
+MEMOS = {
+    ("attention", "_refused"),
+    ("kernels", "_compiled"),
+    ("gemm", "FP32_OUT"),
+    ("target_head", "_NAMES"),
+    ("target_head", "_PREFIXES"),  # these two: constant lookup tables
+    ("loader", "_DTYPES"),
+}  # a constant lookup table too
 #: Module-level strings that are names, not choices: a file name, its format tag, a thread name.
 NAMES = {("checkpoints", "SUMS"), ("checkpoints", "SUMS_FORMAT"), ("loader", "THREAD_PREFIX")}
 
@@ -98,4 +121,7 @@ def test_no_module_level_switch_is_left():
                 assert (info.name, name) in MEMOS, f"{info.name}.{name}"
         tree = ast.parse(Path(module.__file__).read_text())
         rebound = {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
-        assert rebound <= ({"_ce_kernel"} if info.name == "soft_ce" else set()), (info.name, rebound)
+        assert rebound <= ({"_ce_kernel"} if info.name == "soft_ce" else set()), (
+            info.name,
+            rebound,
+        )

@@ -1,5 +1,6 @@
-"""The data path behind the step (eyas/training/loader.py): the same batches, order and training as the
-synchronous collate, each rank reading only its micro-batches, and no thread left on any way out."""
+"""The data path behind the step (eyas/training/loader.py): the same batches, order and training as
+the synchronous collate, each rank reading only its micro-batches, and no thread left on any way
+out."""
 
 import itertools
 import os
@@ -31,10 +32,17 @@ def random_samples(n: int, seed: int, dtype=torch.bfloat16) -> list[Sample]:
     out = []
     for _ in range(n):
         T = int(torch.randint(5, 30, (1,), generator=g))
-        scale = torch.logspace(-2, 2, T).unsqueeze(1)  # per-token norms over four decades, as residual streams
-        out.append(Sample(torch.randint(0, 500, (T,), generator=g), torch.rand(T, generator=g) > 0.3,
-                          (torch.randn(T, K * H, generator=g) * scale).to(dtype),
-                          (torch.randn(T, H, generator=g) * scale).to(dtype)))
+        scale = torch.logspace(-2, 2, T).unsqueeze(
+            1
+        )  # per-token norms over four decades, as residual streams
+        out.append(
+            Sample(
+                torch.randint(0, 500, (T,), generator=g),
+                torch.rand(T, generator=g) > 0.3,
+                (torch.randn(T, K * H, generator=g) * scale).to(dtype),
+                (torch.randn(T, H, generator=g) * scale).to(dtype),
+            )
+        )
     return out
 
 
@@ -44,14 +52,17 @@ def shard_sets(tmp_path_factory):
     zero row to check that padding and zeros stay zeros)."""
     root = tmp_path_factory.mktemp("loader-shards")
     sets = {}
-    for name, dtype, enc in (("bf16", torch.bfloat16, "plain"), ("fp32", torch.float32, "plain"),
-                             ("fp8", torch.bfloat16, "fp8_e4m3")):
+    for name, dtype, enc in (
+        ("bf16", torch.bfloat16, "plain"),
+        ("fp32", torch.float32, "plain"),
+        ("fp8", torch.bfloat16, "fp8_e4m3"),
+    ):
         samples = random_samples(18, seed=1, dtype=dtype)
         samples[-1].aux_hidden_states.zero_()
         paths = []
         for s in range(2):
             p = root / name / f"shard-{s:05d}.safetensors"
-            write_shard(p, samples[s * 9:(s + 1) * 9], shard_meta(), encoding=enc)
+            write_shard(p, samples[s * 9 : (s + 1) * 9], shard_meta(), encoding=enc)
             paths.append(p)
         sets[name] = paths
     return sets
@@ -59,16 +70,25 @@ def shard_sets(tmp_path_factory):
 
 def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
-        torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype if isinstance(a[k], torch.Tensor) else a[k] == b[k]
-        for k in a)
+        torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype
+        if isinstance(a[k], torch.Tensor)
+        else a[k] == b[k]
+        for k in a
+    )
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp32", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("all_positions", [False, True], ids=["mask", "all"])
-def test_batches_are_bit_for_bit_those_of_collate_in_plan_order(shard_sets, kind, dtype, all_positions):
+def test_batches_are_bit_for_bit_those_of_collate_in_plan_order(
+    shard_sets, kind, dtype, all_positions
+):
     data = ShardData(shard_sets[kind], num_validation=2, ttt_steps=2, all_positions=all_positions)
-    steps = list(itertools.islice(plan_steps(data.lengths, data.train_ids, 3, 2, seed=5, epoch=0, pos=1, window=2), 7))
+    steps = list(
+        itertools.islice(
+            plan_steps(data.lengths, data.train_ids, 3, 2, seed=5, epoch=0, pos=1, window=2), 7
+        )
+    )
     assert [(e, p) for e, p, _ in steps] == [(0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
     with BatchLoader(data, steps, "cpu", dtype, workers=3, ahead=3) as loader:
         got = list(loader)
@@ -83,6 +103,7 @@ def test_batches_are_bit_for_bit_those_of_collate_in_plan_order(shard_sets, kind
 def test_fp8_is_dequantized_as_the_reader_does():
     g = torch.Generator().manual_seed(3)
     from eyas.extraction import fp8
+
     x = torch.randn(2, 7, 3 * 8, generator=g) * torch.logspace(-3, 3, 7).view(1, 7, 1)
     q, s = zip(*(fp8.quantize(x[b], 3) for b in range(2)))
     q, s = torch.stack(q), torch.stack(s)
@@ -93,7 +114,9 @@ def test_fp8_is_dequantized_as_the_reader_does():
 
 def test_each_rank_reads_only_its_micro_batches(shard_sets):
     data = ShardData(shard_sets["bf16"], num_validation=0)
-    steps = list(itertools.islice(plan_steps(data.lengths, data.train_ids, 2, 4, seed=0, epoch=0, pos=0), 3))
+    steps = list(
+        itertools.islice(plan_steps(data.lengths, data.train_ids, 2, 4, seed=0, epoch=0, pos=0), 3)
+    )
     read = {}
     for rank in (0, 1):
         loader = BatchLoader(data, steps, "cpu", torch.float32, rank=rank, world=2, workers=2)
@@ -102,7 +125,9 @@ def test_each_rank_reads_only_its_micro_batches(shard_sets):
         loader.host_batch = lambda ids, f=original, seen=seen: (seen.append(list(ids)), f(ids))[1]
         with loader:
             out = list(loader)
-        assert [[b["sample_ids"] for b in batches] for _, batches in out] == [s[-1][rank::2] for s in steps]
+        assert [[b["sample_ids"] for b in batches] for _, batches in out] == [
+            s[-1][rank::2] for s in steps
+        ]
         read[rank] = sorted(map(tuple, seen))
     assert read[0] == sorted(tuple(m) for s in steps for m in s[-1][0::2])
     assert read[1] == sorted(tuple(m) for s in steps for m in s[-1][1::2])
@@ -114,7 +139,9 @@ def test_a_worker_error_reaches_the_step_and_no_thread_is_left(shard_sets, tmp_p
     for src, dst in zip(shard_sets["bf16"], paths):
         shutil.copy(src, dst)
     data = ShardData(paths, num_validation=0)
-    steps = list(itertools.islice(plan_steps(data.lengths, data.train_ids, 2, 1, seed=0, epoch=0, pos=0), 6))
+    steps = list(
+        itertools.islice(plan_steps(data.lengths, data.train_ids, 2, 1, seed=0, epoch=0, pos=0), 6)
+    )
     cut = tmp_path / "cut"
     cut.write_bytes(paths[1].read_bytes()[:4096])
     os.replace(cut, paths[1])  # the second file loses its tail after ShardData read its offsets
@@ -137,11 +164,20 @@ def test_closing_mid_epoch_drops_what_was_read_ahead(shard_sets):
 
 
 def test_training_is_bit_for_bit_the_synchronous_path_and_resumes(sharp_target, shards, tmp_path):
-    """loader_workers 0 (collate inside the step, as before the loader) and 3, with aux noise (the RNG's
-    order): the same losses and weights; interrupted at step 3 and resumed with the loader: the same."""
+    """loader_workers 0 (collate inside the step, as before the loader) and 3, with aux noise (the
+    RNG's order): the same losses and weights; interrupted at step 3 and resumed with the loader:
+    the same."""
     tgt = target_config(sharp_target)
-    cfg = lambda d, w: training_config(tmp_path / d, max_steps=7, checkpoint_every=3, batch_size=3,  # noqa: E731
-                                       aux_noise=0.1, loader_workers=w, teacher_cache_gb=0, num_validation_sequences=2)
+    cfg = lambda d, w: training_config(  # noqa: E731
+        tmp_path / d,
+        max_steps=7,
+        checkpoint_every=3,
+        batch_size=3,
+        aux_noise=0.1,
+        loader_workers=w,
+        teacher_cache_gb=0,
+        num_validation_sequences=2,
+    )
     sync = train_drafter(cfg("sync", 0), tgt, shards, log=lambda _: None)
     logs = []
     overlapped = train_drafter(cfg("loader", 3), tgt, shards, log=logs.append)
@@ -152,7 +188,10 @@ def test_training_is_bit_for_bit_the_synchronous_path_and_resumes(sharp_target, 
     resumed = train_drafter(cfg("resumed", 2), tgt, shards, log=lambda _: None)
     assert part.steps == 4 and resumed.resumed_from_step == 3 and resumed.losses == sync.losses
     for r in (overlapped, resumed):
-        wa, wb = load_file(f"{sync.checkpoint_dir}/model.safetensors"), load_file(f"{r.checkpoint_dir}/model.safetensors")
+        wa, wb = (
+            load_file(f"{sync.checkpoint_dir}/model.safetensors"),
+            load_file(f"{r.checkpoint_dir}/model.safetensors"),
+        )
         assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert not threads_left()
 
@@ -162,12 +201,29 @@ def test_fp8_shards_train_as_the_reader_dequantizes_them(sharp_target, shards, t
     for p in shards:
         data = ShardData([p], num_validation=0)
         q = tmp_path / "fp8" / p.name
-        write_shard(q, [data.sample(i) for i in range(len(data.lengths))], dict(data.readers[0].meta),
-                    encoding="fp8_e4m3")
+        write_shard(
+            q,
+            [data.sample(i) for i in range(len(data.lengths))],
+            dict(data.readers[0].meta),
+            encoding="fp8_e4m3",
+        )
         fp8.append(q)
     tgt = target_config(sharp_target)
-    runs = [train_drafter(training_config(tmp_path / f"w{w}", max_steps=4, batch_size=3, loader_workers=w,
-                                          checkpoint_every=100), tgt, fp8, log=lambda _: None) for w in (0, 2)]
+    runs = [
+        train_drafter(
+            training_config(
+                tmp_path / f"w{w}",
+                max_steps=4,
+                batch_size=3,
+                loader_workers=w,
+                checkpoint_every=100,
+            ),
+            tgt,
+            fp8,
+            log=lambda _: None,
+        )
+        for w in (0, 2)
+    ]
     assert runs[0].losses == runs[1].losses
 
 
@@ -181,8 +237,13 @@ def test_an_exception_in_training_leaves_no_loader_thread(sharp_target, shards, 
             raise Boom
 
     with pytest.raises(Boom):
-        train_drafter(training_config(tmp_path / "t", max_steps=6, loader_workers=2, checkpoint_every=100),
-                      target_config(sharp_target), shards, log=lambda _: None, on_step=on_step)
+        train_drafter(
+            training_config(tmp_path / "t", max_steps=6, loader_workers=2, checkpoint_every=100),
+            target_config(sharp_target),
+            shards,
+            log=lambda _: None,
+            on_step=on_step,
+        )
     assert not threads_left()
 
 
@@ -200,19 +261,31 @@ SIGTERM_SCRIPT = textwrap.dedent("""
     def on_step(s):
         print(f"step {s.step}", flush=True)
     try:
-        train_drafter(training_config(Path(out), max_steps=10000, loader_workers=2, checkpoint_every=100000),
-                      target_config(Path(target)), [Path(p) for p in shards], log=lambda _: None, on_step=on_step)
+        cfg = training_config(Path(out), max_steps=10000, loader_workers=2, checkpoint_every=100000)
+        train_drafter(cfg, target_config(Path(target)), [Path(p) for p in shards],
+                      log=lambda _: None, on_step=on_step)
     finally:
         print(f"threads left: {threads_left()}", flush=True)
 """)
 
 
-def test_sigterm_mid_training_ends_the_process_with_no_loader_thread(sharp_target, shards, tmp_path):
+def test_sigterm_mid_training_ends_the_process_with_no_loader_thread(
+    sharp_target, shards, tmp_path
+):
     script = tmp_path / "run.py"
     script.write_text(SIGTERM_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]), "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, str(script), str(sharp_target), str(tmp_path / "out"), *map(str, shards)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[3]),
+        "OMP_NUM_THREADS": "1",
+    }
+    p = subprocess.Popen(
+        [sys.executable, str(script), str(sharp_target), str(tmp_path / "out"), *map(str, shards)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         for line in p.stdout:
             if line.startswith("step 2"):
@@ -224,7 +297,9 @@ def test_sigterm_mid_training_ends_the_process_with_no_loader_thread(sharp_targe
             p.send_signal(signal.SIGUSR1)  # every thread's stack, then fail with it
             time.sleep(2)
             p.kill()
-            raise AssertionError("no exit 60 s after SIGTERM; stacks:\n" + p.communicate()[0][-6000:]) from None
+            raise AssertionError(
+                "no exit 60 s after SIGTERM; stacks:\n" + p.communicate()[0][-6000:]
+            ) from None
     finally:
         p.kill()
     assert p.returncode == 143, out
@@ -237,25 +312,60 @@ def test_no_thread_outlives_the_tests():
 
 def last_json(cmd: list[str]) -> dict:
     import json
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env, timeout=300,
-                         cwd=Path(__file__).resolve().parents[3])
+    out = subprocess.run(
+        [sys.executable, *cmd],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[3],
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_the_loader_bench_runs_tiny(tmp_path):
-    line = last_json(["bench/loader.py", "--tiny", "--batch", "2", "--repeat", "2", "--workers", "1",
-                      "--dir", str(tmp_path)])
+    line = last_json(
+        [
+            "bench/loader.py",
+            "--tiny",
+            "--batch",
+            "2",
+            "--repeat",
+            "2",
+            "--workers",
+            "1",
+            "--dir",
+            str(tmp_path),
+        ]
+    )
     assert line["bench"] == "loader" and set(line["figures"]) >= {"plain", "fp8_e4m3"}
     assert line["figures"]["fp8_e4m3"]["worker_reused_buffers"]["warm_gb_s"] > 0
     assert not list(tmp_path.iterdir())  # its shards removed
 
 
 def test_the_train_bench_from_shards_runs_tiny(tmp_path):
-    line = last_json(["bench/train.py", "--from-shards", "--steps", "1", "--warmup", "1", "--shard-batches", "2",
-                      "--shard-sequences", "4", "--shard-dir", str(tmp_path / "shards")])
+    line = last_json(
+        [
+            "bench/train.py",
+            "--from-shards",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--shard-batches",
+            "2",
+            "--shard-sequences",
+            "4",
+            "--shard-dir",
+            str(tmp_path / "shards"),
+        ]
+    )
     goals = line["goals"]
     assert goals["loader_matches_collate"]["met"]
-    assert {"shards_bf16_b2_cold", "shards_fp8_b2_warm"} <= set(goals) and goals["shards_bf16_b2_cold"]["goal"] == ">= 0.97"
+    assert {"shards_bf16_b2_cold", "shards_fp8_b2_warm"} <= set(goals) and goals[
+        "shards_bf16_b2_cold"
+    ]["goal"] == ">= 0.97"
     assert line["figures"]["from_shards"]["rows"][0]["plain"]["cold"]["steps"] == 2

@@ -1,4 +1,5 @@
-"""The objective against plain autograd math: fused head loss, teacher labels, the TTT unroll and its skipping."""
+"""The objective against plain autograd math: fused head loss, teacher labels, the TTT unroll and
+its skipping."""
 
 import pytest
 import torch
@@ -7,8 +8,15 @@ import torch.nn.functional as F
 from eyas.training import gemm, losses
 from eyas.training.batches import shift_left
 from eyas.training.drafter import KVCache, ttt_mask
-from eyas.training.losses import (TTTObjective, draft_first_order, head_soft_ce, scored_counts, teacher_labels,
-                                  ttt_rows, ttt_span)
+from eyas.training.losses import (
+    TTTObjective,
+    draft_first_order,
+    head_soft_ce,
+    scored_counts,
+    teacher_labels,
+    ttt_rows,
+    ttt_span,
+)
 from eyas.training.target_head import TargetHead
 from tests.unit.training.test_drafter import make
 
@@ -37,8 +45,9 @@ def test_fused_head_loss_matches_log_softmax_cross_entropy():
 
 
 def test_cpu_bf16_gemms_pad_rows_and_stay_close_to_fp32():
-    """The CPU's bf16 GEMM mode: rows padded to a few cached kernel shapes (zeros that change nothing),
-    loss and gradients within bf16 rounding of the fp32 ones, the argmax nearly always the same."""
+    """The CPU's bf16 GEMM mode: rows padded to a few cached kernel shapes (zeros that change
+    nothing), loss and gradients within bf16 rounding of the fp32 ones, the argmax nearly always the
+    same."""
     x = torch.randn(130, 7)
     p = gemm.rows_padded(x, torch.bfloat16)
     assert p.shape == (256, 7) and p.dtype == torch.bfloat16 and not p[130:].any()
@@ -51,7 +60,9 @@ def test_cpu_bf16_gemms_pad_rows_and_stay_close_to_fp32():
     probs = torch.softmax(torch.randn(M, V, generator=g), -1)
     rows, row_w = torch.randint(0, M, (N,), generator=g), torch.rand(N, generator=g)
     want, want_pred = head_soft_ce(h, w, probs, rows, row_w, chunk=128)
-    loss, pred = head_soft_ce(h, w, probs, rows, row_w, chunk=128, gemm_dtype=torch.bfloat16)  # 300 -> 384 rows
+    loss, pred = head_soft_ce(
+        h, w, probs, rows, row_w, chunk=128, gemm_dtype=torch.bfloat16
+    )  # 300 -> 384 rows
     assert pred.shape == (N,) and (pred == want_pred).float().mean() > 0.9
     torch.testing.assert_close(loss, want, rtol=1e-2, atol=0)
     for a, b in zip(torch.autograd.grad(loss, [h, w]), torch.autograd.grad(want, [h, w])):
@@ -95,10 +106,10 @@ def reference_loss(m, ids, aux, labels, K, decay):
     h, cache, loss = aux, KVCache(), 0.0
     for k in range(K):
         logits, h = m(shift_left(ids, 1 + k), h, torch.arange(T) + k, ttt_mask(T, k), cache)
-        v = labels.valid[:, 1 + k:]
-        p = labels.probs.view(B, T, -1)[:, 1 + k:][v]
-        ce = -(p * F.log_softmax(logits[:, :T - 1 - k][v], -1)).sum()
-        loss = loss + decay ** k * ce / labels.scored[:, 1 + k:].sum()
+        v = labels.valid[:, 1 + k :]
+        p = labels.probs.view(B, T, -1)[:, 1 + k :][v]
+        ce = -(p * F.log_softmax(logits[:, : T - 1 - k][v], -1)).sum()
+        loss = loss + decay**k * ce / labels.scored[:, 1 + k :].sum()
     return loss
 
 
@@ -120,7 +131,7 @@ def test_ttt_objective_equals_the_reference_unroll():
     torch.testing.assert_close(loss, want)
     for a, b in zip(torch.autograd.grad(loss, params), torch.autograd.grad(want, params)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
-    assert scored.tolist() == [int(labels.scored[:, 1 + k:].sum()) for k in range(K)]
+    assert scored.tolist() == [int(labels.scored[:, 1 + k :].sum()) for k in range(K)]
     assert torch.equal(scored.double(), scored_counts(list(mask), K))  # known from the masks alone
     assert (correct <= scored).all()
 
@@ -137,17 +148,28 @@ def _objective_case(mask, K=3, seed=4):
     return m, ids, aux, teacher_labels(head, torch.randn(B, T, 32, generator=g), mask, 40, chunk=5)
 
 
-@pytest.mark.parametrize("layout", ["prompts_and_padding", "interleaved_turns", "nothing_scored", "everything"])
-def test_ttt_objective_skips_unscored_positions_with_the_same_loss_and_gradients(layout, monkeypatch):
-    """Steps >= 1 and the head run only on the positions some step scores, gathered position by position
-    or as one span: long prompts, right padding of different lengths, several turns per sequence; loss,
-    gradients and statistics stay those of the unskipped objective and the reference."""
+@pytest.mark.parametrize(
+    "layout", ["prompts_and_padding", "interleaved_turns", "nothing_scored", "everything"]
+)
+def test_ttt_objective_skips_unscored_positions_with_the_same_loss_and_gradients(
+    layout, monkeypatch
+):
+    """Steps >= 1 and the head run only on the positions some step scores, gathered position by
+    position or as one span: long prompts, right padding of different lengths, several turns per
+    sequence; loss, gradients and statistics stay those of the unskipped objective and the
+    reference."""
     B, T, K = 3, 23, 3
     mask = torch.zeros(B, T, dtype=torch.bool)
     if layout == "prompts_and_padding":
         mask[0, 9:20], mask[1, 12:19], mask[2, 10:15] = True, True, True
     elif layout == "interleaved_turns":
-        mask[0, 8:11], mask[0, 15:18], mask[1, 11:13], mask[1, 21:], mask[2, 9:20] = True, True, True, True, True
+        mask[0, 8:11], mask[0, 15:18], mask[1, 11:13], mask[1, 21:], mask[2, 9:20] = (
+            True,
+            True,
+            True,
+            True,
+            True,
+        )
     elif layout == "everything":
         mask[:] = True
     m, ids, aux, labels = _objective_case(mask, K)
@@ -156,13 +178,20 @@ def test_ttt_objective_skips_unscored_positions_with_the_same_loss_and_gradients
         assert (first, end) == (8, 19)
         assert ttt_span(labels, T, K) == (5, 18)  # the span: steps >= 1 run on 13 of 23 positions
         b, t = ttt_rows(labels.scored, K)
-        assert t[b == 1].tolist() == list(range(8, 17))  # sequence 1 scores tokens 12..18: rows 12-2-2 .. 18-2
+        assert t[b == 1].tolist() == list(
+            range(8, 17)
+        )  # sequence 1 scores tokens 12..18: rows 12-2-2 .. 18-2
     elif layout == "interleaved_turns":
         b, t = ttt_rows(labels.scored, K)
-        assert t[b == 0].tolist() == [*range(4, 9), *range(11, 16)]  # user turn 11..14 drops out between replies
+        assert t[b == 0].tolist() == [
+            *range(4, 9),
+            *range(11, 16),
+        ]  # user turn 11..14 drops out between replies
     elif layout == "nothing_scored":
         assert ttt_span(labels, T, K) == (0, T)
-        assert ttt_rows(labels.scored, K)[0].numel() == B * T  # every position: the loss is 0 but has a graph
+        assert (
+            ttt_rows(labels.scored, K)[0].numel() == B * T
+        )  # every position: the loss is 0 but has a graph
     params = [p for p in m.parameters() if p.requires_grad]
     with monkeypatch.context() as mp:  # nothing skipped: every position, one span
         mp.setattr(losses, "ttt_span", lambda labels, T, K: (0, T))
@@ -174,31 +203,42 @@ def test_ttt_objective_skips_unscored_positions_with_the_same_loss_and_gradients
     span = labels.span
     taken = []
     real = TTTObjective._forward_rows
-    monkeypatch.setattr(TTTObjective, "_forward_rows", lambda *a: taken.append(a[-2].numel()) or real(*a))
-    for labels.span, worth in ((span, 1.0),  # gathered wherever anything is skipped
-                               (span, losses.ROWS_WORTH),  # gathered where worth it
-                               (span, 0.0),  # always the span
-                               (None, 0.0)):  # None: the span off `scored`
+    monkeypatch.setattr(
+        TTTObjective, "_forward_rows", lambda *a: taken.append(a[-2].numel()) or real(*a)
+    )
+    for labels.span, worth in (
+        (span, 1.0),  # gathered wherever anything is skipped
+        (span, losses.ROWS_WORTH),  # gathered where worth it
+        (span, 0.0),  # always the span
+        (None, 0.0),
+    ):  # None: the span off `scored`
         monkeypatch.setattr(losses, "ROWS_WORTH", worth)
         loss, correct, scored = TTTObjective(m)(ids, aux, labels, K, 0.8)
         torch.testing.assert_close(loss, full, atol=1e-7, rtol=1e-6)
         for a, b in zip(torch.autograd.grad(loss, params) if g_full else [], g_full):
             torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
         assert torch.equal(correct, c_full) and torch.equal(scored, n_full)
-        assert scored.tolist() == [int(labels.scored[:, 1 + k:].sum()) for k in range(K)]
+        assert scored.tolist() == [int(labels.scored[:, 1 + k :].sum()) for k in range(K)]
         assert torch.equal(scored.double(), scored_counts(list(mask), K))
-    # gathered wherever it skips more than a tenth of the span's rows (29 of 39, 31 of 60), never where
-    # it would skip nothing
-    want = {"prompts_and_padding": [29, 29], "interleaved_turns": [31, 31], "nothing_scored": [], "everything": []}
+    # gathered wherever it skips more than a tenth of the span's rows (29 of 39, 31 of 60), never
+    # where it would skip nothing
+    want = {
+        "prompts_and_padding": [29, 29],
+        "interleaved_turns": [31, 31],
+        "nothing_scored": [],
+        "everything": [],
+    }
     assert taken == want[layout]
 
 
 def test_positions_are_gathered_only_where_they_skip_enough_of_the_span(monkeypatch):
-    """A short user turn in one of two sequences skips under a tenth of the span's rows: the span runs; a long
-    one skips more: the rows are gathered (losses.ROWS_WORTH)."""
+    """A short user turn in one of two sequences skips under a tenth of the span's rows: the span
+    runs; a long one skips more: the rows are gathered (losses.ROWS_WORTH)."""
     taken = []
     real = TTTObjective._forward_rows
-    monkeypatch.setattr(TTTObjective, "_forward_rows", lambda *a: taken.append(a[-2].numel()) or real(*a))
+    monkeypatch.setattr(
+        TTTObjective, "_forward_rows", lambda *a: taken.append(a[-2].numel()) or real(*a)
+    )
     for gap, gathered in ((range(10, 14), False), (range(6, 16), True)):
         mask = torch.ones(2, 23, dtype=torch.bool)
         mask[1, list(gap)] = False
@@ -212,8 +252,9 @@ def test_positions_are_gathered_only_where_they_skip_enough_of_the_span(monkeypa
 
 
 def test_teacher_labels_run_on_the_scored_positions_only():
-    """The teacher on the scored positions only, gathered: the full head's labels wherever a position is
-    scored, and nothing (zeros, -1) where none is; its span, the batch's first and last scored positions."""
+    """The teacher on the scored positions only, gathered: the full head's labels wherever a
+    position is scored, and nothing (zeros, -1) where none is; its span, the batch's first and last
+    scored positions."""
     mask = torch.zeros(3, 23, dtype=torch.bool)
     mask[0, 8:11], mask[0, 15:18], mask[1, 11:13], mask[2, 9:20] = True, True, True, True
     g = torch.Generator().manual_seed(4)
@@ -239,9 +280,14 @@ def test_compiled_regions_and_flash_kernels_match_on_a_gpu():
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("bench_train", Path(__file__).parents[3] / "bench" / "train.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_train", Path(__file__).parents[3] / "bench" / "train.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     device = torch.device("cuda")
-    errors = {**bench.check_kernels(device, torch.bfloat16), **bench.check_compiled(device, torch.bfloat16)}
+    errors = {
+        **bench.check_kernels(device, torch.bfloat16),
+        **bench.check_compiled(device, torch.bfloat16),
+    }
     assert all(e < 2e-2 for e in errors.values()), errors

@@ -10,13 +10,15 @@ torch.set_num_threads(1)
 
 
 def test_gradients_summed_in_place_equal_autograds_sums_bit_for_bit(monkeypatch):
-    """The in-place sums against autograd summing zero-padded slices (no sums buffer): bit for bit (same
-    adds, same order) on the gathered rows, the span and no skipping, fp32 and the CPU's bf16 GEMMs."""
+    """The in-place sums against autograd summing zero-padded slices (no sums buffer): bit for bit
+    (same adds, same order) on the gathered rows, the span and no skipping, fp32 and the CPU's bf16
+    GEMMs."""
     init = SharedEmb.__init__
 
     def autograd_sums(self, *a, **k):
         init(self, *a, **k)
         self.sums = self.token = None
+
     for gemm_dtype in (None, torch.bfloat16):
         for patches in LAYOUTS.values():
             with monkeypatch.context() as mp:
@@ -29,16 +31,29 @@ def test_gradients_summed_in_place_equal_autograds_sums_bit_for_bit(monkeypatch)
 
 def test_one_buffer_per_projection_rows_shifted_where_q_starts_later():
     g = torch.Generator().manual_seed(0)
-    pe = {n: torch.randn(2, 9, 4, generator=g, requires_grad=True) for n in ("q_proj", "k_proj", "v_proj")}
+    pe = {
+        n: torch.randn(2, 9, 4, generator=g, requires_grad=True)
+        for n in ("q_proj", "k_proj", "v_proj")
+    }
     q_late = pe["q_proj"][:, 3:].detach().requires_grad_()
     emb = SharedEmb({**pe, "q_proj": q_late}, {"q_proj": 3})
     b, t = torch.tensor([0, 1, 1]), torch.tensor([4, 2, 7])
-    parts = [emb.step(slice(3, 8), slice(0, 8)), emb.step(slice(4, 9), slice(4, 9)), emb.step((b, t + 1), (b, t + 1))]
-    torch.testing.assert_close(parts[0]["q_proj"], pe["q_proj"][:, 3:8])  # token positions, not q's own rows
+    parts = [
+        emb.step(slice(3, 8), slice(0, 8)),
+        emb.step(slice(4, 9), slice(4, 9)),
+        emb.step((b, t + 1), (b, t + 1)),
+    ]
+    torch.testing.assert_close(
+        parts[0]["q_proj"], pe["q_proj"][:, 3:8]
+    )  # token positions, not q's own rows
     torch.testing.assert_close(parts[2]["k_proj"], pe["k_proj"][b, t + 1][None])
     ws = {n: torch.randn(2, 9, 4, generator=g) for n in pe}
     q_rows, kv_rows = [slice(3, 8), slice(4, 9), (b, t + 1)], [slice(0, 8), slice(4, 9), (b, t + 1)]
-    loss = sum((p[n] * rows_of(ws[n], r)).sum() for p, r in zip(parts, kv_rows) for n in ("k_proj", "v_proj"))
+    loss = sum(
+        (p[n] * rows_of(ws[n], r)).sum()
+        for p, r in zip(parts, kv_rows)
+        for n in ("k_proj", "v_proj")
+    )
     loss = loss + sum((p["q_proj"] * rows_of(ws["q_proj"], r)).sum() for p, r in zip(parts, q_rows))
     got = torch.autograd.grad(loss, [pe["k_proj"], q_late])
     want = torch.zeros(2, 9, 4)

@@ -14,7 +14,9 @@ def test_soft_ce_matches_log_softmax_with_its_gradient():
     assert not _triton_ce_ready(z)  # the CPU: the PyTorch math
     zr = z.clone().requires_grad_()
     want = -(w[:, None] * probs[rows] * torch.log_softmax(zr, -1)).sum()
-    loss, pred, dz = soft_ce_rows(z.clone(), probs, rows, w, torch.float32)  # works in place on its z
+    loss, pred, dz = soft_ce_rows(
+        z.clone(), probs, rows, w, torch.float32
+    )  # works in place on its z
     torch.testing.assert_close(loss, want.detach())
     assert torch.equal(pred, z.argmax(-1))
     torch.testing.assert_close(dz, torch.autograd.grad(want, zr)[0])

@@ -13,7 +13,9 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def model(random_target):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(random_target), dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(random_target), dtype=torch.float32
+    ).eval()
 
 
 def test_reads_only_the_files_holding_the_three_tensors(random_target, model, monkeypatch):

@@ -15,12 +15,23 @@ VD = 128
 def uneven(sharp_target, tmp_path_factory):
     """Shards of 24- and 40-token sequences: batches of both are right-padded."""
     from tests.helpers_training import write_shards
-    return [write_shards(sharp_target, tmp_path_factory.mktemp(f"len{n}"), num_shards=1, per_shard=4, length=n,
-                         seed=n)[0] for n in (24, 40)]
+
+    return [
+        write_shards(
+            sharp_target,
+            tmp_path_factory.mktemp(f"len{n}"),
+            num_shards=1,
+            per_shard=4,
+            length=n,
+            seed=n,
+        )[0]
+        for n in (24, 40)
+    ]
 
 
 def _head_and_data(sharp_target, uneven, seed: int = 1):
-    """The shards, and the target's head reordered draft-first for a random draft vocabulary of VD."""
+    """The shards, and the target's head reordered draft-first for a random draft vocabulary of
+    VD."""
     data = ShardData(uneven, num_validation=2)
     head = TargetHead.from_checkpoint(sharp_target, last_hidden_norm="post")
     V = head.weight.shape[0]
@@ -38,27 +49,39 @@ def test_cached_labels_equal_the_teachers_on_every_scored_position(uneven, sharp
     assert sorted({data.lengths[i] for i in ids}) == [24, 40]
     batch = collate([data.sample(i) for i in ids], torch.device("cpu"), ids=ids)
     want, got = teacher(batch), cache.labels(batch)
-    assert torch.equal(got.scored, want.scored) and torch.equal(got.valid, want.valid) and got.span == want.span
+    assert (
+        torch.equal(got.scored, want.scored)
+        and torch.equal(got.valid, want.valid)
+        and got.span == want.span
+    )
     s = want.scored
     assert torch.equal(got.target[s], want.target[s])
     assert torch.equal(got.probs.view(*s.shape, VD)[s], want.probs.view(*s.shape, VD)[s])
-    assert float(got.probs.view(*s.shape, VD)[~s].abs().sum()) == 0.0  # nothing where nothing is scored
+    assert (
+        float(got.probs.view(*s.shape, VD)[~s].abs().sum()) == 0.0
+    )  # nothing where nothing is scored
 
 
 def test_over_budget_gives_none(shards):
     data = ShardData(shards, num_validation=2)
     need = TeacherCache.nbytes(data, VD, torch.float32)
     assert need == sum(data.lengths) * VD * 4
-    assert TeacherCache.build(data, lambda b: None, VD, torch.float32, budget_gb=need / 2**30 / 2) is None
+    assert (
+        TeacherCache.build(data, lambda b: None, VD, torch.float32, budget_gb=need / 2**30 / 2)
+        is None
+    )
 
 
 # ----------------------------------------------------------------------------- ArgmaxMemo
 
 
-def test_memo_labels_equal_the_full_teachers_and_skip_the_rest_of_the_vocabulary(uneven, sharp_target, monkeypatch):
-    """A sequence's second epoch reads the argmax's bit from the memo: the rest of the vocabulary's GEMM
-    does not run, and every scored position's labels are the first epoch's, bit for bit."""
+def test_memo_labels_equal_the_full_teachers_and_skip_the_rest_of_the_vocabulary(
+    uneven, sharp_target, monkeypatch
+):
+    """A sequence's second epoch reads the argmax's bit from the memo: the rest of the vocabulary's
+    GEMM does not run, and every scored position's labels are the first epoch's, bit for bit."""
     from eyas.training import gemm
+
     data, head = _head_and_data(sharp_target, uneven)
     widths = []
     mm = gemm.mm_f32
@@ -80,14 +103,18 @@ def test_memo_labels_equal_the_full_teachers_and_skip_the_rest_of_the_vocabulary
     outside = s & (first.target < 0)
     assert outside.any() and (s & (first.target >= 0)).any()  # both kinds of position occur here
     widths.clear()
-    again = memo.labels(collate([data.sample(i) for i in ids], torch.device("cpu"), ids=ids), teacher)
+    again = memo.labels(
+        collate([data.sample(i) for i in ids], torch.device("cpu"), ids=ids), teacher
+    )
     assert calls == [False, True] and set(widths) == {VD}  # the draft vocabulary's rows only
     assert torch.equal(again.scored, first.scored) and torch.equal(again.valid, first.valid)
     assert torch.equal(again.target[s], first.target[s]) and again.span == first.span
     assert torch.equal(again.probs.view(*s.shape, VD)[s], first.probs.view(*s.shape, VD)[s])
     # another order, and a batch with one sequence not yet labelled: computed whole, and remembered
     mixed = [1, 2, 5]
-    got = memo.labels(collate([data.sample(i) for i in mixed], torch.device("cpu"), ids=mixed), teacher)
+    got = memo.labels(
+        collate([data.sample(i) for i in mixed], torch.device("cpu"), ids=mixed), teacher
+    )
     assert calls[-1] is False and memo.known[2]
     want = teacher(collate([data.sample(i) for i in mixed], torch.device("cpu"), ids=mixed))
     assert torch.equal(got.target[want.scored], want.target[want.scored])
@@ -104,12 +131,17 @@ def test_teacher_labels_with_the_whole_vocabulary_as_draft_vocabulary():
 
 def _share_rank(rank: int, init: str, out: str) -> None:
     import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         memo = ArgmaxMemo([3, 2, 4], torch.device("cpu"))
         mine = [0] if rank == 0 else [2]  # each rank labelled one sequence; nobody sequence 1
-        memo._remember(mine, torch.tensor([[True, False, True, False]]) if rank == 0
-                       else torch.tensor([[False, True, True, True]]))
+        memo._remember(
+            mine,
+            torch.tensor([[True, False, True, False]])
+            if rank == 0
+            else torch.tensor([[False, True, True, True]]),
+        )
         memo.share()
         torch.save({"bits": memo.bits, "known": memo.known}, f"{out}/rank{rank}.pt")
     finally:
@@ -117,9 +149,13 @@ def _share_rank(rank: int, init: str, out: str) -> None:
 
 
 def test_share_gives_every_rank_every_ranks_bits(tmp_path):
-    """At an epoch's end each rank holds the bits of the sequences any rank labelled (two gloo processes)."""
+    """At an epoch's end each rank holds the bits of the sequences any rank labelled (two gloo
+    processes)."""
     import torch.multiprocessing as mp
-    mp.spawn(_share_rank, args=(f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=2, join=True)
+
+    mp.spawn(
+        _share_rank, args=(f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=2, join=True
+    )
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["known"].tolist() == [True, False, True]

@@ -29,8 +29,12 @@ def test_loss_falls_on_real_hidden_states(sharp_target, shards, tmp_path):
     last_acc = sum(a[0] for a in r.accuracies[-5:]) / 5
     assert last_acc > first_acc + 0.1
     assert r.heldout_accuracies is not None and len(r.heldout_accuracies) == 3
-    assert r.simulated_acceptance_length == pytest.approx(simulated_acceptance_length(r.heldout_accuracies))
-    assert r.tokens % 40 == 0 and 28 * 4 * 40 <= r.tokens <= 30 * 4 * 40  # a short last batch per epoch
+    assert r.simulated_acceptance_length == pytest.approx(
+        simulated_acceptance_length(r.heldout_accuracies)
+    )
+    assert (
+        r.tokens % 40 == 0 and 28 * 4 * 40 <= r.tokens <= 30 * 4 * 40
+    )  # a short last batch per epoch
     assert r.checkpoint_dir.endswith("step-000030")
 
 
@@ -39,12 +43,20 @@ def test_cpu_bf16_gemms_train_as_well_as_fp32(sharp_target, shards, tmp_path):
     """precision bf16 on a CPU with AMX: the GEMMs in bf16 (~1.5x faster steps on the default), the
     losses within bf16 rounding of the fp32 run's at first and falling as far."""
     tgt, logs = target_config(sharp_target), []
-    fp32 = train_drafter(training_config(tmp_path / "a", max_steps=30, checkpoint_every=100), tgt, shards, log=quiet)
-    bf16 = train_drafter(training_config(tmp_path / "b", max_steps=30, checkpoint_every=100, precision="bf16"),
-                         tgt, shards, log=logs.append)
+    fp32 = train_drafter(
+        training_config(tmp_path / "a", max_steps=30, checkpoint_every=100), tgt, shards, log=quiet
+    )
+    bf16 = train_drafter(
+        training_config(tmp_path / "b", max_steps=30, checkpoint_every=100, precision="bf16"),
+        tgt,
+        shards,
+        log=logs.append,
+    )
     assert "(bf16 GEMMs)" in logs[0]
     assert bf16.losses[0] == pytest.approx(fp32.losses[0], rel=1e-2) and bf16.losses != fp32.losses
-    assert bf16.final_loss < 0.6 * bf16.first_loss and bf16.final_loss == pytest.approx(fp32.final_loss, rel=0.1)
+    assert bf16.final_loss < 0.6 * bf16.first_loss and bf16.final_loss == pytest.approx(
+        fp32.final_loss, rel=0.1
+    )
 
 
 @pytest.mark.parametrize("cache_gb", [2.0, 1e-6], ids=["labels-cached", "argmax-memo"])
@@ -52,20 +64,33 @@ def test_interrupted_and_resumed_equals_uninterrupted(sharp_target, shards, tmp_
     """argmax-memo: the resumed run starts with an empty memo (the steps from 4 on remember again,
     the second epoch's from 6 on read what they can): the same steps all the same."""
     tgt = target_config(sharp_target)
-    full = train_drafter(training_config(tmp_path / "a", max_steps=9, checkpoint_every=3, teacher_cache_gb=cache_gb),
-                         tgt, shards, log=quiet)
-    cfg_b = training_config(tmp_path / "b", max_steps=9, checkpoint_every=3, teacher_cache_gb=cache_gb)
+    full = train_drafter(
+        training_config(tmp_path / "a", max_steps=9, checkpoint_every=3, teacher_cache_gb=cache_gb),
+        tgt,
+        shards,
+        log=quiet,
+    )
+    cfg_b = training_config(
+        tmp_path / "b", max_steps=9, checkpoint_every=3, teacher_cache_gb=cache_gb
+    )
     part = train_drafter(cfg_b, tgt, shards, log=quiet, stop_at_step=5)
     assert part.steps == 5 and part.heldout_accuracies is None
-    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-000005")  # "crashed" after step 5's work was lost
+    shutil.rmtree(
+        tmp_path / "b" / "checkpoints" / "step-000005"
+    )  # "crashed" after step 5's work was lost
     logs = []
     resumed = train_drafter(cfg_b, tgt, shards, log=logs.append)
     assert resumed.resumed_from_step == 3 and any("resumed from" in line for line in logs)
     assert resumed.losses == full.losses  # bit-for-bit: data order, optimizer, schedule, RNG
     if cache_gb < 1:  # the first epoch's steps 4 and 5 ran after the resume: 8 sequences remembered
-        assert any(line.startswith("epoch 2: the teacher's full-vocabulary argmax remembered for 8 of 24 ")
-                   for line in logs), [line for line in logs if line.startswith("epoch")]
-    wa, wb = load_file(f"{full.checkpoint_dir}/model.safetensors"), load_file(f"{resumed.checkpoint_dir}/model.safetensors")
+        assert any(
+            line.startswith("epoch 2: the teacher's full-vocabulary argmax remembered for 8 of 24 ")
+            for line in logs
+        ), [line for line in logs if line.startswith("epoch")]
+    wa, wb = (
+        load_file(f"{full.checkpoint_dir}/model.safetensors"),
+        load_file(f"{resumed.checkpoint_dir}/model.safetensors"),
+    )
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     again = train_drafter(cfg_b, tgt, shards, log=quiet)  # finished: nothing left to train
     assert again.losses == full.losses and again.resumed_from_step == 9
@@ -75,45 +100,86 @@ def test_checkpoint_of_another_run_is_refused(sharp_target, shards, tmp_path):
     tgt = target_config(sharp_target)
     train_drafter(training_config(tmp_path / "t", max_steps=2), tgt, shards, log=quiet)
     with pytest.raises(ValueError, match="different run.*draft_vocab_size"):
-        train_drafter(training_config(tmp_path / "t", max_steps=2, draft_vocab_size=128), tgt, shards, log=quiet)
+        train_drafter(
+            training_config(tmp_path / "t", max_steps=2, draft_vocab_size=128),
+            tgt,
+            shards,
+            log=quiet,
+        )
 
 
 def test_layer_mismatch_and_unknown_norm_are_refused(sharp_target, tmp_path):
-    bad = write_shards(sharp_target, tmp_path / "bad", num_shards=1, per_shard=2, length=8,
-                       meta=shard_meta(layer_ids=[1, 3, 4], convention="capture-before"))
+    bad = write_shards(
+        sharp_target,
+        tmp_path / "bad",
+        num_shards=1,
+        per_shard=2,
+        length=8,
+        meta=shard_meta(layer_ids=[1, 3, 4], convention="capture-before"),
+    )
     with pytest.raises(ValueError, match=r"capture layers \[1, 3, 4\]"):
         train_drafter(training_config(tmp_path / "t"), target_config(sharp_target), bad, log=quiet)
     meta = shard_meta()
     del meta["last_hidden_norm"]
-    nonorm = write_shards(sharp_target, tmp_path / "nonorm", num_shards=1, per_shard=2, length=8, meta=meta)
+    nonorm = write_shards(
+        sharp_target, tmp_path / "nonorm", num_shards=1, per_shard=2, length=8, meta=meta
+    )
     with pytest.raises(ValueError, match="last_hidden_norm"):
-        train_drafter(training_config(tmp_path / "t"), target_config(sharp_target), nonorm, log=quiet)
+        train_drafter(
+            training_config(tmp_path / "t"), target_config(sharp_target), nonorm, log=quiet
+        )
 
 
 def test_output_of_convention_is_the_same_layers(sharp_target, tmp_path):
-    paths = write_shards(sharp_target, tmp_path / "s", num_shards=1, per_shard=4, length=12,
-                         meta=shard_meta(layer_ids=[1, 3, 4], convention="output-of"))
-    r = train_drafter(training_config(tmp_path / "t", max_steps=2), target_config(sharp_target), paths, log=quiet)
+    paths = write_shards(
+        sharp_target,
+        tmp_path / "s",
+        num_shards=1,
+        per_shard=4,
+        length=12,
+        meta=shard_meta(layer_ids=[1, 3, 4], convention="output-of"),
+    )
+    r = train_drafter(
+        training_config(tmp_path / "t", max_steps=2), target_config(sharp_target), paths, log=quiet
+    )
     assert r.steps == 2
 
 
 def test_gradient_accumulation_gives_the_losses_of_one_big_batch(sharp_target, shards, tmp_path):
     tgt = target_config(sharp_target)
-    big = train_drafter(training_config(tmp_path / "a", max_steps=4, batch_size=4, checkpoint_every=100),
-                        tgt, shards, log=quiet)
+    big = train_drafter(
+        training_config(tmp_path / "a", max_steps=4, batch_size=4, checkpoint_every=100),
+        tgt,
+        shards,
+        log=quiet,
+    )
     logs = []
-    acc = train_drafter(training_config(tmp_path / "b", max_steps=4, batch_size=2, grad_accum=2,
-                                        checkpoint_every=100), tgt, shards, log=logs.append)
-    assert big.global_batch == acc.global_batch == 4 and "global batch 4 (1 rank(s) x 2 x 2)" in logs[0]
+    acc = train_drafter(
+        training_config(
+            tmp_path / "b", max_steps=4, batch_size=2, grad_accum=2, checkpoint_every=100
+        ),
+        tgt,
+        shards,
+        log=logs.append,
+    )
+    assert (
+        big.global_batch == acc.global_batch == 4
+        and "global batch 4 (1 rank(s) x 2 x 2)" in logs[0]
+    )
     assert acc.losses == pytest.approx(big.losses, rel=1e-5)
     assert acc.tokens == big.tokens
-    wa, wb = load_file(f"{big.checkpoint_dir}/model.safetensors"), load_file(f"{acc.checkpoint_dir}/model.safetensors")
+    wa, wb = (
+        load_file(f"{big.checkpoint_dir}/model.safetensors"),
+        load_file(f"{acc.checkpoint_dir}/model.safetensors"),
+    )
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
 
 
 def test_held_out_acceptance_is_tracked_during_training(sharp_target, shards, tmp_path):
-    cfg = training_config(tmp_path / "t", max_steps=6, eval_every=2, checkpoint_every=100, num_validation_sequences=4)
+    cfg = training_config(
+        tmp_path / "t", max_steps=6, eval_every=2, checkpoint_every=100, num_validation_sequences=4
+    )
     logs = []
     r = train_drafter(cfg, target_config(sharp_target), shards, log=logs.append)
     assert [s for s, _ in r.heldout_history] == [2, 4]  # the last step's figure is the result's own
@@ -125,13 +191,17 @@ def test_held_out_acceptance_is_tracked_during_training(sharp_target, shards, tm
 def test_training_and_evaluation_config_sections():
     from eyas.config import DistributedConfig, EvaluationConfig, HostConfig
 
-    assert EvaluationConfig(draft_steps=3).draft_steps == [3]  # one setting, as older configs wrote it
+    assert EvaluationConfig(draft_steps=3).draft_steps == [
+        3
+    ]  # one setting, as older configs wrote it
     assert EvaluationConfig(draft_steps=[3, 7]).draft_steps == [3, 7]
     with pytest.raises(ValueError, match="distinct"):
         EvaluationConfig(draft_steps=[3, 3])
     assert not DistributedConfig().launched  # one process: train inside the flow's process
     assert DistributedConfig(nproc_per_node=2).launched
-    assert DistributedConfig(hosts=[HostConfig(kind="ssh", hostname="n1", known_hosts="/k")]).launched
+    assert DistributedConfig(
+        hosts=[HostConfig(kind="ssh", hostname="n1", known_hosts="/k")]
+    ).launched
     with pytest.raises(ValueError, match="grad_accum"):
         training_config("/tmp/x", grad_accum=0)
 
@@ -141,31 +211,57 @@ def test_teacher_labels_once_per_sequence_train_as_labels_per_batch(sharp_target
     the same losses and weights as computing them for every batch (from the second epoch on with the
     argmax's bit remembered), bit for bit."""
     tgt, logs = target_config(sharp_target), []
-    cached = train_drafter(training_config(tmp_path / "a", max_steps=8, checkpoint_every=100), tgt, shards,
-                           log=logs.append)
+    cached = train_drafter(
+        training_config(tmp_path / "a", max_steps=8, checkpoint_every=100),
+        tgt,
+        shards,
+        log=logs.append,
+    )
     assert any("teacher labels of all" in line and "computed once" in line for line in logs)
     logs = []
-    per_batch = train_drafter(training_config(tmp_path / "b", max_steps=8, checkpoint_every=100,
-                                              teacher_cache_gb=1e-6), tgt, shards, log=logs.append)
+    per_batch = train_drafter(
+        training_config(tmp_path / "b", max_steps=8, checkpoint_every=100, teacher_cache_gb=1e-6),
+        tgt,
+        shards,
+        log=logs.append,
+    )
     assert not any("teacher labels of all" in line for line in logs)  # over the budget: per batch
     # ... whose second epoch reads each position's argmax bit from the memo (ArgmaxMemo)
-    assert any(line.startswith("epoch 2: the teacher's full-vocabulary argmax remembered for") for line in logs)
-    assert cached.losses == per_batch.losses and cached.heldout_accuracies == per_batch.heldout_accuracies
+    assert any(
+        line.startswith("epoch 2: the teacher's full-vocabulary argmax remembered for")
+        for line in logs
+    )
+    assert (
+        cached.losses == per_batch.losses
+        and cached.heldout_accuracies == per_batch.heldout_accuracies
+    )
     wa, wb = (load_file(f"{r.checkpoint_dir}/model.safetensors") for r in (cached, per_batch))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-# ----------------------------------------------------------------------------- training pinned bit for bit
-# A short run's losses and final weights, and one objective's loss and gradients where the TTT steps run
-# gathered (chat turns) and on a span, at the default KernelOptions, as commit 3980d1b computed them
-# before the drafter and its training machinery were split into modules. A change that moves them
-# changes what training computes. The digests are of this machine's CPU kernels (MKL, oneDNN): another
-# CPU may round a GEMM differently and then differs in the last bits.
+# ------------------------------------------------------------------ training pinned bit for bit
+# A short run's losses and final weights, and one objective's loss and gradients where the TTT steps
+# run gathered (chat turns) and on a span, at the default KernelOptions, as commit 3980d1b computed
+# them before the drafter and its training machinery were split into modules. A change that moves
+# them changes what training computes. The digests are of this machine's CPU kernels (MKL, oneDNN):
+# another CPU may round a GEMM differently and then differs in the last bits.
 
-PINNED_LOSSES = [43.773380279541016, 38.22969055175781, 37.22718048095703, 34.899112701416016,
-                 36.906917572021484, 23.586746215820312]
-PINNED_BF16_LOSSES = [43.801544189453125, 38.25038146972656, 37.20994186401367, 34.98208236694336,
-                      36.8590202331543, 23.558361053466797]
+PINNED_LOSSES = [
+    43.773380279541016,
+    38.22969055175781,
+    37.22718048095703,
+    34.899112701416016,
+    36.906917572021484,
+    23.586746215820312,
+]
+PINNED_BF16_LOSSES = [
+    43.801544189453125,
+    38.25038146972656,
+    37.20994186401367,
+    34.98208236694336,
+    36.8590202331543,
+    23.558361053466797,
+]
 
 
 def digest(tensors) -> str:
@@ -176,14 +272,20 @@ def digest(tensors) -> str:
 
 
 def run_digest(target, shards, out, **kw) -> tuple[list[float], str]:
-    r = train_drafter(training_config(out, max_steps=6, checkpoint_every=100, **kw), target_config(target), shards,
-                      log=quiet)
+    r = train_drafter(
+        training_config(out, max_steps=6, checkpoint_every=100, **kw),
+        target_config(target),
+        shards,
+        log=quiet,
+    )
     w = load_file(f"{r.checkpoint_dir}/model.safetensors")
     return r.losses, digest(w[k] for k in sorted(w))
 
 
 @pytest.mark.parametrize("cache_gb", [2.0, 1e-6], ids=["labels-cached", "argmax-memo"])
-def test_training_at_default_kernels_is_pinned_bit_for_bit(sharp_target, shards, tmp_path, cache_gb):
+def test_training_at_default_kernels_is_pinned_bit_for_bit(
+    sharp_target, shards, tmp_path, cache_gb
+):
     losses, weights = run_digest(sharp_target, shards, tmp_path, teacher_cache_gb=cache_gb)
     assert losses == PINNED_LOSSES
     assert weights == "ba5dfae11cbb0638"
@@ -191,16 +293,32 @@ def test_training_at_default_kernels_is_pinned_bit_for_bit(sharp_target, shards,
 
 @pytest.mark.skipif(not cpu_bf16_gemm(), reason="this CPU has no bf16 matrix units (AMX)")
 def test_training_with_cpu_bf16_gemms_is_pinned_bit_for_bit(sharp_target, shards, tmp_path):
-    assert run_digest(sharp_target, shards, tmp_path, precision="bf16") == (PINNED_BF16_LOSSES, "07a945ad55a0e51b")
+    assert run_digest(sharp_target, shards, tmp_path, precision="bf16") == (
+        PINNED_BF16_LOSSES,
+        "07a945ad55a0e51b",
+    )
 
 
-@pytest.mark.parametrize("turns, want", [(True, (5.316038131713867, "96743bc8fff84981")),
-                                         (False, (5.889183521270752, "6f5e9df592e59691"))],
-                         ids=["gathered-rows", "span"])
+@pytest.mark.parametrize(
+    "turns, want",
+    [
+        (True, (5.316038131713867, "96743bc8fff84981")),
+        (False, (5.889183521270752, "6f5e9df592e59691")),
+    ],
+    ids=["gathered-rows", "span"],
+)
 def test_objective_at_default_kernels_is_pinned_bit_for_bit(turns, want):
     torch.manual_seed(7)
-    c = DrafterConfig(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, intermediate_size=64, vocab_size=64, draft_vocab_size=40)
+    c = DrafterConfig(
+        hidden_size=32,
+        target_hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=64,
+        draft_vocab_size=40,
+    )
     m = Eagle3Drafter(c)
     g = torch.Generator().manual_seed(7)
     B, T, K = 3, 29, 3

@@ -1,5 +1,5 @@
-"""The fused TTT step computes the plain drafter's unroll: its embedding share once per unroll or each
-step's own concatenation (the FP8 path), the span, gathered rows, or every position."""
+"""The fused TTT step computes the plain drafter's unroll: its embedding share once per unroll or
+each step's own concatenation (the FP8 path), the span, gathered rows, or every position."""
 
 import torch
 
@@ -32,7 +32,9 @@ def loss_and_grads(kernels: KernelOptions | None = None, gemm_dtype=None):
     kernels = kernels or KernelOptions()
     m, ids, aux, labels = case()
     params = [p for p in m.parameters() if p.requires_grad]
-    loss, correct, scored = TTTObjective(m, gemm_dtype=gemm_dtype, kernels=kernels)(ids, aux, labels, K, 0.8)
+    loss, correct, scored = TTTObjective(m, gemm_dtype=gemm_dtype, kernels=kernels)(
+        ids, aux, labels, K, 0.8
+    )
     return loss, torch.autograd.grad(loss, params), correct, scored
 
 
@@ -44,26 +46,35 @@ def assert_same_step(a, b, atol=1e-7, rtol=1e-5):
 
 
 #: how the steps >= 1 run: gathered rows (where they skip enough), the one span, every position
-LAYOUTS = {"rows": {"ROWS_WORTH": 1.0}, "span": {"ROWS_WORTH": 0.0},
-           "everywhere": {"ROWS_WORTH": 0.0, "ttt_span": lambda labels, T, K: (0, T)}}
+LAYOUTS = {
+    "rows": {"ROWS_WORTH": 1.0},
+    "span": {"ROWS_WORTH": 0.0},
+    "everywhere": {"ROWS_WORTH": 0.0, "ttt_span": lambda labels, T, K: (0, T)},
+}
 
 
 def test_skipping_unscored_positions_or_not_gives_the_same_loss_and_gradients(monkeypatch):
     *_, labels = case()
-    assert labels.span == (8, 19) and ttt_span(labels, T, K) == (5, 18)  # the teacher ran on 11 of 23 positions
+    assert labels.span == (8, 19) and ttt_span(labels, T, K) == (
+        5,
+        18,
+    )  # the teacher ran on 11 of 23 positions
     skipped = loss_and_grads()
     monkeypatch.setattr(losses, "ttt_span", lambda labels, T, K: (0, T))
     assert_same_step(skipped, loss_and_grads())
 
 
 def test_shared_embedding_projection_gives_the_same_loss_and_gradients(monkeypatch):
-    """q/k/v's embedding columns applied once per unroll and shifted per step (with step 0's queries, o_proj
-    and MLP only where read), against every step projecting its own concatenation (ttt_step_concat, the
-    FP8 GEMMs' path): the gathered rows, the span and no skipping, in fp32 and in the CPU's bf16 GEMMs."""
+    """q/k/v's embedding columns applied once per unroll and shifted per step (with step 0's
+    queries, o_proj and MLP only where read), against every step projecting its own concatenation
+    (ttt_step_concat, the FP8 GEMMs' path): the gathered rows, the span and no skipping, in fp32 and
+    in the CPU's bf16 GEMMs."""
+
     def own_concat(gemm_dtype=None):
         with monkeypatch.context() as mp:
             mp.setattr(TTTObjective, "_shares_emb", lambda self: False)
             return loss_and_grads(gemm_dtype=gemm_dtype)
+
     for patches in LAYOUTS.values():
         with monkeypatch.context() as mp:
             for attr, value in patches.items():

@@ -1,11 +1,12 @@
-"""TTTWeights: the unroll's weights cast once, gradients summed in the GEMMs, grouped projections, FP8."""
+"""TTTWeights: the unroll's weights cast once, gradients summed in the GEMMs, grouped projections,
+FP8."""
 
 import torch
 
 from eyas.training import gemm, losses, ttt_weights
 from eyas.training.kernels import KernelOptions
 from eyas.training.ttt_weights import TTTWeights, _GradSink
-from tests.unit.training.test_ttt_step import K, LAYOUTS, assert_same_step, case, loss_and_grads
+from tests.unit.training.test_ttt_step import LAYOUTS, K, assert_same_step, case, loss_and_grads
 
 torch.set_num_threads(1)
 
@@ -13,7 +14,9 @@ torch.set_num_threads(1)
 def test_halves_reach_one_gradient_per_weight_the_embedding_columns_first():
     m, *_ = case()
     w = TTTWeights(m, torch.float32, halves=True)
-    assert [t.shape for t in w.w["q_proj"]] == [(m.cfg.num_attention_heads * m.cfg.head_dim, m.cfg.hidden_size)] * 2
+    assert [t.shape for t in w.w["q_proj"]] == [
+        (m.cfg.num_attention_heads * m.cfg.head_dim, m.cfg.hidden_size)
+    ] * 2
     sink = _GradSink()
     x0, x1, dy = torch.randn(5, 3), torch.randn(5, 3), torch.randn(5, 4)
     sink.add(dy.T, x0, 0)
@@ -23,12 +26,16 @@ def test_halves_reach_one_gradient_per_weight_the_embedding_columns_first():
     assert sink.take(torch.float32) is None  # emptied
 
 
-def test_grouped_projections_sum_the_input_gradient_in_the_gemms_and_give_the_same_step(monkeypatch):
-    """q/k/v and gate/up as one node where x is in the GEMM dtype (fp32 here): the same step as one node
-    each; not used where x and the GEMMs differ (the CPU's bf16 GEMMs)."""
+def test_grouped_projections_sum_the_input_gradient_in_the_gemms_and_give_the_same_step(
+    monkeypatch,
+):
+    """q/k/v and gate/up as one node where x is in the GEMM dtype (fp32 here): the same step as one
+    node each; not used where x and the GEMMs differ (the CPU's bf16 GEMMs)."""
     calls = []
     apply = ttt_weights._SharedLinears.apply
-    monkeypatch.setattr(ttt_weights._SharedLinears, "apply", lambda *a: calls.append(len(a[1])) or apply(*a))
+    monkeypatch.setattr(
+        ttt_weights._SharedLinears, "apply", lambda *a: calls.append(len(a[1])) or apply(*a)
+    )
     one_each = lambda self, names, x, part=None: [self.linear(n, x, part) for n in names]  # noqa: E731
     for patches, own_concat in ((LAYOUTS["rows"], False), (LAYOUTS["span"], False), ({}, True)):
         with monkeypatch.context() as mp:
@@ -38,8 +45,8 @@ def test_grouped_projections_sum_the_input_gradient_in_the_gemms_and_give_the_sa
                 mp.setattr(losses.TTTObjective, "_shares_emb", lambda self: False)
             calls.clear()
             a = loss_and_grads()
-            # q/k/v's two halves (all three, or k/v beside step 0's fewer queries) and gate/up; each step's
-            # own concatenation: q/k/v one GEMM each, gate/up alone grouped
+            # q/k/v's two halves (all three, or k/v beside step 0's fewer queries) and gate/up; each
+            # step's own concatenation: q/k/v one GEMM each, gate/up alone grouped
             assert set(calls) == ({2} if own_concat else {2, 3})
             n = len(calls)
             calls.clear()
