@@ -87,12 +87,9 @@ def remember(line: str) -> None:
 
 
 def _cancelling() -> bool:
-    try:
-        from prefect._internal.control_listener import get_intent
-    except ImportError:
-        return False
-    intent = get_intent()
-    return intent is not None and "cancel" in str(getattr(intent, "value", intent)).lower()
+    from flows.runtime.prefect_private import cancel_requested
+
+    return cancel_requested()
 
 
 _FINISHED = re.compile(r"^Finished in state (\w+)\((.*)\)$", re.S)

@@ -18,9 +18,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-import time
 from pathlib import Path
-from typing import Callable
 
 from eyas.config import PipelineConfig
 from eyas.errors import EyasError
@@ -35,54 +33,32 @@ _held: dict[str, int] = {}  # resolved lock path -> fd, for this process
 _held_lock = threading.Lock()
 
 
-def hold_lock(
-    path: str | Path,
-    *,
-    wait_s: float = 0.0,
-    what: str = "it",
-    holder: str = "",
-    on_wait: Callable[[str], None] | None = None,
-    report_every_s: float = 60.0,
-    busy: str = "",
-) -> Path:
+def hold_lock(path: str | Path, *, what: str = "it", holder: str = "", busy: str = "") -> Path:
     """Hold an flock on `path` for this process (idempotent); released when the process dies.
 
-    The lock file names the holder: its pid and `holder` (a flow run, say). Waits up to wait_s for
-    another holder (float("inf"): until it is gone), then raises OutputBusy naming it, followed by
-    `busy`; `on_wait(holder)` is told at once and every report_every_s while it waits. Usable for
-    any "one live run at a time" rule whose holder may be killed without warning.
+    The lock file names the holder: its pid and `holder` (a flow run, say). Held by another process:
+    OutputBusy at once, naming it, followed by `busy`. Usable for any "one live run at a time" rule
+    whose holder may be killed without warning.
     """
     path = Path(path).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     with _held_lock:
         if str(path) in _held:
             return path
-    deadline, reported = time.monotonic() + wait_s, None
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            with _held_lock:
-                if str(path) in _held:  # this process holds it (another thread got there first)
-                    os.close(fd)
-                    return path
-            owner, now = (
-                os.pread(fd, 200, 0).decode(errors="replace").strip() or "?",
-                time.monotonic(),
-            )
-            if now >= deadline:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        with _held_lock:
+            if str(path) in _held:  # this process holds it (another thread got there first)
                 os.close(fd)
-                raise OutputBusy(
-                    f"{what} is in use by another eyas run (pid "
-                    f"{owner.replace(' ', ', ', 1)}, "
-                    f"lock {path}){busy}"
-                ) from None
-            if on_wait is not None and (reported is None or now - reported >= report_every_s):
-                reported = now
-                on_wait(owner)
-            time.sleep(0.5)
+                return path
+        owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise OutputBusy(
+            f"{what} is in use by another eyas run "
+            f"(pid {owner.replace(' ', ', ', 1)}, lock {path}){busy}"
+        ) from None
     with _held_lock:
         if str(path) in _held:  # another thread of this process took it meanwhile
             os.close(fd)  # (flock is per open file: closing ours leaves theirs held)
@@ -119,11 +95,8 @@ def lock_output_dir(output_dir: str | Path, holder: str = "") -> Path:
         output_dir / ".eyas.lock",
         what=f"extraction.output_dir {output_dir}",
         holder=holder,
-        busy="; this run stopped before touching anything (no server launched or "
-        "stopped, "
-        "no file deleted). Wait for that run to end, or point "
-        "extraction.output_dir "
-        "elsewhere",
+        busy="; this run stopped before touching anything (no server launched or stopped, "
+        "no file deleted). Wait for that run to end, or point extraction.output_dir elsewhere",
     )
 
 

@@ -8,7 +8,7 @@ seam.
     store.route                            # "local" or "host", once decided
 
 The route is decided once per store, at its first use. A folder of this machine (no host, or a
-local one) is read here, as it always was. For an SSH host, a probe file is written into the dump
+local one) is read here. For an SSH host, a probe file is written into the dump
 folder through the host and looked for at the same path here (probe_visible): found (the
 orchestrator runs on the node, or mounts its dump folder), records are read here at file speed;
 not found (the orchestrator is another machine), every record comes over SSH (Host.list_dir and

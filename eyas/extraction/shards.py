@@ -275,10 +275,6 @@ class ShardWriter:
                 self.fp8_error[0].merge(err_a)
                 self.fp8_error[1].merge(err_l)
 
-    @property
-    def samples_done(self) -> int:
-        return sum(c == n for c, n in zip(self._covered, self.lengths))
-
     def close(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Publish the file and its manifest (plus `extra` fields); refuses if any sample is
         incomplete."""

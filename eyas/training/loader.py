@@ -144,9 +144,8 @@ class BatchLoader:
     def __next__(self) -> tuple[tuple, list[dict]]:
         if self._stop.is_set():
             raise StopIteration
-        if (
-            self.workers == 0
-        ):  # synchronous: the step reads, collates and copies, as before the loader
+        # synchronous: the step itself reads, collates and copies
+        if self.workers == 0:
             item = next(self._steps)
             return item, [
                 collate([self.data.sample(i) for i in m], self.device, self.dtype, ids=m)

@@ -201,11 +201,13 @@ def _hand_over(timeout_s: float = 15.0) -> None:
     bench/results/2026-12-04_cpu2_readme-pipeline.md). Prefect 3.9.1 drains each queue through its
     worker class (APILogWorker, EventsWorker: `drain_all`); their private base drains every queue
     at once, and the public log flush is the fallback should that base change."""
-    try:
-        from prefect._internal.concurrency.services import _QueueServiceBase
+    from flows.runtime.prefect_private import drain_queues
 
-        _QueueServiceBase.drain_all(timeout=timeout_s)
+    try:
+        drained = drain_queues(timeout_s)
     except Exception:  # noqa: BLE001 - nothing more to do on the way out
+        drained = False
+    if not drained:
         _flush_logs()
 
 

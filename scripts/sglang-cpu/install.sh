@@ -38,7 +38,8 @@ SKIP="sglang-kernel cuda-tile"
 KERNEL_SHA=$(sha256sum "$KERNEL" | cut -d' ' -f1)
 FIXES=$(dirname "$(realpath "$0")")/patches/$VERSION
 # One hash over the kernel and the fixes: a changed fix means a reinstall, like a changed kernel.
-BUILD_SHA=$( { echo "$KERNEL_SHA"; cat "$FIXES"/*.patch 2>/dev/null; } | sha256sum | cut -d' ' -f1)
+# (a version with no fixes has no folder: its hash is the kernel's alone, hashed once more)
+BUILD_SHA=$( { echo "$KERNEL_SHA"; cat "$FIXES"/*.patch 2>/dev/null || true; } | sha256sum | cut -d' ' -f1)
 log() { printf '[%s] sglang-cpu %s: %s\n' "$(date +%H:%M:%S)" "$VERSION" "$*" >&2; }
 
 # The stamp names what was installed: another version or kernel wheel means a rebuild.
