@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eyas.errors import InvalidInput
+
 
 @dataclass
 class DrafterConfig:
@@ -35,18 +37,18 @@ class DrafterConfig:
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise InvalidInput(
                 f"DrafterConfig: num_attention_heads={self.num_attention_heads} is "
                 f"not a "
                 f"multiple of num_key_value_heads={self.num_key_value_heads}"
             )
         if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(
+            raise InvalidInput(
                 f"DrafterConfig: draft_vocab_size={self.draft_vocab_size} exceeds the "
                 f"target vocab_size={self.vocab_size}"
             )
         if self.head_dim % 2:
-            raise ValueError(f"DrafterConfig: head_dim={self.head_dim} must be even for RoPE")
+            raise InvalidInput(f"DrafterConfig: head_dim={self.head_dim} must be even for RoPE")
 
 
 def expected_weights(dcfg: DrafterConfig) -> dict[str, tuple[list[int], torch.dtype | None]]:

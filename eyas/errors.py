@@ -22,6 +22,11 @@ class EyasError(Exception):
     retryable: bool = False
 
 
+class InvalidInput(EyasError, ValueError):
+    """Input eyas cannot work with as given (a file, a folder, a setting, an argument), named with
+    where it is wrong. Never worth a retry: it stays wrong until someone changes it."""
+
+
 def causes(exc: BaseException | None) -> Iterator[BaseException]:
     """exc, then what it was raised from or during, outermost first (each once)."""
     seen: set[int] = set()

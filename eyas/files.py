@@ -1,8 +1,12 @@
-"""Writing and hashing files the way every stage does: JSON replaced atomically (a reader sees the
-old file or the new one, never half), a file's sha256 read in blocks, and a full disk reported as
-one DiskFull naming the file, its folder and the free bytes there.
+"""Writing and hashing files the way every stage does: files and folders replaced atomically (a
+reader sees the old one or the new one, never half; written through a temp file or folder beside
+it, fsynced, then renamed), a file's sha256 read in blocks, and a full disk reported as one
+DiskFull naming the file, its folder and the free bytes there.
 
     write_json_atomic(run_dir / "report.json", report)
+    write_text_atomic(plan_path, text)
+    with atomic_file(path) as f: f.write(chunk)           # streamed
+    with atomic_dir(drafter_dir) as tmp: save(tmp / "model.safetensors")
     digest = sha256_file(shard_path)
 """
 
@@ -13,9 +17,11 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Iterator
 
 from eyas.errors import EyasError
 
@@ -52,23 +58,84 @@ def is_disk_full(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """obj as indented, key-sorted JSON at path, through a temp file beside it (fsynced, then
-    renamed)."""
+@contextmanager
+def atomic_file(path: str | Path) -> Iterator[IO[bytes]]:
+    """A binary file to write `path`'s new contents to; when the block succeeds it is fsynced and
+    renamed over `path` (and the folder fsynced). On any failure the temp file is removed and
+    `path` is left as it was; a full disk is raised as DiskFull."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        with open(tmp, "wb") as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
+        os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         if is_disk_full(e):
             raise disk_full(path, e) from e
         raise
-    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    with atomic_file(path) as f:
+        f.write(data)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    write_bytes_atomic(path, text.encode())
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    """obj as indented, key-sorted JSON at path, atomically."""
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+@contextmanager
+def atomic_dir(out: str | Path) -> Iterator[Path]:
+    """An empty folder beside `out` to build its new contents in; when the block succeeds, every
+    file in it is fsynced and it replaces `out` by rename (the old folder is removed after), so a
+    reader sees the old folder or the new one, never half of one. Files are made readable to all."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp and safetensors make private files
+        for file in tmp.iterdir():
+            file.chmod(0o644)
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(tmp)
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException as e:
+        if is_disk_full(e):
+            raise disk_full(out, e) from e
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Make a rename in `folder` durable (where the filesystem supports it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def sha256_bytes(data: bytes) -> str:

@@ -19,6 +19,8 @@ import re
 import threading
 from typing import Iterable
 
+from eyas.errors import InvalidInput
+
 MASK = "***"
 PYDANTIC_MASK = (
     "**********"  # what a SecretStr becomes in model_dump(mode="json"), so in Prefect's parameters
@@ -46,7 +48,7 @@ _lock = threading.Lock()
 def check_env_name(name: str) -> str:
     """An environment variable name that is safe to write unquoted in `export NAME=...`."""
     if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
-        raise ValueError(
+        raise InvalidInput(
             f"{name!r} is not an environment variable name "
             f"(letters, digits and '_', not starting with a digit)"
         )
@@ -62,7 +64,7 @@ def check_address(value: str) -> str:
         pass
     if len(value) <= 253 and _HOSTNAME.fullmatch(value):
         return value
-    raise ValueError(f"{value!r} is neither an IP address nor a host name")
+    raise InvalidInput(f"{value!r} is neither an IP address nor a host name")
 
 
 def looks_secret(name: str) -> bool:

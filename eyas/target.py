@@ -24,14 +24,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eyas.errors import EyasError
+from eyas.errors import EyasError, InvalidInput
 
 
 def read_config(folder: str | Path) -> dict:
     """The target's config.json; the nested `text_config` when the top level has no hidden_size."""
     path = Path(folder) / "config.json"
     if not path.exists():
-        raise ValueError(f"{path}: target config.json not found")
+        raise InvalidInput(f"{path}: target config.json not found")
     cfg = json.loads(path.read_text())
     return cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
 
@@ -49,8 +49,8 @@ def target_dims(*folders: str | Path | None) -> tuple[int, int]:
             try:
                 return int(cfg["hidden_size"]), int(cfg["vocab_size"])
             except KeyError as e:
-                raise ValueError(f"{path}: no {e.args[0]} in the target config") from None
-    raise ValueError(
+                raise InvalidInput(f"{path}: no {e.args[0]} in the target config") from None
+    raise InvalidInput(
         f"no target config.json found (tried {tried}); the vocabulary check and the "
         f"disk estimate need hidden_size and vocab_size"
     )
@@ -97,7 +97,7 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
 
     path = Path(path)
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
-        raise ValueError(
+        raise InvalidInput(
             f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json) here"
         )
     try:
@@ -115,7 +115,7 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
             f"leave it unset with server.backend sglang)"
         ) from e
     if not tok.chat_template:
-        raise ValueError(f"{path}: the tokenizer has no chat_template; the loss mask needs one")
+        raise InvalidInput(f"{path}: the tokenizer has no chat_template; the loss mask needs one")
     # transformers' "sequence length is longer than the specified maximum" names no line: eyas's
     # data checks report an over-long record with its file:line and the fix
     # (eyas/extraction/data.py).

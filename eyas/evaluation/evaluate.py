@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from eyas.errors import InvalidInput
 from eyas.evaluation.acceptance import chain_name, pooled, prompt_record
 from eyas.training.drafter import KVCache, causal_mask
 
@@ -153,12 +154,14 @@ def evaluate_acceptance(
     from eyas.evaluation.export import load_exported
 
     if not prompts or any(len(p) < 2 for p in prompts):
-        raise ValueError("evaluate_acceptance: needs at least one prompt, each of 2 or more tokens")
+        raise InvalidInput(
+            "evaluate_acceptance: needs at least one prompt, each of 2 or more tokens"
+        )
     t0 = time.monotonic()
     drafter, _, meta = load_exported(drafter_dir, target_checkpoint=target_checkpoint)
     written = meta["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     if list(written) != list(capture_ids):
-        raise ValueError(
+        raise InvalidInput(
             f"{drafter_dir}: the drafter reads layers {written}, evaluation was asked "
             f"for {capture_ids}"
         )

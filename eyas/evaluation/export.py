@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -30,7 +28,8 @@ from safetensors.torch import load_file, save_file
 from eyas.config import ExportConfig, TargetConfig
 from eyas.draft_format import DrafterConfig, expected_weights, sglang_config
 from eyas.dump import DTYPES
-from eyas.files import sha256_file
+from eyas.errors import InvalidInput
+from eyas.files import atomic_dir, sha256_file
 from eyas.target import local_copy
 from eyas.training.drafter import Eagle3Drafter
 from eyas.training.target_head import load_target_tensors, read_target_config
@@ -40,19 +39,19 @@ from eyas.training.warm_start import drafter_config_from_sglang
 def _shard_capture_ids(shard_meta: dict) -> list[int]:
     ids, conv = shard_meta.get("layer_ids"), shard_meta.get("layer_convention")
     if ids is None or conv is None:
-        raise ValueError(
+        raise InvalidInput(
             "refusing to export: the shard manifest does not record layer_ids and "
             f"layer_convention (got layer_ids={ids!r}, layer_convention={conv!r}), so "
             f"the "
             "layers the drafter was trained on cannot be checked"
         )
     if conv not in ("capture-before", "output-of"):
-        raise ValueError(
+        raise InvalidInput(
             f"refusing to export: unknown layer_convention {conv!r} in the shard manifest"
         )
     capture = [i + (1 if conv == "output-of" else 0) for i in ids]
     if "capture_ids" in shard_meta and list(shard_meta["capture_ids"]) != capture:
-        raise ValueError(
+        raise InvalidInput(
             f"refusing to export: the shard manifest contradicts itself: layer_ids "
             f"{ids} "
             f"({conv}) but capture_ids {shard_meta['capture_ids']}"
@@ -70,7 +69,7 @@ def check_layer_ids(
     capture = target.capture_ids()
     shards = _shard_capture_ids(shard_meta)
     if shards != capture:
-        raise ValueError(
+        raise InvalidInput(
             f"refusing to export: the shards were captured at layers {shards} "
             f"(capture-before) "
             f"but target.layer_ids {target.layer_ids} ({target.layer_convention}) "
@@ -78,16 +77,16 @@ def check_layer_ids(
             f"{capture}"
         )
     if trained is not None and trained.get("capture_ids") != capture:
-        raise ValueError(
+        raise InvalidInput(
             f"refusing to export: the checkpoint was trained on capture layers "
             f"{trained.get('capture_ids')}, the config says {capture}"
         )
     if len(capture) != 3:
-        raise ValueError(
+        raise InvalidInput(
             f"refusing to export: SGLang's EAGLE-3 drafter fuses exactly 3 layers, got {capture}"
         )
     if capture[0] == 1:
-        raise ValueError(
+        raise InvalidInput(
             f"refusing to export: capture-before ids {capture} start with 1, which "
             f"SGLang "
             f"reads as output-of ids and shifts to {[i + 1 for i in capture]}; choose "
@@ -95,7 +94,7 @@ def check_layer_ids(
             f"whose first capture id is not 1"
         )
     if num_target_layers is not None and capture[-1] >= num_target_layers:
-        raise ValueError(
+        raise InvalidInput(
             f"refusing to export: capture id {capture[-1]} is not the input of any of "
             f"the "
             f"target's {num_target_layers} layers (SGLang cannot capture the last "
@@ -111,7 +110,7 @@ def _resolve_checkpoint(source) -> Path:
         if found:
             path = found[-1]
     if not (path / "drafter.json").exists() or not (path / "model.safetensors").exists():
-        raise ValueError(f"{path}: not a training checkpoint (drafter.json, model.safetensors)")
+        raise InvalidInput(f"{path}: not a training checkpoint (drafter.json, model.safetensors)")
     return path
 
 
@@ -131,7 +130,7 @@ def export_drafter(
         dcfg.target_hidden_size,
         dcfg.vocab_size,
     ):
-        raise ValueError(
+        raise InvalidInput(
             f"refusing to export: the drafter was trained for hidden/vocab "
             f"{dcfg.target_hidden_size}/{dcfg.vocab_size}, {local_copy(target)} has "
             f"{tcfg['hidden_size']}/{tcfg['vocab_size']}"
@@ -142,7 +141,7 @@ def export_drafter(
     for name, (shape, fixed) in expected_weights(dcfg).items():
         if name not in weights or list(weights[name].shape) != shape:
             got = list(weights[name].shape) if name in weights else "missing"
-            raise ValueError(f"{ckpt}: weight {name} is {got}, expected {shape}")
+            raise InvalidInput(f"{ckpt}: weight {name} is {got}, expected {shape}")
         tensors[name] = weights[name].to(fixed or dtype).contiguous()
     config = sglang_config(
         dcfg,
@@ -163,17 +162,9 @@ def export_drafter(
 
 def _write_dir_atomic(out_dir: Path, config: dict, tensors: dict) -> Path:
     """Build the folder beside out_dir, then swap it in (the old one is removed after the swap)."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    with atomic_dir(out_dir) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
 
 
@@ -194,14 +185,14 @@ def load_exported(drafter_dir: str | Path, *, target_checkpoint: str | Path | No
     drafter_dir = Path(drafter_dir)
     meta = json.loads((drafter_dir / "config.json").read_text())
     if meta.get("architectures") != ["LlamaForCausalLMEagle3"]:
-        raise ValueError(
+        raise InvalidInput(
             f"{drafter_dir}: not an EAGLE-3 drafter (architectures {meta.get('architectures')})"
         )
     dcfg = drafter_config_from_sglang(meta)
     weights = load_file(str(drafter_dir / "model.safetensors"))
     expected = expected_weights(dcfg)
     if set(weights) != set(expected):
-        raise ValueError(
+        raise InvalidInput(
             f"{drafter_dir}: weight names differ from SGLang's: missing "
             f"{sorted(set(expected) - set(weights))}, unexpected "
             f"{sorted(set(weights) - set(expected))}"
@@ -210,7 +201,7 @@ def load_exported(drafter_dir: str | Path, *, target_checkpoint: str | Path | No
     state = {k: (v if k in ("d2t", "t2d") else v.float()) for k, v in weights.items()}
     ckpt = target_checkpoint or meta.get("eyas", {}).get("target_checkpoint")
     if ckpt is None:
-        raise ValueError(f"{drafter_dir}: no target checkpoint recorded; pass target_checkpoint=")
+        raise InvalidInput(f"{drafter_dir}: no target checkpoint recorded; pass target_checkpoint=")
     state["embed_tokens.weight"] = load_target_tensors(ckpt, ["embed"])["embed"].float()
     model.load_state_dict(state, strict=True)
     return model.eval(), model.d2t.clone(), meta

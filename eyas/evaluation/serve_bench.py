@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.config import PipelineConfig
-from eyas.errors import EyasError
+from eyas.errors import EyasError, InvalidInput
 from eyas.evaluation.acceptance import pooled, prompt_record
 from eyas.evaluation.serving import Chain, Meter, machine, running, server_config, stage_drafter
 from eyas.server import launch
@@ -358,7 +358,7 @@ def run_serve_bench(
     """
     b, ev = cfg.benchmark, cfg.evaluation
     if not sets.get("heldout", {}).get("prompts"):
-        raise ValueError("run_serve_bench: no held-out prompts (the held-out set is empty)")
+        raise InvalidInput("run_serve_bench: no held-out prompts (the held-out set is empty)")
     speed_prompts = sets["heldout"]["prompts"][: b.num_prompts]
     sets = {
         **sets,

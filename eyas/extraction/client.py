@@ -43,7 +43,7 @@ from typing import Any, Callable
 import httpx
 
 from eyas.config import HostConfig
-from eyas.errors import EyasError
+from eyas.errors import EyasError, InvalidInput
 from eyas.extraction.records import DumpStore
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class Endpoint:
         object.__setattr__(self, "url", self.url.rstrip("/"))
         object.__setattr__(self, "dump_dir", Path(self.dump_dir))
         if self.max_in_flight < 1:
-            raise ValueError(
+            raise InvalidInput(
                 f"endpoint {self.url}: max_in_flight must be >= 1, got {self.max_in_flight}"
             )
         remote = self.dump_host is not None and self.dump_host.kind == "ssh"
@@ -164,10 +164,10 @@ class ServerPool:
         health_timeout_s: float = 30.0,
     ):
         if not endpoints:
-            raise ValueError("ServerPool needs at least one endpoint")
+            raise InvalidInput("ServerPool needs at least one endpoint")
         urls = [e.url for e in endpoints]
         if len(set(urls)) != len(urls):
-            raise ValueError(f"ServerPool: duplicate endpoint urls {urls}")
+            raise InvalidInput(f"ServerPool: duplicate endpoint urls {urls}")
         self.endpoints = list(endpoints)
         self._headers = dict(headers or {})  # e.g. the server's API key
         self.request_timeout_s, self.retries = request_timeout_s, retries

@@ -29,7 +29,7 @@ from typing import Any
 
 from eyas.config import DataConfig
 from eyas.errors import EyasError
-from eyas.files import sha256_file, write_json_atomic
+from eyas.files import sha256_file, write_json_atomic, write_text_atomic
 
 ROLES = {"system", "user", "assistant"}
 PLAN_FORMAT = "eyas-plan/1"
@@ -459,7 +459,7 @@ def write_shard_plans(
         digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
         path = plan_dir / f"shard-{k:05d}.plan.jsonl"
         if not path.exists() or plan_file_hash(path) != digest:
-            _write_text_atomic(path, "\n".join(lines) + "\n")
+            write_text_atomic(path, "\n".join(lines) + "\n")
         plans.append(
             ShardPlan(
                 k,
@@ -511,10 +511,3 @@ def _plan_json(p: ShardPlan) -> dict[str, Any]:
         "num_sequences": p.num_sequences,
         "num_tokens": p.num_tokens,
     }
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

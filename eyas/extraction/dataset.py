@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas import __version__
-from eyas.errors import EyasError
+from eyas.errors import EyasError, InvalidInput
 from eyas.extraction.data import ShardPlan
 from eyas.extraction.shards import ShardError, bytes_per_token, read_manifest
 from eyas.files import write_json_atomic
@@ -121,12 +121,12 @@ def build_dataset_manifest(
 ) -> dict[str, Any]:
     """dataset.json from the shard manifests (in shard order); refuses shards that disagree."""
     if not manifests:
-        raise ValueError("dataset manifest: no shards")
+        raise InvalidInput("dataset manifest: no shards")
     shared = {}
     for key in _SHARED:
         values = {json.dumps(m.get(key), sort_keys=True) for m in manifests}
         if len(values) > 1:
-            raise ValueError(f"dataset manifest: shards disagree on {key}: {sorted(values)}")
+            raise InvalidInput(f"dataset manifest: shards disagree on {key}: {sorted(values)}")
         shared[key] = manifests[0].get(key)
     out = {
         **shared,

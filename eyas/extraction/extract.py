@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from eyas.dump import DTYPES, DumpError, validate
-from eyas.errors import EyasError
+from eyas.errors import EyasError, InvalidInput
 from eyas.extraction.client import Endpoint, RequestFailed, ServerPool, attempt_rids
 from eyas.extraction.data import ShardPlan, plan_file_hash, read_shard_plan
 from eyas.extraction.records import DumpStore
@@ -183,7 +183,7 @@ def extract_shard(
     """
     if pool is None:
         if server_url is None or dump_dir is None:
-            raise ValueError("extract_shard needs a pool, or server_url and dump_dir")
+            raise InvalidInput("extract_shard needs a pool, or server_url and dump_dir")
         with ServerPool(
             [Endpoint(server_url, Path(dump_dir), concurrency)],
             request_timeout_s=request_timeout_s,

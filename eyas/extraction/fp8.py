@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from eyas.errors import InvalidInput
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
@@ -27,7 +29,7 @@ def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     scale."""
     n, width = x.shape
     if width % groups:
-        raise ValueError(f"fp8 quantize: width {width} is not a multiple of {groups} groups")
+        raise InvalidInput(f"fp8 quantize: width {width} is not a multiple of {groups} groups")
     xf = x.detach().to(torch.float32).reshape(n, groups, width // groups)
     amax = xf.abs().amax(dim=-1)
     # An all-zero row gets scale 1 (its values are 0 whatever the scale); tiny rows stay exact-ish.

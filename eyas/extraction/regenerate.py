@@ -40,7 +40,7 @@ from eyas.extraction.regenerate_turns import (
     thinking_for,
     turn_end_ids,
 )
-from eyas.files import write_json_atomic
+from eyas.files import atomic_file, write_bytes_atomic, write_json_atomic
 
 FORMAT = "eyas-regen/1"
 
@@ -198,13 +198,11 @@ def regenerate(
         if on_part:
             on_part(k, len(bounds), manifests[-1])
     combined = out_dir / "regenerated.jsonl"
-    tmp = combined.with_name(f".{combined.name}.tmp")
-    with open(tmp, "wb") as f:
+    with atomic_file(combined) as f:
         for k in range(len(bounds)):
             f.write((out_dir / f"part-{k:05d}.jsonl").read_bytes())
         for r in passthrough:
             f.write((_record_json(r) + "\n").encode())
-    tmp.replace(combined)
     summary = {
         "format": FORMAT,
         "parts": len(bounds),
@@ -377,9 +375,7 @@ def _regenerate_part(
     with ThreadPoolExecutor(max(1, pool.capacity)) as ex:
         lines = [line for out in ex.map(one, range(a, b)) for line in out]
     text = ("\n".join(lines) + "\n").encode() if lines else b""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(text)
-    tmp.replace(path)
+    write_bytes_atomic(path, text)
     if th is not None:
         output_tokens = generated[0]
         counts["sequences"] = len(lines)

@@ -33,9 +33,9 @@ import torch
 from safetensors import safe_open
 
 from eyas.dump import DTYPES
-from eyas.errors import EyasError
+from eyas.errors import EyasError, InvalidInput
 from eyas.extraction import fp8
-from eyas.files import DiskFull, disk_full, is_disk_full, sha256_file, write_json_atomic
+from eyas.files import DiskFull, disk_full, fsync_dir, is_disk_full, sha256_file, write_json_atomic
 
 FORMAT = "eyas-shard/1"
 ENCODINGS = ("plain", "fp8_e4m3")
@@ -140,11 +140,11 @@ class ShardWriter:
         encoding: str = "plain",
     ):
         if not lengths or min(lengths) <= 0:
-            raise ValueError(
+            raise InvalidInput(
                 f"{path}: every sample needs at least one token, got lengths {lengths[:8]}..."
             )
         if encoding not in ENCODINGS:
-            raise ValueError(f"{path}: encoding must be one of {ENCODINGS}, got {encoding!r}")
+            raise InvalidInput(f"{path}: encoding must be one of {ENCODINGS}, got {encoding!r}")
         # FP8 shards record the dtype readers get back (bf16), whatever the dump's precision was.
         dtype = torch.bfloat16 if encoding == "fp8_e4m3" else dtype
         self.path, self.lengths, self.dtype, self.meta = Path(path), lengths, dtype, meta
@@ -311,7 +311,7 @@ class ShardWriter:
             }
         manifest.update(extra or {})
         os.replace(self._tmp, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         try:
             write_json_atomic(manifest_path(self.path), manifest)
         except BaseException:
@@ -468,14 +468,6 @@ def verify_shard(path: str | Path, *, full: bool = True) -> dict[str, Any]:
     if full and sha256_file(path) != manifest["sha256"]:
         raise ShardError(f"{path}: sha256 differs from the manifest (corrupted)")
     return manifest
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

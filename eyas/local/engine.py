@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from eyas.dump import DumpWriter
-from eyas.errors import EyasError
+from eyas.errors import EyasError, InvalidInput
 from eyas.local.batch import DecodeBatch, Sequence, Think
 
 # SGLang's exact loading bar (utils/common.py) and its default description (multithread loader).
@@ -147,7 +147,7 @@ def load_model(
         raise FileNotFoundError(f"{model_path}: no config.json")
     files = shard_files(model_path)
     if fault != "none" and not 0 <= fault_shard <= len(files):
-        raise ValueError(
+        raise InvalidInput(
             f"--fault-shard {fault_shard} out of range: the checkpoint has {len(files)} shards"
         )
     log(f"Load weight begin. avail mem={_avail_mem_gb():.2f} GB")
@@ -181,7 +181,7 @@ def load_model(
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     result = model.load_state_dict(fuse_experts(state, set(model.state_dict())), strict=False)
     if result.missing_keys:
-        raise RuntimeError(
+        raise InvalidInput(
             f"{model_path}: checkpoint lacks {len(result.missing_keys)} weights, "
             f"e.g. {result.missing_keys[:5]}"
         )
@@ -234,7 +234,7 @@ def resolve_capture_ids(ids: list[int] | None, num_layers: int) -> list[int]:
         ids = shifted
     if max(ids) >= num_layers:
         # HF hidden_states[L] is the post-norm output, which SGLang cannot capture either.
-        raise ValueError(
+        raise InvalidInput(
             f"aux layer id {max(ids)} out of range: the model has {num_layers} "
             f"layers, "
             f"so capture ids go up to {num_layers - 1}"
@@ -250,14 +250,14 @@ def resolve_capture_ids(ids: list[int] | None, num_layers: int) -> list[int]:
 def _think_ids(tokenizer, vocab_size: int) -> tuple[int, int]:
     """The ids of <think> and </think>: one token each, inside the model's vocabulary."""
     if tokenizer is None:
-        raise ValueError(
+        raise InvalidInput(
             "--think-tokens needs the model folder's tokenizer (to find <think> and </think>)"
         )
     ids = []
     for tag in ("<think>", "</think>"):
         encoded = tokenizer.encode(tag, add_special_tokens=False)
         if len(encoded) != 1 or not 0 <= encoded[0] < vocab_size:
-            raise ValueError(
+            raise InvalidInput(
                 f"--think-tokens: the tokenizer spells {tag} as {encoded}, not one "
                 f"token id below "
                 f"the vocabulary size {vocab_size}"
@@ -297,7 +297,7 @@ class Speculative:
         # SGLang reads this list as capture-before ids (a list starting with 1 is shifted by +1).
         ids = [i + 1 for i in ids] if ids and ids[0] == 1 else ids
         if max(ids) >= num_target_layers:
-            raise ValueError(
+            raise InvalidInput(
                 f"{drafter_dir}: the drafter reads layers {ids}, the target has only "
                 f"{num_target_layers}"
             )
@@ -347,11 +347,11 @@ class Engine:
         self.eos_ids = {int(i) for i in eos if i is not None}
         self.think_tokens, self.think_ids = think_tokens, None
         if think_tokens < 0:
-            raise ValueError(f"--think-tokens must be >= 0 (0: off), got {think_tokens}")
+            raise InvalidInput(f"--think-tokens must be >= 0 (0: off), got {think_tokens}")
         if think_tokens:
             self.think_ids = _think_ids(tokenizer, self.vocab_size)
             if speculative is not None:
-                raise ValueError(
+                raise InvalidInput(
                     "--think-tokens with --speculative-draft-model-path: eyas-local "
                     "plays a thinking "
                     "model in plain decoding only"

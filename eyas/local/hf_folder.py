@@ -1,6 +1,6 @@
 """Writing and reading a model folder in Hugging Face layout: sharded safetensors plus an index.
 
-    with atomic_dir(out) as tmp: ...                 # a folder that appears whole or not at all
+    with atomic_dir(out) as tmp: ...                 # eyas/files.py: whole or not at all
     index = write_shards(tensors, tmp, num_shards=8)   # model-0000k-of-0000N.safetensors + index
 
 Used by the tiny-target build (eyas/local/tiny_target.py, whose save_hf_folder adds the tokenizer
@@ -10,43 +10,20 @@ and chat template); kept apart because it is about files, not the model.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3ForCausalLM
 
-
-@contextmanager
-def atomic_dir(out: Path) -> Iterator[Path]:
-    """Yield an empty folder beside `out`; when the block succeeds, it replaces `out` by rename, so
-    a reader sees the old folder or the new one, never half of one."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        tmp.chmod(0o755)  # mkdtemp and safetensors make private files; the fixture is for everyone
-        for file in tmp.iterdir():
-            file.chmod(0o644)
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+from eyas.errors import InvalidInput
 
 
 def plan_shards(sizes: list[int], num_shards: int) -> list[int]:
     """Shard index of each tensor: contiguous runs of about equal bytes, exactly num_shards of
     them."""
     if not 1 <= num_shards <= len(sizes):
-        raise ValueError(
+        raise InvalidInput(
             f"num_shards must be between 1 and the number of tensors ({len(sizes)}), "
             f"got {num_shards}"
         )
@@ -88,7 +65,7 @@ def read_shards(folder: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
     for file in sorted(set(index["weight_map"].values())):
         tensors.update(load_file(str(Path(folder) / file)))
     if set(tensors) != set(index["weight_map"]):
-        raise ValueError(
+        raise InvalidInput(
             f"{folder}: shards and {prefix}.safetensors.index.json disagree on tensor names"
         )
     return tensors

@@ -25,7 +25,8 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from eyas.local.hf_folder import atomic_dir
+from eyas.errors import InvalidInput
+from eyas.files import atomic_dir
 
 # --------------------------------------------------------------------------------------------------
 # Tokens and chat template
@@ -72,9 +73,9 @@ NEXT_PROMPT = "Continue."
 def train_tokenizer(files: list[Path], vocab_size: int) -> Tokenizer:
     """A byte-level BPE tokenizer trained on `files`, with SPECIAL_TOKENS as ids 0..6."""
     if vocab_size < MIN_VOCAB or vocab_size > 65535:  # token arrays are stored as uint16
-        raise ValueError(f"vocab_size must be in [{MIN_VOCAB}, 65535], got {vocab_size}")
+        raise InvalidInput(f"vocab_size must be in [{MIN_VOCAB}, 65535], got {vocab_size}")
     if not files:
-        raise ValueError("train_tokenizer needs at least one file")
+        raise InvalidInput("train_tokenizer needs at least one file")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -157,7 +158,7 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
         if not EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])
     ]
     if not files:
-        raise ValueError(f"no *.py files under {root} (is it the standard library?)")
+        raise InvalidInput(f"no *.py files under {root} (is it the standard library?)")
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 

@@ -43,7 +43,9 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from eyas.local.hf_folder import atomic_dir, checkpoint_tensors, read_shards, write_shards
+from eyas.errors import InvalidInput
+from eyas.files import atomic_dir
+from eyas.local.hf_folder import checkpoint_tensors, read_shards, write_shards
 from eyas.local.tiny_corpus import (
     BOS,
     BOS_ID,
@@ -67,9 +69,9 @@ def tiny_config(vocab_size: int, variant: str = "default") -> DeepseekV3Config:
     """The tiny DeepSeek-V3 architecture: every structural feature of the real one, at toy widths.
     variant "cpu" (CPU_VARIANT) is the same model at widths real SGLang's CPU kernels serve."""
     if vocab_size < MIN_VOCAB:
-        raise ValueError(f"vocab_size must be at least {MIN_VOCAB}, got {vocab_size}")
+        raise InvalidInput(f"vocab_size must be at least {MIN_VOCAB}, got {vocab_size}")
     if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+        raise InvalidInput(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
     widths = dict(
         vocab_size=vocab_size,
         hidden_size=256,
@@ -164,9 +166,9 @@ class TrainSettings:
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_every"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise InvalidInput(f"{name} must be at least 1, got {getattr(self, name)}")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
-            raise ValueError(
+            raise InvalidInput(
                 f"bad schedule: lr={self.lr} min_lr_ratio={self.min_lr_ratio} "
                 f"warmup={self.warmup_steps}"
             )
@@ -219,7 +221,7 @@ def evaluate(
     """Mean loss and greedy next-token accuracy over `ids`, cut into windows of seq_len + 1
     tokens."""
     if ids.size < 2:
-        raise ValueError("evaluate needs at least 2 tokens")
+        raise InvalidInput("evaluate needs at least 2 tokens")
     was_training = model.training
     model.eval()
     tokens = torch.from_numpy(ids.astype(np.int64))
@@ -317,7 +319,7 @@ def train_model(
     loss (checked every eval_every steps) and the training history."""
     device, s = resolve_device(device), settings
     if train_ids.size <= s.seq_len + 1:
-        raise ValueError(
+        raise InvalidInput(
             f"train_ids has {train_ids.size} tokens, fewer than one window of {s.seq_len + 1}"
         )
     torch.manual_seed(seed)
@@ -504,7 +506,7 @@ def assemble(
     info = json.loads((workdir / "inputs.json").read_text())
     trained = json.loads((state_dir / "metrics.json").read_text())
     if trained.get("variant", "default") != variant:
-        raise ValueError(f"{state_dir} holds a {trained['variant']!r} model, not {variant!r}")
+        raise InvalidInput(f"{state_dir} holds a {trained['variant']!r} model, not {variant!r}")
     tokens = np.load(workdir / "tokens.npz")
     tokenizer = Tokenizer.from_file(str(workdir / "tokenizer.json"))
     model = DeepseekV3ForCausalLM(tiny_config(tokenizer.get_vocab_size(), variant))

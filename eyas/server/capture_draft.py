@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from eyas.config import PipelineConfig
 from eyas.draft_format import DrafterConfig, expected_weights, sglang_config
 from eyas.dump import server_layer_ids
+from eyas.errors import InvalidInput
 from eyas.server.hosts import Host
 
 FOLDER = "capture-draft"  #: under server.workdir on the server host
@@ -48,7 +49,7 @@ def draft_shape(target_config: dict) -> DrafterConfig:
     hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
     head_dim = 64 if hidden % 64 == 0 else 32
     if hidden % head_dim:
-        raise ValueError(
+        raise InvalidInput(
             f"target hidden_size {hidden} is not a multiple of 32: no capture draft fits it"
         )
     heads = hidden // head_dim

@@ -47,7 +47,7 @@ def parse_diff(diff: str) -> tuple[str, list[Hunk]]:  # noqa: C901
         if hunk is not None and (left_old > 0 or left_new > 0):
             kind, body = (" ", line) if line in ("\n", "\r\n") else (line[:1], line[1:])
             if kind not in (" ", "-", "+"):
-                raise ValueError(f"hunk at line {hunk.old_start} ends early: {line.rstrip()!r}")
+                raise DiffError(f"hunk at line {hunk.old_start} ends early: {line.rstrip()!r}")
             if kind in (" ", "-"):
                 hunk.old_lines.append(body)
                 left_old -= 1
@@ -59,20 +59,20 @@ def parse_diff(diff: str) -> tuple[str, list[Hunk]]:  # noqa: C901
         hunk = None
         if line.startswith("+++ "):
             if path is not None:
-                raise ValueError("the diff patches more than one file")
+                raise DiffError("the diff patches more than one file")
             path = line[4:].rstrip("\r\n").split("\t")[0]
             path = path[2:] if path.startswith("b/") else path
         elif line.startswith("@@"):
             m = _HUNK_RE.match(line)
             if not m:
-                raise ValueError(f"bad hunk header {line.strip()!r}")
+                raise DiffError(f"bad hunk header {line.strip()!r}")
             a, b, c, d = (int(g) if g is not None else 1 for g in m.groups())
             hunk, left_old, left_new = Hunk(a, b, c, d, [], []), b, d
             hunks.append(hunk)
     if path is None or not hunks:
-        raise ValueError("not a unified diff (no +++ header or no hunks)")
+        raise DiffError("not a unified diff (no +++ header or no hunks)")
     if left_old > 0 or left_new > 0:
-        raise ValueError(
+        raise DiffError(
             f"the last hunk is cut short ({left_old} old / {left_new} new lines missing)"
         )
     return path, hunks

@@ -27,6 +27,7 @@ from typing import Protocol
 
 from eyas.config import HostConfig
 from eyas.errors import EyasError
+from eyas.files import write_bytes_atomic
 from eyas.secrets import check_env_name, redact, register
 
 
@@ -291,10 +292,7 @@ class LocalHost(BaseHost):
         return data, offset + len(data)
 
     def put(self, local, remote) -> None:
-        Path(remote).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(f"{remote}.tmp-{os.getpid()}")
-        tmp.write_bytes(Path(local).read_bytes())
-        os.replace(tmp, remote)
+        write_bytes_atomic(remote, Path(local).read_bytes())
 
     def get(self, remote, local) -> None:
         self.put(remote, local)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from eyas.errors import InvalidInput
 from eyas.extraction.shards import ShardReader
 from eyas.training.losses import scored_counts
 
@@ -42,7 +43,7 @@ class ShardData:
         all_positions: bool = False,
     ):
         if not paths:
-            raise ValueError("train_drafter: no shard files given")
+            raise InvalidInput("train_drafter: no shard files given")
         self.readers = [ShardReader(p) for p in paths]
         self.index = [(r, i) for r in self.readers for i in range(len(r))]
         self.lengths = [
@@ -50,7 +51,7 @@ class ShardData:
         ]
         hs = {(r.hidden_size, r.num_aux) for r in self.readers}
         if len(hs) != 1:
-            raise ValueError(f"shards disagree on (hidden_size, num_aux): {sorted(hs)}")
+            raise InvalidInput(f"shards disagree on (hidden_size, num_aux): {sorted(hs)}")
         ((self.hidden_size, self.num_aux),) = hs
         n = len(self.index)
         self.num_validation = (
@@ -88,12 +89,12 @@ def check_shard_meta(readers: list[ShardReader], target: TargetConfig) -> dict:
         got = tuple(json.dumps(r.meta.get(k)) for k in keys)
         seen.setdefault(got, r.path)
     if len(seen) > 1:
-        raise ValueError(
+        raise InvalidInput(
             f"shards disagree on {keys}: " + "; ".join(f"{p}: {g}" for g, p in seen.items())
         )
     meta = {k: readers[0].meta.get(k) for k in keys}
     if meta["last_hidden_norm"] not in ("pre", "post"):
-        raise ValueError(
+        raise InvalidInput(
             f"{readers[0].path}: shard meta must say last_hidden_norm 'pre' or "
             f"'post', got "
             f"{meta['last_hidden_norm']!r}; without it the labels may be computed on "
@@ -103,7 +104,7 @@ def check_shard_meta(readers: list[ShardReader], target: TargetConfig) -> dict:
         shift = 1 if meta["layer_convention"] == "output-of" else 0
         capture = [i + shift for i in meta["layer_ids"]]
         if capture != target.capture_ids():
-            raise ValueError(
+            raise InvalidInput(
                 f"{readers[0].path}: shards hold capture layers {capture} "
                 f"({meta['layer_ids']} "
                 f"{meta['layer_convention']}) but target.layer_ids says "

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from eyas.files import sha256_file
+from eyas.errors import InvalidInput
+from eyas.files import atomic_dir, sha256_file
 
 FILES = ("model.safetensors", "drafter.json", "trainer_state.pt")
 SUMS = "checksums.json"  # {"format": SUMS_FORMAT, "files": {name: {"bytes", "sha256"}}}
@@ -143,7 +144,7 @@ def checkpoint_differs(path: Path, fingerprint: dict, *, can_warm_start: bool = 
     from those weights with other data or settings)."""
     differ = _differ(json.loads((path / "drafter.json").read_text())["fingerprint"], fingerprint)
     if differ and not can_warm_start:
-        raise ValueError(refusal(path, differ))
+        raise InvalidInput(refusal(path, differ))
     return differ
 
 
@@ -216,40 +217,36 @@ def save_checkpoint(
     root = output_dir / "checkpoints"
     final = root / f"step-{state.step:06d}"
     if rank == 0:
-        tmp = root / f".tmp-step-{state.step:06d}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file(
-            {k: v.detach().contiguous().cpu() for k, v in model_sd.items()},
-            str(tmp / "model.safetensors"),
-        )
-        (tmp / "drafter.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        rng = {
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        }
-        torch.save(
-            {
-                "optimizer": opt_sd,
-                "scheduler": sched.state_dict(),
-                "state": asdict(state),
-                "rng": rng,
-                "fingerprint": info["fingerprint"],
-                "ema": ema_sd,
-            },
-            tmp / "trainer_state.pt",
-        )
-        # The files as written, read back: a later truncation or overwrite is found before a resume
-        sums = {
-            name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-            for name in FILES
-        }
-        (tmp / SUMS).write_text(
-            json.dumps({"format": SUMS_FORMAT, "files": sums}, indent=2, sort_keys=True) + "\n"
-        )
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        with atomic_dir(final) as tmp:  # fsynced, then renamed into place whole
+            save_file(
+                {k: v.detach().contiguous().cpu() for k, v in model_sd.items()},
+                str(tmp / "model.safetensors"),
+            )
+            (tmp / "drafter.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+            rng = {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            }
+            torch.save(
+                {
+                    "optimizer": opt_sd,
+                    "scheduler": sched.state_dict(),
+                    "state": asdict(state),
+                    "rng": rng,
+                    "fingerprint": info["fingerprint"],
+                    "ema": ema_sd,
+                },
+                tmp / "trainer_state.pt",
+            )
+            # The files as written, read back: a later truncation or overwrite is found before a
+            # resume
+            sums = {
+                name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+                for name in FILES
+            }
+            (tmp / SUMS).write_text(
+                json.dumps({"format": SUMS_FORMAT, "files": sums}, indent=2, sort_keys=True) + "\n"
+            )
         for old in sorted(root.glob("step-[0-9]*"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     if dist.is_initialized():
@@ -270,13 +267,13 @@ def load_checkpoint(
     try:
         ckpt = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
     except Exception as e:
-        raise ValueError(
+        raise InvalidInput(
             f"{path / 'trainer_state.pt'}: checkpoint does not load ({type(e).__name__}: {e})"
         ) from e
     old = ckpt["fingerprint"]
     differ = _differ(old, fingerprint)
     if differ:
-        raise ValueError(refusal(path, differ))
+        raise InvalidInput(refusal(path, differ))
     if old.get("max_steps") != fingerprint.get("max_steps"):
         log(
             f"resuming with max_steps {fingerprint['max_steps']} (checkpoint ran with "
@@ -285,7 +282,7 @@ def load_checkpoint(
     try:
         weights = load_file(str(path / "model.safetensors"))
     except Exception as e:
-        raise ValueError(
+        raise InvalidInput(
             f"{path / 'model.safetensors'}: checkpoint does not load ({type(e).__name__}: {e})"
         ) from e
     opts = StateDictOptions(full_state_dict=True, strict=False)
@@ -294,7 +291,7 @@ def load_checkpoint(
     )
     missing = [k for k in result.missing_keys if k != "drafter.embed_tokens.weight"]
     if missing or result.unexpected_keys:
-        raise ValueError(
+        raise InvalidInput(
             f"{path}: checkpoint weights do not fit the drafter (missing {missing}, "
             f"unexpected {result.unexpected_keys})"
         )
@@ -304,7 +301,7 @@ def load_checkpoint(
     sched.load_state_dict(ckpt["scheduler"])
     if ema is not None:
         if ckpt.get("ema") is None:
-            raise ValueError(
+            raise InvalidInput(
                 f"{path}: checkpoint holds no weight average, but training.ema_decay is set"
             )
         ema.load_state_dict(ckpt["ema"], str(path))

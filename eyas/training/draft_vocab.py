@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eyas.errors import InvalidInput
+
 
 def count_tokens(shards: Iterable, vocab_size: int) -> torch.Tensor:
     """Token counts under the loss mask over shard files (ShardReaders or paths) ->
@@ -33,7 +35,7 @@ def count_tokens(shards: Iterable, vocab_size: int) -> torch.Tensor:
             mask = f.get_tensor("loss_mask").bool()
         ids = ids[mask]
         if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise ValueError(
+            raise InvalidInput(
                 f"{path}: token ids span {int(ids.min())}..{int(ids.max())}, outside "
                 f"the "
                 f"target vocab of {vocab_size}"
@@ -52,7 +54,7 @@ def build_draft_vocab(
     shards (ShardReaders or shard paths) to count under their loss masks.
     """
     if not 0 < draft_vocab_size <= target_vocab_size:
-        raise ValueError(
+        raise InvalidInput(
             f"draft_vocab_size must be in 1..{target_vocab_size} (the target vocab), "
             f"got {draft_vocab_size}"
         )
@@ -69,7 +71,7 @@ def build_draft_vocab(
 def _as_counts(token_counts, vocab_size: int) -> torch.Tensor:
     if isinstance(token_counts, torch.Tensor):
         if token_counts.shape != (vocab_size,):
-            raise ValueError(
+            raise InvalidInput(
                 f"token_counts has shape {tuple(token_counts.shape)}, expected ({vocab_size},)"
             )
         return token_counts.long()
@@ -77,7 +79,7 @@ def _as_counts(token_counts, vocab_size: int) -> torch.Tensor:
         counts = torch.zeros(vocab_size, dtype=torch.long)
         for tok, n in token_counts.items():
             if not 0 <= int(tok) < vocab_size:
-                raise ValueError(
+                raise InvalidInput(
                     f"token_counts has token id {tok}, outside the target vocab of {vocab_size}"
                 )
             counts[int(tok)] += int(n)

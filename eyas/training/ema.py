@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import torch
 
+from eyas.errors import InvalidInput
+
 
 class WeightEMA:
     def __init__(self, params: dict[str, torch.nn.Parameter], decay: float):
         if not 0.0 < decay < 1.0:
-            raise ValueError(f"training.ema_decay must be in (0, 1), got {decay}")
+            raise InvalidInput(f"training.ema_decay must be in (0, 1), got {decay}")
         self.params, self.decay = params, decay
         self.average = {n: p.detach().clone() for n, p in params.items()}
         self.swapped = False  # True: the weights hold the average, self.average the raw weights
@@ -71,7 +73,7 @@ class WeightEMA:
     def load_state_dict(self, sd: dict, where: str) -> None:
         names = set(sd["average"])
         if names != set(self.params):
-            raise ValueError(
+            raise InvalidInput(
                 f"{where}: its weight average holds "
                 f"{sorted(names ^ set(self.params))} "
                 f"that this drafter's trainable weights do not (or the other way "

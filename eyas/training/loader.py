@@ -37,6 +37,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from eyas.errors import InvalidInput
 from eyas.training.batches import ShardData, collate, epoch_plan
 
 #: bytes per read call: a closing loader stops a worker within one chunk
@@ -341,7 +342,7 @@ class BatchLoader:
         )
         pos, end = offset + row * row_bytes, len(view)
         if end != dst.shape[0] * row_bytes:
-            raise ValueError(f"{name}: {end} bytes for {dst.shape[0]} rows of {row_bytes}")
+            raise InvalidInput(f"{name}: {end} bytes for {dst.shape[0]} rows of {row_bytes}")
         done = 0
         while done < end:
             if self._stop.is_set():

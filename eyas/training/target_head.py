@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
+from eyas.errors import InvalidInput
 from eyas.target import read_config as read_target_config
 
 _NAMES = {
@@ -37,7 +38,7 @@ def _weight_map(checkpoint: Path) -> dict[str, str]:
     if single.exists():
         with safe_open(str(single), framework="pt") as f:
             return {k: single.name for k in f.keys()}
-    raise ValueError(
+    raise InvalidInput(
         f"{checkpoint}: neither model.safetensors.index.json nor model.safetensors found"
     )
 
@@ -54,7 +55,7 @@ def load_target_tensors(checkpoint: str | Path, which: list[str]) -> dict[str, t
             names += [p + _NAMES["embed"] for p in _PREFIXES]
         name = next((n for n in names if n in wmap), None)
         if name is None:
-            raise ValueError(
+            raise InvalidInput(
                 f"{checkpoint}: no tensor {_NAMES[key]} (tried {names}) in the weight map"
             )
         found[key] = name
@@ -90,7 +91,9 @@ class TargetHead(nn.Module):
     ) -> "TargetHead":
         """last_hidden_norm: "post" (stored states are already normed) or "pre" (apply the norm)."""
         if last_hidden_norm not in ("pre", "post"):
-            raise ValueError(f"last_hidden_norm must be 'pre' or 'post', got {last_hidden_norm!r}")
+            raise InvalidInput(
+                f"last_hidden_norm must be 'pre' or 'post', got {last_hidden_norm!r}"
+            )
         pre = last_hidden_norm == "pre"
         t = load_target_tensors(checkpoint, ["lm_head", "norm"] if pre else ["lm_head"])
         eps = read_target_config(checkpoint).get("rms_norm_eps", 1e-6)

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
+from eyas.errors import InvalidInput
 from eyas.training import gemm, warm_start
 from eyas.training.batches import ShardData, add_aux_noise, check_shard_meta, collate, data_digest
 from eyas.training.checkpoints import (
@@ -113,7 +114,7 @@ def drafter_config(
 ) -> DrafterConfig:
     """Drafter sizes: cfg.drafter where given, else the target's config.json."""
     if tcfg["hidden_size"] != hidden_size:
-        raise ValueError(
+        raise InvalidInput(
             f"shards hold hidden size {hidden_size} but the target config says "
             f"{tcfg['hidden_size']}"
         )
@@ -323,7 +324,7 @@ def set_up(
     tcfg = target_config_json or read_target_config(target.checkpoint)
     G = cfg.batch_size * cfg.grad_accum * world
     if G > len(data.train_ids):
-        raise ValueError(
+        raise InvalidInput(
             f"global batch of {G} sequences (batch_size {cfg.batch_size} x grad_accum "
             f"{cfg.grad_accum} x {world} ranks) exceeds the {len(data.train_ids)} "
             f"training sequences"

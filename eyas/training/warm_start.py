@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from eyas.errors import InvalidInput
 from eyas.training.drafter import DrafterConfig
 
 # DrafterConfig field -> the config field that sets it in this run (named in a refusal)
@@ -83,7 +84,7 @@ def init_source(path: str | Path, output_dir: str | Path | None = None) -> InitS
         path.resolve(),
         *path.resolve().parents,
     ]:
-        raise ValueError(
+        raise InvalidInput(
             f"training.init_from={path}: inside training.output_dir={output_dir}, "
             f"whose checkpoints "
             f"of another run are set aside when a warm start begins; point it at the "
@@ -95,7 +96,7 @@ def init_source(path: str | Path, output_dir: str | Path | None = None) -> InitS
         path = found[-1] if found else path
     where = f"training.init_from={path}"
     if not (path / "model.safetensors").exists():
-        raise ValueError(
+        raise InvalidInput(
             f"{where}: no model.safetensors there (expected an exported drafter "
             f"folder, a training "
             f"checkpoint step-NNNNNN/ or a training output_dir); "
@@ -111,7 +112,7 @@ def init_source(path: str | Path, output_dir: str | Path | None = None) -> InitS
         )
     meta = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
     if meta.get("architectures") != ["LlamaForCausalLMEagle3"]:
-        raise ValueError(
+        raise InvalidInput(
             f"{where}: neither a training checkpoint (drafter.json) nor an exported "
             f"EAGLE-3 drafter "
             f"(config.json architectures {meta.get('architectures')})"
@@ -146,7 +147,7 @@ def init_problems(source: InitSource, dcfg: DrafterConfig, capture_ids: list[int
 def check_init(source: InitSource, dcfg: DrafterConfig, capture_ids: list[int]) -> None:
     problems = init_problems(source, dcfg, capture_ids)
     if problems:
-        raise ValueError("cannot warm-start: " + "; ".join(problems))
+        raise InvalidInput("cannot warm-start: " + "; ".join(problems))
 
 
 def draft_vocab(folder: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,13 +165,13 @@ def load_init(model: torch.nn.Module, source: InitSource) -> None:
     missing = sorted(k for k in own if k != "embed_tokens.weight" and k not in weights)
     unexpected = sorted(k for k in weights if k not in own)
     if missing or unexpected:
-        raise ValueError(
+        raise InvalidInput(
             f"training.init_from={source.path}: weights do not fit the drafter "
             f"(missing {missing}, unexpected {unexpected})"
         )
     for name, value in weights.items():
         if tuple(value.shape) != tuple(own[name].shape):
-            raise ValueError(
+            raise InvalidInput(
                 f"training.init_from={source.path}: {name} is {list(value.shape)}, "
                 f"this run's "
                 f"drafter has {list(own[name].shape)}"

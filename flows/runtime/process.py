@@ -31,6 +31,8 @@ import urllib.request
 from contextlib import nullcontext
 from typing import Any, Callable
 
+from eyas.errors import EyasError
+
 GRACE_S = 15.0
 
 # The temporary server: Prefect's own app under uvicorn, without uvicorn's signal handlers.
@@ -58,6 +60,12 @@ def watch():
 threading.Thread(target=watch, daemon=True).start()
 server.run()
 """
+
+
+class TemporaryServerFailed(EyasError, RuntimeError):
+    """eyas run's temporary Prefect server did not answer: a port or start-up race may pass."""
+
+    retryable = True
 
 
 class TemporaryServer:
@@ -102,9 +110,8 @@ class TemporaryServer:
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(
-                    f"the temporary Prefect server on port {self.port} did not "
-                    f"start "
+                raise TemporaryServerFailed(
+                    f"the temporary Prefect server on port {self.port} did not start "
                     f"(exit code {self.proc.returncode})"
                 )
             time.sleep(0.2)
