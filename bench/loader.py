@@ -45,9 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench import masks  # noqa: E402  (numpy only)
+from bench.disk import disk_read_rate, drop_cache  # noqa: E402
 from eyas.extraction.shards import ShardWriter  # noqa: E402
 from eyas.training.batches import ShardData, collate  # noqa: E402
-from eyas.training.loader import BatchLoader, disk_read_rate, drop_cache  # noqa: E402
+from eyas.training.loader import BatchLoader  # noqa: E402
 
 KIMI = dict(hidden_size=7168, num_aux=3, seq=4096)
 TINY = dict(hidden_size=64, num_aux=3, seq=64)

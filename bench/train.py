@@ -75,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench import masks  # noqa: E402  (numpy only)
+from bench.disk import disk_read_rate, drop_cache  # noqa: E402
 from eyas.training import attention, gemm, losses, shared_emb, soft_ce  # noqa: E402
 from eyas.training import train as training
 from eyas.training.attention import (  # noqa: E402
@@ -85,7 +86,7 @@ from eyas.training.attention import (  # noqa: E402
 from eyas.training.batches import ShardData  # noqa: E402
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eyas.training.kernels import KernelOptions  # noqa: E402
-from eyas.training.loader import BatchLoader, disk_read_rate, drop_cache, plan_steps  # noqa: E402
+from eyas.training.loader import BatchLoader, plan_steps  # noqa: E402
 from eyas.training.losses import (  # noqa: E402
     HEAD_CHUNK_ROWS,
     Labels,

@@ -126,3 +126,10 @@ def training_config(out_dir: Path, **kw) -> TrainingConfig:
         precision="fp32",
     )
     return TrainingConfig(**{**base, **kw})
+
+
+def shift_left(x: torch.Tensor, s: int) -> torch.Tensor:
+    """x[:, t + s] at position t, zeros past the end (B, T, ...)."""
+    out = torch.zeros_like(x)
+    out[:, : max(x.shape[1] - s, 0)] = x[:, s:]
+    return out

@@ -40,26 +40,16 @@ class PipelineConfig(StrictModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _tokenizer_is_the_local_copy(cls, raw):
-        """data.tokenizer, another name for target.local_dir (its tokenizer and chat template)."""
-        data, target = (
-            (raw.get("data"), raw.get("target")) if isinstance(raw, dict) else (None, None)
-        )
-        if not isinstance(data, dict) or "tokenizer" not in data or not isinstance(target, dict):
-            return raw
-        data, target = dict(data), dict(target)
-        old = data.pop("tokenizer")
-        if old is not None and target.get("local_dir") not in (None, old):
+    def _no_data_tokenizer(cls, raw):
+        """data.tokenizer is not a field: the orchestrator's copy of the target is
+        target.local_dir."""
+        data = raw.get("data") if isinstance(raw, dict) else None
+        if isinstance(data, dict) and "tokenizer" in data:
             raise ValueError(
-                f"data.tokenizer={old} and target.local_dir={target['local_dir']}: "
-                f"data.tokenizer is "
-                f"another name for target.local_dir (the target's config and "
-                f"tokenizer on this "
-                f"machine); keep target.local_dir"
+                "data.tokenizer is not a field: the target's tokenizer and config on this machine "
+                "are target.local_dir"
             )
-        if old is not None:
-            target["local_dir"] = old
-        return {**raw, "data": data, "target": target}
+        return raw
 
     @model_validator(mode="after")
     def _target_stays_in_sglang(self) -> "PipelineConfig":

@@ -20,7 +20,7 @@ class TargetConfig(StrictModel):
     #: tokenizer code, chat template; no weights): all the orchestrator reads of the target
     #: (preflight, data preparation, held-out prompts, export, suites). None = target.checkpoint,
     #: read on this machine (a local server host; with an ssh host only where that path is here
-    #: too). `data.tokenizer` is accepted as another name for it
+    #: too)
     local_dir: Path | None = None
     #: run the tokenizer code the target folder ships (tokenizer_config.json auto_map, e.g.
     #: Kimi-K2.5's TikTokenTokenizer) when loading it; None = on for server.backend sglang, whose

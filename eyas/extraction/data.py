@@ -59,7 +59,9 @@ class Record:
 
 
 @dataclass
-class Prepared:
+class Tokenized:
+    """The training sequences after the length policy, the held-out prompts, and the counts."""
+
     train: list[TokenizedSample]
     heldout_prompts: list[list[int]]  # rendered up to the first assistant turn
     stats: dict[str, Any] = field(default_factory=dict)
@@ -261,7 +263,7 @@ def prepare(
     *,
     vocab_size: int | None = None,
     skipped: list[str] | None = None,
-) -> Prepared:
+) -> Tokenized:
     """Tokenize, apply the length policy, and hold out the last records for evaluation.
 
     `records` are Records (load_records) or bare message lists (load_conversations). Every drop is
@@ -291,7 +293,7 @@ def prepare(
     stats["tokens"] = sum(len(s.input_ids) for s in train)
     stats["loss_tokens"] = sum(sum(s.loss_mask) for s in train)
     stats["skipped_lines"] = policy.skipped[:MAX_NAMED_SKIPS]
-    return Prepared(train, prompts, stats)
+    return Tokenized(train, prompts, stats)
 
 
 class _LengthPolicy:

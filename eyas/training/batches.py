@@ -189,10 +189,3 @@ def add_aux_noise(batch: dict[str, torch.Tensor], scale: float) -> dict[str, tor
         rms = a.pow(2).mean(-1, keepdim=True).sqrt()
         batch["aux"] = (a + scale * rms * torch.randn_like(a)).view(B, T, KH).to(aux.dtype)
     return batch
-
-
-def shift_left(x: torch.Tensor, s: int) -> torch.Tensor:
-    """x[:, t + s] at position t, zeros past the end (B, T, ...)."""
-    out = torch.zeros_like(x)
-    out[:, : max(x.shape[1] - s, 0)] = x[:, s:]
-    return out

@@ -1,5 +1,6 @@
 """The docs are reference, not a diary: docs/performance.md stays a page read in two minutes, and
-dated records of runs live only under bench/results/<date>_<machine>_<what>.md."""
+dated records of runs live only under bench/results/<date>_<machine>_<what>.md. And they name only
+what exists: every config field and `eyas` command they mention is the code's."""
 
 import re
 from pathlib import Path
@@ -96,3 +97,86 @@ def test_the_runbooks_capture_launch_is_the_one_eyas_builds():
     shown = re.search(r"## 3\. The launches on this node.*?```\n(.+?)\n```", text, re.S)
     cfg = load_config(ROOT / "configs" / "kimi-k2.5-sglang.yaml")
     assert shown and shown.group(1) == launch_command(cfg, "KimiK25ForConditionalGeneration")
+
+
+# --- every config field and command the docs name exists -------------------------------------
+
+#: report.json keys the docs name beside config fields of the same first word
+REPORT_KEYS = {"training.history", "extraction.tokens_per_s", "extraction.shards_reused"}
+FILE_NAME = re.compile(r"\.(pid|json|jsonl|log|py|yaml|md)$")
+
+
+def config_field_exists(path: str) -> bool:
+    """Whether a dotted name (`server.host.kind`) is a field of PipelineConfig, section by
+    section."""
+    import typing
+
+    from eyas.config import PipelineConfig
+
+    model = PipelineConfig
+    for part in path.split("."):
+        fields = getattr(model, "model_fields", None)
+        if fields is None or part not in fields:
+            return False
+        ann = fields[part].annotation
+        inner = [a for a in typing.get_args(ann) if hasattr(a, "model_fields")]
+        model = ann if hasattr(ann, "model_fields") else (inner[0] if inner else None)
+    return True
+
+
+def task_exists(name: str) -> bool:
+    """Whether a dotted name is a task of tasks/ (`server.launch_server`: tasks/server.py)."""
+    import importlib
+
+    module, _, attr = name.rpartition(".")
+    try:
+        return hasattr(importlib.import_module(f"tasks.{module}"), attr)
+    except ImportError:
+        return False
+
+
+def docs_config_names() -> list[tuple[str, int, str]]:
+    """(file, line, name) of every backticked dotted name in README.md and docs/ that starts with a
+    config section."""
+    from eyas.config import PipelineConfig
+
+    names = re.compile(r"`((?:%s)(?:\.[A-Za-z_]\w*)+)`" % "|".join(PipelineConfig.model_fields))
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            found += [(path.name, n, m.group(1)) for m in names.finditer(line)]
+    return found
+
+
+def test_every_config_field_the_docs_name_exists():
+    found = docs_config_names()
+    assert len(found) > 100  # the walk sees the docs' fields
+    bad = [
+        f"{f}:{n}: {name}"
+        for f, n, name in found
+        if not FILE_NAME.search(name)
+        and name not in REPORT_KEYS
+        and not config_field_exists(name)
+        and not task_exists(name)
+    ]
+    assert not bad, "fields the config does not have:\n" + "\n".join(bad)
+
+
+def test_the_field_check_refuses_a_field_that_is_not_there():
+    assert config_field_exists("server.host.kind") and config_field_exists(
+        "data.regenerate.thinking"
+    )
+    assert not config_field_exists("data.tokenizer") and not config_field_exists("server.nope")
+
+
+def test_every_eyas_command_the_docs_name_exists():
+    from eyas.cli import COMMANDS
+
+    # run: the Prefect layer's (flows/runtime/cli.py); make-tiny-target and serve-local: parsers
+    # of eyas/cli.py's own
+    commands = {c.name for c in COMMANDS} | {"run", "make-tiny-target", "serve-local"}
+    named = set()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        named |= set(re.findall(r"(?:`|\.venv/bin/)eyas ([a-z][a-z-]+)", text))
+    assert named and named <= commands, f"commands eyas does not have: {sorted(named - commands)}"

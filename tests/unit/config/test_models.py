@@ -1,6 +1,6 @@
 """PipelineConfig's checks across sections: paths on an SSH host are absolute, evaluation is served
 (never in process with SGLang), the serving launches' environment holds no secrets, and
-data.tokenizer is read as target.local_dir, another name for it."""
+data.tokenizer is refused, naming target.local_dir."""
 
 from __future__ import annotations
 
@@ -44,21 +44,16 @@ def test_serving_launches_env_holds_no_secrets():
         load_config(tiny, {"benchmark.server_env": {"A": "1"}, "server.env_from": ["A"]})
 
 
-def test_data_tokenizer_is_read_as_target_local_dir(tmp_path):
+def test_data_tokenizer_is_refused_naming_target_local_dir(tmp_path):
     raw = {
         "name": "x",
         "run_dir": "run",
-        "target": {"checkpoint": "/models/t", "layer_ids": [2, 4, 6]},
+        "target": {"checkpoint": "/models/t", "layer_ids": [2, 4, 6], "local_dir": "copy"},
         "server": {"workdir": "/tmp/eyas-w", "dump_dir": "/tmp/eyas-d"},
-        "data": {"path": "data.jsonl", "tokenizer": "copy"},
+        "data": {"path": "data.jsonl"},
         "extraction": {"output_dir": "shards"},
         "training": {"output_dir": "train"},
     }
-    cfg = config_from_dict(raw, base_dir=tmp_path)
-    assert cfg.target.local_dir == tmp_path / "copy" and "tokenizer" not in cfg.data.model_dump()
-    same = {**raw, "target": {**raw["target"], "local_dir": "copy"}}
-    assert config_from_dict(same, base_dir=tmp_path).target.local_dir == tmp_path / "copy"
-    with pytest.raises(ConfigError, match="data.tokenizer is another name for target.local_dir"):
-        config_from_dict(
-            {**raw, "target": {**raw["target"], "local_dir": "other"}}, base_dir=tmp_path
-        )
+    assert config_from_dict(raw, base_dir=tmp_path).target.local_dir == tmp_path / "copy"
+    with pytest.raises(ConfigError, match="data.tokenizer is not a field.*target.local_dir"):
+        config_from_dict({**raw, "data": {**raw["data"], "tokenizer": "copy"}}, base_dir=tmp_path)

@@ -2,7 +2,8 @@
 
 import torch
 
-from eyas.training.batches import add_aux_noise, collate, epoch_plan, shift_left
+from eyas.training.batches import add_aux_noise, collate, epoch_plan
+from tests.helpers_training import shift_left
 
 torch.set_num_threads(1)
 

@@ -3,7 +3,6 @@ import torch
 import torch.nn.functional as F
 
 from eyas.evaluation.export import expected_weights
-from eyas.training.batches import shift_left
 from eyas.training.drafter import (
     DrafterConfig,
     Eagle3Drafter,
@@ -13,6 +12,7 @@ from eyas.training.drafter import (
     rope_cos_sin,
     ttt_mask,
 )
+from tests.helpers_training import shift_left
 
 torch.set_num_threads(1)
 

@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 
 from eyas.training import gemm, losses
-from eyas.training.batches import shift_left
 from eyas.training.drafter import KVCache, ttt_mask
 from eyas.training.losses import (
     TTTObjective,
@@ -18,6 +17,7 @@ from eyas.training.losses import (
     ttt_span,
 )
 from eyas.training.target_head import TargetHead
+from tests.helpers_training import shift_left
 from tests.unit.training.test_drafter import make
 
 torch.set_num_threads(1)
