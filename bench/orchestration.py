@@ -152,7 +152,7 @@ def scale_bookkeeping(num_shards: int, num_sequences: int, prefect_per_shard_s: 
     production mean length (17.3M / 10,000 = 1,730 tokens; id lists shared to keep memory small, the
     JSON and sha256 work is the real size); tiny shard files (1 token per sequence, H = 8, written
     by eyas's ShardWriter with the real cache key); the cache-key check of every intact shard
-    (sha256 of the file, 8 threads, as stage.shards_intact), twice (the second time remembered); an
+    (sha256 of the file, 8 threads, as stage.check_shards), twice; an
     ExtractionRun fed per shard (started, one progress update per sequence, done) through the real
     ExtractionPublisher with Prefect's artifact calls replaced by counters (the writes are counted,
     not sent); dataset.json at the end. Prefect's own per-task cost is added from the fan-out
@@ -168,7 +168,7 @@ def scale_bookkeeping(num_shards: int, num_sequences: int, prefect_per_shard_s: 
 
     import tasks.progress as tp
     from eyas.extraction.data import TokenizedSample, write_shard_plans
-    from eyas.extraction.extract import existing_shard, shard_cache_key, shard_path
+    from eyas.extraction.extract import check_shard, shard_cache_key, shard_path
     from eyas.extraction.progress import ExtractionRun
     from eyas.extraction.shards import Sample, write_shard
 
@@ -237,7 +237,7 @@ def scale_bookkeeping(num_shards: int, num_sequences: int, prefect_per_shard_s: 
             with ThreadPoolExecutor(8) as ex:
                 ok = list(
                     ex.map(
-                        lambda p: existing_shard(root / "shards", p, keys[p.name]) is not None,
+                        lambda p: check_shard(root / "shards", p, keys[p.name]).intact,
                         plans,
                     )
                 )

@@ -67,7 +67,7 @@ def server_layer_ids(capture_ids: list[int], architecture: str | None = None) ->
     ids = [int(i) for i in capture_ids]
     asked = [i - 1 for i in ids] if architecture in PLUS_ONE_ARCHITECTURES else ids
     if any(i < 0 for i in asked) or captured_layer_ids(asked, architecture) != ids:
-        raise DumpError(
+        raise ValueError(
             f"capture-before layers {ids} cannot be asked of "
             f"{architecture or 'DeepSeek-V2'}'s "
             f"rule (a list starting with 1 is shifted by "
@@ -105,15 +105,15 @@ class DumpError(ValueError):
 def check_rid(rid: str) -> str:
     """Return rid if it is safe as a folder name, else raise ValueError saying why."""
     if isinstance(rid, str) and len(rid) > MAX_RID_LENGTH:
-        raise DumpError(
+        raise ValueError(
             f"invalid rid {rid[:40]!r}...: {len(rid)} characters, at most "
             f"{MAX_RID_LENGTH} "
             f"(it names the dump folder <dump_dir>/<rid>)"
         )
     if not isinstance(rid, str) or not _RID_RE.fullmatch(rid):
-        raise DumpError(f"invalid rid {rid!r}: use only letters, digits and _ . : -")
+        raise ValueError(f"invalid rid {rid!r}: use only letters, digits and _ . : -")
     if ".." in rid:
-        raise DumpError(f"invalid rid {rid!r}: '..' is not allowed")
+        raise ValueError(f"invalid rid {rid!r}: '..' is not allowed")
     return rid
 
 
@@ -126,7 +126,7 @@ def dtype_from_env(default: str = "bfloat16") -> torch.dtype:
     """The dump dtype named by EYAS_DUMP_DTYPE (or default)."""
     name = os.environ.get(DUMP_DTYPE_ENV, default)
     if name not in DTYPES:
-        raise DumpError(f"{DUMP_DTYPE_ENV}={name!r}: expected one of {sorted(DTYPES)}")
+        raise ValueError(f"{DUMP_DTYPE_ENV}={name!r}: expected one of {sorted(DTYPES)}")
     return DTYPES[name]
 
 
@@ -160,17 +160,17 @@ class DumpWriter:
         rid_prefix: str | None = None,
     ):
         if layer_convention not in LAYER_CONVENTIONS:
-            raise DumpError(
+            raise ValueError(
                 f"layer_convention must be one of {LAYER_CONVENTIONS}, got {layer_convention!r}"
             )
         if last_hidden_norm not in LAST_HIDDEN_NORMS:
-            raise DumpError(
+            raise ValueError(
                 f"last_hidden_norm must be one of {LAST_HIDDEN_NORMS}, got {last_hidden_norm!r}"
             )
         if dtype not in DTYPES.values():
-            raise DumpError(f"dtype must be one of {sorted(DTYPES)}, got {dtype}")
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype}")
         if not layer_ids or any(not isinstance(i, int) or i < 0 for i in layer_ids):
-            raise DumpError(
+            raise ValueError(
                 f"layer_ids must be a non-empty list of non-negative ints, got {layer_ids}"
             )
         self.dump_dir = Path(dump_dir)
@@ -199,13 +199,13 @@ class DumpWriter:
         if self.should_skip(rid):
             return None
         if not isinstance(prefix_offset, int) or prefix_offset < 0:
-            raise DumpError(
+            raise ValueError(
                 f"rid {rid}: prefix_offset must be a non-negative int, got {prefix_offset!r}"
             )
         n = token_ids.shape[0]
         k = len(self.layer_ids)
         if token_ids.dim() != 1 or last_hidden_state.dim() != 2 or last_hidden_state.shape[0] != n:
-            raise DumpError(
+            raise ValueError(
                 f"rid {rid} @ {prefix_offset}: token_ids must be [n] and "
                 f"last_hidden_state "
                 f"[n, H]; got {tuple(token_ids.shape)} and "
@@ -213,7 +213,7 @@ class DumpWriter:
             )
         hidden = last_hidden_state.shape[1]
         if tuple(aux_hidden_states.shape) != (n, k * hidden):
-            raise DumpError(
+            raise ValueError(
                 f"rid {rid} @ {prefix_offset}: aux_hidden_states must be [{n}, "
                 f"{k}*{hidden}] "
                 f"for {k} layers, got {tuple(aux_hidden_states.shape)}"
@@ -333,7 +333,7 @@ def _parse_record(data: bytes, where: str, rid: str) -> DumpRecord:
     try:
         (n,) = struct.unpack("<Q", data[:8])
         if n > len(data) - 8:
-            raise DumpError(f"header of {n} bytes in a file of {len(data)}")
+            raise ValueError(f"header of {n} bytes in a file of {len(data)}")
         raw = json.loads(bytes(data[8 : 8 + n])).get("__metadata__") or {}
         tensors = load(bytes(data))
     except Exception as e:  # noqa: BLE001 - a corrupt or truncated file is reported with its path

@@ -19,7 +19,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from eyas.config import PipelineConfig
 from eyas.extraction.shards import ShardManifest
-from eyas.extraction.stage import ExtractionContext, regeneration_pending, shards_intact
+from eyas.extraction.stage import ExtractionContext, check_shards, regeneration_pending
 from eyas.report import Stopwatch
 from eyas.results import Extracted
 from eyas.server.launch import ServerDied
@@ -88,9 +88,10 @@ def _extract(ctx: ExtractionContext, cfg: PipelineConfig) -> Extracted:
     #    (Pending regeneration replans the shards: checking the present ones would be wasted
     #    reading.)
     up = None
-    if not regen and all(shards_intact(cfg, prepared.plans, patch_version).values()):
+    checks = None if regen else check_shards(cfg, prepared.plans, patch_version)
+    if checks is not None and all(c.intact for c in checks.values()):
         with stage("extract"):
-            manifests = _extract_all(ctx, cfg, prepared.plans, patch_version, resource)
+            manifests = _extract_all(ctx, cfg, prepared.plans, patch_version, resource, checks)
     else:
         # 4. Launch, wait until ready, (regenerate,) extract, stop: the host is ours meanwhile. A
         #    server that dies is relaunched once; finished parts and shards stay, the rest resume.
@@ -112,11 +113,12 @@ def _extract(ctx: ExtractionContext, cfg: PipelineConfig) -> Extracted:
                             regen = False
                         with stage("extract"):
                             manifests = _extract_all(
-                                ctx, cfg, prepared.plans, patch_version, resource
+                                ctx, cfg, prepared.plans, patch_version, resource, checks
                             )
                         break
                     except Exception:
                         up = _relaunch_if_dead(cfg, up, deaths, stage)
+                        checks = None  # shards finished before the death: checked again
             finally:
                 with stage("stop"):
                     stop(cfg, up.handle)
@@ -157,14 +159,21 @@ def _relaunch_if_dead(cfg, up, deaths: list[str], stage: Stopwatch):
     return serve(cfg)
 
 
-def _extract_all(ctx, cfg, plans, patch_version: str, resource: dict) -> list[ShardManifest]:
+def _extract_all(
+    ctx, cfg, plans, patch_version: str, resource: dict, checks: dict | None = None
+) -> list[ShardManifest]:
     """One task per shard (bounded by the task runner), an `eyas.shard.done` event as each ends.
+    Each shard is checked on disk once (`checks`, made here when not given): the check decides
+    whether Prefect's cache may answer, and the task reuses what it found.
 
     The tasks publish the progress artifact `extract-NAME` and the shard table
     `extract-shards-NAME`.
     """
+    checks = checks or check_shards(cfg, plans, patch_version)
     futures = [
-        extract_shard_task_for(cfg, plan, patch_version).submit(ctx, cfg, plan, patch_version)
+        extract_shard_task_for(checks[plan.name]).submit(
+            ctx, cfg, plan, patch_version, checks[plan.name]
+        )
         for plan in plans
     ]
     plan_of = {id(f): plan for f, plan in zip(futures, plans)}

@@ -17,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from eyas.config import PipelineConfig
 from eyas.extraction import stage
 from eyas.extraction.data import ShardPlan
+from eyas.extraction.extract import ShardCheck
 from eyas.extraction.shards import ShardManifest
 from eyas.extraction.stage import ExtractionContext, Prepared
 from tasks.dead_runs import crash_dead_runs
@@ -85,15 +86,14 @@ def _shard_cache_key(context, parameters) -> str:
     return f"{key}-{shape}"
 
 
-def extract_shard_task_for(cfg: PipelineConfig, plan: ShardPlan, patch_version: str):
-    """The shard's task, checked on disk before the cache is trusted.
+def extract_shard_task_for(check: ShardCheck):
+    """The shard's task, as its check on disk (stage.check_shards, made once by the flow) allows.
 
-    Intact: Prefect's record under the shard's key is used (state Cached). Missing or damaged: the
-    record is refreshed (recomputed and stored again under the same key, so the next run hits it;
-    a one-off "miss" key would leave nothing a later run could find).
+    Intact: Prefect's record under the shard's key is used (state Cached). Missing, damaged or
+    stale: the record is refreshed (recomputed and stored again under the same key, so the next run
+    hits it; a one-off "miss" key would leave nothing a later run could find).
     """
-    intact = stage.intact_shard(cfg, plan, patch_version) is not None
-    return extract_shard_task.with_options(refresh_cache=not intact)
+    return extract_shard_task.with_options(refresh_cache=not check.intact)
 
 
 def shard_cached(
@@ -113,12 +113,18 @@ def shard_cached(
     retry_condition_fn=worth_retrying,
 )
 def extract_shard_task(
-    ctx: ExtractionContext, cfg: PipelineConfig, plan: ShardPlan, patch_version: str
+    ctx: ExtractionContext,
+    cfg: PipelineConfig,
+    plan: ShardPlan,
+    patch_version: str,
+    check: ShardCheck | None = None,
 ) -> ShardManifest:
     """Extract one shard (or reuse an intact one) with the core's stage.run_shard; returns its
     manifest, never tensors.
 
-    Submit it through `extract_shard_task_for`, which refreshes the cache when the file is not
-    intact.
+    Submit it through `extract_shard_task_for(check)`, which refreshes the cache when the check
+    did not find the file intact; `check` spares the body a second read of the file.
     """
-    return stage.run_shard(ctx, cfg, plan, patch_version, log=logger().info, warn=logger().warning)
+    return stage.run_shard(
+        ctx, cfg, plan, patch_version, log=logger().info, warn=logger().warning, check=check
+    )

@@ -1,9 +1,10 @@
 """Extraction of one shard: send its sequences through the server(s), collect the dumps, write the
 shard.
 
+    check = check_shard(out_dir, plan, cache_key)          # intact | missing | damaged | stale
     with ServerPool([Endpoint(url, dump_dir, 4)], request_timeout_s=300) as pool:
-        manifest, reused = ensure_shard(plan, out_dir, cache_key, pool=pool, capture_ids=[2, 4, 5],
-                                        dtype="bfloat16", meta={...}, on_progress=print)
+        manifest = extract_shard(plan, out_dir, pool=pool, capture_ids=[2, 4, 5], dtype="bfloat16",
+                                 meta={"cache_key": cache_key, ...}, on_progress=print)
 
 Each sequence is one /generate request with its own rid and max_new_tokens=1 (the prefill is what
 we want), sent through a ServerPool (eyas.extraction.client: async, bounded in flight per server,
@@ -13,8 +14,8 @@ host when its dump folder is not visible here: eyas.extraction.records), checks 
 the ids we sent (eyas.dump.validate: coverage without gap or overlap, token ids, shapes, finite
 values, the captured layers) and writes them chunk by chunk into their place in the shard file, a
 few sequences at a time (`collect_workers`), so memory stays bounded by those sequences. A shard
-that fails leaves no file behind; a shard on disk is reused only if it matches its manifest and
-cache key.
+that fails leaves no file behind; a shard on disk is reused only if check_shard finds it intact:
+its bytes match its manifest, and its manifest this plan and cache key.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -93,65 +94,42 @@ def shard_cache_key(
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
-# Full sha256 checks already passed in this process: (path, size, mtime_ns, inode) -> sha256. The
-# Prefect cache-key function and the task both check a shard; the second check is then free.
-_verified: dict[tuple, str] = {}
-_verified_lock = threading.Lock()
+@dataclass(frozen=True)
+class ShardCheck:
+    """What is on disk for one planned shard, read once: intact (with its manifest), or missing,
+    damaged or stale (made from other inputs), with why."""
+
+    state: Literal["intact", "missing", "damaged", "stale"]
+    reason: str = ""
+    manifest: dict[str, Any] | None = None
+
+    @property
+    def intact(self) -> bool:
+        return self.state == "intact"
 
 
-def existing_shard(
-    out_dir: str | Path, plan: ShardPlan, cache_key: str, *, full: bool = True
-) -> dict[str, Any] | None:
-    """The manifest of an already extracted, intact shard for this exact key, else None."""
-    return shard_on_disk(out_dir, plan, cache_key, full=full)[0]
-
-
-def shard_on_disk(
-    out_dir: str | Path, plan: ShardPlan, cache_key: str, *, full: bool = True
-) -> tuple[dict[str, Any] | None, str | None]:
-    """(the intact shard's manifest, None), or (None, why it cannot be reused: "missing", "damaged:
-    ...", "from other inputs ...")."""
+def check_shard(out_dir: str | Path, plan: ShardPlan, cache_key: str) -> ShardCheck:
+    """The one check of a shard on disk: its file against its manifest (every byte hashed), and the
+    manifest against this plan and cache key."""
     path = shard_path(out_dir, plan)
+    if not path.exists():
+        return ShardCheck("missing", "missing")
     try:
-        st = path.stat()
+        manifest = verify_shard(path, full=True)
     except FileNotFoundError:
-        return None, "missing"
-    except OSError as e:
-        return None, f"unreadable: {e}"
-    ident = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
-    with _verified_lock:
-        known = _verified.get(ident)
-    try:
-        manifest = verify_shard(path, full=full and known is None)
+        return ShardCheck("missing", "missing")
     except (ValueError, OSError, KeyError) as e:
-        return None, f"damaged: {type(e).__name__}: {e}"
-    if known is not None and known != manifest.get("sha256"):
-        return None, "damaged: its sha256 differs from the one verified earlier"
-    if full and known is None:
-        with _verified_lock:
-            _verified[ident] = manifest["sha256"]
+        return ShardCheck("damaged", f"damaged: {type(e).__name__}: {e}")
     if (
         manifest.get("cache_key") != cache_key
         or manifest.get("content_hash", plan.content_hash) != plan.content_hash
     ):
-        return (
-            None,
+        return ShardCheck(
+            "stale",
             "from other inputs (its cache key or plan differs: another target, layers, dtype or "
             "data)",
         )
-    return manifest, None
-
-
-def ensure_shard(
-    plan: ShardPlan, out_dir: str | Path, cache_key: str, **kwargs
-) -> tuple[dict[str, Any], bool]:
-    """Reuse the intact shard for this key, or extract it (kwargs: extract_shard's). -> (manifest,
-    reused)."""
-    found = existing_shard(out_dir, plan, cache_key)
-    if found is not None:
-        return found, True
-    meta = {**kwargs.pop("meta", {}), "cache_key": cache_key}
-    return extract_shard(plan, out_dir, meta=meta, **kwargs), False
+    return ShardCheck("intact", manifest=manifest)
 
 
 class _Cancelled(Exception):

@@ -374,21 +374,22 @@ def shard_key(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> str:
     )
 
 
-def intact_shard(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> dict | None:
-    """The shard's manifest if its file is on disk, matches it, and came from these exact inputs."""
-    return extract.existing_shard(
-        cfg.extraction.output_dir, plan, shard_key(cfg, plan, patch_version)
-    )
+def check_shard(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> extract.ShardCheck:
+    """The shard on disk against this config's inputs (extract.check_shard)."""
+    return extract.check_shard(cfg.extraction.output_dir, plan, shard_key(cfg, plan, patch_version))
 
 
-def shards_intact(
+def check_shards(
     cfg: PipelineConfig, plans: list[ShardPlan], patch_version: str
-) -> dict[str, bool]:
-    """intact_shard for every plan, hashed side by side (a re-run at scale reads every shard once;
-    the sha256 is remembered, so checking the same file again later is free)."""
+) -> dict[str, extract.ShardCheck]:
+    """check_shard for every plan, hashed side by side (a re-run at scale reads every shard
+    once)."""
     with ThreadPoolExecutor(max(1, min(8, len(plans))), thread_name_prefix="eyas-verify") as ex:
-        found = ex.map(lambda p: intact_shard(cfg, p, patch_version) is not None, plans)
-        return dict(zip([p.name for p in plans], found))
+        return dict(
+            zip(
+                [p.name for p in plans], ex.map(lambda p: check_shard(cfg, p, patch_version), plans)
+            )
+        )
 
 
 def shard_meta(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> dict:
@@ -419,37 +420,15 @@ def run_shard(
     *,
     log: Log,
     warn: Log | None = None,
+    check: extract.ShardCheck | None = None,
 ) -> ShardManifest:
-    """Extract one shard (or reuse an intact one), feeding the run's figures; returns its
-    manifest."""
-    x, run = cfg.extraction, ctx.run_for(cfg, plan)
-
-    def on_progress(p: extract.ShardProgress) -> None:
-        run.shard_progress(p.shard, p.tokens_done, p.bytes_done, p.samples_done)
-
-    found, why = extract.shard_on_disk(x.output_dir, plan, shard_key(cfg, plan, patch_version))
-    if found is None:
-        if why != "missing":  # a shard on disk that cannot be reused: say why it is done again
-            log("%s on disk is %s: extracting it again", plan.name, why[:300])
-        run.shard_started(plan.name)
-    try:
-        manifest, reused = extract.ensure_shard(
-            plan,
-            x.output_dir,
-            shard_key(cfg, plan, patch_version),
-            pool=ctx.pool(cfg).calling(warn),
-            capture_ids=cfg.target.capture_ids(),
-            dtype=x.dtype,
-            encoding=x.encoding,
-            meta=shard_meta(cfg, plan, patch_version),
-            record_timeout_s=x.record_timeout_s,
-            collect_workers=x.collect_workers,
-            on_progress=on_progress,
-        )
-    except Exception as e:
-        run.shard_failed(plan.name, f"{type(e).__name__}: {e}")
-        raise
+    """Reuse the shard where `check` (made now when not given) found it intact, else extract it,
+    feeding the run's figures; returns its manifest."""
+    run = ctx.run_for(cfg, plan)
+    check = check or check_shard(cfg, plan, patch_version)
+    reused = check.intact
     if reused:
+        manifest = check.manifest
         log(
             "%s: intact on disk, reused (%d sequences, %d tokens)",
             plan.name,
@@ -457,6 +436,9 @@ def run_shard(
             manifest["num_tokens"],
         )
     else:
+        if check.state != "missing":  # a shard on disk that cannot be reused: say why it is redone
+            log("%s on disk is %s: extracting it again", plan.name, check.reason[:300])
+        manifest = _extract(ctx, cfg, plan, patch_version, run, warn)
         log(
             "%s: %d sequences, %d tokens, %.1f MB in %.1fs (%.0f tok/s)",
             plan.name,
@@ -469,6 +451,42 @@ def run_shard(
     shard = ShardManifest.from_json(manifest, reused=reused)
     shard_finished(ctx, cfg, plan, shard, log=log)
     return shard
+
+
+def _extract(
+    ctx: ExtractionContext,
+    cfg: PipelineConfig,
+    plan: ShardPlan,
+    patch_version: str,
+    run,
+    warn: Log | None,
+) -> dict:
+    """The shard extracted through the context's server pool, its progress fed to the run."""
+    x = cfg.extraction
+
+    def on_progress(p: extract.ShardProgress) -> None:
+        run.shard_progress(p.shard, p.tokens_done, p.bytes_done, p.samples_done)
+
+    run.shard_started(plan.name)
+    try:
+        return extract.extract_shard(
+            plan,
+            x.output_dir,
+            pool=ctx.pool(cfg).calling(warn),
+            capture_ids=cfg.target.capture_ids(),
+            dtype=x.dtype,
+            encoding=x.encoding,
+            meta={
+                **shard_meta(cfg, plan, patch_version),
+                "cache_key": shard_key(cfg, plan, patch_version),
+            },
+            record_timeout_s=x.record_timeout_s,
+            collect_workers=x.collect_workers,
+            on_progress=on_progress,
+        )
+    except Exception as e:
+        run.shard_failed(plan.name, f"{type(e).__name__}: {e}")
+        raise
 
 
 def shard_finished(

@@ -178,7 +178,7 @@ def test_the_extraction_tasks_do_not_retry_a_full_disk(small_disk, monkeypatch, 
     )
     calls = []
 
-    def run_shard(ctx, cfg, plan, patch_version, *, log, warn=None):
+    def run_shard(ctx, cfg, plan, patch_version, *, log, warn=None, check=None):
         calls.append(plan)
         if plan == "eio":
             raise OSError(errno.EIO, "Input/output error")

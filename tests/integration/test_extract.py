@@ -10,8 +10,7 @@ from eyas.extraction.client import Endpoint, ServerPool
 from eyas.extraction.data import TokenizedSample, write_shard_plans
 from eyas.extraction.extract import (
     ExtractionError,
-    ensure_shard,
-    existing_shard,
+    check_shard,
     extract_shard,
     shard_path,
 )
@@ -116,27 +115,35 @@ def test_shard_holds_the_targets_hidden_states(server, tmp_path, random_target):
     ]  # records are removed once collected
 
 
-def test_intact_shard_is_reused_and_truncated_one_is_recomputed_identically(server, tmp_path):
+def test_one_check_says_intact_missing_stale_or_damaged_and_a_redone_shard_is_identical(
+    server, tmp_path
+):
     cfg, _ = server
     _, plans = _plans(tmp_path, seed=1)
+    out = tmp_path / "out"
     kw = dict(
         server_url=cfg.server.url,
         dump_dir=cfg.server.dump_dir,
         capture_ids=CAPTURE,
         dtype="bfloat16",
-        meta={"layer_ids": CAPTURE},
+        meta={"layer_ids": CAPTURE, "cache_key": "k1"},
     )
-    m, reused = ensure_shard(plans[0], tmp_path / "out", "k1", **kw)
-    path = shard_path(tmp_path / "out", plans[0])
-    inode, mtime = path.stat().st_ino, path.stat().st_mtime_ns
-    assert not reused and existing_shard(tmp_path / "out", plans[0], "k1")["sha256"] == m["sha256"]
-    assert existing_shard(tmp_path / "out", plans[0], "other-key") is None
-    again, reused = ensure_shard(plans[0], tmp_path / "out", "k1", **kw)
-    assert reused and again == m and (path.stat().st_ino, path.stat().st_mtime_ns) == (inode, mtime)
+    assert check_shard(out, plans[0], "k1").state == "missing"
+    m = extract_shard(plans[0], out, **kw)
+    found = check_shard(out, plans[0], "k1")
+    assert found.intact and found.manifest["sha256"] == m["sha256"]
+    stale = check_shard(out, plans[0], "other-key")
+    assert stale.state == "stale" and "cache key" in stale.reason
+    path = shard_path(out, plans[0])
     path.write_bytes(path.read_bytes()[:-64])  # truncated on disk
-    assert existing_shard(tmp_path / "out", plans[0], "k1") is None
-    redone, reused = ensure_shard(plans[0], tmp_path / "out", "k1", **kw)
-    assert not reused and redone["sha256"] == m["sha256"] and verify_shard(path)
+    damaged = check_shard(out, plans[0], "k1")
+    assert damaged.state == "damaged" and damaged.reason.startswith("damaged: ")
+    redone = extract_shard(plans[0], out, **kw)
+    assert (
+        redone["sha256"] == m["sha256"]
+        and verify_shard(path)
+        and check_shard(out, plans[0], "k1").intact
+    )
 
 
 def test_wrong_capture_layers_are_refused_and_nothing_is_written(server, tmp_path):
