@@ -12,48 +12,10 @@ from pathlib import Path
 from eyas.config import PipelineConfig
 from eyas.plan import GB, Plan, on_gpu
 from eyas.preflight.hosts import run_on
+from eyas.remote import source
 
 #: bytes the disk probe reads (a few hundred MB: past any disk's own cache, a second or so)
 DISK_PROBE_BYTES = 256 << 20
-#: the probe, stdlib only (it runs on the training host, under its python): the largest shard in the
-#: folder, else a temp file it writes there (and removes), read once with its pages dropped from the
-#: page cache before (posix_fadvise DONTNEED: no privileges needed) -> one JSON line
-DISK_PROBE_CODE = r"""
-import json, os, sys, tempfile, time
-folder, want = sys.argv[1], int(sys.argv[2])
-entries = list(os.scandir(folder)) if os.path.isdir(folder) else []
-shards = sorted((e.stat().st_size, e.path) for e in entries
-                if e.name.endswith(".safetensors") and e.is_file())
-temp = None
-if shards and shards[-1][0] >= want // 4:
-    path = shards[-1][1]
-else:
-    fd, temp = tempfile.mkstemp(prefix=".eyas-disk-probe-", dir=folder)
-    block = os.urandom(1 << 20)
-    for _ in range(want >> 20):
-        os.write(fd, block)
-    os.close(fd)
-    path = temp
-try:
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    buf, done = bytearray(16 << 20), 0
-    t0 = time.perf_counter()
-    while done < want:
-        got = os.preadv(fd, [memoryview(buf)[:min(len(buf), want - done)]], done)
-        if got <= 0:
-            break
-        done += got
-    seconds = time.perf_counter() - t0
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
-finally:
-    if temp:
-        os.unlink(temp)
-rate = done / max(seconds, 1e-9)
-print(json.dumps({"bytes_per_s": rate, "bytes": done, "file": path, "temp": bool(temp)}))
-"""
 
 
 def check_disk_rate(
@@ -81,7 +43,7 @@ def check_disk_rate(
     where = shlex.quote(str(folder))
     command = (
         f'd={where}; while [ ! -d "$d" ]; do d=$(dirname "$d"); done; '
-        f'{shlex.quote(python)} -c {shlex.quote(DISK_PROBE_CODE)} "$d" {DISK_PROBE_BYTES}'
+        f'{shlex.quote(python)} -c {shlex.quote(source("disk_probe"))} "$d" {DISK_PROBE_BYTES}'
     )
     if remote:
         r = run_on(hosts[0], "training.distributed.hosts.0", command, problems)

@@ -15,19 +15,9 @@ import shlex
 import tempfile
 from pathlib import Path
 
+from eyas.remote import source
 from eyas.server.hosts import Host
 from eyas.server.patch_sets import PatchError
-
-_IMPORT_CHECK = r"""
-import json, sys
-sys.path[:] = [sys.argv[1]] + [p for p in sys.path if p]
-try:
-    import eyas_sglang_hook
-except BaseException as e:
-    print(json.dumps({"error": f"{type(e).__name__}: {e}", "missing": getattr(e, "name", None)}))
-else:
-    print(json.dumps({"error": None, "file": eyas_sglang_hook.__file__}))
-"""
 
 
 def check_modules_import(
@@ -41,7 +31,7 @@ def check_modules_import(
             for name, data in modules.items():
                 (Path(tmp) / name).write_bytes(data)
                 host.put(Path(tmp) / name, f"{staging}/{name}")
-        cmd = " ".join(shlex.quote(a) for a in [python, "-c", _IMPORT_CHECK, staging])
+        cmd = " ".join(shlex.quote(a) for a in [python, "-c", source("hook_import"), staging])
         r = host.run(cmd, check=False, timeout=300, env=env)
     finally:
         host.remove_tree(staging)

@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from eyas.remote import source
 from eyas.server.hosts import Host
 
 if TYPE_CHECKING:  # launch builds on this module
@@ -63,69 +64,11 @@ def verdict(host: Host, handle: ServerHandle) -> str:
     return "alive" if same and found.pgrp == handle.pid else "replaced"
 
 
-# Run on the server host with its own python3: no eyas import there (an SSH host has none).
-_DUMP_SCRIPT = r"""
-import json, os, re, shutil, sys, time
-action, path, name = sys.argv[1:4]
-MARK = ".eyas-owned"
-RID = re.compile(r"[A-Za-z0-9_.:-]+")
-REC = re.compile(r"\d{10}\.safetensors|\.\d{10}\.safetensors\.tmp-.+")
-def ours(e):
-    p = os.path.join(path, e)
-    if e == MARK:
-        return True
-    if os.path.islink(p) or not os.path.isdir(p) or not RID.fullmatch(e) or ".." in e:
-        return False
-    return all(REC.fullmatch(f) and not os.path.islink(os.path.join(p, f)) for f in os.listdir(p))
-def mark(created):
-    with open(os.path.join(path, MARK), "w") as f:
-        json.dump({"owner": "eyas", "what": "server.dump_dir", "created": created, "config": name,
-                   "at": time.strftime("%Y-%m-%dT%H:%M:%S")}, f)
-def records(entries):
-    for e in entries:
-        if e != MARK and ours(e):
-            shutil.rmtree(os.path.join(path, e))
-out = {}
-if not os.path.lexists(path):
-    if action == "prepare":
-        os.makedirs(path)
-        mark(True)
-    out["state"] = "created" if action == "prepare" else "absent"
-elif not os.path.isdir(path):
-    out = {"state": "refused", "foreign": [path + " is not a folder"]}
-else:
-    entries = sorted(os.listdir(path))
-    foreign = [e for e in entries if not ours(e)]
-    marker = os.path.join(path, MARK)
-    created = os.path.exists(marker) and json.load(open(marker)).get("created") is True
-    if action == "prepare":
-        if foreign:
-            out = {"state": "refused", "foreign": foreign[:5], "count": len(foreign)}
-        else:
-            records(entries)
-            if MARK not in entries:
-                mark(False)
-            out["state"] = "ready"
-    elif MARK not in entries:
-        out["state"] = "left alone: no " + MARK + " marker (not a folder eyas made)"
-    else:
-        records(entries)
-        if foreign:
-            out = {"state": "records removed; other files left", "foreign": foreign[:5],
-                   "count": len(foreign)}
-        elif created:
-            os.remove(marker)
-            os.rmdir(path)
-            out["state"] = "removed"
-        else:
-            out["state"] = "records removed (folder kept: eyas did not create it)"
-print(json.dumps(out))
-"""
-
-
 def _dump_dir(host: Host, python: str, action: str, path: str, name: str) -> dict:
     q = shlex.quote
-    r = host.run(f"{q(python)} -c {q(_DUMP_SCRIPT)} {action} {q(str(path))} {q(name)}", timeout=120)
+    r = host.run(
+        f"{q(python)} -c {q(source('dump_dir'))} {action} {q(str(path))} {q(name)}", timeout=120
+    )
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 

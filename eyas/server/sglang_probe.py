@@ -18,59 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.config import PipelineConfig
+from eyas.remote import sglang_install, source
 from eyas.server.hosts import Host
 from eyas.server.patch_sets import DUMP_MODULE, PatchError, available_versions
 
-STATE_NAME = ".eyas-patch.json"  #: in the sglang package folder; pip uninstall leaves it behind
+#: in the sglang package folder; pip uninstall leaves it behind
+STATE_NAME = sglang_install.STATE
 
 
 # ---------------------------------------------------------------------------------------------
 # What the host has: one probe through the server's python (importing neither sglang nor torch)
 # ---------------------------------------------------------------------------------------------
-
-_PROBE = r"""
-import hashlib, importlib.metadata as md, importlib.util as iu, json, os, sys
-sys.path[:] = [p for p in sys.path if p]  # not the login directory: what the server imports
-args = sys.argv[1:]
-out = {"python": sys.executable, "version": None, "package_dir": None, "site_dir": None,
-       "state": None, "sha256": {}, "writable": False, "target_config": None}
-if args[:1] == ["--target-config"]:
-    path, args = args[1], args[2:]
-    out["target_config"] = {"path": path}
-    try:
-        with open(path) as f:
-            out["target_config"]["architectures"] = json.load(f).get("architectures")
-    except FileNotFoundError:
-        out["target_config"]["missing"] = True
-    except (OSError, ValueError, AttributeError) as e:
-        out["target_config"]["error"] = f"{type(e).__name__}: {e}"
-try:
-    out["version"] = md.version("sglang")
-except md.PackageNotFoundError:
-    pass
-spec = iu.find_spec("sglang")
-if spec is not None and spec.submodule_search_locations:
-    pkg = list(spec.submodule_search_locations)[0]
-    site = os.path.dirname(pkg)
-    out.update(package_dir=pkg, site_dir=site,
-               writable=os.access(site, os.W_OK) and os.access(pkg, os.W_OK))
-    try:
-        with open(os.path.join(pkg, STATE)) as f:
-            out["state"] = json.load(f)
-    except FileNotFoundError:
-        pass
-    except ValueError as e:
-        out["state"] = {"unreadable": str(e)}
-    paths = args + [f["path"] for f in (out["state"] or {}).get("files", [])]
-    for rel in paths:
-        try:
-            with open(os.path.join(site, rel), "rb") as f:
-                out["sha256"][rel] = hashlib.sha256(f.read()).hexdigest()
-        except FileNotFoundError:
-            out["sha256"][rel] = None
-out["missing_modules"] = [m for m in ("torch", "safetensors") if iu.find_spec(m) is None]
-print(json.dumps(out))
-""".replace("STATE", repr(STATE_NAME))
 
 
 @dataclass
@@ -103,7 +61,7 @@ def probe(
     """Where sglang is installed for `python` on the host, its version, the sha256 of paths, and
     (with target_config) the `architectures` of that config.json on the host."""
     extra = ["--target-config", target_config] if target_config else []
-    cmd = " ".join(shlex.quote(a) for a in [python, "-c", _PROBE, *extra, *paths])
+    cmd = " ".join(shlex.quote(a) for a in [python, "-c", source("sglang_install"), *extra, *paths])
     r = host.run(cmd, check=False, timeout=120, env=env)
     if not r.ok:
         raise PatchError(
