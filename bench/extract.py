@@ -357,8 +357,7 @@ def wide_ratio(url: str, dump: Path, tmp: Path, pid: int, rounds: int = 2) -> di
             )
             print(
                 f"wide round {r}: plain {tokens / plain.wall:.0f} tok/s, extraction "
-                f"{tokens / ext.wall:.0f} tok/s, "
-                f"ratio {ratios[-1]:.3f}; {cpu[-1]}",
+                f"{tokens / ext.wall:.0f} tok/s, ratio {ratios[-1]:.3f}; {cpu[-1]}",
                 flush=True,
             )
     return {

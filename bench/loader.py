@@ -212,8 +212,7 @@ def bench_encoding(paths: list[Path], B: int, repeat: int, workers: list[int]) -
         }
         log(
             f"{paths[0].parent.name} {name}: warm {warm:.3f} s/batch ({nbytes / warm / 1e9:.2f} "
-            f"GB/s), "
-            f"cold {c:.3f} s ({nbytes / c / 1e9:.2f} GB/s)"
+            f"GB/s), cold {c:.3f} s ({nbytes / c / 1e9:.2f} GB/s)"
         )
     for w in workers:
         jobs = [next_batch() for _ in range(w * repeat)]

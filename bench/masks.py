@@ -101,8 +101,7 @@ def main() -> None:
         f"{len(convs)} conversations, {sum(lens)} tokens (median {int(np.median(lens))}), "
         f"{sum(sum(c) for c in convs)} scored; packed into {m.shape[0]} rows of {m.shape[1]}: "
         f"unscored share {unscored_share(m):.3f} (per row "
-        f"{m.mean(1).min():.3f}-{m.mean(1).max():.3f} scored) "
-        f"-> {args.out}"
+        f"{m.mean(1).min():.3f}-{m.mean(1).max():.3f} scored) -> {args.out}"
     )
 
 

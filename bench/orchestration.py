@@ -274,8 +274,7 @@ def scale_bookkeeping(num_shards: int, num_sequences: int, prefect_per_shard_s: 
     out["production_run_s"] = round(PRODUCTION_RUN_S)
     out["overhead_share_of_run"] = round(total / PRODUCTION_RUN_S, 5)
     print(
-        f"scale: {num_shards} shards, {num_sequences} sequences ({tokens / 1e6:.1f}M plan "
-        f"tokens, "
+        f"scale: {num_shards} shards, {num_sequences} sequences ({tokens / 1e6:.1f}M plan tokens, "
         f"{out['plan_mb']} MB of plans): plans {out['plan_write_s']} s, cache check "
         f"{out['cache_check_first_s']} s "
         f"(remembered {out['cache_check_remembered_s']} s), progress + dataset.json "

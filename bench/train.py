@@ -766,8 +766,7 @@ def run_variants(
         )
         log(
             f"variant {n} batch {B}: {med * 1e3:.1f} ms/step, {B * T / med:.0f} tok/s, peak "
-            f"{peaks[n]:.1f} GB, "
-            f"steps {out[-1]['step_s_all']}"
+            f"{peaks[n]:.1f} GB, steps {out[-1]['step_s_all']}"
         )
     return out
 
@@ -1170,8 +1169,7 @@ def run_from_shards(
         row = {"batch": B, "synthetic": syn}
         log(
             f"batch {B} synthetic: {syn['tokens_per_s_mean']:.0f} tok/s (mean of "
-            f"{len(syn['step_s_all'])} steps), "
-            f"peak {syn['peak_gb']:.1f} GB"
+            f"{len(syn['step_s_all'])} steps), peak {syn['peak_gb']:.1f} GB"
         )
         for enc in args.shard_encodings:
             data = ShardData(paths[enc], num_validation=0, ttt_steps=K)
@@ -1207,10 +1205,8 @@ def run_from_shards(
                 goals[name] = {"value": round(v, 4), "goal": ">= 0.97", "met": v >= 0.97}
                 log(
                     f"batch {B} {enc} {mode}: {r[mode]['tokens_per_s']:.0f} tok/s = {v:.1%} of "
-                    f"synthetic; waited "
-                    f"{r[mode]['wait_s_per_step'] * 1e3:.1f} ms/step (first step "
-                    f"{r[mode]['first_step_wait_s']:.2f} s), "
-                    f"steps {r[mode]['step_s_all']}"
+                    f"synthetic; waited {r[mode]['wait_s_per_step'] * 1e3:.1f} ms/step (first step "
+                    f"{r[mode]['first_step_wait_s']:.2f} s), steps {r[mode]['step_s_all']}"
                 )
             row[enc] = r
         figures["rows"].append(row)
@@ -1492,8 +1488,7 @@ def main() -> None:
     figures["trainable_params"] = sum(p.numel() for p in params)
     log(
         f"built in {time.perf_counter() - t0:.1f}s: {figures['trainable_params'] / 1e9:.3f}B "
-        f"trainable params, "
-        f"optimizer fused={opt.defaults.get('fused')}"
+        f"trainable params, optimizer fused={opt.defaults.get('fused')}"
     )
 
     if args.from_shards:
@@ -1593,8 +1588,7 @@ def main() -> None:
                 f"batch {B}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tok/s, "
                 f"{r['tflops']:.0f} TFLOP/s, "
                 f"MFU {r['mfu_datasheet']:.1%} (of GEMM {r['mfu_measured_gemm']:.1%}), peak "
-                f"{r['peak_gb']:.1f} GB, "
-                f"losses {r['losses']}"
+                f"{r['peak_gb']:.1f} GB, losses {r['losses']}"
             )
         else:
             log(f"batch {B}: {r}")
@@ -1636,8 +1630,7 @@ def main() -> None:
         log(
             f"mask {name} batch {B} {v}: "
             + (
-                f"{r['step_s'] * 1e3:.1f} ms/step, "
-                f"{r['tokens_per_s']:.0f} tok/s, "
+                f"{r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tok/s, "
                 f"unscored {r['unscored_share']:.3f}, rows {r['rows_share']:.3f}, peak "
                 f"{r['peak_gb']:.1f} GB"
                 if "tokens_per_s" in r

@@ -38,8 +38,7 @@ class DrafterConfig:
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
             raise InvalidInput(
-                f"DrafterConfig: num_attention_heads={self.num_attention_heads} is "
-                f"not a "
+                f"DrafterConfig: num_attention_heads={self.num_attention_heads} is not a "
                 f"multiple of num_key_value_heads={self.num_key_value_heads}"
             )
         if self.draft_vocab_size > self.vocab_size:

@@ -68,8 +68,7 @@ def server_layer_ids(capture_ids: list[int], architecture: str | None = None) ->
     asked = [i - 1 for i in ids] if architecture in PLUS_ONE_ARCHITECTURES else ids
     if any(i < 0 for i in asked) or captured_layer_ids(asked, architecture) != ids:
         raise ValueError(
-            f"capture-before layers {ids} cannot be asked of "
-            f"{architecture or 'DeepSeek-V2'}'s "
+            f"capture-before layers {ids} cannot be asked of {architecture or 'DeepSeek-V2'}'s "
             f"rule (a list starting with 1 is shifted by "
             f"+1{'; every id by +1' if asked != ids else ''})"
         )
@@ -106,8 +105,7 @@ def check_rid(rid: str) -> str:
     """Return rid if it is safe as a folder name, else raise ValueError saying why."""
     if isinstance(rid, str) and len(rid) > MAX_RID_LENGTH:
         raise ValueError(
-            f"invalid rid {rid[:40]!r}...: {len(rid)} characters, at most "
-            f"{MAX_RID_LENGTH} "
+            f"invalid rid {rid[:40]!r}...: {len(rid)} characters, at most {MAX_RID_LENGTH} "
             f"(it names the dump folder <dump_dir>/<rid>)"
         )
     if not isinstance(rid, str) or not _RID_RE.fullmatch(rid):
@@ -206,16 +204,13 @@ class DumpWriter:
         k = len(self.layer_ids)
         if token_ids.dim() != 1 or last_hidden_state.dim() != 2 or last_hidden_state.shape[0] != n:
             raise ValueError(
-                f"rid {rid} @ {prefix_offset}: token_ids must be [n] and "
-                f"last_hidden_state "
-                f"[n, H]; got {tuple(token_ids.shape)} and "
-                f"{tuple(last_hidden_state.shape)}"
+                f"rid {rid} @ {prefix_offset}: token_ids must be [n] and last_hidden_state "
+                f"[n, H]; got {tuple(token_ids.shape)} and {tuple(last_hidden_state.shape)}"
             )
         hidden = last_hidden_state.shape[1]
         if tuple(aux_hidden_states.shape) != (n, k * hidden):
             raise ValueError(
-                f"rid {rid} @ {prefix_offset}: aux_hidden_states must be [{n}, "
-                f"{k}*{hidden}] "
+                f"rid {rid} @ {prefix_offset}: aux_hidden_states must be [{n}, {k}*{hidden}] "
                 f"for {k} layers, got {tuple(aux_hidden_states.shape)}"
             )
 
@@ -496,8 +491,7 @@ def validate(  # noqa: C901
         if rec.prefix_offset > pos:
             raise DumpError(
                 rid,
-                f"positions {pos}..{rec.prefix_offset - 1} are missing (gap "
-                f"before "
+                f"positions {pos}..{rec.prefix_offset - 1} are missing (gap before "
                 f"the {where}); a radix-cache prefix hit looks like this: run the "
                 f"server with --disable-radix-cache",
             )

@@ -45,11 +45,8 @@ def disk_full(path: str | Path, e: OSError) -> DiskFull:
         free = f"free bytes unknown: {why.strerror}"
     return DiskFull(
         e.errno,
-        f"disk full writing {path}: {free} in {path.parent} "
-        f"({os.strerror(e.errno)}); "
-        f"the partial file was removed. Free space there (or move the output) "
-        f"and run "
-        f"again",
+        f"disk full writing {path}: {free} in {path.parent} ({os.strerror(e.errno)}); "
+        f"the partial file was removed. Free space there (or move the output) and run again",
         str(path),
     )
 

@@ -224,8 +224,7 @@ def _estimate_large(path: Path, size: int, data: DataConfig, tokenizer) -> DataC
         tokens,
         turns,
         convs,
-        f"estimated: {size / 1e6:,.1f} MB, {lines:,} "
-        f"lines, "
+        f"estimated: {size / 1e6:,.1f} MB, {lines:,} lines, "
         f"{ratio:.2f} B/token in its first {len(sample)} records ({how})",
     )
 
@@ -345,8 +344,7 @@ def make_plan(
                     "regenerate",
                     made,
                     p.decode_tokens_per_s * servers,
-                    f"{count.assistant_turns:,} turns x up to "
-                    f"{cfg.data.regenerate.max_new_tokens} "
+                    f"{count.assistant_turns:,} turns x up to {cfg.data.regenerate.max_new_tokens} "
                     f"new tokens at {p.decode_tokens_per_s:,.0f} tokens/s x {servers}",
                 )
             )
@@ -357,10 +355,8 @@ def make_plan(
                 "train",
                 int(seqs * per_seq),
                 p.train_tokens_per_s * world,
-                f"{t.max_steps:,} steps x {t.batch_size * t.grad_accum * world} "
-                f"sequences x "
-                f"{per_seq:,.0f} tokens at {p.train_tokens_per_s:,.0f} tokens/s x "
-                f"{world} "
+                f"{t.max_steps:,} steps x {t.batch_size * t.grad_accum * world} sequences x "
+                f"{per_seq:,.0f} tokens at {p.train_tokens_per_s:,.0f} tokens/s x {world} "
                 f"process(es); {seqs / max(count.sequences, 1):.1f} epochs",
             )
         )
@@ -405,8 +401,7 @@ def plan_lines(plan: Plan, cfg: PipelineConfig) -> list[str]:
             f"  shards     {plan.num_shards} x {per_shard / GB:,.3f} GB = "
             f"{plan.total_bytes / GB:,.2f} GB "
             f"({plan.bytes_per_token:,} B/token: {len(cfg.target.layer_ids)} aux layers + "
-            f"the last, "
-            f"{x.dtype} {x.encoding})"
+            f"the last, {x.dtype} {x.encoding})"
         )
     if plan.free_bytes is not None:
         out.append(
@@ -417,8 +412,7 @@ def plan_lines(plan: Plan, cfg: PipelineConfig) -> list[str]:
         out.append(f"  {s.name:<10} {s.hours:,.2f} h: {s.tokens:,} tokens ({s.detail})")
     if plan.stages:
         out.append(
-            f"  total      {sum(s.hours for s in plan.stages):,.2f} h (stages only: no "
-            f"loading, "
+            f"  total      {sum(s.hours for s in plan.stages):,.2f} h (stages only: no loading, "
             f"export, evaluation or serving benchmark)"
         )
     if plan.read_bytes_per_s is not None:
@@ -429,8 +423,7 @@ def plan_lines(plan: Plan, cfg: PipelineConfig) -> list[str]:
             else f"; {plan.disk_probe or 'the shard folder not probed'}"
         )
         out.append(
-            f"  reading    {plan.read_bytes_per_s / GB:,.2f} GB/s of shards per training "
-            f"node "
+            f"  reading    {plan.read_bytes_per_s / GB:,.2f} GB/s of shards per training node "
             f"({t.distributed.nproc_per_node} process(es) x plan.train_tokens_per_s="
             f"{cfg.plan.train_tokens_per_s:g} x {plan.bytes_per_token:,} B/token, {x.dtype} "
             f"{x.encoding}){disk}"
@@ -446,8 +439,7 @@ def plan_lines(plan: Plan, cfg: PipelineConfig) -> list[str]:
         out.append(
             f"  memory     {plan.train_memory_gb:,.1f} GB per training process {limit} at "
             f"training.batch_size="
-            f"{t.batch_size} x data.max_length={cfg.data.max_length}, TTT {t.ttt_steps}: "
-            f"{parts} "
+            f"{t.batch_size} x data.max_length={cfg.data.max_length}, TTT {t.ttt_steps}: {parts} "
             f"({plan.trainable_params / 1e6:,.1f} M trainable parameters)"
         )
     if plan.memory_by_length:
@@ -466,8 +458,7 @@ def plan_lines(plan: Plan, cfg: PipelineConfig) -> list[str]:
             else ""
         )
         out.append(
-            f"  by length  GB per training process at batch "
-            f"{'/'.join(map(str, PLAN_BATCHES))} "
+            f"  by length  GB per training process at batch {'/'.join(map(str, PLAN_BATCHES))} "
             f"by data.max_length: {rows}{over}"
         )
     return out

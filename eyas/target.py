@@ -111,8 +111,7 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
             f"{path}: the tokenizer is code the folder ships ({remote}, named by "
             f"tokenizer_config.json's "
             f"auto_map), which eyas runs only with target.trust_remote_code: true (it is off: set "
-            f"it, or "
-            f"leave it unset with server.backend sglang)"
+            f"it, or leave it unset with server.backend sglang)"
         ) from e
     if not tok.chat_template:
         raise InvalidInput(f"{path}: the tokenizer has no chat_template; the loss mask needs one")

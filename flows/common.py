@@ -196,12 +196,9 @@ def _refuse_secrets(raw: dict, where: str) -> None:
         named.append("server.launch_args (--api-key)")
     if named:
         raise ConfigError(
-            f"{where} carries secret values ({', '.join(named)}): a flow run's "
-            f"parameters are "
-            f"stored in the Prefect database as sent. Keep secrets in a config file "
-            f"on the worker "
-            f"(server.secret_env) or in the worker's environment (server.env_from), "
-            f"and treat "
+            f"{where} carries secret values ({', '.join(named)}): a flow run's parameters are "
+            f"stored in the Prefect database as sent. Keep secrets in a config file on the worker "
+            f"(server.secret_env) or in the worker's environment (server.env_from), and treat "
             f"these values as leaked"
         )
 

@@ -146,8 +146,7 @@ def _relaunch_if_dead(cfg, up, deaths: list[str], stage: Stopwatch):
     deaths.append(reason)
     if len(deaths) > 1:
         raise ServerDied(
-            f"the target server died during extraction ({deaths[0]}), was relaunched, "
-            f"and died "
+            f"the target server died during extraction ({deaths[0]}), was relaunched, and died "
             f"again ({deaths[1]})"
         ) from None
     get_run_logger().warning(

@@ -42,8 +42,7 @@ def crash_dead_runs(previous_holder: str) -> list[str]:
             seen.add(run.id)
             if run.state is not None and not run.state.is_final():
                 message = (
-                    f"Crashed: its process (pid {previous_holder.split(' ', 1)[0]}) died "
-                    f"without "
+                    f"Crashed: its process (pid {previous_holder.split(' ', 1)[0]}) died without "
                     f"reporting; found when a later run took its output directory"
                 )
                 client.set_flow_run_state(run.id, Crashed(message=message), force=True)

@@ -43,8 +43,7 @@ _COMMON = [
 LAUNCH_ARGS = {"0.5.23": [*_COMMON, "--attention-backend", "torch_native"], "0.5.18": _COMMON}
 _PROBE = (
     "import importlib.metadata as m, sgl_kernel, sglang, torch; "
-    "print(m.version('sglang')); print(hasattr(torch.ops.sgl_kernel, "
-    "'extend_attention_cpu'))"
+    "print(m.version('sglang')); print(hasattr(torch.ops.sgl_kernel, 'extend_attention_cpu'))"
 )
 
 
@@ -280,8 +279,7 @@ def compare_with_transformers(
                         f"{path.name} sample {i} {name}: relative error {err:.4f} against "
                         f"transformers in "
                         f"float32, where its bf16 forward is {ref:.4f} off; the captured blocks "
-                        f"match "
-                        f"{which_layers(cfg.target.checkpoint, sample, reader.num_aux)}"
+                        f"match {which_layers(cfg.target.checkpoint, sample, reader.num_aux)}"
                     )
                 # row by row too: no token may be further off than bf16 leaves the worst one
                 cos = [

@@ -108,10 +108,8 @@ class BenchmarkConfig(StrictModel):
         for name in self.server_env:
             if looks_secret(name):
                 raise ValueError(
-                    f"server_env.{name} looks like a secret, and env values are shown "
-                    f"and stored: "
-                    f"use server.env_from or server.secret_env (the serving launches "
-                    f"get them too)"
+                    f"server_env.{name} looks like a secret, and env values are shown and stored: "
+                    f"use server.env_from or server.secret_env (the serving launches get them too)"
                 )
         if (
             self.speculative_eagle_topk == 1

@@ -91,14 +91,12 @@ def _check_server_folders(cfg: PipelineConfig, source: str) -> None:
         )
         if why:
             raise ConfigError(
-                f"{source}: {field}: {p} {why}; eyas writes files there (and empties "
-                f"the dump "
+                f"{source}: {field}: {p} {why}; eyas writes files there (and empties the dump "
                 f"folder): give it a folder of its own, e.g. {p / 'eyas'}"
             )
     if dump == work or dump in work.parents:
         raise ConfigError(
-            f"{source}: server.dump_dir: {dump} holds server.workdir {work} (the log "
-            f"and the "
+            f"{source}: server.dump_dir: {dump} holds server.workdir {work} (the log and the "
             f"launch record); eyas empties the dump folder: use a folder of its own, "
             f"e.g. {work / 'dump'}"
         )

@@ -55,10 +55,8 @@ class PipelineConfig(StrictModel):
     def _target_stays_in_sglang(self) -> "PipelineConfig":
         if self.evaluation.method == "in_process" and self.server.backend == "sglang":
             raise ValueError(
-                "evaluation.method: in_process loads the whole target into this "
-                "process; with "
-                "server.backend sglang only SGLang loads it: use evaluation.method: "
-                "server"
+                "evaluation.method: in_process loads the whole target into this process; with "
+                "server.backend sglang only SGLang loads it: use evaluation.method: server"
             )
         return self
 
@@ -69,8 +67,7 @@ class PipelineConfig(StrictModel):
         ):
             raise ValueError(
                 f"benchmark.reference_backend: {self.benchmark.reference_backend} "
-                f"serves the drafter on "
-                f"eyas's own server beside SGLang on this machine: it needs "
+                f"serves the drafter on eyas's own server beside SGLang on this machine: it needs "
                 f"server.backend sglang on a "
                 f"local host, got {self.server.backend} on {self.server.host.kind}"
             )
@@ -82,8 +79,7 @@ class PipelineConfig(StrictModel):
             set(self.server.secret_env) | set(self.server.env_from)
         ):
             raise ValueError(
-                f"benchmark.server_env: {sorted(twice)} also set in server.secret_env "
-                f"or "
+                f"benchmark.server_env: {sorted(twice)} also set in server.secret_env or "
                 f"server.env_from"
             )
         return self

@@ -72,16 +72,14 @@ class ServerConfig(StrictModel):
         for name in self.env:
             if looks_secret(name):
                 raise ValueError(
-                    f"server.env.{name} looks like a secret, and env values are shown "
-                    f"and stored: "
+                    f"server.env.{name} looks like a secret, and env values are shown and stored: "
                     f"use server.env_from (copied from the worker's environment) or "
                     f"server.secret_env"
                 )
         for name in self.capture_env:
             if looks_secret(name):
                 raise ValueError(
-                    f"server.capture_env.{name} looks like a secret, and env values "
-                    f"are shown and "
+                    f"server.capture_env.{name} looks like a secret, and env values are shown and "
                     f"stored: use server.env_from or server.secret_env"
                 )
         plain, secret, copied = (
@@ -91,8 +89,7 @@ class ServerConfig(StrictModel):
         )
         if twice := (plain & secret) | (plain & copied) | (secret & copied):
             raise ValueError(
-                f"server: {sorted(twice)} set in more than one of env, secret_env, "
-                f"env_from "
+                f"server: {sorted(twice)} set in more than one of env, secret_env, env_from "
                 f"(capture_env counts as env)"
             )
         return self

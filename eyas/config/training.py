@@ -129,10 +129,8 @@ class TrainingConfig(StrictModel):
         differ."""
         if isinstance(raw, dict) and "num_heldout" in raw:
             raise ValueError(
-                "num_heldout is not a training setting: the shard sequences kept out "
-                "of training "
-                "are training.num_validation_sequences; the conversations kept back "
-                "as "
+                "num_heldout is not a training setting: the shard sequences kept out of training "
+                "are training.num_validation_sequences; the conversations kept back as "
                 "evaluation prompts are data.num_heldout"
             )
         return raw

@@ -41,8 +41,7 @@ def _shard_capture_ids(shard_meta: dict) -> list[int]:
     if ids is None or conv is None:
         raise InvalidInput(
             "refusing to export: the shard manifest does not record layer_ids and "
-            f"layer_convention (got layer_ids={ids!r}, layer_convention={conv!r}), so "
-            f"the "
+            f"layer_convention (got layer_ids={ids!r}, layer_convention={conv!r}), so the "
             "layers the drafter was trained on cannot be checked"
         )
     if conv not in ("capture-before", "output-of"):
@@ -52,8 +51,7 @@ def _shard_capture_ids(shard_meta: dict) -> list[int]:
     capture = [i + (1 if conv == "output-of" else 0) for i in ids]
     if "capture_ids" in shard_meta and list(shard_meta["capture_ids"]) != capture:
         raise InvalidInput(
-            f"refusing to export: the shard manifest contradicts itself: layer_ids "
-            f"{ids} "
+            f"refusing to export: the shard manifest contradicts itself: layer_ids {ids} "
             f"({conv}) but capture_ids {shard_meta['capture_ids']}"
         )
     return capture
@@ -70,11 +68,8 @@ def check_layer_ids(
     shards = _shard_capture_ids(shard_meta)
     if shards != capture:
         raise InvalidInput(
-            f"refusing to export: the shards were captured at layers {shards} "
-            f"(capture-before) "
-            f"but target.layer_ids {target.layer_ids} ({target.layer_convention}) "
-            f"means "
-            f"{capture}"
+            f"refusing to export: the shards were captured at layers {shards} (capture-before) "
+            f"but target.layer_ids {target.layer_ids} ({target.layer_convention}) means {capture}"
         )
     if trained is not None and trained.get("capture_ids") != capture:
         raise InvalidInput(
@@ -87,18 +82,14 @@ def check_layer_ids(
         )
     if capture[0] == 1:
         raise InvalidInput(
-            f"refusing to export: capture-before ids {capture} start with 1, which "
-            f"SGLang "
-            f"reads as output-of ids and shifts to {[i + 1 for i in capture]}; choose "
-            f"layers "
+            f"refusing to export: capture-before ids {capture} start with 1, which SGLang "
+            f"reads as output-of ids and shifts to {[i + 1 for i in capture]}; choose layers "
             f"whose first capture id is not 1"
         )
     if num_target_layers is not None and capture[-1] >= num_target_layers:
         raise InvalidInput(
-            f"refusing to export: capture id {capture[-1]} is not the input of any of "
-            f"the "
-            f"target's {num_target_layers} layers (SGLang cannot capture the last "
-            f"layer's output)"
+            f"refusing to export: capture id {capture[-1]} is not the input of any of the "
+            f"target's {num_target_layers} layers (SGLang cannot capture the last layer's output)"
         )
     return capture
 

@@ -597,15 +597,13 @@ def reference_markdown(reference: dict) -> str:
     """The same drafter served by the reference backend: acceptance beside the served one."""
     rows = [
         f"| {chain} | {name} | {x['served_acceptance_length']:.3f} | "
-        f"{x['acceptance_length']:.3f} | "
-        f"{x['relative_difference']:+.1%} |"
+        f"{x['acceptance_length']:.3f} | {x['relative_difference']:+.1%} |"
         for chain, sets in reference["chains"].items()
         for name, x in sets.items()
     ]
     return (
         f"## The same drafter on {reference['backend']}\n\n| chain | prompt set | acceptance "
-        f"served | "
-        f"acceptance on {reference['backend']} | difference "
+        f"served | acceptance on {reference['backend']} | difference "
         f"|\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
     )
 
@@ -614,13 +612,11 @@ def markdown(result: ServeBenchResult) -> str:
     """The Prefect artifact: acceptance per chain and set, then plain vs speculative speed."""
     b = result.settings
     text = (
-        f"# Serving with the drafter\n\n**Acceptance length {result.acceptance_length:.3f}** "
-        f"at "
+        f"# Serving with the drafter\n\n**Acceptance length {result.acceptance_length:.3f}** at "
         f"{result.headline_chain} on the held-out prompts (served; outputs identical to plain "
         f"serving: {result.identical_to_target})\n\n{benchmarks_markdown(benchmarks(result))}\n"
         f"Acceptance: each prompt alone, greedy, up to {b['evaluation']['max_new_tokens']} new "
-        f"tokens; "
-        f"speed-up: that pass's output tokens/s over the plain server's.\n"
+        f"tokens; speed-up: that pass's output tokens/s over the plain server's.\n"
     )
     if result.reference:
         text += "\n" + reference_markdown(result.reference)

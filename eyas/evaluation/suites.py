@@ -71,8 +71,7 @@ def locate(name: str) -> tuple[Path, dict]:
         dist = metadata.distribution(suite.package)
     except metadata.PackageNotFoundError:
         raise SuiteUnavailable(
-            f"benchmark suite {name!r} needs the package {suite.package}, which "
-            f"is not "
+            f"benchmark suite {name!r} needs the package {suite.package}, which is not "
             f"installed: {suite.install}"
         ) from None
     path = Path(dist.locate_file(suite.file))

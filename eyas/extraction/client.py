@@ -402,8 +402,7 @@ class ServerPool:
                         self._changed.notify_all()
         raise RequestFailed(
             rid,
-            f"failed after {self.retries + 1} attempts in "
-            f"{time.monotonic() - t0:.1f}s; "
+            f"failed after {self.retries + 1} attempts in {time.monotonic() - t0:.1f}s; "
             f"last errors: {tried[-3:]}",
             transient=True,
         )
@@ -430,10 +429,8 @@ class ServerPool:
                 self._last_progress = time.monotonic()
                 continue
             self._stalled = (
-                f"server stalled: no reply for {quiet:.0f} s "
-                f"(extraction.stall_timeout_s="
-                f"{self.stall_timeout_s:g}; {self.completed} request(s) completed "
-                f"before; "
+                f"server stalled: no reply for {quiet:.0f} s (extraction.stall_timeout_s="
+                f"{self.stall_timeout_s:g}; {self.completed} request(s) completed before; "
                 f"{'; '.join(why for _, why in health)})"
             )
             self._warn_callers(

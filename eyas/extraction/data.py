@@ -90,9 +90,8 @@ def _check_messages(record: Any, where: str) -> list[dict[str, str]]:
             raise DataError(
                 f"{where}: message {j} ({m['role']}): lone surrogate "
                 f"U+{ord(m['content'][e.start]):04X} "
-                f"at character {e.start} is not Unicode text (half of a UTF-16 pair in "
-                f"a JSON "
-                f"\\u escape)"
+                f"at character {e.start} is not Unicode text (half of a UTF-16 pair in a JSON \\u "
+                f"escape)"
             ) from None
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: no assistant turn, so nothing to train on")
@@ -121,8 +120,7 @@ def _check_tokenized(record: dict, where: str, vocab_size: int | None) -> Tokeni
     if not isinstance(mask, list) or len(mask) != len(ids):
         raise DataError(
             f"{where}: 'loss_mask' must be a list as long as input_ids ({len(ids)}), "
-            f"got {type(mask).__name__} of length "
-            f"{len(mask) if isinstance(mask, list) else '-'}"
+            f"got {type(mask).__name__} of length {len(mask) if isinstance(mask, list) else '-'}"
         )
     if any(m not in (0, 1) or isinstance(m, bool) for m in mask):
         raise DataError(f"{where}: 'loss_mask' must hold only 0 and 1")
@@ -158,8 +156,7 @@ def load_records(
                     # json's own message ends "... at" for some faults ("Invalid control character
                     # at")
                     raise DataError(
-                        f"{where}:{e.colno}: malformed JSON "
-                        f"({e.msg.removesuffix(' at')} at column "
+                        f"{where}:{e.colno}: malformed JSON ({e.msg.removesuffix(' at')} at column "
                         f"{e.colno})"
                     ) from None
                 if isinstance(raw, dict) and "input_ids" in raw and "messages" not in raw:
@@ -173,8 +170,7 @@ def load_records(
     if not records:
         if skipped:
             raise DataError(
-                f"{path}: no usable conversations in the file ({len(skipped)} bad "
-                f"line(s) "
+                f"{path}: no usable conversations in the file ({len(skipped)} bad line(s) "
                 f"skipped, e.g. {skipped[:3]})"
             )
         raise DataError(f"{path}: no conversations in the file (it is empty)")
@@ -187,8 +183,7 @@ def _decode_line(raw: bytes, where: str) -> str:
     except UnicodeDecodeError as e:
         raise DataError(
             f"{where}:{e.start + 1}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
-            f"column {e.start + 1}: "
-            f"{e.reason}); data files are UTF-8 JSONL"
+            f"column {e.start + 1}: {e.reason}); data files are UTF-8 JSONL"
         ) from None
 
 
@@ -241,8 +236,7 @@ def _render_error(tokenizer, messages: list[dict[str, str]], where: str, error: 
         except Exception as e:  # noqa: BLE001 - any failure is the data's, reported with its line
             return (
                 f"{where}: message {j} ({messages[j].get('role')}): the tokenizer or chat "
-                f"template fails "
-                f"on it ({type(e).__name__}: {e})"
+                f"template fails on it ({type(e).__name__}: {e})"
             )
     return (
         f"{where}: the tokenizer or chat template fails on this conversation "
@@ -361,12 +355,9 @@ class _LengthPolicy:
             self.limit is not None and len(s.input_ids) >= self.limit
         ):  # the server would refuse it (SGLang: >=)
             return self.skip(
-                f"{r.where}: {len(s.input_ids)} tokens (after data.overlong "
-                f"{cfg.overlong} at "
-                f"data.max_length {cfg.max_length}) are too many for the target (its "
-                f"tokenizer's "
-                f"model_max_length is {self.limit}; a server takes fewer); set "
-                f"data.max_length "
+                f"{r.where}: {len(s.input_ids)} tokens (after data.overlong {cfg.overlong} at "
+                f"data.max_length {cfg.max_length}) are too many for the target (its tokenizer's "
+                f"model_max_length is {self.limit}; a server takes fewer); set data.max_length "
                 f"below {self.limit}"
             )
         return s

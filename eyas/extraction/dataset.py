@@ -81,8 +81,7 @@ def check_disk_space(
         raise DiskSpaceError(
             f"{output_dir}: extraction needs {needed_bytes / 1e9:.2f} GB more and must leave "
             f"extraction.keep_free_gb={keep_free_gb} GB free, but the disk has {free / 1e9:.2f} GB "
-            f"free "
-            f"(short by {(needed_bytes + reserve - free) / 1e9:.2f} GB); free space, point "
+            f"free (short by {(needed_bytes + reserve - free) / 1e9:.2f} GB); free space, point "
             f"extraction.output_dir elsewhere, or use extraction.encoding: fp8_e4m3 (about half "
             f"the bytes)"
         )

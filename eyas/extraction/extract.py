@@ -286,10 +286,8 @@ class _ShardJob:
                 )
             elif got_meta["last_hidden_norm"] != self.norm:
                 raise ExtractionError(
-                    f"{self.plan.name}: the server's last_hidden_norm changed "
-                    f"from "
-                    f"{self.norm!r} to {got_meta['last_hidden_norm']!r} within "
-                    f"the shard"
+                    f"{self.plan.name}: the server's last_hidden_norm changed from "
+                    f"{self.norm!r} to {got_meta['last_hidden_norm']!r} within the shard"
                 )
             return self.writer
 
@@ -319,10 +317,8 @@ class _ShardJob:
                 captured = _capture_ids(got)
                 if captured != list(self.capture_ids):
                     raise ExtractionError(
-                        f"{where}: server {reply.endpoint.url} captured layers "
-                        f"{captured} "
-                        f"({got.get('layer_convention')}), config expects "
-                        f"capture-before "
+                        f"{where}: server {reply.endpoint.url} captured layers {captured} "
+                        f"({got.get('layer_convention')}), config expects capture-before "
                         f"{list(self.capture_ids)}"
                     )
                 w = self.writer_for(got, got["hidden_size"])

@@ -61,8 +61,7 @@ def probe_visible(host: Host, path: str | Path) -> tuple[bool, str]:
     r = host.run(
         f'd={q(str(path))}; while [ ! -d "$d" ]; do d=$(dirname "$d"); done; '
         f'p="$d/{PROBE_PREFIX}{token}"; mkdir "$p" && '
-        f'printf %s {token} > "$p/.0000000000.safetensors.tmp-{token}" && printf %s '
-        f'"$d"',
+        f'printf %s {token} > "$p/.0000000000.safetensors.tmp-{token}" && printf %s "$d"',
         timeout=60,
     )
     folder = PurePosixPath(r.stdout.strip()) / f"{PROBE_PREFIX}{token}"

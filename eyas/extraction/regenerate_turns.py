@@ -91,8 +91,7 @@ def thinking_for(tokenizer, cfg: RegenerateConfig) -> Thinking | None:
         off = render_chat(tokenizer, probe, add_generation_prompt=True, **{name: False})
     except Exception as e:  # noqa: BLE001 - the template's own error, with the setting that led to it
         raise RegenerationError(
-            f"data.regenerate.thinking: the chat template fails with "
-            f"{name}=True/False "
+            f"data.regenerate.thinking: the chat template fails with {name}=True/False "
             f"({type(e).__name__}: {e})"
         ) from e
     if on == off:
@@ -101,18 +100,15 @@ def thinking_for(tokenizer, cfg: RegenerateConfig) -> Thinking | None:
             f"generation "
             f"prompt with {name}=True and {name}=False: it has no switch named {name!r} (set "
             f"data.regenerate.thinking_kwarg to the template's name for it, or thinking to null "
-            f"for a target "
-            f"that does not think)"
+            f"for a target that does not think)"
         )
     ids = []
     for tag in (THINK_START, THINK_END):
         encoded = tokenizer.encode(tag, add_special_tokens=False)
         if len(encoded) != 1:
             raise RegenerationError(
-                f"data.regenerate.thinking: the tokenizer spells {tag} as "
-                f"{len(encoded)} "
-                f"tokens {encoded}, not one: eyas finds the reasoning span by "
-                f"its tags' ids"
+                f"data.regenerate.thinking: the tokenizer spells {tag} as {len(encoded)} "
+                f"tokens {encoded}, not one: eyas finds the reasoning span by its tags' ids"
             )
         ids.append(int(encoded[0]))
     return Thinking({name: bool(cfg.thinking)}, ids[0], ids[1])

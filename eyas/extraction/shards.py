@@ -241,11 +241,9 @@ class ShardWriter:
         ):
             raise ShardError(
                 f"{self.path}: sample {i} rows {start}..{start + n - 1}: shapes ids "
-                f"{tuple(input_ids.shape)}, aux {tuple(aux.shape)}, last "
-                f"{tuple(last.shape)}; "
+                f"{tuple(input_ids.shape)}, aux {tuple(aux.shape)}, last {tuple(last.shape)}; "
                 f"expected a slice of the planned "
-                f"{self.lengths[i] if 0 <= i < len(self.lengths) else '?'} "
-                f"tokens with H={H}, K={K}"
+                f"{self.lengths[i] if 0 <= i < len(self.lengths) else '?'} tokens with H={H}, K={K}"
             )
         row = int(self.offsets[i]) + start
         if self.encoding == "fp8_e4m3":
@@ -267,8 +265,7 @@ class ShardWriter:
             self._covered[i] += n
             if self._covered[i] > self.lengths[i]:
                 raise ShardError(
-                    f"{self.path}: sample {i} written twice ({self._covered[i]} rows "
-                    f"for "
+                    f"{self.path}: sample {i} written twice ({self._covered[i]} rows for "
                     f"{self.lengths[i]} tokens)"
                 )
             if self.fp8_error is not None:

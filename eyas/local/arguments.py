@@ -152,8 +152,7 @@ def _check_speculative(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         p.error(f"--speculative-num-steps must be >= 1, got {args.speculative_num_steps}")
     if args.speculative_eagle_topk != 1:
         p.error(
-            f"--speculative-eagle-topk {args.speculative_eagle_topk}: eyas-local drafts a "
-            f"chain "
+            f"--speculative-eagle-topk {args.speculative_eagle_topk}: eyas-local drafts a chain "
             f"(topk 1) only"
         )
     if args.speculative_num_draft_tokens is None:
@@ -161,6 +160,5 @@ def _check_speculative(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.speculative_num_draft_tokens != args.speculative_num_steps + 1:
         p.error(
             f"--speculative-num-draft-tokens must be num-steps + 1 = "
-            f"{args.speculative_num_steps + 1} "
-            f"with topk 1, got {args.speculative_num_draft_tokens}"
+            f"{args.speculative_num_steps + 1} with topk 1, got {args.speculative_num_draft_tokens}"
         )

@@ -121,10 +121,8 @@ def _inject_fault(fault: str, shard: int, num_shards: int, path: Path) -> None:
             raise torch.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate 1.75 GiB. GPU 0 has a total capacity of "
                 "79.19 GiB of which 1.02 GiB is free. Including non-PyTorch memory, this process "
-                "has "
-                "78.16 GiB memory in use. Of the allocated memory 76.90 GiB is allocated by "
-                "PyTorch, "
-                "and 512.00 MiB is reserved by PyTorch but unallocated. If reserved but "
+                "has 78.16 GiB memory in use. Of the allocated memory 76.90 GiB is allocated by "
+                "PyTorch, and 512.00 MiB is reserved by PyTorch but unallocated. If reserved but "
                 "unallocated "
                 "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to "
                 "avoid fragmentation.  See documentation for Memory Management  "
@@ -235,8 +233,7 @@ def resolve_capture_ids(ids: list[int] | None, num_layers: int) -> list[int]:
     if max(ids) >= num_layers:
         # HF hidden_states[L] is the post-norm output, which SGLang cannot capture either.
         raise InvalidInput(
-            f"aux layer id {max(ids)} out of range: the model has {num_layers} "
-            f"layers, "
+            f"aux layer id {max(ids)} out of range: the model has {num_layers} layers, "
             f"so capture ids go up to {num_layers - 1}"
         )
     return sorted(ids)
@@ -258,8 +255,7 @@ def _think_ids(tokenizer, vocab_size: int) -> tuple[int, int]:
         encoded = tokenizer.encode(tag, add_special_tokens=False)
         if len(encoded) != 1 or not 0 <= encoded[0] < vocab_size:
             raise InvalidInput(
-                f"--think-tokens: the tokenizer spells {tag} as {encoded}, not one "
-                f"token id below "
+                f"--think-tokens: the tokenizer spells {tag} as {encoded}, not one token id below "
                 f"the vocabulary size {vocab_size}"
             )
         ids.append(int(encoded[0]))
@@ -353,13 +349,11 @@ class Engine:
             if speculative is not None:
                 raise InvalidInput(
                     "--think-tokens with --speculative-draft-model-path: eyas-local "
-                    "plays a thinking "
-                    "model in plain decoding only"
+                    "plays a thinking model in plain decoding only"
                 )
             log(
                 f"Thinking model: replies inside <think> reason for {think_tokens} tokens, then "
-                f"</think> "
-                f"(ids {self.think_ids})"
+                f"</think> (ids {self.think_ids})"
             )
 
     @torch.no_grad()

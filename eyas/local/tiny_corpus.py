@@ -55,13 +55,10 @@ MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special tokens
 #: spells a special token, e.g. "<|end|>", would be read as that token; code and prose here never
 #: do.)
 CHAT_TEMPLATE = (
-    "{{- bos_token -}}"
-    "{%- for message in messages -%}"
+    "{{- bos_token -}}{%- for message in messages -%}"
     "{%- if message['role'] not in ('system', 'user', 'assistant') -%}"
-    "{{- raise_exception('unknown chat role: ' ~ message['role']) -}}"
-    "{%- endif -%}"
-    "{{- '<|' ~ message['role'] ~ '|>' ~ message['content'] ~ '<|end|>' -}}"
-    "{%- endfor -%}"
+    "{{- raise_exception('unknown chat role: ' ~ message['role']) -}}{%- endif -%}"
+    "{{- '<|' ~ message['role'] ~ '|>' ~ message['content'] ~ '<|end|>' -}}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
 )
 #: The task the chat data teaches; scripts/build_conversations.py makes the fixture data the same

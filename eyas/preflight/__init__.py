@@ -141,8 +141,7 @@ def _data_notes(cfg: PipelineConfig, count) -> list[str]:
         notes.append("data.path holds pre-tokenized records only: the chat template is not used")
     if cfg.data.regenerate.enabled:
         notes.append(
-            "data.regenerate.enabled: extraction sends the target's own answers; the "
-            "tokens are "
+            "data.regenerate.enabled: extraction sends the target's own answers; the tokens are "
             "counted on the data's answers"
         )
     return notes

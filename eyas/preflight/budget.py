@@ -21,8 +21,7 @@ def budget_problems(cfg: PipelineConfig, plan: Plan) -> list[str]:
                 f"extraction.keep_free_gb={x.keep_free_gb} must stay free, but "
                 f"{existing_parent(Path(x.output_dir))} has {plan.free_bytes / 1e9:,.2f} GB "
                 f"free; free space, "
-                f"point it elsewhere, or set extraction.encoding=fp8_e4m3 (about half the "
-                f"bytes)"
+                f"point it elsewhere, or set extraction.encoding=fp8_e4m3 (about half the bytes)"
             )
     used, limit = plan.train_memory_gb, plan.gpu_memory_gb
     # the estimate is within MEMORY_MARGIN of the measured peaks, either way: keep that much free
@@ -32,12 +31,10 @@ def budget_problems(cfg: PipelineConfig, plan: Plan) -> list[str]:
         fits = int((usable - (used - per_seq * t.batch_size)) // per_seq) if per_seq else 0
         out.append(
             f"training.batch_size={t.batch_size}: the drafter's training needs about "
-            f"{used:,.1f} GB per GPU "
-            f"at data.max_length={cfg.data.max_length} (estimate, within "
+            f"{used:,.1f} GB per GPU at data.max_length={cfg.data.max_length} (estimate, within "
             f"{MEMORY_MARGIN:.0%} of measured "
             f"peaks), more than the {usable:,.1f} GB plan.gpu_memory_gb={limit:g} leaves "
-            f"after that margin; "
-            f"about {max(fits, 0)} sequence(s) per micro-batch fit (raise "
+            f"after that margin; about {max(fits, 0)} sequence(s) per micro-batch fit (raise "
             f"training.grad_accum instead)"
         )
     if plan.data is not None:
@@ -50,7 +47,6 @@ def budget_problems(cfg: PipelineConfig, plan: Plan) -> list[str]:
                 f"training.batch_size={t.batch_size}: a global batch of {G} sequences (x "
                 f"training.grad_accum="
                 f"{t.grad_accum} x {processes(cfg)} process(es)) exceeds the {n - held} "
-                f"training sequences "
-                f"({plan.data.source})"
+                f"training sequences ({plan.data.source})"
             )
     return out

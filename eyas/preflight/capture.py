@@ -69,7 +69,6 @@ def capture_flag_problems(cfg: PipelineConfig) -> list[str]:
                     f"capture launch's --disable-prefill-cuda-graph; eyas's dump hook (and "
                     f"a source-patched "
                     f"model) run only in eager forwards, so graph-replayed prefills would "
-                    f"write no dump "
-                    f"records and every extraction request would time out; {fix}"
+                    f"write no dump records and every extraction request would time out; {fix}"
                 )
     return out

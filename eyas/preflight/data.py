@@ -46,10 +46,8 @@ def checked_tokenizer(
         pending.append(f"{where}: no tokenizer_config.json or tokenizer.json in {folder}")
     elif not has_chat_template(folder):
         pending.append(
-            f"{where}: no chat template in {folder} (tokenizer_config.json "
-            f"chat_template or "
-            f"chat_template.jinja); conversations cannot be rendered or masked without "
-            f"one"
+            f"{where}: no chat template in {folder} (tokenizer_config.json chat_template or "
+            f"chat_template.jinja); conversations cannot be rendered or masked without one"
         )
     tok = None
     if not pending and check:
@@ -60,8 +58,7 @@ def checked_tokenizer(
             tok = load_tokenizer(folder, trust_remote_code=trust)
         except RemoteCodeRefused as e:
             pending.append(
-                f"target.trust_remote_code={cfg.target.trust_remote_code} "
-                f"(server.backend="
+                f"target.trust_remote_code={cfg.target.trust_remote_code} (server.backend="
                 f"{cfg.server.backend}): {e}"
             )
         except Exception as e:  # noqa: BLE001 - whatever transformers raises, prepare-data would too
@@ -72,8 +69,7 @@ def checked_tokenizer(
             )
     elif not pending:
         notes.append(
-            f"tokenizer not loaded (check_tokenizer=False): {folder} has its files and a "
-            f"chat "
+            f"tokenizer not loaded (check_tokenizer=False): {folder} has its files and a chat "
             f"template; tokens are estimated"
         )
     return tok, pending

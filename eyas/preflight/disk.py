@@ -58,8 +58,7 @@ def check_disk_rate(
         got = None
     if got is None:
         notes.append(
-            f"extraction.output_dir={cfg.extraction.output_dir}: the disk probe failed on "
-            f"{name}"
+            f"extraction.output_dir={cfg.extraction.output_dir}: the disk probe failed on {name}"
             + (f" (exit {r.exit_code}: {r.stderr.strip()[-300:]})" if r is not None else "")
         )
         return dataclasses.replace(plan, disk_probe=f"probe failed on {name}")
@@ -69,8 +68,7 @@ def check_disk_rate(
         disk_bytes_per_s=rate,
         disk_probe=(
             f"{got['bytes'] / 1e6:,.0f} MB of {'a temp file' if got['temp'] else got['file']} on "
-            f"{name}, page cache "
-            f"dropped"
+            f"{name}, page cache dropped"
         ),
     )
     if rate < plan.read_bytes_per_s:
@@ -81,8 +79,7 @@ def check_disk_rate(
             f"per node at plan.train_tokens_per_s={cfg.plan.train_tokens_per_s:g} x "
             f"{t.distributed.nproc_per_node} "
             f"process(es), but the folder read {rate / GB:,.2f} GB/s on {name} from disk: steps "
-            f"would wait "
-            f"for data once the shards are not in the page cache. Use "
+            f"would wait for data once the shards are not in the page cache. Use "
             f"extraction.encoding=fp8_e4m3 (half "
             f"the bytes), keep the shards in the page cache (host memory above their size), or "
             f"put them "

@@ -19,8 +19,7 @@ def planned_drafter(cfg: PipelineConfig, tcfg: dict, problems: list[str]):
         )
     if t.draft_vocab_size > vocab:
         problems.append(
-            f"training.draft_vocab_size={t.draft_vocab_size}: larger than the target's "
-            f"vocabulary "
+            f"training.draft_vocab_size={t.draft_vocab_size}: larger than the target's vocabulary "
             f"({vocab}, vocab_size in target.checkpoint's config)"
         )
         return None

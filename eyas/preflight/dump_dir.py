@@ -60,8 +60,7 @@ def check_dump_dir(
     row = _DF_ROW.search(f" {lines[-1]} ") if r.ok and len(lines) >= 2 else None
     if row is None:
         notes.append(
-            f"server.dump_dir={s.dump_dir}: its free space could not be read on "
-            f"{s.host.name} "
+            f"server.dump_dir={s.dump_dir}: its free space could not be read on {s.host.name} "
             f"(df -Pk, exit {r.exit_code}: {(r.stderr or r.stdout).strip()[-200:]})"
         )
         return
@@ -74,20 +73,17 @@ def check_dump_dir(
         f"of {size / GB:,.2f} GB, but extraction keeps up to {need:,} bytes ({need / GB:,.2f} "
         f"GB) of dump records "
         f"there: {sequences} sequences (extraction.concurrency={x.concurrency} + "
-        f"{SHARDS_AT_ONCE} shards x "
-        f"extraction.collect_workers={x.collect_workers}) of up to "
+        f"{SHARDS_AT_ONCE} shards x extraction.collect_workers={x.collect_workers}) of up to "
         f"data.max_length={cfg.data.max_length} tokens "
         f"x {per_token:,} B per token ({len(cfg.target.layer_ids)} aux layers + the last, "
-        f"hidden {hidden}, "
-        f"extraction.dtype={x.dtype}); "
+        f"hidden {hidden}, extraction.dtype={x.dtype}); "
     )
     if size < need:
         why += (
             "the filesystem itself is smaller than that (a container's /dev/shm is 64 MB "
             "unless it was started "
             "with --shm-size): enlarge it (docker run --shm-size, or mount -o remount,size=... "
-            "on the host), "
-            "point server.dump_dir at a larger tmpfs, or lower extraction.concurrency"
+            "on the host), point server.dump_dir at a larger tmpfs, or lower extraction.concurrency"
         )
     else:
         why += "free space there (an earlier run's dump folders?) or lower extraction.concurrency"
@@ -112,15 +108,13 @@ def check_dump_route(
             visible, folder = probe_visible(host, s.dump_dir)
     except HostError as e:
         problems.append(
-            f"server.dump_dir={s.dump_dir}: cannot write a file in it (or its nearest "
-            f"existing "
+            f"server.dump_dir={s.dump_dir}: cannot write a file in it (or its nearest existing "
             f"folder) on {s.host.name}: {e}"
         )
         return
     if visible:
         notes.append(
-            f"server.dump_dir={s.dump_dir}: {folder} on {s.host.name} is the same folder "
-            f"here: "
+            f"server.dump_dir={s.dump_dir}: {folder} on {s.host.name} is the same folder here: "
             f"extraction reads the dump records on this machine"
         )
         return
@@ -129,15 +123,11 @@ def check_dump_route(
         per_token = dump_bytes_needed(cfg, int(tcfg["hidden_size"]))[2]
         rate = (
             f"; plan.prefill_tokens_per_s={cfg.plan.prefill_tokens_per_s:g} makes "
-            f"{per_token * cfg.plan.prefill_tokens_per_s / 1e6:,.0f} MB/s of records per "
-            f"server"
+            f"{per_token * cfg.plan.prefill_tokens_per_s / 1e6:,.0f} MB/s of records per server"
         )
     notes.append(
-        f"server.dump_dir={s.dump_dir}: not visible on this machine, so extraction reads "
-        f"the dump "
-        f"records through SSH from {s.host.name} (100-180 MB/s per connection on "
-        f"loopback, "
+        f"server.dump_dir={s.dump_dir}: not visible on this machine, so extraction reads the dump "
+        f"records through SSH from {s.host.name} (100-180 MB/s per connection on loopback, "
         f"{cfg.extraction.collect_workers + 1} connections{rate}); a Prefect worker on "
-        f"the node reads "
-        f"them at file speed (docs/production.md)"
+        f"the node reads them at file speed (docs/production.md)"
     )

@@ -54,8 +54,7 @@ def check_host_access(
         return None
     if not check:
         notes.append(
-            "host checks skipped (check_hosts=False): SSH reachability, host keys and the "
-            "SGLang "
+            "host checks skipped (check_hosts=False): SSH reachability, host keys and the SGLang "
             "version were not checked"
         )
         return None
@@ -71,8 +70,7 @@ def check_host_access(
     if r is not None and not r.ok:
         what = "report sglang's version" if s.backend == "sglang" else "import eyas"
         problems.append(
-            f"server.python={python}: cannot {what} on {s.host.hostname} (exit "
-            f"{r.exit_code}): "
+            f"server.python={python}: cannot {what} on {s.host.hostname} (exit {r.exit_code}): "
             f"{r.stderr.strip()[-300:]}"
         )
     elif r is not None and s.backend == "sglang":
@@ -80,8 +78,7 @@ def check_host_access(
         if version not in available_versions(patches_dir):
             problems.append(
                 f"server.python={python}: sglang {version} on {s.host.hostname} has no "
-                f"eyas patch set "
-                f"(patches/sglang/ has {available_versions(patches_dir)})"
+                f"eyas patch set (patches/sglang/ has {available_versions(patches_dir)})"
             )
             version = None
     for i, h in enumerate(cfg.training.distributed.hosts):

@@ -50,16 +50,14 @@ def read_target(
             else ""
         )
         problems.append(
-            f"{where}: {e} (prepare-data, preflight and the export read the target's "
-            f"config.json "
+            f"{where}: {e} (prepare-data, preflight and the export read the target's config.json "
             f"and tokenizer on this machine{hint})"
         )
         return None, None
     if remote:
         notes.append(
             f"target.local_dir=None: the target's config and tokenizer are read at "
-            f"target.checkpoint="
-            f"{cfg.target.checkpoint} on this machine (the same path as on "
+            f"target.checkpoint={cfg.target.checkpoint} on this machine (the same path as on "
             f"{cfg.server.host.hostname})"
         )
     missing = [
@@ -114,8 +112,7 @@ def node_config_problems(cfg: PipelineConfig, raw: dict) -> list[str]:
             f"{target_field(cfg)}: its config.json is not the target's: "
             f"target.checkpoint={ckpt} on "
             f"{host} has another ({'; '.join(differ)}); copy the checkpoint's "
-            f"config.json, tokenizer "
-            f"files and chat template here again"
+            f"config.json, tokenizer files and chat template here again"
         )
     return problems
 
@@ -138,14 +135,12 @@ def layer_id_problems(target: TargetConfig, num_layers: int) -> list[str]:
             f"{where}: capture id(s) {bad} out of range for the target's {num_layers} "
             f"layers: capture id i "
             f"is the input of decoder layer i, so ids go from 1 to {num_layers - 1} (the "
-            f"last layer's "
-            f"output is the final norm's input, which SGLang cannot capture)"
+            f"last layer's output is the final norm's input, which SGLang cannot capture)"
         )
     elif capture and capture[0] == 1:
         out.append(
             f"{where}: capture ids starting with 1 are read by SGLang as output-of ids and "
-            f"shifted to "
-            f"{[i + 1 for i in capture]}; choose a first capture id of 2 or more"
+            f"shifted to {[i + 1 for i in capture]}; choose a first capture id of 2 or more"
         )
     return out
 
@@ -165,8 +160,7 @@ def architecture_problems(
             return []
         return [
             f"{source}: architectures {archs or 'missing'} cannot be served by "
-            f"server.backend=local "
-            f"(eyas's local server loads {list(LOCAL_ARCHITECTURES)})"
+            f"server.backend=local (eyas's local server loads {list(LOCAL_ARCHITECTURES)})"
         ]
     versions = [version] if version else available_versions(patches_dir)
     problems = []

@@ -39,14 +39,12 @@ def check_modules_import(
         result = json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         raise PatchError(
-            f"[{host.name}] {python} could not run the hook import check "
-            f"(exit {r.exit_code}): "
+            f"[{host.name}] {python} could not run the hook import check (exit {r.exit_code}): "
             f"{(r.stderr or r.stdout).strip()[-1000:]}"
         ) from None
     if result["error"]:
         missing = f" (module {result['missing']!r} is missing there)" if result["missing"] else ""
         raise PatchError(
-            f"[{host.name}] the eyas hook does not import in the server's python "
-            f"{python}"
+            f"[{host.name}] the eyas hook does not import in the server's python {python}"
             f"{missing}: {result['error']}; nothing was installed"
         )

@@ -132,8 +132,7 @@ class ProcessIdentity:
 
 # One command, any POSIX host: the boot id, the process's stat line and its argv.
 _IDENTITY = (
-    "if [ -r /proc/self/stat ]; then cat /proc/sys/kernel/random/boot_id 2>/dev/null || "
-    "hostname; "
+    "if [ -r /proc/self/stat ]; then cat /proc/sys/kernel/random/boot_id 2>/dev/null || hostname; "
     "echo @@; cat /proc/{pid}/stat 2>/dev/null; echo @@; tr '\\0' '\\037' < "
     "/proc/{pid}/cmdline 2>/dev/null; "
     "else echo ps; echo @@; ps -o pgid= -o stat= -o lstart= -p {pid}; echo @@; ps -o "
@@ -240,8 +239,7 @@ class BaseHost:
         """(hostname, machine id): the machine the host's commands run on, however it was
         reached."""
         out = self.run(
-            "hostname; cat /etc/machine-id 2>/dev/null || cat /var/lib/dbus/machine-id "
-            "2>/dev/null "
+            "hostname; cat /etc/machine-id 2>/dev/null || cat /var/lib/dbus/machine-id 2>/dev/null "
             "|| cat /proc/sys/kernel/random/boot_id",
             timeout=30,
         ).stdout.split()

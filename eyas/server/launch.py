@@ -237,8 +237,7 @@ def host_launch_command(host: Host, cfg: PipelineConfig, *, install_draft: bool 
         if install_draft:
             if config is None:
                 raise LaunchError(
-                    f"[{host.name}] no readable config.json in "
-                    f"{cfg.target.checkpoint}: the "
+                    f"[{host.name}] no readable config.json in {cfg.target.checkpoint}: the "
                     f"capture draft this SGLang needs is shaped after it"
                 )
             install_capture_draft(host, cfg, config, architecture)
@@ -252,8 +251,7 @@ def launch_secrets(cfg: PipelineConfig, environ=os.environ) -> dict[str, str]:
     for name, source in s.env_from.items():
         if source not in environ:
             raise LaunchError(
-                f"server.env_from: {source} is not set in the environment of this "
-                f"worker "
+                f"server.env_from: {source} is not set in the environment of this worker "
                 f"(pid {os.getpid()}), so the server's {name} cannot be given"
             )
         out[name] = environ[source]
@@ -261,8 +259,7 @@ def launch_secrets(cfg: PipelineConfig, environ=os.environ) -> dict[str, str]:
         if value.get_secret_value() == PYDANTIC_MASK:
             raise LaunchError(
                 f"server.secret_env.{name} holds {PYDANTIC_MASK}, the mask Prefect "
-                f"stored instead of "
-                f"the value; give the secret through server.env_from or a config "
+                f"stored instead of the value; give the secret through server.env_from or a config "
                 f"file on the worker"
             )
         out[name] = value.get_secret_value()
@@ -368,8 +365,7 @@ def start_server(
     if old is not None and _check(host, cfg, old) == "alive":
         by = f", launched by flow run {old.runs[0]}" if old.runs else ""
         raise LaunchError(
-            f"[{host.name}] a server recorded in {s.pid_path} (pid {old.pid}{by}) is "
-            f"still "
+            f"[{host.name}] a server recorded in {s.pid_path} (pid {old.pid}{by}) is still "
             f"alive; stop it first (eyas stop)"
         )
     if _port_in_use(host, s.bind, s.port):
@@ -380,10 +376,8 @@ def start_server(
     dump = prepare_dump_dir(host, _python(cfg), str(s.dump_dir), cfg.name)
     if dump["state"] == "refused":
         raise LaunchError(
-            f"[{host.name}] server.dump_dir {s.dump_dir} holds files eyas did not "
-            f"write "
-            f"({', '.join(dump['foreign'])}); eyas deletes that folder's contents, "
-            f"so point "
+            f"[{host.name}] server.dump_dir {s.dump_dir} holds files eyas did not write "
+            f"({', '.join(dump['foreign'])}); eyas deletes that folder's contents, so point "
             f"server.dump_dir at a new or empty folder"
         )
     size = host.run(

@@ -56,8 +56,7 @@ def exit_with_launcher(log: Callable[[str], None], environ=os.environ) -> None:
             time.sleep(POLL_S)
         log(
             f"the process that launched this server (pid {identity.split(':')[0]}) has exited "
-            f"without "
-            f"stopping it: shutting down"
+            f"without stopping it: shutting down"
         )
         if os.getpgrp() == os.getsid(0):  # launched through setsid: the group is this server's own
             os.killpg(os.getpgrp(), signal.SIGTERM)

@@ -88,8 +88,7 @@ def load_patch_set(version: str, patches_dir: Path = PATCHES_DIR) -> PatchSet:
     if not (folder / "manifest.json").is_file():
         raise PatchError(
             f"sglang {version} has no eyas patch set (patch sets exist for: "
-            f"{', '.join(available_versions(patches_dir)) or 'none'}; see "
-            f"{patches_dir})"
+            f"{', '.join(available_versions(patches_dir)) or 'none'}; see {patches_dir})"
         )
     manifest = json.loads((folder / "manifest.json").read_text())
     if manifest["sglang_version"] != version:
@@ -101,10 +100,8 @@ def load_patch_set(version: str, patches_dir: Path = PATCHES_DIR) -> PatchSet:
     hook_bytes = hook_path.read_bytes()
     if sha256_bytes(hook_bytes) != hook["sha256"]:
         raise PatchError(
-            f"{hook_path} has sha256 {sha256_bytes(hook_bytes)}, "
-            f"{folder}/manifest.json says "
-            f"{hook['sha256']}: run patches/sglang/refresh_manifest.py after editing "
-            f"it"
+            f"{hook_path} has sha256 {sha256_bytes(hook_bytes)}, {folder}/manifest.json says "
+            f"{hook['sha256']}: run patches/sglang/refresh_manifest.py after editing it"
         )
     files = [
         PatchedFile(
@@ -188,7 +185,6 @@ def check_architecture(
         why = f" ({unsupported[arch]})" if arch in unsupported else ""
         raise PatchError(
             f"{source}: architecture {arch} is not supported by eyas patch set "
-            f"{patch_version} (sglang {version}){why}; supported: "
-            f"{', '.join(supported)}"
+            f"{patch_version} (sglang {version}){why}; supported: {', '.join(supported)}"
         )
     return arch

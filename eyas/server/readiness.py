@@ -444,8 +444,7 @@ class _Wait:
             at = f" at {p.done}/{p.total} shards" if p else ""
             raise self.failed(
                 "stalled",
-                f"no loading progress or log output for "
-                f"{now - watch.last_activity:.1f}s"
+                f"no loading progress or log output for {now - watch.last_activity:.1f}s"
                 f"{at} (stall_timeout_s={stall_timeout_s})",
             )
         if now - self.start > deadline_s:

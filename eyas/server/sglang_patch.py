@@ -299,17 +299,14 @@ def _hook_only(
         compile(text, where, "exec")
     except SyntaxError as e:
         raise PatchError(
-            f"[{host.name}] {where} (sha256 {current}, modified locally) does not "
-            f"compile: "
+            f"[{host.name}] {where} (sha256 {current}, modified locally) does not compile: "
             f"{e}; reinstall sglang=={found.version}"
         ) from None
     missing = [m for m in CAPTURE_MARKERS if m not in text]
     if missing:
         raise PatchError(
-            f"[{host.name}] {where} (sha256 {current}, modified locally) no longer "
-            f"has "
-            f"{missing}, SGLang's aux hidden-state capture that the forward hook "
-            f"reads; "
+            f"[{host.name}] {where} (sha256 {current}, modified locally) no longer has "
+            f"{missing}, SGLang's aux hidden-state capture that the forward hook reads; "
             f"reinstall sglang=={found.version}"
         )
     return LEFT, None
@@ -343,8 +340,7 @@ def _patched_bytes(host: Host, found: Probe, f: PatchedFile, old: dict | None) -
     patched = apply_diff(data.decode(), f.diff, name=where).encode()
     if sha256_bytes(patched) != f.patched_sha256:
         raise PatchError(
-            f"{where}: the patch applied, but the result has sha256 "
-            f"{sha256_bytes(patched)}, "
+            f"{where}: the patch applied, but the result has sha256 {sha256_bytes(patched)}, "
             f"not the manifest's {f.patched_sha256}: the patch set is inconsistent"
         )
     return patched

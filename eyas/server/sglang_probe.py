@@ -100,8 +100,7 @@ def find_install(host: Host, cfg: PipelineConfig, patches_dir: Path) -> Probe:
     found = probe(host, python, cfg.server.env, _probe_paths(patches_dir), target_config_path(cfg))
     if found.version is None or found.site_dir is None:
         raise PatchError(
-            f"[{host.name}] sglang is not installed for {python} "
-            f"(importlib finds "
+            f"[{host.name}] sglang is not installed for {python} (importlib finds "
             f"{'no package' if found.site_dir is None else 'no metadata'})"
         )
     return found

@@ -71,9 +71,7 @@ class _AcceptUnknownHostKey:
     def missing_host_key(self, client, hostname, key) -> None:
         log.warning(
             "[%s] accepting the unlisted host key of %s (%s %s) because "
-            "insecure_accept_any_host_key "
-            "is true; add it to "
-            "known_hosts",
+            "insecure_accept_any_host_key is true; add it to known_hosts",
             self.name,
             hostname,
             key.get_name(),
@@ -111,10 +109,8 @@ class SSHHost(BaseHost):
             if not known.is_file():
                 raise HostConfigError(
                     self.name,
-                    f"{field}.known_hosts: {known} does not exist (it "
-                    f"must list "
-                    f"the host's key: ssh-keyscan -p {cfg.port} "
-                    f"{cfg.hostname})",
+                    f"{field}.known_hosts: {known} does not exist (it must list "
+                    f"the host's key: ssh-keyscan -p {cfg.port} {cfg.hostname})",
                 )
             self._conn.client.load_host_keys(str(known))
         insecure = cfg.insecure_accept_any_host_key
@@ -127,8 +123,7 @@ class SSHHost(BaseHost):
             if self.cfg.insecure_accept_any_host_key:
                 log.warning(
                     "[%s] connecting with insecure_accept_any_host_key: true: a host key "
-                    "known_hosts "
-                    "does not list is accepted unchecked",
+                    "known_hosts does not list is accepted unchecked",
                     self.name,
                 )
             try:

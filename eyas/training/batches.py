@@ -95,8 +95,7 @@ def check_shard_meta(readers: list[ShardReader], target: TargetConfig) -> dict:
     meta = {k: readers[0].meta.get(k) for k in keys}
     if meta["last_hidden_norm"] not in ("pre", "post"):
         raise InvalidInput(
-            f"{readers[0].path}: shard meta must say last_hidden_norm 'pre' or "
-            f"'post', got "
+            f"{readers[0].path}: shard meta must say last_hidden_norm 'pre' or 'post', got "
             f"{meta['last_hidden_norm']!r}; without it the labels may be computed on "
             f"the wrong states"
         )
@@ -105,10 +104,8 @@ def check_shard_meta(readers: list[ShardReader], target: TargetConfig) -> dict:
         capture = [i + shift for i in meta["layer_ids"]]
         if capture != target.capture_ids():
             raise InvalidInput(
-                f"{readers[0].path}: shards hold capture layers {capture} "
-                f"({meta['layer_ids']} "
-                f"{meta['layer_convention']}) but target.layer_ids says "
-                f"{target.capture_ids()} "
+                f"{readers[0].path}: shards hold capture layers {capture} ({meta['layer_ids']} "
+                f"{meta['layer_convention']}) but target.layer_ids says {target.capture_ids()} "
                 f"({target.layer_ids} {target.layer_convention})"
             )
         meta["capture_ids"] = capture

@@ -121,14 +121,12 @@ def resumable_checkpoint(output_dir: Path, log) -> Path | None:
                 break
             log(
                 f"checkpoint {path} is damaged: {why}; moved to {quarantine(path)}, resuming from "
-                f"the newest "
-                f"intact one"
+                f"the newest intact one"
             )
         if candidates and found is None:
             log(
                 f"no intact checkpoint left in {Path(output_dir) / 'checkpoints'} (the damaged "
-                f"ones are in "
-                f"{quarantine_dir(output_dir)}): training starts from step 0"
+                f"ones are in {quarantine_dir(output_dir)}): training starts from step 0"
             )
     if dist.is_initialized():
         box = [None if found is None else str(found)]
@@ -166,14 +164,12 @@ def refusal(path: Path, differ: list[str]) -> str:
         f"{path}: checkpoint is from a different run ({', '.join(differ)} differ), so it "
         f"cannot be resumed. "
         f"To train on from its weights (new data, say), set training.init_from to that run's "
-        f"exported "
-        f"drafter (the pipeline's run_dir/drafter) or to a copy of {path} outside "
+        f"exported drafter (the pipeline's run_dir/drafter) or to a copy of {path} outside "
         f"training.output_dir: a "
         f"warm start (its weights and draft vocabulary, a fresh optimizer and schedule from "
         f"step 0; the "
         f"old checkpoints are set aside to {path.parent}.previous/). To start over, remove "
-        f"{path.parent} "
-        f"or use another training.output_dir"
+        f"{path.parent} or use another training.output_dir"
     )
 
 

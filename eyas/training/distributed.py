@@ -202,8 +202,7 @@ def _check_exit(i: int, host, pid: int, log_path: Path, rc_path: Path) -> None:
         tail = host.read_from(log_path, 0, 1 << 24)[0].decode(errors="replace")[-3000:]
         raise TrainingLaunchError(
             f"[{host.name}] training node {i}: torchrun exited "
-            f"{'without an exit code' if rc is None else rc}; see "
-            f"{log_path}\n{tail}"
+            f"{'without an exit code' if rc is None else rc}; see {log_path}\n{tail}"
         )
 
 

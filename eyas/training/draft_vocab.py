@@ -36,8 +36,7 @@ def count_tokens(shards: Iterable, vocab_size: int) -> torch.Tensor:
         ids = ids[mask]
         if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
             raise InvalidInput(
-                f"{path}: token ids span {int(ids.min())}..{int(ids.max())}, outside "
-                f"the "
+                f"{path}: token ids span {int(ids.min())}..{int(ids.max())}, outside the "
                 f"target vocab of {vocab_size}"
             )
         counts += torch.bincount(ids, minlength=vocab_size)

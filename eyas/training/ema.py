@@ -74,10 +74,8 @@ class WeightEMA:
         names = set(sd["average"])
         if names != set(self.params):
             raise InvalidInput(
-                f"{where}: its weight average holds "
-                f"{sorted(names ^ set(self.params))} "
-                f"that this drafter's trainable weights do not (or the other way "
-                f"round)"
+                f"{where}: its weight average holds {sorted(names ^ set(self.params))} "
+                f"that this drafter's trainable weights do not (or the other way round)"
             )
         for n, p in self.params.items():
             t = sd["average"][n].to(p.device, p.dtype)

@@ -356,8 +356,7 @@ def set_up(
         if rank == 0:
             log(
                 f"{ckpt.parent} holds another run's checkpoints ({', '.join(differ)} differ): set "
-                f"aside to "
-                f"{warm_start.set_aside(out_dir)}"
+                f"aside to {warm_start.set_aside(out_dir)}"
             )
     # A CPU with bf16 matrix units runs the GEMMs in bf16 (the rest fp32): the step in 0.7 of the
     # fp32 step's time (docs/performance.md, "Training on a CPU")
@@ -530,8 +529,7 @@ class Labeller:
             f"{len(run.data.train_ids)} train / {run.data.num_validation} held-out sequences, "
             f"global batch "
             f"{run.global_batch} ({run.world} rank(s) x {cfg.grad_accum} x {cfg.batch_size}), "
-            f"draft vocab "
-            f"{vocab}, device {run.device}{' (bf16 GEMMs)' * run.cpu_bf16}"
+            f"draft vocab {vocab}, device {run.device}{' (bf16 GEMMs)' * run.cpu_bf16}"
         )
         if run.device.type == "cpu" and cfg.teacher_cache_gb > 0:
             cache = TeacherCache.build(run.data, self.teacher, vocab, dtype, cfg.teacher_cache_gb)
@@ -554,8 +552,7 @@ class Labeller:
             log(
                 f"epoch {epoch + 1}: the teacher's full-vocabulary argmax remembered for "
                 f"{int(self.memo.known.sum())} of {num_sequences} sequences (their teacher: the "
-                f"draft "
-                f"vocabulary's rows only)"
+                f"draft vocabulary's rows only)"
             )
 
 
@@ -720,8 +717,7 @@ def _draft_vocab(cfg: TrainingConfig, data: ShardData, tcfg: dict, resume: Path 
     share = lambda m: float(counts[m].sum()) / max(1, int(counts.sum()))  # noqa: E731
     log(
         f"warm start from {init.kind} {init.path}: its draft vocab covers {share(t2d):.1%} of the "
-        f"shards' "
-        f"scored tokens (one counted on them would cover {share(fresh[1]):.1%})"
+        f"shards' scored tokens (one counted on them would cover {share(fresh[1]):.1%})"
     )
     return d2t, t2d
 

@@ -87,8 +87,7 @@ def init_source(path: str | Path, output_dir: str | Path | None = None) -> InitS
         raise InvalidInput(
             f"training.init_from={path}: inside training.output_dir={output_dir}, "
             f"whose checkpoints "
-            f"of another run are set aside when a warm start begins; point it at the "
-            f"exported "
+            f"of another run are set aside when a warm start begins; point it at the exported "
             f"drafter (run_dir/drafter) or a copy outside training.output_dir"
         )
     if (path / "checkpoints").is_dir() and not (path / "model.safetensors").exists():
@@ -97,8 +96,7 @@ def init_source(path: str | Path, output_dir: str | Path | None = None) -> InitS
     where = f"training.init_from={path}"
     if not (path / "model.safetensors").exists():
         raise InvalidInput(
-            f"{where}: no model.safetensors there (expected an exported drafter "
-            f"folder, a training "
+            f"{where}: no model.safetensors there (expected an exported drafter folder, a training "
             f"checkpoint step-NNNNNN/ or a training output_dir); "
             f"{'it does not exist' if not path.exists() else 'nothing to start from'}"
         )
@@ -114,8 +112,7 @@ def init_source(path: str | Path, output_dir: str | Path | None = None) -> InitS
     if meta.get("architectures") != ["LlamaForCausalLMEagle3"]:
         raise InvalidInput(
             f"{where}: neither a training checkpoint (drafter.json) nor an exported "
-            f"EAGLE-3 drafter "
-            f"(config.json architectures {meta.get('architectures')})"
+            f"EAGLE-3 drafter (config.json architectures {meta.get('architectures')})"
         )
     return InitSource(
         path,
@@ -137,8 +134,7 @@ def init_problems(source: InitSource, dcfg: DrafterConfig, capture_ids: list[int
     ]
     if list(capture_ids) != list(source.capture_ids):
         out.append(
-            f"{where}: trained on capture layers {source.capture_ids}, target.layer_ids "
-            f"captures "
+            f"{where}: trained on capture layers {source.capture_ids}, target.layer_ids captures "
             f"{list(capture_ids)} in this run"
         )
     return out
@@ -172,8 +168,7 @@ def load_init(model: torch.nn.Module, source: InitSource) -> None:
     for name, value in weights.items():
         if tuple(value.shape) != tuple(own[name].shape):
             raise InvalidInput(
-                f"training.init_from={source.path}: {name} is {list(value.shape)}, "
-                f"this run's "
+                f"training.init_from={source.path}: {name} is {list(value.shape)}, this run's "
                 f"drafter has {list(own[name].shape)}"
             )
         own[name].copy_(value.to(own[name].dtype))

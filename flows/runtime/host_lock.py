@@ -203,11 +203,9 @@ def _take(client, name: str, me: dict, cfg: PipelineConfig, log):
         if reported is None or time.monotonic() - reported >= REPORT_EVERY_S:
             reported = time.monotonic()
             log.info(
-                "waiting for GPU host %s (%s): held by %s. If that run is dead, set its state "
-                "to "
+                "waiting for GPU host %s (%s): held by %s. If that run is dead, set its state to "
                 "Crashed or Cancelled in the UI (or `prefect variable unset %s` when it ran "
-                "outside "
-                "a flow run) and this run takes the host",
+                "outside a flow run) and this run takes the host",
                 cfg.server.host.name,
                 name,
                 _describe(held.value),

@@ -153,8 +153,7 @@ class Termination:
         self.signum = signum
         print(
             f"eyas: {signal.Signals(signum).name}: ending the run (its servers stopped, its flow "
-            f"runs "
-            f"final); exiting within {self.grace_s:.0f} s",
+            f"runs final); exiting within {self.grace_s:.0f} s",
             file=sys.stderr,
             flush=True,
         )

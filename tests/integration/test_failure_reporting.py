@@ -169,10 +169,8 @@ def test_a_second_run_of_a_busy_config_prints_the_refusal_once(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys, time\nfrom eyas.extraction.locks "
-            "import "
-            "lock_output_dir\nlock_output_dir(sys.argv[1], 'flow run "
-            "first')\nprint('held', "
+            "import sys, time\nfrom eyas.extraction.locks import "
+            "lock_output_dir\nlock_output_dir(sys.argv[1], 'flow run first')\nprint('held', "
             "flush=True)\ntime.sleep(600)",
             str(tmp_path / "shards"),
         ],

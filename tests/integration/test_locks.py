@@ -192,10 +192,8 @@ def test_output_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys, time; from eyas.extraction.locks "
-            "import lock_output_dir; "
-            f"lock_output_dir({str(tmp_path)!r}); print('held', flush=True); "
-            f"time.sleep(60)",
+            "import sys, time; from eyas.extraction.locks import lock_output_dir; "
+            f"lock_output_dir({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)",
         ],
         cwd=ROOT,
         stdout=subprocess.PIPE,

@@ -72,8 +72,7 @@ def test_the_wheel_holds_the_code_and_the_shipped_files(installed):
 def test_the_installed_package_finds_its_files_away_from_the_checkout(installed, tmp_path):
     _, site = installed
     script = (
-        "import json, eyas\n"
-        "from eyas.resources import shipped, shipped_root\n"
+        "import json, eyas\nfrom eyas.resources import shipped, shipped_root\n"
         "from eyas.server.patch_sets import available_versions, load_patch_set\n"
         "from eyas.config import load_config\n"
         "cfg = load_config(shipped('configs', 'local-tiny.yaml'))\n"

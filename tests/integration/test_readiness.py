@@ -123,14 +123,12 @@ def test_parse_progress_on_sglang_doc_lines():
         ),
         (
             "[2026-01-01 00:00:00] Received sigquit from a child process. It usually means the "
-            "child "
-            "failed.",
+            "child failed.",
             "crashed",
         ),
         (
             "[2026-01-01 00:00:00] SIGQUIT received. signum=None, frame=None. It usually means one "
-            "child "
-            "failed.",
+            "child failed.",
             "crashed",
         ),
         ("[2026-01-01 00:00:00] DetokenizerManager hit an exception: Traceback", "crashed"),

@@ -270,7 +270,7 @@ def test_real_eagle3_serves_the_drafter_and_reports_acceptance_from_meta_info(se
 def test_speculative_outputs_follow_the_plain_servers_greedy_ones(served):
     """A faithful verify forward commits the target's own tokens: with the drafter, each output
     stays on the plain server's until a bf16 near tie, not leaving it at the first verified token
-    (as it did before scripts/sglang-cpu/patches/0.5.18/intel_amx_verify_seq_lens.patch)."""
+    (as a verify forward that leaves out its last cached tokens does)."""
     held = served.chains["3/1/4"]["sets"]["heldout"]["per_prompt"]
     same, tokens = sum(p["same_prefix"] for p in held), sum(p["new_tokens"] for p in held)
     assert same >= FOLLOWS * tokens, [(p["same_prefix"], p["new_tokens"]) for p in held]

@@ -139,8 +139,7 @@ def test_the_temporary_prefect_server_ends_with_its_eyas_process_even_on_kill_9(
         [
             sys.executable,
             "-c",
-            "import sys, time; from flows.runtime.process "
-            "import TemporaryServer; "
+            "import sys, time; from flows.runtime.process import TemporaryServer; "
             "s = TemporaryServer(); print(s.url, flush=True); time.sleep(300)",
         ],
         cwd=eyas_run.ROOT,

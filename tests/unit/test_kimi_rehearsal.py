@@ -96,8 +96,7 @@ def test_the_chat_template_renders_kimis_format():
     full = render_jinja_template([chat], chat_template=template)[0][0]
     assert full == (
         "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by "
-        "Moonshot AI.<|im_end|>"
-        "<|im_user|>user<|im_middle|>Hi<|im_end|>"
+        "Moonshot AI.<|im_end|><|im_user|>user<|im_middle|>Hi<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|><think></think>Hello!<|im_end|>"
     )
     prompt = render_jinja_template([chat[:1]], chat_template=template, add_generation_prompt=True)[

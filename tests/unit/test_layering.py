@@ -49,8 +49,7 @@ def test_the_core_imports_nothing_of_prefect_flows_or_tasks():
 
 def test_the_walk_sees_imports_inside_functions_and_by_name():
     source = (
-        "def f():\n    from prefect import flow\n"
-        "def g():\n    import flows.pipeline\n"
+        "def f():\n    from prefect import flow\ndef g():\n    import flows.pipeline\n"
         "importlib.import_module('tasks.extract')\n__import__('prefect.runtime')\n"
         "from eyas.config import load_config\nfrom . import sibling\n"
     )

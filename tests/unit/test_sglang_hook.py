@@ -522,8 +522,7 @@ def test_patched_deepseek_v2_writes_through_the_same_hook(tmp_path, sgl, install
     """The source patch's helper, run from the patched file, with and without a registered hook."""
     patched = (installed.site / DSV2).read_text()
     assert (
-        "if _EYAS_DUMP_DIR and aux_hidden_states is not None and "
-        "logits_output.last_hidden_states "
+        "if _EYAS_DUMP_DIR and aux_hidden_states is not None and logits_output.last_hidden_states "
         "is not None:"
     ) in patched
     helper = next(
@@ -1016,15 +1015,13 @@ def test_the_installed_hook_and_dump_writer_import_in_a_python_without_eyas(tmp_
         for name, data in load_patch_set(version).modules.items():
             (site / name).write_bytes(data)
         script = (
-            "import sys\n"
-            "try:\n    import eyas\nexcept ModuleNotFoundError:\n    pass\n"
+            "import sys\ntry:\n    import eyas\nexcept ModuleNotFoundError:\n    pass\n"
             "else:\n    sys.exit('eyas is importable: the check proves nothing')\n"
             "import eyas_sglang_hook as h, torch\n"
             "config = {'dump_dir': sys.argv[1], 'layer_ids': [2, 4, 5], 'max_pending': 0}\n"
             "hook = h.make_hook(config)\n"
             "hook.writer.write('eyas-0', 0, torch.arange(3, dtype=torch.int32), "
-            "torch.zeros(3, 12), "
-            "torch.zeros(3, 4))\n"
+            "torch.zeros(3, 12), torch.zeros(3, 4))\n"
             "print(sorted(n for n in sys.modules if n.split('.')[0] not in "
             "sys.stdlib_module_names))\n"
         )
