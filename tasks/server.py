@@ -77,21 +77,9 @@ def wait_ready(cfg: PipelineConfig, handle: launch.ServerHandle) -> readiness.Re
             payload={"done": p.done, "total": p.total, "eta_s": p.remaining_s},
         )
 
-    s = cfg.sensor
     try:
         with make_host(cfg.server.host) as host:
-            report = readiness.wait_until_ready(
-                host,
-                log_path=handle.log_path,
-                pid=handle.pid,
-                url=handle.url,
-                start_offset=handle.log_offset,
-                poll_interval_s=s.poll_interval_s,
-                stall_timeout_s=s.stall_timeout_s,
-                deadline_s=s.deadline_s,
-                http_timeout_s=s.http_timeout_s,
-                on_progress=on_progress,
-            )
+            report = readiness.wait_for_server(host, handle, cfg.sensor, on_progress)
     except readiness.ServerFailed as e:
         emit_event(
             event="eyas.server.failed",

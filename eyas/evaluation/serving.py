@@ -111,18 +111,7 @@ def running(
     handle = launch.start_server(host, cfg, owner)
     log(f"launched pid {handle.pid}: {handle.command}")
     try:
-        s = cfg.sensor
-        ready = readiness.wait_until_ready(
-            host,
-            log_path=handle.log_path,
-            pid=handle.pid,
-            url=handle.url,
-            start_offset=handle.log_offset,
-            poll_interval_s=s.poll_interval_s,
-            stall_timeout_s=s.stall_timeout_s,
-            deadline_s=s.deadline_s,
-            http_timeout_s=s.http_timeout_s,
-        )
+        ready = readiness.wait_for_server(host, handle, cfg.sensor)
         yield handle, round(ready.seconds, 2)
     finally:
         launch.stop_server(host, cfg, handle)

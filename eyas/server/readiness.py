@@ -382,6 +382,25 @@ def wait_until_ready(
         sleep(max(0.0, min(poll_interval_s, wait.start + deadline_s - now)))
 
 
+def wait_for_server(
+    host: Host, handle, sensor, on_progress: Callable[[Progress], None] | None = None
+):
+    """wait_until_ready for a launched server (a launch.ServerHandle) with the config's sensor
+    settings (SensorConfig) -> ReadyReport."""
+    return wait_until_ready(
+        host,
+        log_path=handle.log_path,
+        pid=handle.pid,
+        url=handle.url,
+        start_offset=handle.log_offset,
+        poll_interval_s=sensor.poll_interval_s,
+        stall_timeout_s=sensor.stall_timeout_s,
+        deadline_s=sensor.deadline_s,
+        http_timeout_s=sensor.http_timeout_s,
+        on_progress=on_progress,
+    )
+
+
 class _Wait:
     """One wait for readiness: the log being watched, and how each way of failing is named."""
 
