@@ -36,7 +36,11 @@ _SECRET_NAME = re.compile(
 )
 # One shell word: quoted parts, escapes and plain characters, as shlex.quote/join write them.
 _WORD = r"""(?:'[^']*'|"(?:[^"\\]|\\.)*"|\\.|[^\s'"\\])+"""
-_FLAG_VALUE = re.compile(rf"({'|'.join(re.escape(f) for f in SECRET_FLAGS)})(=|\s+)({_WORD})")
+# argparse's usage text names a flag's value by its metavar (`[--api-key API_KEY]`): not a secret,
+# and masking it would swallow the text after it
+_METAVARS = "|".join(f.lstrip("-").upper().replace("-", "_") for f in SECRET_FLAGS)
+_FLAGS = "|".join(re.escape(f) for f in SECRET_FLAGS)
+_FLAG_VALUE = re.compile(rf"({_FLAGS})(=|\s+)(?!(?:{_METAVARS})(?:[\]\s)]|$))({_WORD})")
 _KEY_VALUE = re.compile(
     r"""(\bapi_key['"]?\s*[:=]\s*)(['"])(.*?)\2"""
 )  # SGLang's ServerArgs(... api_key='...')

@@ -4,7 +4,9 @@ flows/runtime/host_lock.py.
 
 A flow's `config` parameter is either a path to a YAML config (relative paths are taken from the
 repository root, so deployments work from any working directory), an inline mapping with the same
-fields, or an already loaded PipelineConfig (what `eyas run` passes). `overrides` are dotted fields
+fields (its relative paths are taken from the repository's `configs/` folder, as if the mapping were
+a file there: a config file pasted inline means what the file means), or an already loaded
+PipelineConfig (what `eyas run` passes). `overrides` are dotted fields
 applied on top ({"training.max_steps": 20}), exactly like `eyas run --set`.
 
 Prefect stores a run's parameters in its database: a loaded config is stored with its secrets masked
@@ -16,12 +18,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from pathlib import Path
 from typing import Any, Union
 
 import prefect
 from prefect.artifacts import create_markdown_artifact
 from prefect.logging import get_run_logger
+from prefect.logging.loggers import flow_run_logger
 from prefect.states import Failed
 
 from eyas.config import ConfigError, PipelineConfig, config_from_dict, load_config
@@ -30,6 +34,7 @@ from eyas.evaluation import serve_bench
 from eyas.report import artifact_key
 from eyas.resources import shipped_root
 from eyas.secrets import MASK, PYDANTIC_MASK, secret_flag_values
+from eyas.server import readiness
 from eyas.server.hosts import make_host
 from eyas.server.launch import stop_recorded
 from flows import failures
@@ -38,6 +43,7 @@ failures.install()  # Prefect's run loggers: the reason once, no traceback for e
 
 ROOT = shipped_root()  # relative config paths: the checkout, or the wheel's shipped copy
 DEFAULT_CONFIG = "configs/local-tiny.yaml"
+INLINE_BASE = ROOT / "configs"  # an inline config's relative paths: as in a file of configs/
 
 ConfigParam = Union[str, dict[str, Any], PipelineConfig]
 #: dotted field -> value; typed so that Prefect's run form and the API's parameter schema show it
@@ -115,34 +121,36 @@ def _failed(error: Exception, where: str, name: str):
     (so a caller's `state.result()` raises it as before). An error no task reported (raised by the
     flow body itself) is logged here: one line for eyas's own, with its traceback for anything
     else."""
-    from prefect.runtime import flow_run
+    from prefect.runtime import deployment, flow_run
 
     line = failures.failure_line(error, where)
-    if not failures.printed(line) and not getattr(error, "eyas_failed_task", None):
-        try:
-            log = get_run_logger()
-            if failures.eyas_raised(error):
-                log.error("%s", line)
-            else:
-                log.error("%s", line, exc_info=error)
-            failures.remember(
-                line
-            )  # the run's "Finished in state Failed" line then names the task only
-        except Exception:  # noqa: BLE001 - outside a run context
-            pass
+    top = not flow_run.parent_flow_run_id
+    try:
+        log = get_run_logger()
+        if not failures.printed(line) and not getattr(error, "eyas_failed_task", None):
+            log.error("%s", line, exc_info=None if failures.eyas_raised(error) else error)
+            # the run's "Finished in state Failed" line then names the task only
+            failures.remember(line, flow_run.id)
+        elif top and deployment.id and not failures.printed_by(line, flow_run.id):
+            # a subflow's task failed: the deployment run's own page in the UI says why too (a
+            # console, `eyas run`'s, shows every run's lines already)
+            log.error("%s", line)
+    except Exception:  # noqa: BLE001 - outside a run context
+        pass
     try:
         error.eyas_reported = (
             True  # a worker's "Engine execution exited ..." traceback is then not logged
         )
     except Exception:  # noqa: BLE001 - an exception type without a __dict__
         pass
-    if not flow_run.parent_flow_run_id:
+    if top:
+        server_log = error.log_tail() if isinstance(error, readiness.ServerFailed) else ""
         try:
             create_markdown_artifact(
                 key=artifact_key("failure", name),
                 description=line[:500],
                 markdown=failures.failure_markdown(
-                    flow_run.name or name, line, failures.recent_lines()
+                    flow_run.name or name, line, failures.recent_lines(), server_log
                 ),
             )
         except Exception:  # noqa: BLE001 - the artifact is a view; the state message has the reason
@@ -177,7 +185,7 @@ def resolve_config(config: ConfigParam, overrides: dict[str, Any] | None = None)
     if isinstance(config, dict):
         _refuse_secrets(config, "an inline config")
         return config_from_dict(
-            config, base_dir=ROOT, source="<inline config>", overrides=overrides
+            config, base_dir=INLINE_BASE, source="<inline config>", overrides=overrides
         )
     path = Path(config)
     return load_config(path if path.is_absolute() else ROOT / path, overrides)
@@ -207,44 +215,52 @@ def stop_server_hook(flow, flow_run, state) -> None:
     """on_failure / on_crashed / on_cancellation: stop every server this run (or a subflow of it)
     launched, the target server and the serving benchmark's, so no failed run holds GPUs. Another
     run's server is left alone: a run that failed because another one holds the config (OutputBusy)
-    launched nothing and stops nothing."""
+    launched nothing and stops nothing. It says what it did in a sentence in the run's own log
+    (also where Prefect runs it outside the run, on a cancel), and never raises: the run's reason
+    is elsewhere, and a hook's traceback would bury it."""
+    log = flow_run_logger(flow_run, flow)
     try:
         cfg = resolve_config(flow_run.parameters["config"], flow_run.parameters.get("overrides"))
     except Exception:  # noqa: BLE001 - a bad config never launched anything (the run's message says why)
-        print("stop-server hook: the config did not load, so nothing was launched: nothing to stop")
+        log.info("run %s: its config did not load, so it launched no server", state.name)
         return
-    mine, benchmarked = (
-        {str(flow_run.id)},
-        cfg.benchmark.enabled or cfg.evaluation.method == "server",
-    )
-    with make_host(cfg.server.host) as host:
-        _say_stopped(
-            state, cfg, cfg, stop_recorded(host, cfg, runs=mine)
-        )  # the target server first
-        for launched in (
-            serve_bench.launches(cfg) if benchmarked else []
-        ):  # what serve_bench_flow launches
-            _say_stopped(state, cfg, launched, stop_recorded(host, launched, runs=mine))
-
-
-def _say_stopped(state, cfg: PipelineConfig, server: PipelineConfig, outcome: dict) -> None:
-    said = str(outcome.get("outcome", ""))
-    if server is not cfg and said.startswith(("not running", "left alone")):
-        return  # a benchmark server this run never started: nothing worth a line
-    # a run that launched nothing (a refusal, a bad input) says so quietly: its reason is elsewhere
-    level = 20 if said.startswith("not running") else 30
-    where = "" if server is cfg else f" ({server.server.workdir.name})"
+    mine = {str(flow_run.id)}
+    benchmarked = cfg.benchmark.enabled or cfg.evaluation.method == "server"
     try:
-        get_run_logger().log(
-            level,
-            "run %s: the server this run launched on %s%s: %s",
+        with make_host(cfg.server.host) as host:
+            outcomes = [(cfg, stop_recorded(host, cfg, runs=mine))]  # the target server first
+            for launched in serve_bench.launches(cfg) if benchmarked else []:
+                outcomes.append((launched, stop_recorded(host, launched, runs=mine)))
+    except Exception as e:  # noqa: BLE001 - a hook that raises hides the run's reason
+        log.error(
+            "run %s: could not reach %s to stop the servers this run launched (%s); stop them "
+            "with `eyas stop` and this run's config",
             state.name,
             cfg.server.host.name,
-            where,
-            outcome,
+            failures.reason_of(e),
         )
-    except Exception:  # noqa: BLE001 - hooks may run without a run context
-        print(f"stop-server hook ({state.name}){where}: {outcome}")
+        return
+    for server, outcome in outcomes:
+        level, sentence = stop_sentence(outcome, cfg.server.host.name, server is cfg)
+        if sentence:
+            log.log(level, "run %s: %s", state.name, sentence)
+
+
+def stop_sentence(outcome: dict, host: str, target: bool) -> tuple[int, str]:
+    """A stop_recorded outcome as (log level, sentence); no sentence for a benchmark server this
+    run never started."""
+    said, pid = str(outcome.get("outcome", "")), outcome.get("pid")
+    if not target and (pid is None or said.startswith("left alone")):
+        return logging.INFO, ""
+    which = "the server" if target else "a benchmark server"
+    dump = f"; its dump folder: {outcome['dump_dir']}" if outcome.get("dump_dir") else ""
+    if pid is None:
+        return logging.INFO, f"it launched no server on {host}: nothing to stop"
+    if said.startswith("left alone"):
+        return logging.INFO, f"{which} on {host} (pid {pid}) was {said}"
+    if said.startswith("not running"):
+        return logging.INFO, f"{which} it launched on {host} (pid {pid}) had already exited{dump}"
+    return logging.WARNING, f"stopped {which} it launched on {host} (pid {pid}, {said}){dump}"
 
 
 #: every flow's hooks: whatever ends a run early, the servers it launched are stopped

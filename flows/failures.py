@@ -33,7 +33,8 @@ _lock = threading.Lock()
 _task_of: dict[
     tuple[str, str], str
 ] = {}  # (exception type, message) -> the task run that raised it
-_printed: collections.OrderedDict[str, None] = collections.OrderedDict()  # lines already printed
+#: lines already printed -> the flow run whose log has them
+_printed: collections.OrderedDict[str, str | None] = collections.OrderedDict()
 _recent: collections.deque[str] = collections.deque(maxlen=20)  # WARNING+ lines: the artifact's log
 
 
@@ -79,9 +80,15 @@ def printed(line: str) -> bool:
         return line in _printed
 
 
-def remember(line: str) -> None:
+def printed_by(line: str, flow_run_id: str | None) -> bool:
+    """Whether `line` is in the log of the flow run `flow_run_id` (its own tasks' or its own)."""
     with _lock:
-        _printed[line] = None
+        return line in _printed and _printed[line] == flow_run_id
+
+
+def remember(line: str, flow_run_id: str | None = None) -> None:
+    with _lock:
+        _printed[line] = flow_run_id
         while len(_printed) > 100:
             _printed.popitem(last=False)
 
@@ -129,7 +136,7 @@ class ReasonFilter(logging.Filter):
             with _lock:
                 _task_of[(type(exc).__name__, str(exc))] = _task_of[(type(exc).__name__, "")] = task
             self._set(record, line, keep_traceback=not eyas_raised(exc))
-            remember(line)
+            remember(line, _flow_run_of(record))
         elif (
             msg.startswith("Engine execution exited with unexpected exception") and exc is not None
         ):
@@ -165,7 +172,7 @@ class ReasonFilter(logging.Filter):
                 message if kind in _eyas_names() else f"{kind}: {message}"
             )
             self._set(record, line[:MAX_REASON])
-            remember(line[:MAX_REASON])
+            remember(line[:MAX_REASON], _flow_run_of(record))
             return
         line = next((p for p in reversed(list(_printed)) if text.startswith(p[:200])), None)
         if text.startswith("failed at ") and line is not None:
@@ -188,6 +195,12 @@ class ReasonFilter(logging.Filter):
             record.levelno, record.levelname = level, logging.getLevelName(level)
 
 
+def _flow_run_of(record: logging.LogRecord) -> str | None:
+    """The flow run whose log a record of Prefect's run loggers goes to."""
+    run = getattr(record, "flow_run_id", None)
+    return str(run) if run else None
+
+
 _FILTER = ReasonFilter()
 
 
@@ -203,10 +216,14 @@ def recent_lines() -> list[str]:
     return list(_recent)
 
 
-def failure_markdown(run_name: str, line: str, lines: list[str]) -> str:
-    """The top-level run's artifact: the reason, then the warning and error lines that led to it."""
+def failure_markdown(run_name: str, line: str, lines: list[str], server_log: str = "") -> str:
+    """The top-level run's artifact: the reason, the warning and error lines that led to it, and
+    the last lines of a server's log where a server failed."""
     log = "\n".join(lines[-15:]) or "(no warnings or errors were logged)"
-    return (
+    text = (
         f"# eyas run `{run_name}` failed\n\n**{line}**\n\n"
         f"Warning and error lines of this run, oldest first:\n\n```\n{log}\n```\n"
     )
+    if server_log:
+        text += f"\nThe server log's last lines:\n\n```\n{server_log}\n```\n"
+    return text

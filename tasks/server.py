@@ -81,6 +81,8 @@ def wait_ready(cfg: PipelineConfig, handle: launch.ServerHandle) -> readiness.Re
         with make_host(cfg.server.host) as host:
             report = readiness.wait_for_server(host, handle, cfg.sensor, on_progress)
     except readiness.ServerFailed as e:
+        # the state message keeps the cause; the log's own words go to the run's log
+        logger.warning("the server log's last %d lines:\n%s", len(e.log_lines), e.log_tail())
         emit_event(
             event="eyas.server.failed",
             resource=resource,

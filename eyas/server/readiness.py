@@ -169,6 +169,29 @@ _RANK = {reason: i for i, (reason, _) in enumerate(_FATAL)}
 _SUBPROCESS_CRASHED = re.compile(r"Subprocess \S+ \(pid=\d+\) crashed with exit code")
 
 
+# The line that says why a process ended, as its tools print it last: argparse's `PROG: error: ...`,
+# a Python exception's last line (`torch.OutOfMemoryError: CUDA out of memory. ...`).
+_STAMP = re.compile(r"^(?:\[[^\]]*\]\s*)+")  # SGLang's "[DATE TIME TP0] " prefix
+_ARGPARSE_ERROR = re.compile(r"^[^:]{1,80}: error: \S")  # PROG may have spaces
+_EXCEPTION_LINE = re.compile(
+    r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?::\s.*)?$"
+)
+
+
+def cause_line(lines: list[str]) -> str | None:
+    """The line of a log tail that says why the process ended: argparse's error line, else the last
+    exception line, else the most telling fatal line; None where no line says."""
+    text = [_STAMP.sub("", line).strip() for line in lines if line.strip()]
+    for pattern in (_ARGPARSE_ERROR, _EXCEPTION_LINE):
+        found = [line for line in text if pattern.match(line)]
+        if found:
+            return found[-1]
+    fatal = [
+        (r, line) for line in text if (r := classify_fatal(line)) and not _bare_traceback(line)
+    ]
+    return min(fatal, key=lambda f: _RANK[f[0]])[1] if fatal else None
+
+
 def classify_fatal(line: str) -> str | None:
     """A short reason ("oom", "nccl", "crashed", ...) if the line means the server failed, else
     None."""
@@ -187,8 +210,11 @@ def classify_fatal(line: str) -> str | None:
 
 
 class ServerFailed(EyasError, RuntimeError):
-    """The server will not become ready. `.reason` is short ("oom", "stalled", "process died", ...),
-    `.log_lines` the last lines of its log, `.fatal_lines` the lines that gave it away."""
+    """The server will not become ready. Its message is one line that leads with the cause: for a
+    server that died, the line of its log that says why (cause_line), then `(reason: detail)`.
+    `.reason` is short ("oom", "stalled", "process died", ...), `.log_lines` the last lines of its
+    log (for the run's log and its failure artifact, not the message), `.fatal_lines` the lines
+    that gave it away."""
 
     def __init__(
         self,
@@ -203,14 +229,28 @@ class ServerFailed(EyasError, RuntimeError):
             redact(line) for line in log_lines
         ]  # SGLang logs its args, an api_key among them
         self.fatal_lines = [redact(line) for line in fatal_lines or []]
-        message = f"{reason}: {detail}" if detail else reason
-        if self.fatal_lines:
-            message += "\n--- offending lines ---\n" + "\n".join(self.fatal_lines[:5])
-        if self.log_lines:
-            message += f"\n--- last {len(self.log_lines)} log lines ---\n" + "\n".join(
-                self.log_lines
-            )
-        super().__init__(message)
+        what = f"{reason}: {detail}" if detail else reason
+        cause = cause_line(self.log_lines) if reason in DIED_REASONS else None
+        super().__init__(_one_line(cause, what))
+
+    def log_tail(self) -> str:
+        """The log's last lines, as they were written."""
+        return "\n".join(self.log_lines)
+
+
+#: reasons for which the log's last error line is the cause (a stall or a deadline has none)
+DIED_REASONS = {"process died", "crashed", *(reason for reason, _ in _FATAL)}
+MAX_MESSAGE = 260  # leaves room for "failed at TASK: " in a state message of at most 300
+
+
+def _one_line(cause: str | None, what: str) -> str:
+    """`cause (what)`, or `what`, cut to MAX_MESSAGE: the cause keeps up to 160 characters."""
+    if not cause:
+        return what if len(what) <= MAX_MESSAGE else what[: MAX_MESSAGE - 3] + "..."
+    cause = cause if len(cause) <= 160 else cause[:157] + "..."
+    room = MAX_MESSAGE - len(cause) - 3
+    what = what if len(what) <= room else what[: room - 3] + "..."
+    return f"{cause} ({what})"
 
 
 @dataclass

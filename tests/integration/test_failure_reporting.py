@@ -116,15 +116,42 @@ def test_a_launch_failure_posts_once_with_the_run_link_deployment_task_and_reaso
     ), state["message"]
     logs = logs_of(server, family(server, run, "fail-launch"))
     assert not any("Traceback" in line for line in logs), logs
+    # the failing task's line, and the pipeline's own log repeats it for the pipeline's page
     assert [line for line in logs if f"port {port} is already in use" in line] == [
         state["message"]
-    ], logs
+    ] * 2, logs
+    assert state["message"] in logs_of(server, [run["id"]])
     posts = posts_about(webhooks, "fail-launch")
     assert len(posts) == 1, posts
     body = posts[0]["body"]
     assert body.startswith(f"eagle3-fail-launch@localhost ended Failed: {state['message']}\n"), body
     assert f"run: http://127.0.0.1:{server.port}/runs/flow-run/{run['id']}" in body, body
     assert "deployment: eagle3-pipeline/pipeline" in body, body
+
+
+def test_a_server_refusing_its_launch_args_fails_with_argparses_error_first(server, small):
+    """A bad `server.launch_args` entry: the server prints its usage and its error and exits. The
+    state message is at most 300 characters and leads with argparse's error line; the usage text
+    is in the run's log and the failure artifact, not in the message."""
+    run = wait_flow_run(
+        server,
+        deployment_run(
+            server,
+            "eagle3-pipeline/pipeline",
+            small("bad-flag", **{"server.launch_args": ["--bogus-flag"]}),
+        ),
+    )
+    message = run["state"]["message"]
+    assert run["state"]["type"] == "FAILED", run["state"]
+    assert message.startswith(
+        "failed at wait-ready@localhost: eyas serve-local: error: unrecognized arguments: "
+        "--bogus-flag ("
+    ), message
+    assert len(message) <= 300 and "usage:" not in message, message
+    logs = "\n".join(logs_of(server, family(server, run, "bad-flag")))
+    assert "[--port PORT]" in logs, logs  # the log tail, in the run's log
+    art = server.post("/artifacts/filter", {"artifacts": {"key": {"any_": ["failure-bad-flag"]}}})
+    assert art and "[--port PORT]" in art[0]["data"], art
 
 
 def test_an_operator_cancel_reads_as_a_cancel(server, small):

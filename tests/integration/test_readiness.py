@@ -289,6 +289,39 @@ def test_silent_exit_is_process_died_and_old_runs_are_skipped(tmp_path):
     assert e.value.reason == "process died" and e.value.log_lines == ["starting"]
 
 
+def test_a_launch_refused_by_the_servers_arguments_fails_with_its_error_line_first(
+    tmp_path, free_port
+):
+    """The real `eyas serve-local` given a flag it does not know: argparse prints its usage (about
+    20 lines) and then the error. The failure is one line of at most 260 characters that starts
+    with argparse's error line; the usage text stays in the log tail."""
+    host = LocalHost()
+    command = shlex.join(
+        [sys.executable, "-m", "eyas", "serve-local", "--model-path", str(tmp_path)]
+        + ["--port", str(free_port), "--api-key", "sk-abc", "--bogus-flag"]
+    )
+    log = tmp_path / "server.log"
+    pid = host.start(command, log_path=log)
+    with pytest.raises(ServerFailed) as e:
+        wait_until_ready(
+            host,
+            log_path=log,
+            pid=pid,
+            url=f"http://127.0.0.1:{free_port}",
+            poll_interval_s=POLL,
+            stall_timeout_s=60,
+            deadline_s=120,
+            http_timeout_s=1,
+        )
+    message = str(e.value)
+    assert message.startswith("eyas serve-local: error: unrecognized arguments: --bogus-flag ("), (
+        message
+    )
+    assert len(message) <= 260 and "\n" not in message, message
+    assert e.value.reason == "process died" and "[--port PORT]" in e.value.log_tail()
+    assert "sk-abc" not in e.value.log_tail()
+
+
 def test_ready_line_without_http_is_not_ready(tmp_path, free_port):
     host = LocalHost()
     pid, log = _start(

@@ -1,7 +1,9 @@
 """The flows' config parameter: a YAML path, an inline mapping, or a loaded config, plus
 overrides."""
 
+import logging
 import re
+import uuid
 
 import pytest
 import yaml
@@ -20,14 +22,15 @@ def test_a_path_is_taken_from_the_repository_root_wherever_the_run_starts(tmp_pa
     )
 
 
-def test_an_inline_mapping_resolves_relative_paths_against_the_repository_root():
+def test_an_inline_mapping_means_what_the_config_file_it_was_pasted_from_means():
+    """Relative paths of an inline config are taken from configs/, as in a file there: the docs'
+    inline trigger pastes configs/local-tiny.yaml as it is."""
     raw = yaml.safe_load((ROOT / "configs" / "local-tiny.yaml").read_text())
-    for section, key in (("target", "checkpoint"), ("data", "path")):
-        raw[section][key] = raw[section][key].removeprefix("../")
-    raw["run_dir"] = "runs/inline"
-    cfg = resolve_config(raw, {"name": "inline"})
-    assert cfg.name == "inline" and cfg.run_dir == ROOT / "runs" / "inline"
+    assert raw["target"]["checkpoint"].startswith("../")
+    cfg = resolve_config(raw, {"training.max_steps": 20})
+    assert cfg == load_config(ROOT / "configs" / "local-tiny.yaml", {"training.max_steps": 20})
     assert cfg.target.checkpoint == ROOT / "fixtures" / "tiny-target"
+    assert resolve_config({**raw, "run_dir": "runs/x"}).run_dir == ROOT / "configs" / "runs" / "x"
 
 
 def test_a_loaded_config_passes_through_and_takes_overrides():
@@ -89,3 +92,66 @@ def test_the_core_command_line_has_no_run_and_the_eyas_script_adds_it(capsys):
     assert '"max_steps": 9' in capsys.readouterr().out  # a core command, handed over as it is
     with pytest.raises(SystemExit, match="--set expects key=value, got 'max_steps'"):
         cli.main(["check-config", str(ROOT / "configs" / "local-tiny.yaml"), "--set", "max_steps"])
+
+
+def test_the_stop_hook_says_what_it_did_in_sentences():
+    from flows.common import stop_sentence
+
+    level, line = stop_sentence(
+        {"pid": 41, "outcome": "terminated", "dump_dir": "removed"}, "gpu-1", True
+    )
+    assert level == logging.WARNING and line == (
+        "stopped the server it launched on gpu-1 (pid 41, terminated); its dump folder: removed"
+    )
+    assert stop_sentence(
+        {"pid": None, "outcome": "not running", "dump_dir": "kept"}, "h", True
+    ) == (
+        logging.INFO,
+        "it launched no server on h: nothing to stop",
+    )
+    assert stop_sentence({"pid": None, "outcome": "not running"}, "h", False)[1] == ""
+    left = {"pid": 7, "outcome": "left alone: launched by flow run abc, not by this run"}
+    assert stop_sentence(left, "h", True)[1] == (
+        "the server on h (pid 7) was left alone: launched by flow run abc, not by this run"
+    )
+    assert stop_sentence(left, "h", False)[1] == ""
+    for line in (stop_sentence(o, "h", True)[1] for o in ({"pid": 3, "outcome": "killed"},)):
+        assert "{" not in line and "'" not in line, line
+
+
+def test_the_stop_hook_never_raises_and_logs_why_it_could_not_stop(tmp_path):
+    """An SSH host whose known_hosts file is missing (HostConfigError): one error line naming the
+    host and the way out, no exception out of the hook."""
+    from prefect.client.schemas.objects import FlowRun, State, StateType
+
+    from flows.common import stop_server_hook
+
+    overrides = {
+        "server.host": {
+            "kind": "ssh",
+            "name": "gpu-9",
+            "hostname": "127.0.0.1",
+            "user": "nobody",
+            "known_hosts": str(tmp_path / "missing_known_hosts"),
+        },
+        "target.checkpoint": str(ROOT / "fixtures" / "tiny-target"),
+        "server.workdir": str(tmp_path / "server"),
+        "server.dump_dir": str(tmp_path / "server" / "dump"),
+    }
+    run = FlowRun(
+        flow_id=uuid.uuid4(),
+        name="r",
+        parameters={"config": "configs/local-tiny.yaml", "overrides": overrides},
+    )
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("prefect.flow_runs")  # Prefect's run loggers do not propagate
+    logger.addHandler(handler)
+    try:
+        stop_server_hook(None, run, State(type=StateType.FAILED, name="Failed"))
+    finally:
+        logger.removeHandler(handler)
+    errors = [r.getMessage() for r in records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].startswith("run Failed: could not reach gpu-9"), errors
+    assert "eyas stop" in errors[0] and not any(r.exc_info for r in records)

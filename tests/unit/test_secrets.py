@@ -124,3 +124,9 @@ def test_every_printed_form_hides_secret_flags_and_registered_values():
     )
     assert "abc123" not in str(failed) and "api_key='***'" in failed.log_lines[0]
     assert redact("nothing secret here") == "nothing secret here"
+
+
+def test_argparses_metavar_is_not_a_secret_and_the_text_after_it_stays():
+    usage = "usage: launch_server [--api-key API_KEY] [--port PORT]; error: bad"
+    assert redact(usage) == usage
+    assert redact("--api-key API_KEY2 --port 1") == "--api-key *** --port 1"
