@@ -296,6 +296,90 @@ def on_gpu(cfg: PipelineConfig) -> bool:
     )
 
 
+def _byte_figures(cfg: PipelineConfig, tcfg: dict, count: DataCount | None) -> dict:
+    """Bytes per token of the shards, a training node's reading rate, and the shards' total."""
+    from eyas.extraction.dataset import HEADER_BYTES
+    from eyas.extraction.shards import bytes_per_token
+
+    x, t, p = cfg.extraction, cfg.training, cfg.plan
+    bpt = bytes_per_token(int(tcfg["hidden_size"]), len(cfg.target.layer_ids), x.dtype, x.encoding)
+    figures = {
+        "bytes_per_token": bpt,
+        "read_bytes_per_s": p.train_tokens_per_s * t.distributed.nproc_per_node * bpt,
+    }
+    if count is not None:
+        headers = x.num_shards * HEADER_BYTES + 8 * (count.sequences + x.num_shards)  # + offsets
+        figures["total_bytes"] = count.tokens * bpt + headers
+    return figures
+
+
+def _stages(cfg: PipelineConfig, count: DataCount) -> tuple[Stage, ...]:
+    """Extract, regenerate (when enabled) and train, each with its tokens and rate."""
+    x, t, p = cfg.extraction, cfg.training, cfg.plan
+    servers, world = 1 + len(x.endpoints), processes(cfg)
+    stages = [
+        Stage(
+            "extract",
+            count.tokens,
+            p.prefill_tokens_per_s * servers,
+            f"{servers} server(s) at {p.prefill_tokens_per_s:,.0f} tokens/s",
+        )
+    ]
+    if cfg.data.regenerate.enabled:
+        made = count.assistant_turns * cfg.data.regenerate.max_new_tokens
+        stages.append(
+            Stage(
+                "regenerate",
+                made,
+                p.decode_tokens_per_s * servers,
+                f"{count.assistant_turns:,} turns x up to {cfg.data.regenerate.max_new_tokens} "
+                f"new tokens at {p.decode_tokens_per_s:,.0f} tokens/s x {servers}",
+            )
+        )
+    per_seq = count.tokens / max(count.sequences, 1)
+    seqs = t.max_steps * t.batch_size * t.grad_accum * world
+    stages.append(
+        Stage(
+            "train",
+            int(seqs * per_seq),
+            p.train_tokens_per_s * world,
+            f"{t.max_steps:,} steps x {t.batch_size * t.grad_accum * world} sequences x "
+            f"{per_seq:,.0f} tokens at {p.train_tokens_per_s:,.0f} tokens/s x {world} "
+            f"process(es); {seqs / max(count.sequences, 1):.1f} epochs",
+        )
+    )
+    return tuple(stages)
+
+
+def _memory_figures(cfg: PipelineConfig, tcfg: dict, dcfg) -> dict:
+    """Trainable parameters, one training process's memory at the configured batch and length, and
+    its total at PLAN_LENGTHS x PLAN_BATCHES."""
+    t = cfg.training
+
+    def memory(batch_size: int, seq_len: int) -> tuple[tuple[str, float], ...]:
+        return training_memory(
+            dcfg,
+            vocab_size=int(tcfg["vocab_size"]),
+            batch_size=batch_size,
+            seq_len=seq_len,
+            ttt_steps=t.ttt_steps,
+            bf16=on_gpu(cfg) and t.precision == "bf16",
+            processes=processes(cfg),
+            fsdp=t.distributed.strategy == "fsdp",
+            ema=t.ema_decay > 0,
+        )
+
+    lengths = sorted({*PLAN_LENGTHS, cfg.data.max_length})
+    return {
+        "trainable_params": trainable_params(dcfg),
+        "memory_gb": memory(t.batch_size, cfg.data.max_length),
+        "memory_by_length": tuple(
+            (n, tuple(round(sum(v for _, v in memory(b, n)), 1) for b in PLAN_BATCHES))
+            for n in lengths
+        ),
+    }
+
+
 def make_plan(
     cfg: PipelineConfig,
     tcfg: dict | None,
@@ -306,84 +390,81 @@ def make_plan(
 ) -> Plan:
     """The plan from what could be read (tcfg None: no bytes; count None: no tokens; dcfg None: no
     memory)."""
-    from eyas.extraction.dataset import HEADER_BYTES
-    from eyas.extraction.shards import bytes_per_token
-
-    x, t, p = cfg.extraction, cfg.training, cfg.plan
     plan = {
-        "num_shards": x.num_shards,
+        "num_shards": cfg.extraction.num_shards,
         "data": count,
         "free_bytes": free_bytes,
-        "gpu_memory_gb": p.gpu_memory_gb,
+        "gpu_memory_gb": cfg.plan.gpu_memory_gb,
     }
     if tcfg is not None:
-        bpt = bytes_per_token(
-            int(tcfg["hidden_size"]), len(cfg.target.layer_ids), x.dtype, x.encoding
-        )
-        plan["bytes_per_token"] = bpt
-        plan["read_bytes_per_s"] = p.train_tokens_per_s * t.distributed.nproc_per_node * bpt
-        if count is not None:
-            headers = x.num_shards * HEADER_BYTES + 8 * (
-                count.sequences + x.num_shards
-            )  # + offsets
-            plan["total_bytes"] = count.tokens * bpt + headers
+        plan.update(_byte_figures(cfg, tcfg, count))
     if count is not None:
-        servers, world = 1 + len(x.endpoints), processes(cfg)
-        stages = [
-            Stage(
-                "extract",
-                count.tokens,
-                p.prefill_tokens_per_s * servers,
-                f"{servers} server(s) at {p.prefill_tokens_per_s:,.0f} tokens/s",
-            )
-        ]
-        if cfg.data.regenerate.enabled:
-            made = count.assistant_turns * cfg.data.regenerate.max_new_tokens
-            stages.append(
-                Stage(
-                    "regenerate",
-                    made,
-                    p.decode_tokens_per_s * servers,
-                    f"{count.assistant_turns:,} turns x up to {cfg.data.regenerate.max_new_tokens} "
-                    f"new tokens at {p.decode_tokens_per_s:,.0f} tokens/s x {servers}",
-                )
-            )
-        per_seq = count.tokens / max(count.sequences, 1)
-        seqs = t.max_steps * t.batch_size * t.grad_accum * world
-        stages.append(
-            Stage(
-                "train",
-                int(seqs * per_seq),
-                p.train_tokens_per_s * world,
-                f"{t.max_steps:,} steps x {t.batch_size * t.grad_accum * world} sequences x "
-                f"{per_seq:,.0f} tokens at {p.train_tokens_per_s:,.0f} tokens/s x {world} "
-                f"process(es); {seqs / max(count.sequences, 1):.1f} epochs",
-            )
-        )
-        plan["stages"] = tuple(stages)
+        plan["stages"] = _stages(cfg, count)
     if dcfg is not None and tcfg is not None:
-        plan["trainable_params"] = trainable_params(dcfg)
-
-        def memory(batch_size: int, seq_len: int) -> tuple[tuple[str, float], ...]:
-            return training_memory(
-                dcfg,
-                vocab_size=int(tcfg["vocab_size"]),
-                batch_size=batch_size,
-                seq_len=seq_len,
-                ttt_steps=t.ttt_steps,
-                bf16=on_gpu(cfg) and t.precision == "bf16",
-                processes=processes(cfg),
-                fsdp=t.distributed.strategy == "fsdp",
-                ema=t.ema_decay > 0,
-            )
-
-        plan["memory_gb"] = memory(t.batch_size, cfg.data.max_length)
-        lengths = sorted({*PLAN_LENGTHS, cfg.data.max_length})
-        plan["memory_by_length"] = tuple(
-            (n, tuple(round(sum(v for _, v in memory(b, n)), 1) for b in PLAN_BATCHES))
-            for n in lengths
-        )
+        plan.update(_memory_figures(cfg, tcfg, dcfg))
     return Plan(**plan)
+
+
+def _shards_line(plan: Plan, cfg: PipelineConfig) -> str:
+    per_shard = plan.total_bytes / plan.num_shards
+    x = cfg.extraction
+    return (
+        f"  shards     {plan.num_shards} x {per_shard / GB:,.3f} GB = "
+        f"{plan.total_bytes / GB:,.2f} GB "
+        f"({plan.bytes_per_token:,} B/token: {len(cfg.target.layer_ids)} aux layers + "
+        f"the last, {x.dtype} {x.encoding})"
+    )
+
+
+def _reading_line(plan: Plan, cfg: PipelineConfig) -> str:
+    x, t = cfg.extraction, cfg.training
+    disk = (
+        f"; the shard folder reads {plan.disk_bytes_per_s / GB:,.2f} GB/s ({plan.disk_probe})"
+        if plan.disk_bytes_per_s is not None
+        else f"; {plan.disk_probe or 'the shard folder not probed'}"
+    )
+    return (
+        f"  reading    {plan.read_bytes_per_s / GB:,.2f} GB/s of shards per training node "
+        f"({t.distributed.nproc_per_node} process(es) x plan.train_tokens_per_s="
+        f"{cfg.plan.train_tokens_per_s:g} x {plan.bytes_per_token:,} B/token, {x.dtype} "
+        f"{x.encoding}){disk}"
+    )
+
+
+def _memory_line(plan: Plan, cfg: PipelineConfig) -> str:
+    t = cfg.training
+    parts = ", ".join(f"{k} {v:,.2f}" for k, v in plan.memory_gb)
+    limit = (
+        f"of plan.gpu_memory_gb={plan.gpu_memory_gb:g}"
+        if plan.gpu_memory_gb
+        else "(plan.gpu_memory_gb not set: not checked)"
+    )
+    return (
+        f"  memory     {plan.train_memory_gb:,.1f} GB per training process {limit} at "
+        f"training.batch_size="
+        f"{t.batch_size} x data.max_length={cfg.data.max_length}, TTT {t.ttt_steps}: {parts} "
+        f"({plan.trainable_params / 1e6:,.1f} M trainable parameters)"
+    )
+
+
+def _by_length_line(plan: Plan) -> str:
+    """The memory table; "!" marks a total over plan.gpu_memory_gb less the estimate's error."""
+    limit = plan.gpu_memory_gb
+
+    def gb(v: float) -> str:
+        return f"{v:,.1f}" + ("!" if limit and v > limit * (1 - MEMORY_MARGIN) else "")
+
+    rows = "; ".join(f"{n:,}: {'/'.join(gb(v) for v in row)}" for n, row in plan.memory_by_length)
+    over = (
+        f" (! = more than plan.gpu_memory_gb={limit:g} less the estimate's "
+        f"{MEMORY_MARGIN:.0%} error)"
+        if limit
+        else ""
+    )
+    return (
+        f"  by length  GB per training process at batch {'/'.join(map(str, PLAN_BATCHES))} "
+        f"by data.max_length: {rows}{over}"
+    )
 
 
 def plan_lines(plan: Plan, cfg: PipelineConfig) -> list[str]:
@@ -395,14 +476,7 @@ def plan_lines(plan: Plan, cfg: PipelineConfig) -> list[str]:
         else "  data       unknown (see the problems)"
     )
     if plan.total_bytes is not None:
-        per_shard = plan.total_bytes / plan.num_shards
-        x = cfg.extraction
-        out.append(
-            f"  shards     {plan.num_shards} x {per_shard / GB:,.3f} GB = "
-            f"{plan.total_bytes / GB:,.2f} GB "
-            f"({plan.bytes_per_token:,} B/token: {len(cfg.target.layer_ids)} aux layers + "
-            f"the last, {x.dtype} {x.encoding})"
-        )
+        out.append(_shards_line(plan, cfg))
     if plan.free_bytes is not None:
         out.append(
             f"  disk       {plan.free_bytes / GB:,.2f} GB free at extraction.output_dir, "
@@ -416,49 +490,9 @@ def plan_lines(plan: Plan, cfg: PipelineConfig) -> list[str]:
             f"export, evaluation or serving benchmark)"
         )
     if plan.read_bytes_per_s is not None:
-        x, t = cfg.extraction, cfg.training
-        disk = (
-            f"; the shard folder reads {plan.disk_bytes_per_s / GB:,.2f} GB/s ({plan.disk_probe})"
-            if plan.disk_bytes_per_s is not None
-            else f"; {plan.disk_probe or 'the shard folder not probed'}"
-        )
-        out.append(
-            f"  reading    {plan.read_bytes_per_s / GB:,.2f} GB/s of shards per training node "
-            f"({t.distributed.nproc_per_node} process(es) x plan.train_tokens_per_s="
-            f"{cfg.plan.train_tokens_per_s:g} x {plan.bytes_per_token:,} B/token, {x.dtype} "
-            f"{x.encoding}){disk}"
-        )
+        out.append(_reading_line(plan, cfg))
     if plan.memory_gb:
-        t = cfg.training
-        parts = ", ".join(f"{k} {v:,.2f}" for k, v in plan.memory_gb)
-        limit = (
-            f"of plan.gpu_memory_gb={plan.gpu_memory_gb:g}"
-            if plan.gpu_memory_gb
-            else "(plan.gpu_memory_gb not set: not checked)"
-        )
-        out.append(
-            f"  memory     {plan.train_memory_gb:,.1f} GB per training process {limit} at "
-            f"training.batch_size="
-            f"{t.batch_size} x data.max_length={cfg.data.max_length}, TTT {t.ttt_steps}: {parts} "
-            f"({plan.trainable_params / 1e6:,.1f} M trainable parameters)"
-        )
+        out.append(_memory_line(plan, cfg))
     if plan.memory_by_length:
-        limit = plan.gpu_memory_gb
-
-        def gb(v: float) -> str:
-            return f"{v:,.1f}" + ("!" if limit and v > limit * (1 - MEMORY_MARGIN) else "")
-
-        rows = "; ".join(
-            f"{n:,}: {'/'.join(gb(v) for v in row)}" for n, row in plan.memory_by_length
-        )
-        over = (
-            f" (! = more than plan.gpu_memory_gb={limit:g} less the estimate's "
-            f"{MEMORY_MARGIN:.0%} error)"
-            if limit
-            else ""
-        )
-        out.append(
-            f"  by length  GB per training process at batch {'/'.join(map(str, PLAN_BATCHES))} "
-            f"by data.max_length: {rows}{over}"
-        )
+        out.append(_by_length_line(plan))
     return out

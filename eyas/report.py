@@ -94,6 +94,40 @@ def regeneration_section(data_stats: dict) -> dict[str, Any] | None:
     return {k: regen.get(k) for k in keys if k in regen}
 
 
+def extraction_section(extracted: Extracted, extract_s: float) -> dict[str, Any]:
+    """report.json's `extraction`: the shards, their sequences, tokens and bytes; extract_s is the
+    extract stage's seconds."""
+    manifests, tokens = extracted.manifests, extracted.num_tokens
+    reused = [m for m in manifests if m.reused]
+    new_tokens = tokens - sum(m.num_tokens for m in reused)
+    return {
+        "shards": len(manifests),
+        "shards_reused": len(reused),  # intact on disk from an earlier run: not extracted again
+        "summary": extraction_summary(manifests),
+        "sequences": sum(m.num_samples for m in manifests),
+        "tokens": tokens,
+        "bytes": sum(m.bytes for m in manifests),
+        # over the shards this run extracted; None when it extracted none
+        "tokens_per_s": round(new_tokens / extract_s, 1) if extract_s and new_tokens else None,
+        "dtype": manifests[0].dtype if manifests else None,
+    }
+
+
+#: report.json's `training`: these fields of the TrainResult
+TRAINING_KEYS = (
+    "final_loss",
+    "first_loss",
+    "steps",
+    "tokens",
+    "seconds",
+    "draft_vocab_size",
+    "simulated_acceptance_length",
+    "init_from",
+    "resumed_from_step",
+    "history",
+)
+
+
 def build_report(
     *,
     name: str,
@@ -110,11 +144,7 @@ def build_report(
     """
     from eyas.evaluation.serve_bench import benchmarks
 
-    manifests, ready = extracted.manifests, extracted.ready
-    tokens = extracted.num_tokens
-    reused = [m for m in manifests if m.reused]
-    new_tokens = tokens - sum(m.num_tokens for m in reused)
-    extract_s = stages.get("extract") or 0.0
+    ready = extracted.ready
     evaluation = asdict(trained.evaluation) if trained.evaluation else served_evaluation(serving)
     return {
         "name": name,
@@ -138,33 +168,9 @@ def build_report(
         # data.regenerate: turns the target answered, and of their tokens the reasoning (<think>)
         # ones
         "regeneration": regeneration_section(extracted.data_stats),
-        "extraction": {
-            "shards": len(manifests),
-            "shards_reused": len(reused),  # intact on disk from an earlier run: not extracted again
-            "summary": extraction_summary(manifests),
-            "sequences": sum(m.num_samples for m in manifests),
-            "tokens": tokens,
-            "bytes": sum(m.bytes for m in manifests),
-            # over the shards this run extracted; None when it extracted none
-            "tokens_per_s": round(new_tokens / extract_s, 1) if extract_s and new_tokens else None,
-            "dtype": manifests[0].dtype if manifests else None,
-        },
+        "extraction": extraction_section(extracted, stages.get("extract") or 0.0),
         # history: the loss table (~100 rows: step, loss, acc per TTT step, lr, tokens/s, held-out)
-        "training": {
-            k: getattr(trained.result, k)
-            for k in (
-                "final_loss",
-                "first_loss",
-                "steps",
-                "tokens",
-                "seconds",
-                "draft_vocab_size",
-                "simulated_acceptance_length",
-                "init_from",
-                "resumed_from_step",
-                "history",
-            )
-        },
+        "training": {k: getattr(trained.result, k) for k in TRAINING_KEYS},
         "evaluation": evaluation,  # method, the headline chain, every chain's figures
         "drafter_dir": trained.drafter_dir,
         "stages_seconds": stages,

@@ -232,6 +232,21 @@ def _one_at_a_time(
     return out
 
 
+def _serve_sets_beside(
+    plain: Meter, spec: Meter, key: str, sets: dict, out: dict, max_new: int, together: bool
+) -> None:
+    """Every set on the chain's server into out[key], and on the plain one where it has not served
+    it yet (the first chain's turn): their passes alternating, or at the same time."""
+    for name, s in sets.items():
+        calls = [partial(spec.serve_set, s["prompts"], max_new)]
+        if name not in out["plain"]["sets"]:  # the first chain's turn
+            calls.insert(0, partial(plain.serve_set, s["prompts"], max_new))
+        results = _together(*calls) if together else [call() for call in calls]
+        if len(results) == 2:
+            out["plain"]["sets"][name] = results[0]
+        out[key]["sets"][name] = results[-1]
+
+
 def _interleaved(
     cfg: PipelineConfig,
     host: Host,
@@ -249,59 +264,25 @@ def _interleaved(
     out: dict[str, dict] = {}
     (_, plain_cfg), *chain_configs = configs.items()
     together, max_new = cfg.benchmark.concurrent, cfg.evaluation.max_new_tokens
+
+    def launch(stack: ExitStack, key: str, c: PipelineConfig) -> Meter:
+        return _open(stack, host, c, out, key, speed_prompts, log, owner, on_launch)
+
     with ExitStack() as stack:
-        inners = [
-            stack.enter_context(ExitStack()) for _ in chain_configs
-        ]  # a chain's server, stopped after its turn
+        # a chain's server, stopped after its turn
+        inners = [stack.enter_context(ExitStack()) for _ in chain_configs]
         first = None
-        if (
-            together and chain_configs
-        ):  # separate workdirs, ports and records: nothing shared but the host
+        if together and chain_configs:  # separate workdirs, ports and records: only the host shared
             plain, first = _together(
-                partial(
-                    _open,
-                    stack,
-                    host,
-                    plain_cfg,
-                    out,
-                    "plain",
-                    speed_prompts,
-                    log,
-                    owner,
-                    on_launch,
-                ),
-                partial(
-                    _open,
-                    inners[0],
-                    host,
-                    chain_configs[0][1],
-                    out,
-                    chain_configs[0][0],
-                    speed_prompts,
-                    log,
-                    owner,
-                    on_launch,
-                ),
+                partial(launch, stack, "plain", plain_cfg),
+                partial(launch, inners[0], *chain_configs[0]),
             )
         else:
-            plain = _open(
-                stack, host, plain_cfg, out, "plain", speed_prompts, log, owner, on_launch
-            )
+            plain = launch(stack, "plain", plain_cfg)
         for i, (key, c) in enumerate(chain_configs):
             with inners[i] as inner:
-                spec = (
-                    first
-                    if i == 0 and first is not None
-                    else _open(inner, host, c, out, key, speed_prompts, log, owner, on_launch)
-                )
-                for name, s in sets.items():
-                    calls = [partial(spec.serve_set, s["prompts"], max_new)]
-                    if name not in out["plain"]["sets"]:  # the first chain's turn
-                        calls.insert(0, partial(plain.serve_set, s["prompts"], max_new))
-                    results = _together(*calls) if together else [call() for call in calls]
-                    if len(results) == 2:
-                        out["plain"]["sets"][name] = results[0]
-                    out[key]["sets"][name] = results[-1]
+                spec = first if i == 0 and first is not None else launch(inner, key, c)
+                _serve_sets_beside(plain, spec, key, sets, out, max_new, together)
                 if key == bench:
                     out["plain"]["speed"], out[key]["speed"] = _speed(
                         [plain, spec], speed_prompts, cfg.benchmark.num_repeats, together

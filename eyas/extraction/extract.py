@@ -189,45 +189,7 @@ def extract_shard(
         plan, out_dir, pool, capture_ids, dtype, encoding, meta, record_timeout_s, collect_workers
     )
     window = pool.capacity + collect_workers  # keep every server busy while a few are collected
-    per_token = None
-    done = tokens = 0
-    samples = job.samples
-    num_tokens = sum(len(s.input_ids) for s in samples)
-    ex = concurrent.futures.ThreadPoolExecutor(window, thread_name_prefix=f"eyas-{plan.name}")
-    try:
-        pending, nxt = set(), 0
-        while nxt < len(samples) or pending:
-            while nxt < len(samples) and len(pending) < window:
-                pending.add(ex.submit(job.one, nxt))
-                nxt += 1
-            finished, pending = concurrent.futures.wait(
-                pending, return_when=concurrent.futures.FIRST_COMPLETED
-            )
-            for f in finished:
-                tokens += f.result()
-                done += 1
-            if on_progress:
-                w = job.writer
-                per_token = per_token or bytes_per_token(w.hidden_size, w.num_aux, dtype, encoding)
-                on_progress(
-                    ShardProgress(
-                        plan.name,
-                        done,
-                        len(samples),
-                        tokens,
-                        num_tokens,
-                        tokens * per_token,
-                        time.monotonic() - job.t0,
-                    )
-                )
-    except BaseException:
-        job.cancel.set()
-        ex.shutdown(wait=True, cancel_futures=True)
-        if job.writer is not None:
-            job.writer.abort()
-        raise
-    ex.shutdown(wait=True)
-    return job.writer.close({"seconds": round(time.monotonic() - job.t0, 3)})
+    return job.run(window, on_progress)
 
 
 class _ShardJob:
@@ -346,6 +308,57 @@ class _ShardJob:
             for ep in self.pool.endpoints:
                 ep.records.remove(attempt_rids(rid, self.pool.retries))
         return len(s.input_ids)
+
+    def send_all(self, ex: concurrent.futures.Executor, window: int, on_progress) -> None:
+        """Every sequence, at most `window` in flight; on_progress each time some have finished."""
+        per_token = None
+        done = tokens = 0
+        samples = self.samples
+        num_tokens = sum(len(s.input_ids) for s in samples)
+        pending, nxt = set(), 0
+        while nxt < len(samples) or pending:
+            while nxt < len(samples) and len(pending) < window:
+                pending.add(ex.submit(self.one, nxt))
+                nxt += 1
+            finished, pending = concurrent.futures.wait(
+                pending, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            for f in finished:
+                tokens += f.result()
+                done += 1
+            if on_progress:
+                w = self.writer
+                per_token = per_token or bytes_per_token(
+                    w.hidden_size, w.num_aux, self.dtype, self.encoding
+                )
+                on_progress(
+                    ShardProgress(
+                        self.plan.name,
+                        done,
+                        len(samples),
+                        tokens,
+                        num_tokens,
+                        tokens * per_token,
+                        time.monotonic() - self.t0,
+                    )
+                )
+
+    def run(self, window: int, on_progress) -> dict[str, Any]:
+        """The shard written -> its manifest; on any failure the sequences in flight are stopped
+        and no file is left behind."""
+        ex = concurrent.futures.ThreadPoolExecutor(
+            window, thread_name_prefix=f"eyas-{self.plan.name}"
+        )
+        try:
+            self.send_all(ex, window, on_progress)
+        except BaseException:
+            self.cancel.set()
+            ex.shutdown(wait=True, cancel_futures=True)
+            if self.writer is not None:
+                self.writer.abort()
+            raise
+        ex.shutdown(wait=True)
+        return self.writer.close({"seconds": round(time.monotonic() - self.t0, 3)})
 
 
 def _wait_records(store: DumpStore, rid: str, num_tokens: int, timeout: float):

@@ -138,6 +138,22 @@ def part_bounds(n: int, num_parts: int) -> list[tuple[int, int]]:
     return list(zip(b, b[1:]))
 
 
+@dataclass
+class _Run:
+    """What every part of one regeneration asks with."""
+
+    records: list[Record]
+    tokenizer: Any
+    pool: ServerPool
+    cfg: RegenerateConfig
+    th: Thinking | None  # a thinking target: its records are the server's own ids
+    stop_ids: list[int]
+    max_length: int
+    params: dict  # what a finished part's manifest must name to be reused
+    progress: _Progress
+    num_parts: int
+
+
 def regenerate(
     records: list[Record],
     tokenizer,
@@ -163,49 +179,44 @@ def regenerate(
     params = _params(cfg, stop_ids, max_length, target)
     bounds = part_bounds(len(records), cfg.num_parts)
     progress = _Progress(len(bounds), len(records), on_progress)
+    run = _Run(
+        records, tokenizer, pool, cfg, th, stop_ids, max_length, params, progress, len(bounds)
+    )
     manifests = []
     for k, (a, b) in enumerate(bounds):
         input_hash = _input_hash(records[a:b])
-        path, mpath = out_dir / f"part-{k:05d}.jsonl", out_dir / f"part-{k:05d}.json"
         done = _finished_part(out_dir, k, input_hash, params)
         if done is not None:
             manifests.append({**done, "reused": True})
-            progress.part(b - a, reused=True)
-            if on_part:
-                on_part(k, len(bounds), manifests[-1])
-            continue
-        manifests.append(
-            _regenerate_part(
-                records,
-                a,
-                b,
-                k,
-                len(bounds),
-                tokenizer,
-                pool,
-                cfg,
-                stop_ids,
-                max_length,
-                params,
-                input_hash,
-                path,
-                mpath,
-                progress,
-                th,
-            )
-        )
-        progress.part(b - a, reused=False)
+        else:
+            manifests.append(_regenerate_part(run, k, a, b, input_hash, out_dir))
+        progress.part(b - a, reused=done is not None)
         if on_part:
             on_part(k, len(bounds), manifests[-1])
+    combined = _write_combined(out_dir, len(bounds), passthrough)
+    summary = _summary(cfg, params, manifests, passthrough)
+    write_json_atomic(out_dir / "regenerate.json", summary)
+    return combined, summary
+
+
+def _write_combined(out_dir: Path, num_parts: int, passthrough: list[Record]) -> Path:
+    """regenerated.jsonl: every part in order, then the passthrough records."""
     combined = out_dir / "regenerated.jsonl"
     with atomic_file(combined) as f:
-        for k in range(len(bounds)):
+        for k in range(num_parts):
             f.write((out_dir / f"part-{k:05d}.jsonl").read_bytes())
         for r in passthrough:
             f.write((_record_json(r) + "\n").encode())
-    summary = {
+    return combined
+
+
+def _summary(
+    cfg: RegenerateConfig, params: dict, manifests: list[dict], passthrough: list[Record]
+) -> dict[str, Any]:
+    """regenerate.json: the parts' manifests added up."""
+    return {
         "format": FORMAT,
-        "parts": len(bounds),
+        "parts": len(manifests),
         "params": params,
         **{
             key: sum(m[key] for m in manifests)
@@ -222,8 +233,6 @@ def regenerate(
         "passed_through": len(passthrough),
         **_thinking_summary(cfg, manifests),
     }
-    write_json_atomic(out_dir / "regenerate.json", summary)
-    return combined, summary
 
 
 def pending_parts(
@@ -309,27 +318,47 @@ def _finished_part(out_dir: Path, k: int, input_hash: str, params: dict) -> dict
     return None
 
 
-def _regenerate_part(
-    records,
-    a,
-    b,
-    k,
-    num_parts,
-    tokenizer,
-    pool,
-    cfg,
-    stop_ids,
-    max_length,
-    params,
-    input_hash,
-    path: Path,
-    mpath: Path,
-    progress: _Progress,
-    th: Thinking | None = None,
-) -> dict:
+def _conversation_lines(run: _Run, i: int, k: int) -> tuple[list[str], dict]:
+    """Record i as its lines of part k's file, and the counts of its regeneration (a pre-tokenized
+    record passes through)."""
+    r = run.records[i]
+    if r.messages is None:
+        return [_record_json(r)], {"generated_tokens": 0}
+    where = f"part {k} ({r.where})"
+    if run.th is not None:
+        out, c = regenerate_conversation_ids(
+            r.messages,
+            i,
+            run.tokenizer,
+            run.pool,
+            run.cfg,
+            run.th,
+            run.stop_ids,
+            run.max_length,
+            where,
+        )
+        return [json.dumps(x, separators=(",", ":")) for x in out], c
+    messages, c = regenerate_conversation(
+        r.messages, i, run.tokenizer, run.pool, run.cfg, run.stop_ids, run.max_length, where
+    )
+    return [json.dumps({"messages": messages}, ensure_ascii=False, separators=(",", ":"))], c
+
+
+def _reply_tokens(tokenizer, lines: list[str]) -> int:
+    """The assistant replies' tokens in a part's chat records."""
+    output_tokens = 0
+    for line in lines:
+        for m in json.loads(line).get("messages", []):
+            if m["role"] == "assistant":
+                output_tokens += len(tokenizer.encode(m["content"], add_special_tokens=False))
+    return output_tokens
+
+
+def _regenerate_part(run: _Run, k: int, a: int, b: int, input_hash: str, out_dir: Path) -> dict:
+    """Records a..b asked of the target, written to part k's file, then its manifest."""
     t0 = time.monotonic()
     counts = {"regenerated_turns": 0, "kept_original_turns": 0, "dropped_turns": 0}
-    if th is not None:
+    if run.th is not None:
         counts.update(
             reasoning_tokens=0,
             unfinished_reasoning_turns=0,
@@ -340,30 +369,9 @@ def _regenerate_part(
     generated = [0]  # thinking: the replies' tokens written (the loss-1 ids of the records)
 
     def one(i: int) -> list[str]:
-        r = records[i]
-        if r.messages is None:
-            progress.conversation(0)
-            return [_record_json(r)]
-        if th is not None:
-            out, c = regenerate_conversation_ids(
-                r.messages,
-                i,
-                tokenizer,
-                pool,
-                cfg,
-                th,
-                stop_ids,
-                max_length,
-                f"part {k} ({r.where})",
-            )
-            lines = [json.dumps(x, separators=(",", ":")) for x in out]
-        else:
-            messages, c = regenerate_conversation(
-                r.messages, i, tokenizer, pool, cfg, stop_ids, max_length, f"part {k} ({r.where})"
-            )
-            lines = [json.dumps({"messages": messages}, ensure_ascii=False, separators=(",", ":"))]
+        lines, c = _conversation_lines(run, i, k)
         made = c.pop("generated_tokens")
-        progress.conversation(made)
+        run.progress.conversation(made)
         with lock:
             for key, v in c.items():
                 counts[key] += v
@@ -372,33 +380,29 @@ def _regenerate_part(
 
     # Turns of one conversation are sequential; conversations run side by side up to the pool's
     # width.
-    with ThreadPoolExecutor(max(1, pool.capacity)) as ex:
+    with ThreadPoolExecutor(max(1, run.pool.capacity)) as ex:
         lines = [line for out in ex.map(one, range(a, b)) for line in out]
     text = ("\n".join(lines) + "\n").encode() if lines else b""
-    write_bytes_atomic(path, text)
-    if th is not None:
+    write_bytes_atomic(out_dir / f"part-{k:05d}.jsonl", text)
+    if run.th is not None:
         output_tokens = generated[0]
         counts["sequences"] = len(lines)
     else:
-        output_tokens = 0
-        for line in lines:
-            for m in json.loads(line).get("messages", []):
-                if m["role"] == "assistant":
-                    output_tokens += len(tokenizer.encode(m["content"], add_special_tokens=False))
+        output_tokens = _reply_tokens(run.tokenizer, lines)
     manifest = {
         "format": FORMAT,
         "part": k,
-        "num_parts": num_parts,
+        "num_parts": run.num_parts,
         "records": b - a,
-        "conversations": sum(records[i].messages is not None for i in range(a, b)),
+        "conversations": sum(run.records[i].messages is not None for i in range(a, b)),
         "input_sha256": input_hash,
         "output_sha256": hashlib.sha256(text).hexdigest(),
-        "params": params,
+        "params": run.params,
         "output_tokens": output_tokens,
         "seconds": round(time.monotonic() - t0, 3),
         **counts,
     }
-    write_json_atomic(mpath, manifest)
+    write_json_atomic(out_dir / f"part-{k:05d}.json", manifest)
     return manifest
 
 

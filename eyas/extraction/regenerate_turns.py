@@ -160,6 +160,30 @@ def _ask(
         raise RegenerationError(f"{where}: turn {j}: {e}") from e
 
 
+class _Records:
+    """A thinking conversation's records: a turn whose prompt starts with the current record's ids
+    extends that record; otherwise the record is closed and the turn starts the next one."""
+
+    def __init__(self):
+        self.closed: list[dict] = []  # {"input_ids", "loss_mask"}
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+
+    def add(self, prompt: list[int], output: list[int]) -> None:
+        """One turn: the prompt (loss 0) where the record lacks it, then the reply (loss 1)."""
+        if self.ids and prompt[: len(self.ids)] == self.ids:  # the record so far, as emitted
+            self.mask += [0] * (len(prompt) - len(self.ids))
+        else:
+            self.close()
+            self.mask = [0] * len(prompt)
+        self.ids = prompt + output
+        self.mask += [1] * len(output)
+
+    def close(self) -> None:
+        if any(self.mask):
+            self.closed.append({"input_ids": list(self.ids), "loss_mask": list(self.mask)})
+
+
 def regenerate_conversation_ids(
     messages: list[dict],
     conv_index: int,
@@ -178,9 +202,7 @@ def regenerate_conversation_ids(
     extends that record; otherwise the record is closed and the turn starts the next one.
     """
     history: list[dict] = []
-    records: list[dict] = []
-    ids: list[int] = []
-    mask: list[int] = []
+    records = _Records()
     counts = {
         "regenerated_turns": 0,
         "kept_original_turns": 0,
@@ -191,10 +213,6 @@ def regenerate_conversation_ids(
         "server_reasoning_tokens": 0,
         "server_reasoning_replies": 0,
     }
-
-    def close() -> None:
-        if any(mask):
-            records.append({"input_ids": list(ids), "loss_mask": list(mask)})
 
     for j, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -211,15 +229,7 @@ def regenerate_conversation_ids(
             history.append(dict(m))
             counts["kept_original_turns"] += 1
             continue
-        if (
-            ids and prompt[: len(ids)] == ids
-        ):  # the history renders the record so far as it was emitted
-            mask += [0] * (len(prompt) - len(ids))
-        else:
-            close()
-            mask = [0] * len(prompt)
-        ids = prompt + output
-        mask += [1] * len(output)
+        records.add(prompt, output)
         counts["regenerated_turns"] += 1
         counts["generated_tokens"] += len(output)
         reasoning, answer, finished = split_reasoning(prompt, output, th)
@@ -227,8 +237,8 @@ def regenerate_conversation_ids(
         counts["unfinished_reasoning_turns"] += not finished
         # cut inside its reasoning: the dataset's answer stands in later turns' history
         history.append(_history_turn(tokenizer, reasoning, answer) or dict(m))
-    close()
-    return records, counts
+    records.close()
+    return records.closed, counts
 
 
 def _count_server_reasoning(counts: dict[str, int], body: dict) -> None:

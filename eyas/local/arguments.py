@@ -13,9 +13,8 @@ DESCRIPTION = (
 )
 
 
-def parser() -> argparse.ArgumentParser:
-    """The flags: SGLang's names, with eyas-local's meaning in each help text."""
-    p = argparse.ArgumentParser(prog="eyas serve-local", description=DESCRIPTION)
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """What is served, and where."""
     p.add_argument(
         "--model-path", required=True, help="Hugging Face folder with config.json and shards"
     )
@@ -26,6 +25,10 @@ def parser() -> argparse.ArgumentParser:
         "--tp-size", "--tp", type=int, default=1, help="accepted; eyas-local runs one CPU process"
     )
     p.add_argument("--dtype", default="auto", help="accepted; eyas-local computes in float32")
+
+
+def _add_capture_args(p: argparse.ArgumentParser) -> None:
+    """The aux hidden states extraction reads."""
     p.add_argument("--enable-return-aux-hidden-states", action="store_true")
     p.add_argument(
         "--return-aux-hidden-state-layer-ids",
@@ -34,6 +37,10 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="capture-before ids: id i is the input of decoder layer i (HF hidden_states[i])",
     )
+
+
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding with an exported drafter."""
     p.add_argument(
         "--speculative-algorithm",
         default=None,
@@ -56,6 +63,10 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="with topk 1 it must be num-steps + 1 (the default)",
     )
+
+
+def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
+    """Prefill chunks, requests decoded together, replicas."""
     p.add_argument(
         "--disable-radix-cache", action="store_true", help="accepted; there is no prefix cache"
     )
@@ -84,6 +95,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dp-worker", action="store_true", help=argparse.SUPPRESS
     )  # a replica --dp-size started
+
+
+def _add_other_args(p: argparse.ArgumentParser) -> None:
+    """SGLang's other flags: the API key and seed, and those accepted but ignored."""
     p.add_argument(
         "--api-key",
         default=None,
@@ -100,7 +115,10 @@ def parser() -> argparse.ArgumentParser:
         default="info",
         help="accepted; eyas-local logs at info (the sensor reads those lines)",
     )
-    # eyas-only realism and fault injection
+
+
+def _add_fault_args(p: argparse.ArgumentParser) -> None:
+    """eyas-only realism and fault injection."""
     p.add_argument(
         "--load-delay", type=float, default=0.0, help="seconds of sleep per shard (a slow load)"
     )
@@ -116,6 +134,17 @@ def parser() -> argparse.ArgumentParser:
         "inside the "
         "<think> its prompt opened reasons this many tokens, then </think> (0: off)",
     )
+
+
+def parser() -> argparse.ArgumentParser:
+    """The flags: SGLang's names, with eyas-local's meaning in each help text."""
+    p = argparse.ArgumentParser(prog="eyas serve-local", description=DESCRIPTION)
+    _add_model_args(p)
+    _add_capture_args(p)
+    _add_speculative_args(p)
+    _add_scheduling_args(p)
+    _add_other_args(p)
+    _add_fault_args(p)
     return p
 
 

@@ -134,22 +134,11 @@ def _inject_fault(fault: str, shard: int, num_shards: int, path: Path) -> None:
         sys.exit(1)
 
 
-def load_model(
-    model_path: str | Path, *, load_delay: float = 0.0, fault: str = "none", fault_shard: int = 0
-) -> torch.nn.Module:
-    """Read the checkpoint shard by shard (printing SGLang's bar), then build the model from
-    config.json and fill it. transformers is imported only after the shards are read: it takes
-    seconds to import, and a fault-injected load should fail as early as a real one would."""
-    model_path = Path(model_path)
-    if not (model_path / "config.json").exists():
-        raise FileNotFoundError(f"{model_path}: no config.json")
-    files = shard_files(model_path)
-    if fault != "none" and not 0 <= fault_shard <= len(files):
-        raise InvalidInput(
-            f"--fault-shard {fault_shard} out of range: the checkpoint has {len(files)} shards"
-        )
-    log(f"Load weight begin. avail mem={_avail_mem_gb():.2f} GB")
-    tic = time.monotonic()
+def _read_shards(
+    files: list[Path], load_delay: float, fault: str, fault_shard: int
+) -> dict[str, torch.Tensor]:
+    """Every shard's tensors, one shard at a time under SGLang's bar; the fault injected at its
+    shard."""
     # mininterval=0: print every shard, as SGLang's bar does for its few, slow shards.
     bar = tqdm(
         total=len(files),
@@ -170,7 +159,11 @@ def load_model(
     if fault != "none" and fault_shard == len(files):
         _inject_fault(fault, fault_shard, len(files), files[-1])  # after N/N, like sglang#9917
     bar.close()
+    return state
 
+
+def _build_model(model_path: Path, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The model from config.json, filled with the checkpoint's weights (experts fused)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(
@@ -194,6 +187,27 @@ def load_model(
         # SGLang stops at config.json's eos and generation_config.json's (model_config.py,
         # _get_hf_eos_token_id): chat models list their end-of-turn token there.
         model.generation_config = GenerationConfig.from_pretrained(model_path)
+    return model
+
+
+def load_model(
+    model_path: str | Path, *, load_delay: float = 0.0, fault: str = "none", fault_shard: int = 0
+) -> torch.nn.Module:
+    """Read the checkpoint shard by shard (printing SGLang's bar), then build the model from
+    config.json and fill it. transformers is imported only after the shards are read: it takes
+    seconds to import, and a fault-injected load should fail as early as a real one would."""
+    model_path = Path(model_path)
+    if not (model_path / "config.json").exists():
+        raise FileNotFoundError(f"{model_path}: no config.json")
+    files = shard_files(model_path)
+    if fault != "none" and not 0 <= fault_shard <= len(files):
+        raise InvalidInput(
+            f"--fault-shard {fault_shard} out of range: the checkpoint has {len(files)} shards"
+        )
+    log(f"Load weight begin. avail mem={_avail_mem_gb():.2f} GB")
+    tic = time.monotonic()
+    state = _read_shards(files, load_delay, fault, fault_shard)
+    model = _build_model(model_path, state)
     model.eval()
     log(
         f"Load weight end. elapsed={time.monotonic() - tic:.2f} s, type={type(model).__name__}, "
@@ -377,6 +391,29 @@ class Engine:
                 self.writer.write(rid, start, chunk[0], aux, hs[-1][0])
         return out.logits[0, -1], cache
 
+    def _plain(
+        self, ids, rid, max_new, temperature, stop_ids, generator, think
+    ) -> tuple[list[int], dict]:
+        """(output, finish) of plain decoding: in the decode batch shared with concurrent requests
+        where there is one, else alone."""
+        if self.batch is not None and max_new > 0:
+            with self.lock:
+                logits, cache = self.prefill(ids, rid)
+            return self.batch.decode(
+                Sequence(
+                    logits,
+                    cache,
+                    len(ids),
+                    max_new,
+                    temperature,
+                    stop_ids,
+                    generator,
+                    think=think,
+                )
+            )
+        with self.lock:
+            return self._decode(ids, rid, max_new, temperature, stop_ids, generator, think)
+
     @torch.no_grad()
     def generate(self, ids: list[int], rid: str, params: dict[str, Any]) -> dict[str, Any]:
         tic = time.monotonic()
@@ -403,26 +440,7 @@ class Engine:
                 else {"type": "length", "length": max_new}
             )
         else:
-            if self.batch is not None and max_new > 0:
-                with self.lock:
-                    logits, cache = self.prefill(ids, rid)
-                output, finish = self.batch.decode(
-                    Sequence(
-                        logits,
-                        cache,
-                        len(ids),
-                        max_new,
-                        temperature,
-                        stop_ids,
-                        generator,
-                        think=think,
-                    )
-                )
-            else:
-                with self.lock:
-                    output, finish = self._decode(
-                        ids, rid, max_new, temperature, stop_ids, generator, think
-                    )
+            output, finish = self._plain(ids, rid, max_new, temperature, stop_ids, generator, think)
             verify_steps = max(len(output) - 1, 0)  # one target forward per token after the first
         with self.lock:
             self.num_completion_tokens += len(output)

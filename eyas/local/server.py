@@ -324,6 +324,41 @@ def _infos(
     return model_info, server_info
 
 
+def _log_args(args) -> dict:
+    """Log the arguments as SGLang does (the API key hidden) and the ones eyas-local ignores ->
+    the arguments as shown."""
+    shown = {**vars(args), "api_key": None if args.api_key is None else "***"}
+    log(f"server_args={shown}")
+    if args.tp_size != 1:
+        log(f"tp_size={args.tp_size} ignored: eyas-local runs the whole model in one CPU process")
+    if args.dtype not in ("auto", "float32"):
+        log(f"dtype={args.dtype} ignored: eyas-local computes in float32 on CPU")
+    return shown
+
+
+def _engine(args, model, tokenizer, writer: DumpWriter | None, capture_ids: list[int]) -> Engine:
+    """The engine over the loaded model, with the drafter where one is given."""
+    speculative = None
+    if args.speculative_draft_model_path is not None:
+        speculative = Speculative.load(
+            args.speculative_draft_model_path,
+            args.model_path,
+            num_steps=args.speculative_num_steps,
+            num_target_layers=model.config.num_hidden_layers,
+        )
+    return Engine(
+        model,
+        tokenizer,
+        chunk_size=args.chunked_prefill_size,
+        writer=writer,
+        capture_ids=capture_ids,
+        seed=args.random_seed,
+        speculative=speculative,
+        max_running=args.max_running_requests,
+        think_tokens=args.think_tokens,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw_argv)
@@ -331,12 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_with_parent()
     else:
         exit_with_launcher(log)
-    shown = {**vars(args), "api_key": None if args.api_key is None else "***"}
-    log(f"server_args={shown}")
-    if args.tp_size != 1:
-        log(f"tp_size={args.tp_size} ignored: eyas-local runs the whole model in one CPU process")
-    if args.dtype not in ("auto", "float32"):
-        log(f"dtype={args.dtype} ignored: eyas-local computes in float32 on CPU")
+    shown = _log_args(args)
 
     # 1. Load the model (and fail here, as SGLang would, if a fault is injected)
     workers = []  # --dp-size: the other replicas, this server again as worker processes; they load
@@ -352,25 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     num_layers = model.config.num_hidden_layers
     capture_ids = resolve_capture_ids(args.return_aux_hidden_state_layer_ids, num_layers)
     writer = _dump_writer(args, capture_ids)
-    speculative = None
-    if args.speculative_draft_model_path is not None:
-        speculative = Speculative.load(
-            args.speculative_draft_model_path,
-            args.model_path,
-            num_steps=args.speculative_num_steps,
-            num_target_layers=num_layers,
-        )
-    engine = Engine(
-        model,
-        tokenizer,
-        chunk_size=args.chunked_prefill_size,
-        writer=writer,
-        capture_ids=capture_ids,
-        seed=args.random_seed,
-        speculative=speculative,
-        max_running=args.max_running_requests,
-        think_tokens=args.think_tokens,
-    )
+    engine = _engine(args, model, tokenizer, writer, capture_ids)
     if workers:
         wait_ready(workers, log)
         log(

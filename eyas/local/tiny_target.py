@@ -305,6 +305,54 @@ def _optimizer(model, s: TrainSettings, device: torch.device):
     return optimizer, schedule
 
 
+def _window_sampler(
+    train_ids: np.ndarray, s: TrainSettings, device: torch.device, seed: int
+) -> Callable[[], torch.Tensor]:
+    """batch(): batch_size random windows of seq_len + 1 tokens of train_ids, from a generator of
+    its own."""
+    data = torch.from_numpy(train_ids.astype(np.int64)).to(device)
+    generator = torch.Generator(device).manual_seed(seed)
+    offsets = torch.arange(s.seq_len + 1, device=device)
+
+    def batch() -> torch.Tensor:
+        starts = torch.randint(
+            0, data.numel() - s.seq_len - 1, (s.batch_size, 1), device=device, generator=generator
+        )
+        return data[starts + offsets]  # (B, T+1)
+
+    return batch
+
+
+def _step(
+    model, window: torch.Tensor, optimizer, schedule, s: TrainSettings, device: torch.device
+) -> torch.Tensor:
+    """One optimizer step on a (B, T+1) window -> its loss."""
+    with _autocast(device):
+        logits = model(input_ids=window[:, :-1]).logits  # (B, T, V)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten())
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+    optimizer.step()
+    schedule.step()
+    return loss
+
+
+def _validation_row(
+    model, val_ids: np.ndarray, s: TrainSettings, device, step: int, loss: torch.Tensor, log
+) -> dict:
+    """The history's row for this step: its training loss and the validation figures."""
+    val = evaluate(model, val_ids, s.seq_len, device)
+    row = {
+        "step": step,
+        "train_loss": loss.item(),
+        "val_loss": val["loss"],
+        "val_accuracy": val["accuracy"],
+    }
+    log(f"step {step} val loss {val['loss']:.4f} val accuracy {val['accuracy']:.4f}")
+    return row
+
+
 def train_model(
     config: DeepseekV3Config,
     train_ids: np.ndarray,
@@ -324,30 +372,13 @@ def train_model(
         )
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config).to(device).train()
-    data = torch.from_numpy(train_ids.astype(np.int64)).to(device)
-    generator = torch.Generator(device).manual_seed(seed)
-    offsets = torch.arange(s.seq_len + 1, device=device)
-
-    def batch() -> torch.Tensor:
-        starts = torch.randint(
-            0, data.numel() - s.seq_len - 1, (s.batch_size, 1), device=device, generator=generator
-        )
-        return data[starts + offsets]  # (B, T+1)
-
+    batch = _window_sampler(train_ids, s, device, seed)
     _pick_experts_implementation(model, batch()[:2, :-1], device, log)
     optimizer, schedule = _optimizer(model, s, device)
     loads = _count_routes(model)
     history, best, started = [], None, time.monotonic()
     for step in range(1, s.steps + 1):
-        window = batch()
-        with _autocast(device):
-            logits = model(input_ids=window[:, :-1]).logits  # (B, T, V)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
-        optimizer.step()
-        schedule.step()
+        loss = _step(model, batch(), optimizer, schedule, s, device)
         _rebalance(loads, s.balance_rate)
         elapsed = time.monotonic() - started
         out_of_time = s.max_seconds is not None and elapsed > s.max_seconds
@@ -357,17 +388,8 @@ def train_model(
                 f"{elapsed:.0f}s"
             )
         if step % s.eval_every == 0 or step == s.steps or out_of_time:
-            val = evaluate(model, val_ids, s.seq_len, device)
-            history.append(
-                {
-                    "step": step,
-                    "train_loss": loss.item(),
-                    "val_loss": val["loss"],
-                    "val_accuracy": val["accuracy"],
-                }
-            )
-            log(f"step {step} val loss {val['loss']:.4f} val accuracy {val['accuracy']:.4f}")
-            if best is None or val["loss"] < best["val_loss"]:
+            history.append(_validation_row(model, val_ids, s, device, step, loss, log))
+            if best is None or history[-1]["val_loss"] < best["val_loss"]:
                 best = {
                     **history[-1],
                     "state": {k: v.detach().clone() for k, v in model.state_dict().items()},

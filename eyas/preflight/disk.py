@@ -18,6 +18,46 @@ from eyas.remote import source
 DISK_PROBE_BYTES = 256 << 20
 
 
+def _probe(cfg: PipelineConfig, remote: bool, problems: list[str]):
+    """Run the disk probe on the shard folder (its nearest existing parent) of the first training
+    host -> (the command's result or None, the host's name)."""
+    t = cfg.training
+    hosts = t.distributed.hosts
+    folder = Path(cfg.extraction.output_dir)
+    if not remote:
+        folder = existing_parent(folder)
+    python = t.distributed.python or ("python3" if remote else sys.executable)
+    # on a remote host the folder may not exist yet: probe its nearest existing parent there
+    where = shlex.quote(str(folder))
+    command = (
+        f'd={where}; while [ ! -d "$d" ]; do d=$(dirname "$d"); done; '
+        f'{shlex.quote(python)} -c {shlex.quote(source("disk_probe"))} "$d" {DISK_PROBE_BYTES}'
+    )
+    if remote:
+        r = run_on(hosts[0], "training.distributed.hosts.0", command, problems)
+        return r, hosts[0].hostname or hosts[0].name
+    from eyas.server.hosts import LocalHost
+
+    return LocalHost().run(command, check=False, timeout=120), "this machine"
+
+
+def _slow_disk(cfg: PipelineConfig, plan: Plan, rate: float, name: str) -> str:
+    """Why a folder reading `rate` bytes/s is too slow for the planned training, and what helps."""
+    x, t = cfg.extraction, cfg.training
+    return (
+        f"extraction.output_dir={x.output_dir}: training reads "
+        f"{plan.read_bytes_per_s / GB:,.2f} GB/s of shards "
+        f"per node at plan.train_tokens_per_s={cfg.plan.train_tokens_per_s:g} x "
+        f"{t.distributed.nproc_per_node} "
+        f"process(es), but the folder read {rate / GB:,.2f} GB/s on {name} from disk: steps "
+        f"would wait for data once the shards are not in the page cache. Use "
+        f"extraction.encoding=fp8_e4m3 (half "
+        f"the bytes), keep the shards in the page cache (host memory above their size), or "
+        f"put them "
+        f'on local NVMe (docs/training.md, "Reading the shards")'
+    )
+
+
 def check_disk_rate(
     cfg: PipelineConfig, plan: Plan, problems: list[str], notes: list[str], check: bool
 ) -> Plan:
@@ -35,23 +75,7 @@ def check_disk_rate(
     remote = bool(hosts) and hosts[0].kind == "ssh"
     if remote and not check:
         return dataclasses.replace(plan, disk_probe="not probed: host checks skipped")
-    folder = Path(cfg.extraction.output_dir)
-    if not remote:
-        folder = existing_parent(folder)
-    python = t.distributed.python or ("python3" if remote else sys.executable)
-    # on a remote host the folder may not exist yet: probe its nearest existing parent there
-    where = shlex.quote(str(folder))
-    command = (
-        f'd={where}; while [ ! -d "$d" ]; do d=$(dirname "$d"); done; '
-        f'{shlex.quote(python)} -c {shlex.quote(source("disk_probe"))} "$d" {DISK_PROBE_BYTES}'
-    )
-    if remote:
-        r = run_on(hosts[0], "training.distributed.hosts.0", command, problems)
-        name = hosts[0].hostname or hosts[0].name
-    else:
-        from eyas.server.hosts import LocalHost
-
-        r, name = LocalHost().run(command, check=False, timeout=120), "this machine"
+    r, name = _probe(cfg, remote, problems)
     try:
         got = json.loads(r.stdout.strip().splitlines()[-1]) if r is not None and r.ok else None
     except (ValueError, IndexError):
@@ -72,21 +96,9 @@ def check_disk_rate(
         ),
     )
     if rate < plan.read_bytes_per_s:
-        x = cfg.extraction
-        msg = (
-            f"extraction.output_dir={x.output_dir}: training reads "
-            f"{plan.read_bytes_per_s / GB:,.2f} GB/s of shards "
-            f"per node at plan.train_tokens_per_s={cfg.plan.train_tokens_per_s:g} x "
-            f"{t.distributed.nproc_per_node} "
-            f"process(es), but the folder read {rate / GB:,.2f} GB/s on {name} from disk: steps "
-            f"would wait for data once the shards are not in the page cache. Use "
-            f"extraction.encoding=fp8_e4m3 (half "
-            f"the bytes), keep the shards in the page cache (host memory above their size), or "
-            f"put them "
-            f'on local NVMe (docs/training.md, "Reading the shards")'
-        )
         (problems if t.disk_check == "refuse" else notes).append(
-            msg + ("" if t.disk_check == "refuse" else " (training.disk_check=warn)")
+            _slow_disk(cfg, plan, rate, name)
+            + ("" if t.disk_check == "refuse" else " (training.disk_check=warn)")
         )
     return plan
 

@@ -27,8 +27,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict
-from functools import partial
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -43,52 +42,114 @@ class TrainingLaunchError(EyasError, RuntimeError):
     """A node's torchrun failed or never finished; the message names the node, host and log."""
 
 
-def _node_command(
-    python: str,
-    nnodes: int,
-    node: int,
-    nproc: int,
-    master: str,
-    port: int,
-    job: Path,
-    rc_path: Path,
-) -> str:
-    run = (
-        f"{shlex.quote(python)} -m torch.distributed.run --nnodes {nnodes} --node-rank {node} "
-        f"--nproc-per-node {nproc} --master-addr {shlex.quote(master)} --master-port {port} "
-        f"-m eyas.training.distributed {shlex.quote(str(job))}"
-    )
-    return f"sh -c {shlex.quote(f'{run}; echo $? > {shlex.quote(str(rc_path))}')}"
+@dataclass
+class _Launch:
+    """One launch: node i's torchrun on hosts[i], node 0's host the rendezvous; the job file, each
+    node's log and exit code, rank 0's progress and result in `folder` (training.output_dir/launch).
+    """
+
+    hosts: list
+    local: bool  # every node on this machine: no job file to upload, no result to fetch
+    nproc: int  # processes per node
+    master: str  # node 0's address
+    port: int
+    python: str
+    env: dict
+    folder: Path
+
+    @property
+    def job(self) -> Path:
+        return self.folder / "job.json"
+
+    @property
+    def result(self) -> Path:
+        return self.folder / "result.json"
+
+    @property
+    def progress(self) -> Path:
+        return self.folder / "progress.jsonl"
+
+    def command(self, node: int, rc_path: Path) -> str:
+        """Node `node`'s torchrun, its exit code written to rc_path."""
+        run = (
+            f"{shlex.quote(self.python)} -m torch.distributed.run --nnodes {len(self.hosts)} "
+            f"--node-rank {node} --nproc-per-node {self.nproc} "
+            f"--master-addr {shlex.quote(self.master)} --master-port {self.port} "
+            f"-m eyas.training.distributed {shlex.quote(str(self.job))}"
+        )
+        return f"sh -c {shlex.quote(f'{run}; echo $? > {shlex.quote(str(rc_path))}')}"
+
+    def start_node(self, i: int, log) -> tuple:
+        """Node i's torchrun started on its host (its old log, rc and progress files removed first,
+        the job file uploaded to a remote one) -> (host, pid, log path, rc path)."""
+        host = self.hosts[i]
+        log_path, rc_path = self.folder / f"node-{i}.log", self.folder / f"node-{i}.rc"
+        host.run(
+            f"rm -f {shlex.quote(str(rc_path))} {shlex.quote(str(log_path))}"
+            + (f" {shlex.quote(str(self.progress))}" if i == 0 else ""),
+            check=False,
+        )
+        if not self.local:
+            host.put(self.job, self.job)
+        pid = host.start(
+            self.command(i, rc_path), log_path=log_path, env=self.env, cwd=str(self.folder)
+        )
+        log(
+            f"[{host.name}] node {i}/{len(self.hosts)}: torchrun with {self.nproc} process(es), "
+            f"pid {pid}, log {log_path}"
+        )
+        return host, pid, log_path, rc_path
 
 
-def _start_node(
-    host,
-    i: int,
-    num_nodes: int,
-    nproc: int,
-    command,
-    folder: Path,
-    progress: Path | None,
-    upload: Path | None,
-    env: dict,
-    log,
-) -> tuple:
-    """Node i's torchrun started on its host (its old log, rc and progress files removed first, the
-    job file uploaded to a remote one) -> (host, pid, log path, rc path)."""
-    log_path, rc_path = folder / f"node-{i}.log", folder / f"node-{i}.rc"
-    host.run(
-        f"rm -f {shlex.quote(str(rc_path))} {shlex.quote(str(log_path))}"
-        + (f" {shlex.quote(str(progress))}" if progress is not None else ""),
-        check=False,
+def _make_hosts(d, made: contextlib.ExitStack) -> list:
+    """training.distributed.hosts, each closed when `made` closes; this machine when none."""
+    from eyas.server.hosts import LocalHost, make_host
+
+    if not d.hosts:
+        return [LocalHost()]
+    return [
+        made.enter_context(make_host(h, f"training.distributed.hosts[{i}]"))
+        for i, h in enumerate(d.hosts)
+    ]
+
+
+def _launch(d, hosts: list, output_dir: str) -> _Launch:
+    """training.distributed's launch on these hosts; a local one imports this checkout's eyas."""
+    from eyas.server.hosts import LocalHost
+
+    local = all(isinstance(h, LocalHost) for h in hosts)
+    env = {"PYTHONPATH": str(Path(eyas.__file__).resolve().parents[1])} if local else {}
+    env.update(d.env)
+    return _Launch(
+        hosts,
+        local,
+        d.nproc_per_node,
+        "127.0.0.1" if local else (d.hosts[0].hostname or d.hosts[0].name),
+        d.master_port,
+        d.python or (sys.executable if local else "python3"),
+        env,
+        Path(output_dir) / "launch",
     )
-    if upload is not None:
-        host.put(upload, upload)
-    pid = host.start(command(rc_path), log_path=log_path, env=env, cwd=str(folder))
-    log(
-        f"[{host.name}] node {i}/{num_nodes}: torchrun with {nproc} process(es), pid {pid}, "
-        f"log {log_path}"
+
+
+def _write_job(launch: _Launch, cfg, target, shard_paths, target_config_json, stop_at_step) -> None:
+    """The job file every process reads; the last launch's result removed."""
+    from eyas.files import write_json_atomic
+
+    write_json_atomic(
+        launch.job,
+        {
+            "training": cfg.model_dump(mode="json"),
+            "target": target.model_dump(mode="json"),
+            "shards": [str(p) for p in shard_paths],
+            "target_config_json": target_config_json,
+            "result": str(launch.result),
+            "progress": str(launch.progress),
+            "stop_at_step": stop_at_step,
+        },
     )
-    return host, pid, log_path, rc_path
+    if launch.result.exists():
+        launch.result.unlink()
 
 
 def launch_training(
@@ -106,92 +167,41 @@ def launch_training(
     """Run train_drafter under torchrun on the configured hosts -> TrainResult (rank 0's).
 
     on_step gets rank 0's StepStats as they reach launch/progress.jsonl (up to poll_s late)."""
-    from eyas.files import write_json_atomic
-    from eyas.server.hosts import HostError, LocalHost, make_host
-    from eyas.training.train import TrainResult
-
     d = cfg.distributed
     with (
         contextlib.ExitStack() as made
     ):  # hosts made here are closed at the end; passed-in ones are the caller's
-        if hosts is None:
-            hosts = (
-                [
-                    made.enter_context(make_host(h, f"training.distributed.hosts[{i}]"))
-                    for i, h in enumerate(d.hosts)
-                ]
-                if d.hosts
-                else [LocalHost()]
-            )
-        local = all(isinstance(h, LocalHost) for h in hosts)
-        master = "127.0.0.1" if local else (d.hosts[0].hostname or d.hosts[0].name)
-        python = d.python or (sys.executable if local else "python3")
-        folder = Path(cfg.output_dir) / "launch"
-        job, result, progress = (
-            folder / "job.json",
-            folder / "result.json",
-            folder / "progress.jsonl",
-        )
-        write_json_atomic(
-            job,
-            {
-                "training": cfg.model_dump(mode="json"),
-                "target": target.model_dump(mode="json"),
-                "shards": [str(p) for p in shard_paths],
-                "target_config_json": target_config_json,
-                "result": str(result),
-                "progress": str(progress),
-                "stop_at_step": stop_at_step,
-            },
-        )
-        if result.exists():
-            result.unlink()
-        env = {"PYTHONPATH": str(Path(eyas.__file__).resolve().parents[1])} if local else {}
-        env.update(d.env)
+        launch = _launch(d, hosts if hosts is not None else _make_hosts(d, made), cfg.output_dir)
+        _write_job(launch, cfg, target, shard_paths, target_config_json, stop_at_step)
         nodes = []  # (host, pid, log path, rc path)
         try:
-            for i, host in enumerate(hosts):
-                command = partial(
-                    _node_command,
-                    python,
-                    len(hosts),
-                    i,
-                    d.nproc_per_node,
-                    master,
-                    d.master_port,
-                    job,
-                )
-                nodes.append(
-                    _start_node(
-                        host,
-                        i,
-                        len(hosts),
-                        d.nproc_per_node,
-                        command,
-                        folder,
-                        progress if i == 0 else None,
-                        None if local else job,
-                        env,
-                        log,
-                    )
-                )
-            _wait(nodes, d.timeout_s, poll_s, log, progress, on_step)
+            for i in range(len(launch.hosts)):
+                nodes.append(launch.start_node(i, log))
+            _wait(nodes, d.timeout_s, poll_s, log, launch.progress, on_step)
         finally:
             for host, pid, _, _ in nodes:
                 if host.is_alive(pid):
                     host.kill_group(pid)
         for i, node in enumerate(nodes):
             _check_exit(i, *node)
-        if not local:  # rank 0 wrote it on node 0's host
-            try:
-                hosts[0].get(result, result)
-            except (OSError, HostError):
-                pass
-        if not result.exists():
-            raise TrainingLaunchError(
-                f"every node exited 0 but rank 0 wrote no {result}; see {nodes[0][2]}"
-            )
-        return TrainResult(**json.loads(result.read_text()))
+        return _fetch_result(launch, nodes[0][2])
+
+
+def _fetch_result(launch: _Launch, log0: Path):
+    """Rank 0's TrainResult, fetched from node 0's host when that is another machine."""
+    from eyas.server.hosts import HostError
+    from eyas.training.train import TrainResult
+
+    if not launch.local:  # rank 0 wrote it on node 0's host
+        try:
+            launch.hosts[0].get(launch.result, launch.result)
+        except (OSError, HostError):
+            pass
+    if not launch.result.exists():
+        raise TrainingLaunchError(
+            f"every node exited 0 but rank 0 wrote no {launch.result}; see {log0}"
+        )
+    return TrainResult(**json.loads(launch.result.read_text()))
 
 
 def _check_exit(i: int, host, pid: int, log_path: Path, rc_path: Path) -> None:

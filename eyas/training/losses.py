@@ -337,22 +337,33 @@ class TTTObjective(nn.Module):
         ext[:, : T - 1] = ids[:, 1:]
         return emb_proj(self.drafter, ext, weights, self.kernels, q_from)
 
-    def forward(
-        self,
-        ids,
-        aux,
-        labels: Labels,
-        ttt_steps: int,
-        decay: float,
-        counts: torch.Tensor | None = None,
-    ):
-        """ids (B, T), aux (B, T, 3H) -> (loss, correct (K,), scored (K,)); counts (K,) the
-        denominators."""
-        m, (B, T), K, kn = self.drafter, ids.shape, ttt_steps, self.kernels
-        s, e = ttt_span(labels, T, K)  # the steps >= 1 and the head run on positions [s, e) only
-        b, t = ttt_rows(labels.scored, K)
-        if b.numel() < ROWS_WORTH * B * (e - s):  # else the span holds (nearly) nothing to skip
-            return self._forward_rows(ids, aux, labels, K, decay, counts, b, t)
+    def _head_loss(self, hn, labels: Labels, rows, valid, scored, decay: float, counts):
+        """(loss, correct (K,), scored (K,)) of the steps' normed states hn (K, ..., H) through the
+        head, state (k, ...) labelled by teacher row rows[k, ...] where valid; counts (K,) the
+        denominators (None: this batch's scored positions)."""
+        K = rows.shape[0]
+        valid, scored = valid.reshape(K, -1), scored.reshape(K, -1)
+        if counts is None:
+            counts = scored.sum(1)
+        decay_k = decay ** torch.arange(K, device=hn.device, dtype=torch.float32)
+        row_w = valid * (decay_k / counts.to(hn.device, torch.float32).clamp(min=1))[:, None]
+        loss, pred = head_soft_ce(
+            hn.view(rows.numel(), -1),
+            self.drafter.lm_head.weight,
+            labels.probs,
+            rows.view(-1),
+            row_w.view(-1),
+            self.head_chunk,
+            self.gemm_dtype,
+            self.kernels,
+        )
+        correct = ((pred.view(K, -1) == labels.target.view(-1)[rows].view(K, -1)) & scored).sum(1)
+        return loss, correct, scored.sum(1)
+
+    def _unroll_span(self, ids, aux, K: int, s: int, e: int) -> torch.Tensor:
+        """The K TTT steps' normed states on positions [s, e) -> (K, B, e - s, H); step 0's keys
+        on [0, e)."""
+        m, T, kn = self.drafter, ids.shape[1], self.kernels
         pos = torch.arange(T, device=ids.device)
         kv, normed = TTTKeys(), []
         weights = self._weights(ids.device)
@@ -392,28 +403,31 @@ class TTTObjective(nn.Module):
                     m, nxt[:, s:e], h, pos[s:e] + k, kv, weights, kn
                 )  # (B, L, H)
             normed.append(hn)
-        hn = torch.stack(normed)  # (K, B, L, H)
-        # the steps' own copies go before the head's chunks are allocated (peak memory)
-        normed.clear()
+        # (K, B, L, H); the steps' own copies go with `normed` on return, before the head's chunks
+        # are allocated (peak memory)
+        return torch.stack(normed)
+
+    def forward(
+        self,
+        ids,
+        aux,
+        labels: Labels,
+        ttt_steps: int,
+        decay: float,
+        counts: torch.Tensor | None = None,
+    ):
+        """ids (B, T), aux (B, T, 3H) -> (loss, correct (K,), scored (K,)); counts (K,) the
+        denominators."""
+        (B, T), K = ids.shape, ttt_steps
+        s, e = ttt_span(labels, T, K)  # the steps >= 1 and the head run on positions [s, e) only
+        b, t = ttt_rows(labels.scored, K)
+        if b.numel() < ROWS_WORTH * B * (e - s):  # else the span holds (nearly) nothing to skip
+            return self._forward_rows(ids, aux, labels, K, decay, counts, b, t)
+        hn = self._unroll_span(ids, aux, K, s, e)
         rows, inside = label_rows(B, T, K, ids.device, (s, e))
         valid = labels.valid.view(-1)[rows] & inside  # (K, B, L)
         scored = labels.scored.view(-1)[rows] & inside
-        if counts is None:
-            counts = scored.sum((1, 2))
-        decay_k = decay ** torch.arange(K, device=ids.device, dtype=torch.float32)
-        row_w = valid * (decay_k / counts.to(ids.device, torch.float32).clamp(min=1))[:, None, None]
-        loss, pred = head_soft_ce(
-            hn.view(K * B * (e - s), -1),
-            m.lm_head.weight,
-            labels.probs,
-            rows.view(-1),
-            row_w.view(-1),
-            self.head_chunk,
-            self.gemm_dtype,
-            kn,
-        )
-        correct = ((pred.view(K, B, e - s) == labels.target.view(-1)[rows]) & scored).sum((1, 2))
-        return loss, correct, scored.sum((1, 2))
+        return self._head_loss(hn, labels, rows, valid, scored, decay, counts)
 
     def _forward_rows(self, ids, aux, labels: Labels, K: int, decay: float, counts, b, t):
         """forward() with the steps >= 1 and every step's head on the gathered positions some step
@@ -463,19 +477,4 @@ class TTTObjective(nn.Module):
         rows = b[None] * T + src.clamp(max=T - 1)  # (K, N) flat teacher rows
         valid = labels.valid.view(-1)[rows] & inside
         scored = labels.scored.view(-1)[rows] & inside
-        if counts is None:
-            counts = scored.sum(1)
-        decay_k = decay ** torch.arange(K, device=ids.device, dtype=torch.float32)
-        row_w = valid * (decay_k / counts.to(ids.device, torch.float32).clamp(min=1))[:, None]
-        loss, pred = head_soft_ce(
-            hn.view(K * b.numel(), -1),
-            m.lm_head.weight,
-            labels.probs,
-            rows.view(-1),
-            row_w.view(-1),
-            self.head_chunk,
-            self.gemm_dtype,
-            kn,
-        )
-        correct = ((pred.view(K, -1) == labels.target.view(-1)[rows]) & scored).sum(1)
-        return loss, correct, scored.sum(1)
+        return self._head_loss(hn, labels, rows, valid, scored, decay, counts)

@@ -298,6 +298,44 @@ class RunSetup:
         return torch.bfloat16 if self.bf16 else torch.float32
 
 
+@dataclass
+class _Start:
+    """Where this run's weights start: its newest checkpoint when that is this run's (resume), else
+    init_from's drafter (init), else the target's rows (both None)."""
+
+    ckpt: Path | None  # the newest sound checkpoint in output_dir, whoever's run it is
+    differ: list[str]  # the fingerprint fields in which ckpt is another run's ([]: ours)
+    resume: Path | None
+    init: warm_start.InitSource | None
+
+    @classmethod
+    def find(cls, cfg: TrainingConfig, out_dir: Path, fingerprint: dict, log) -> _Start:
+        ckpt = resumable_checkpoint(out_dir, log)  # damaged newer ones: named, quarantined, skipped
+        differ = (
+            checkpoint_differs(ckpt, fingerprint, can_warm_start=cfg.init_from is not None)
+            if ckpt
+            else []
+        )
+        resume = ckpt if ckpt is not None and not differ else None
+        init = (
+            warm_start.init_source(cfg.init_from, out_dir)
+            if cfg.init_from is not None and resume is None
+            else None
+        )
+        return cls(ckpt, differ, resume, init)
+
+    def set_aside(self, out_dir: Path, rank: int, log) -> None:
+        """Another run's checkpoints (init_from is set): set aside, never resumed nor mixed with
+        ours."""
+        if dist.is_initialized():
+            dist.barrier()  # every rank has read what it needs from them
+        if rank == 0:
+            log(
+                f"{self.ckpt.parent} holds another run's checkpoints ({', '.join(self.differ)} "
+                f"differ): set aside to {warm_start.set_aside(out_dir)}"
+            )
+
+
 def set_up(
     cfg: TrainingConfig,
     target: TargetConfig,
@@ -314,87 +352,27 @@ def set_up(
         torch.cuda.set_device(device)
     kernels = kernel_options(cfg, device)
     out_dir = Path(cfg.output_dir)
-    data = ShardData(
-        [Path(p) for p in shard_paths],
-        cfg.num_validation_sequences,
-        cfg.ttt_steps,
-        cfg.loss_positions == "all",
-    )
+    data = _shard_data(cfg, shard_paths)
     meta = check_shard_meta(data.readers, target)
     tcfg = target_config_json or read_target_config(target.checkpoint)
-    G = cfg.batch_size * cfg.grad_accum * world
-    if G > len(data.train_ids):
-        raise InvalidInput(
-            f"global batch of {G} sequences (batch_size {cfg.batch_size} x grad_accum "
-            f"{cfg.grad_accum} x {world} ranks) exceeds the {len(data.train_ids)} "
-            f"training sequences"
-        )
+    G = _global_batch(cfg, data, world)
     fingerprint = _fingerprint(cfg, target, data, meta, G)
-    ckpt = resumable_checkpoint(out_dir, log)  # damaged newer ones: named, quarantined, skipped
-    differ = (
-        checkpoint_differs(ckpt, fingerprint, can_warm_start=cfg.init_from is not None)
-        if ckpt
-        else []
-    )
-    resume = ckpt if ckpt is not None and not differ else None
-    init = (
-        warm_start.init_source(cfg.init_from, out_dir)
-        if cfg.init_from is not None and resume is None
-        else None
-    )
+    start = _Start.find(cfg, out_dir, fingerprint, log)
     dcfg = drafter_config(cfg, tcfg, data.hidden_size, data.num_aux)
-    if init is not None:
-        warm_start.check_init(init, dcfg, target.capture_ids())
-    d2t, t2d = _draft_vocab(cfg, data, tcfg, resume, init, log)
+    if start.init is not None:
+        warm_start.check_init(start.init, dcfg, target.capture_ids())
+    d2t, t2d = _draft_vocab(cfg, data, tcfg, start.resume, start.init, log)
     bf16 = device.type == "cuda" and cfg.precision == "bf16"
-    model = _drafter(cfg, dcfg, target, d2t, t2d, init, bf16, device)
-    if (
-        differ
-    ):  # another run's checkpoints (init_from is set): set aside, never resumed nor mixed with ours
-        if dist.is_initialized():
-            dist.barrier()  # every rank has read what it needs from them
-        if rank == 0:
-            log(
-                f"{ckpt.parent} holds another run's checkpoints ({', '.join(differ)} differ): set "
-                f"aside to {warm_start.set_aside(out_dir)}"
-            )
+    model = _drafter(cfg, dcfg, target, d2t, t2d, start.init, bf16, device)
+    if start.differ:
+        start.set_aside(out_dir, rank, log)
     # A CPU with bf16 matrix units runs the GEMMs in bf16 (the rest fp32): the step in 0.7 of the
     # fp32 step's time (docs/performance.md, "Training on a CPU")
     cpu_bf16 = device.type == "cpu" and cfg.precision == "bf16" and gemm.cpu_bf16_gemm()
-    head_chunk = HEAD_CHUNK_ROWS_CPU if device.type == "cpu" else HEAD_CHUNK_ROWS
-    objective = wrapped = TTTObjective(
-        model, head_chunk, gemm_dtype=torch.bfloat16 if cpu_bf16 else None, kernels=kernels
-    )
-    if world > 1:
-        wrapped = _parallelize(objective, cfg.distributed.strategy, device)
-    head = TargetHead.from_checkpoint(
-        target.checkpoint,
-        last_hidden_norm=meta["last_hidden_norm"],
-        dtype=torch.bfloat16 if bf16 else torch.float32,
-    )
-    head.reorder(draft_first_order(t2d)).to(device)
-    params = [p for p in objective.parameters() if p.requires_grad]
-    opt = make_optimizer(params, cfg.lr, cfg.weight_decay)
-    ema = (
-        WeightEMA({n: p for n, p in objective.named_parameters() if p.requires_grad}, cfg.ema_decay)
-        if cfg.ema_decay
-        else None
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps)
-    )
-    info = {
-        "drafter": asdict(dcfg),
-        "fingerprint": fingerprint,
-        "shard_meta": meta,
-        "target": {
-            "checkpoint": str(target.checkpoint),
-            "revision": target.revision,
-            "layer_ids": target.layer_ids,
-            "layer_convention": target.layer_convention,
-            "capture_ids": target.capture_ids(),
-        },
-    }
+    objective, wrapped = _objective(model, cfg, device, kernels, cpu_bf16, world)
+    head = _teacher_head(target, meta["last_hidden_norm"], t2d, bf16, device)
+    opt, sched, ema = _optimizer(cfg, objective)
+    init = start.init
     run = RunSetup(
         rank,
         world,
@@ -408,16 +386,37 @@ def set_up(
         sched,
         ema,
         TrainState(init_from=init and {"path": str(init.path), "kind": init.kind}),
-        info,
+        _checkpoint_info(dcfg, fingerprint, meta, target),
         bf16,
         cpu_bf16,
         kernels,
-        ckpt,
+        start.ckpt,
     )
-    if resume is not None:
-        _resume(run, cfg, resume, fingerprint, stop, log)
-    info["init_from"] = run.state.init_from
+    if start.resume is not None:
+        _resume(run, cfg, start.resume, fingerprint, stop, log)
+    run.info["init_from"] = run.state.init_from
     return run
+
+
+def _shard_data(cfg: TrainingConfig, shard_paths: list[Path]) -> ShardData:
+    return ShardData(
+        [Path(p) for p in shard_paths],
+        cfg.num_validation_sequences,
+        cfg.ttt_steps,
+        cfg.loss_positions == "all",
+    )
+
+
+def _global_batch(cfg: TrainingConfig, data: ShardData, world: int) -> int:
+    """Sequences per optimizer step, over every rank; no more than the training sequences."""
+    G = cfg.batch_size * cfg.grad_accum * world
+    if G > len(data.train_ids):
+        raise InvalidInput(
+            f"global batch of {G} sequences (batch_size {cfg.batch_size} x grad_accum "
+            f"{cfg.grad_accum} x {world} ranks) exceeds the {len(data.train_ids)} "
+            f"training sequences"
+        )
+    return G
 
 
 def _fingerprint(
@@ -477,6 +476,70 @@ def _drafter(
     if bf16:
         model.embed_tokens.to(torch.bfloat16)  # frozen: no master copy needed
     return model.to(device)
+
+
+def _objective(
+    model: Eagle3Drafter,
+    cfg: TrainingConfig,
+    device: torch.device,
+    kernels,
+    cpu_bf16: bool,
+    world: int,
+) -> tuple[TTTObjective, torch.nn.Module]:
+    """(the objective, what the step calls: it, or its DDP / FSDP wrapper over the ranks)."""
+    head_chunk = HEAD_CHUNK_ROWS_CPU if device.type == "cpu" else HEAD_CHUNK_ROWS
+    objective = wrapped = TTTObjective(
+        model, head_chunk, gemm_dtype=torch.bfloat16 if cpu_bf16 else None, kernels=kernels
+    )
+    if world > 1:
+        wrapped = _parallelize(objective, cfg.distributed.strategy, device)
+    return objective, wrapped
+
+
+def _teacher_head(
+    target: TargetConfig, last_hidden_norm, t2d: torch.Tensor, bf16: bool, device
+) -> TargetHead:
+    """The target's lm_head on the device, its rows in draft-first order."""
+    head = TargetHead.from_checkpoint(
+        target.checkpoint,
+        last_hidden_norm=last_hidden_norm,
+        dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
+    head.reorder(draft_first_order(t2d)).to(device)
+    return head
+
+
+def _optimizer(cfg: TrainingConfig, objective: TTTObjective):
+    """(optimizer, warmup-then-decay schedule, the trainable weights' EMA or None)."""
+    params = [p for p in objective.parameters() if p.requires_grad]
+    opt = make_optimizer(params, cfg.lr, cfg.weight_decay)
+    ema = (
+        WeightEMA({n: p for n, p in objective.named_parameters() if p.requires_grad}, cfg.ema_decay)
+        if cfg.ema_decay
+        else None
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.max_steps)
+    )
+    return opt, sched, ema
+
+
+def _checkpoint_info(
+    dcfg: DrafterConfig, fingerprint: dict, meta: dict, target: TargetConfig
+) -> dict:
+    """What every checkpoint records (the warm start is added once known)."""
+    return {
+        "drafter": asdict(dcfg),
+        "fingerprint": fingerprint,
+        "shard_meta": meta,
+        "target": {
+            "checkpoint": str(target.checkpoint),
+            "revision": target.revision,
+            "layer_ids": target.layer_ids,
+            "layer_convention": target.layer_convention,
+            "capture_ids": target.capture_ids(),
+        },
+    }
 
 
 def _resume(
