@@ -604,8 +604,7 @@ def _all_finite(x: torch.Tensor, rows: int = 256) -> bool:
     )
 
 
-# One check per property of the records, each refused with its own message: a flat list reads best.
-def validate(  # noqa: C901
+def validate(
     records: list[DumpRecord], expected_token_ids: list[int], *, rid: str | None = None
 ) -> dict[str, Any]:
     """assemble's checks without concatenating (a collector can then write chunk by chunk).
@@ -621,61 +620,12 @@ def validate(  # noqa: C901
         records = sorted(records, key=lambda r: r.prefix_offset)
     rid = records[0].rid
     first = records[0].meta
-    num_layers = len(first["layer_ids"])
-    hidden = first["hidden_size"]
     total = len(expected_token_ids)
 
     pos = 0
     for rec in records:
-        where = f"chunk at offset {rec.prefix_offset}"
-        for key in _SHARED_META:
-            if rec.meta.get(key) != first.get(key):
-                raise DumpError(
-                    rid,
-                    f"{where}: metadata {key}={rec.meta.get(key)!r} differs from "
-                    f"the first chunk's {first.get(key)!r}",
-                )
-        if rec.prefix_offset > pos:
-            raise DumpError(
-                rid,
-                f"positions {pos}..{rec.prefix_offset - 1} are missing (gap before "
-                f"the {where}); a radix-cache prefix hit looks like this: run the "
-                f"server with --disable-radix-cache",
-            )
-        if rec.prefix_offset < pos:
-            raise DumpError(
-                rid,
-                f"{where} overlaps positions {rec.prefix_offset}..{pos - 1}, "
-                f"already covered by an earlier chunk",
-            )
-        n = rec.meta["num_tokens"]
-        shapes = (
-            tuple(rec.token_ids.shape),
-            tuple(rec.aux_hidden_states.shape),
-            tuple(rec.last_hidden_state.shape),
-        )
-        if shapes != ((n,), (n, num_layers * hidden), (n, hidden)):
-            raise DumpError(
-                rid,
-                f"{where}: shapes token_ids/aux/last are {shapes}, expected "
-                f"{((n,), (n, num_layers * hidden), (n, hidden))}",
-            )
-        if pos + n > total:
-            raise DumpError(
-                rid,
-                f"{where} covers positions up to {pos + n - 1}, but only {total} tokens were sent",
-            )
-        sent = torch.tensor(expected_token_ids[pos : pos + n], dtype=torch.int64)
-        got = rec.token_ids.to(torch.int64)
-        if not torch.equal(sent, got):
-            i = int((sent != got).nonzero()[0])
-            raise DumpError(
-                rid, f"token id at position {pos + i} is {int(got[i])}, but {int(sent[i])} was sent"
-            )
-        for name in ("aux_hidden_states", "last_hidden_state"):
-            if not _all_finite(getattr(rec, name)):
-                raise DumpError(rid, f"{where}: {name} has non-finite values (NaN or inf)")
-        pos += n
+        _check_chunk(rec, first, pos, expected_token_ids, rid)
+        pos += rec.meta["num_tokens"]
     if pos != total:
         raise DumpError(
             rid,
@@ -686,3 +636,76 @@ def validate(  # noqa: C901
     meta = {k: first[k] for k in _SHARED_META}
     meta.update(num_tokens=total, num_chunks=len(records))
     return meta
+
+
+def _check_chunk(
+    rec: DumpRecord, first: dict[str, Any], pos: int, expected_token_ids: list[int], rid: str
+) -> None:
+    """One chunk, due to start at position `pos`; each property is refused with its own message."""
+    where = f"chunk at offset {rec.prefix_offset}"
+    _check_shared_meta(rec, first, where, rid)
+    _check_start(rec, pos, where, rid)
+    _check_shapes(rec, len(first["layer_ids"]), first["hidden_size"], where, rid)
+    n, total = rec.meta["num_tokens"], len(expected_token_ids)
+    if pos + n > total:
+        raise DumpError(
+            rid,
+            f"{where} covers positions up to {pos + n - 1}, but only {total} tokens were sent",
+        )
+    _check_token_ids(rec, expected_token_ids[pos : pos + n], pos, rid)
+    for name in ("aux_hidden_states", "last_hidden_state"):
+        if not _all_finite(getattr(rec, name)):
+            raise DumpError(rid, f"{where}: {name} has non-finite values (NaN or inf)")
+
+
+def _check_shared_meta(rec: DumpRecord, first: dict[str, Any], where: str, rid: str) -> None:
+    for key in _SHARED_META:
+        if rec.meta.get(key) != first.get(key):
+            raise DumpError(
+                rid,
+                f"{where}: metadata {key}={rec.meta.get(key)!r} differs from "
+                f"the first chunk's {first.get(key)!r}",
+            )
+
+
+def _check_start(rec: DumpRecord, pos: int, where: str, rid: str) -> None:
+    """The chunk starts where the previous one ended: no gap, no overlap."""
+    if rec.prefix_offset > pos:
+        raise DumpError(
+            rid,
+            f"positions {pos}..{rec.prefix_offset - 1} are missing (gap before "
+            f"the {where}); a radix-cache prefix hit looks like this: run the "
+            f"server with --disable-radix-cache",
+        )
+    if rec.prefix_offset < pos:
+        raise DumpError(
+            rid,
+            f"{where} overlaps positions {rec.prefix_offset}..{pos - 1}, "
+            f"already covered by an earlier chunk",
+        )
+
+
+def _check_shapes(rec: DumpRecord, num_layers: int, hidden: int, where: str, rid: str) -> None:
+    n = rec.meta["num_tokens"]
+    shapes = (
+        tuple(rec.token_ids.shape),
+        tuple(rec.aux_hidden_states.shape),
+        tuple(rec.last_hidden_state.shape),
+    )
+    if shapes != ((n,), (n, num_layers * hidden), (n, hidden)):
+        raise DumpError(
+            rid,
+            f"{where}: shapes token_ids/aux/last are {shapes}, expected "
+            f"{((n,), (n, num_layers * hidden), (n, hidden))}",
+        )
+
+
+def _check_token_ids(rec: DumpRecord, sent_ids: list[int], pos: int, rid: str) -> None:
+    """The chunk's token ids are the ones sent at positions pos.."""
+    sent = torch.tensor(sent_ids, dtype=torch.int64)
+    got = rec.token_ids.to(torch.int64)
+    if not torch.equal(sent, got):
+        i = int((sent != got).nonzero()[0])
+        raise DumpError(
+            rid, f"token id at position {pos + i} is {int(got[i])}, but {int(sent[i])} was sent"
+        )
