@@ -16,12 +16,14 @@ The writer only writes; the reader owns all validation (coverage, token ids, sha
 because a radix-cache hit or a lost chunk shows up only when the pieces are put back together.
 
 This module is imported by the SGLang hook on the GPU host, so it needs only stdlib, torch and
-safetensors.
+safetensors. For that reason it also holds eyas's one safetensors header codec (dtype tables,
+encode_header, read_header, parse_header), which the shard writer and the training loader share.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -76,7 +78,6 @@ def server_layer_ids(capture_ids: list[int], architecture: str | None = None) ->
 
 
 LAST_HIDDEN_NORMS = ("post", "pre")  # whether last_hidden_state went through the final norm
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 _RID_RE = re.compile(r"[A-Za-z0-9_.:-]+")
 # A rid names its dump folder, <dump_dir>/<rid>: a folder name has at most 255 bytes (NAME_MAX),
@@ -130,6 +131,169 @@ def dtype_from_env(default: str = "bfloat16") -> torch.dtype:
 
 def record_path(dump_dir: str | Path, rid: str, prefix_offset: int) -> Path:
     return Path(dump_dir) / check_rid(rid) / f"{prefix_offset:010d}.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------
+# Safetensors files: eyas's one codec for their header (dtype tables, encoding, decoding)
+# ---------------------------------------------------------------------------------------------
+# It lives here because this module is the one copied into SGLang, alone: the dump writer needs it
+# there, and the shard writer and the training loader import it from here.
+
+#: eyas's dtype names (config, manifests, record metadata) for hidden states
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+#: torch dtype -> safetensors dtype string, for every dtype eyas stores
+ST_DTYPES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.uint8: "U8",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
+TORCH_DTYPES = {name: dtype for dtype, name in ST_DTYPES.items()}  #: safetensors string -> torch
+_LENGTH = struct.Struct("<Q")  # the header starts with its JSON's length, 8 bytes little-endian
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """eyas's name of a hidden-state dtype ("bfloat16", ...): the key of DTYPES."""
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+class HeaderError(ValueError):
+    """A safetensors header eyas cannot read; the message names the file and the fault.
+
+    A builtin ValueError, not an EyasError: this module runs where eyas is not installed.
+    """
+
+    def __init__(self, where: str, message: str):
+        self.where = where
+        super().__init__(f"{where}: not a readable safetensors header: {message}")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file and where its bytes lie in the file (start..end)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one index along the first dimension (a row of a matrix, an element of a
+        vector)."""
+        return _nbytes(self.dtype, self.shape[1:])
+
+
+@dataclass(frozen=True)
+class Header:
+    """A safetensors file's header: its tensors in file order, metadata, and where data begins."""
+
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str]
+    data_start: int  # the 8-byte length plus the JSON (padded to 8 bytes)
+
+    @property
+    def file_size(self) -> int:
+        """The bytes of the whole file: the header and every tensor's data."""
+        return max((t.end for t in self.tensors.values()), default=self.data_start)
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def encode_header(
+    tensors: list[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str]
+) -> tuple[bytes, Header]:
+    """The header of a file holding `tensors` (name, dtype, shape) back to back in this order: the
+    bytes the file starts with (length + JSON, padded to 8) and the Header (where each tensor goes).
+    """
+    fields, offset = {}, 0
+    for name, dtype, shape in tensors:
+        size = _nbytes(dtype, shape)
+        fields[name] = {
+            "dtype": ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    fields["__metadata__"] = metadata
+    blob = json.dumps(fields, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # safetensors aligns the data buffer to 8 bytes
+    data = _LENGTH.pack(len(blob)) + blob
+    return data, _decode(fields, len(data), "a new header")
+
+
+def read_header(path: str | Path) -> Header:
+    """The header of the safetensors file at `path` (HeaderError naming it if malformed). Only the
+    header is read: a file cut short in its data fails where the data is read."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        n = _json_length(f.read(_LENGTH.size), size, str(path))
+        return _parse(f.read(n), str(path))
+
+
+def parse_header(data: bytes, where: str) -> Header:
+    """The header of a safetensors file given as its bytes; `where` names it in a HeaderError."""
+    n = _json_length(data[: _LENGTH.size], len(data), where)
+    return _parse(bytes(data[_LENGTH.size : _LENGTH.size + n]), where)
+
+
+def _json_length(prefix: bytes, size: int, where: str) -> int:
+    if len(prefix) < _LENGTH.size:
+        raise HeaderError(where, f"a file of {size} bytes is shorter than the 8-byte length")
+    (n,) = _LENGTH.unpack(prefix)
+    if n > size - _LENGTH.size:
+        raise HeaderError(where, f"a header of {n} bytes in a file of {size}")
+    return n
+
+
+def _parse(blob: bytes, where: str) -> Header:
+    try:
+        fields = json.loads(blob)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HeaderError(where, f"the header is not JSON ({e})") from None
+    if not isinstance(fields, dict):
+        raise HeaderError(where, f"the header is a JSON {type(fields).__name__}, not an object")
+    return _decode(fields, _LENGTH.size + len(blob), where)
+
+
+def _decode(fields: dict, data_start: int, where: str) -> Header:
+    fields = dict(fields)
+    metadata = fields.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise HeaderError(where, f"__metadata__ is a {type(metadata).__name__}, not an object")
+    return Header(
+        {name: _entry(name, f, data_start, where) for name, f in fields.items()},
+        metadata,
+        data_start,
+    )
+
+
+def _entry(name: str, field_: Any, data_start: int, where: str) -> TensorEntry:
+    try:
+        st_dtype = field_["dtype"]
+        shape = tuple(int(d) for d in field_["shape"])
+        begin, end = (int(o) for o in field_["data_offsets"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise HeaderError(
+            where, f"tensor {name!r}: {type(e).__name__}: {e} in {field_!r}"
+        ) from None
+    dtype = TORCH_DTYPES.get(st_dtype) if isinstance(st_dtype, str) else None
+    if dtype is None:
+        raise HeaderError(
+            where, f"tensor {name!r}: dtype {st_dtype!r} is none of eyas's {sorted(TORCH_DTYPES)}"
+        )
+    if begin < 0 or end - begin != _nbytes(dtype, shape):
+        raise HeaderError(
+            where,
+            f"tensor {name!r}: data_offsets {[begin, end]} do not fit {ST_DTYPES[dtype]} "
+            f"{list(shape)}",
+        )
+    return TensorEntry(dtype, shape, data_start + begin, data_start + end)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +393,7 @@ class DumpWriter:
             "layer_convention": self.layer_convention,
             "last_hidden_norm": self.last_hidden_norm,
             "hidden_size": str(hidden),
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.dtype),
         }
         path = record_path(self.dump_dir, rid, prefix_offset)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -244,31 +408,14 @@ class DumpWriter:
         return path
 
 
-_ST_DTYPES = {
-    torch.int32: "I32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-}
-
-
 def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     """A safetensors file written straight from the tensors' memory (safetensors' save_file makes a
     bytes copy of every tensor first: at 57 KB per token that copy is a third of the write)."""
-    header, offset = {}, 0
-    for name, t in tensors.items():
-        size = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": _ST_DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    header["__metadata__"] = metadata
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    head, _ = encode_header(
+        [(name, t.dtype, list(t.shape)) for name, t in tensors.items()], metadata
+    )
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.write(head)
         for t in tensors.values():
             f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
 
@@ -326,10 +473,10 @@ def _parse_record(data: bytes, where: str, rid: str) -> DumpRecord:
     from safetensors.torch import load
 
     try:
-        (n,) = struct.unpack("<Q", data[:8])
-        if n > len(data) - 8:
-            raise ValueError(f"header of {n} bytes in a file of {len(data)}")
-        raw = json.loads(bytes(data[8 : 8 + n])).get("__metadata__") or {}
+        raw = parse_header(data, where).metadata
+    except HeaderError as e:  # its message starts with `where`
+        raise DumpError(rid, f"cannot read {e}") from e
+    try:
         tensors = load(bytes(data))
     except Exception as e:  # noqa: BLE001 - a corrupt or truncated file is reported with its path
         raise DumpError(rid, f"cannot read {where}: {type(e).__name__}: {e}") from e
@@ -457,8 +604,7 @@ def _all_finite(x: torch.Tensor, rows: int = 256) -> bool:
     )
 
 
-# One check per property of the records, each refused with its own message: a flat list reads best.
-def validate(  # noqa: C901
+def validate(
     records: list[DumpRecord], expected_token_ids: list[int], *, rid: str | None = None
 ) -> dict[str, Any]:
     """assemble's checks without concatenating (a collector can then write chunk by chunk).
@@ -474,61 +620,12 @@ def validate(  # noqa: C901
         records = sorted(records, key=lambda r: r.prefix_offset)
     rid = records[0].rid
     first = records[0].meta
-    num_layers = len(first["layer_ids"])
-    hidden = first["hidden_size"]
     total = len(expected_token_ids)
 
     pos = 0
     for rec in records:
-        where = f"chunk at offset {rec.prefix_offset}"
-        for key in _SHARED_META:
-            if rec.meta.get(key) != first.get(key):
-                raise DumpError(
-                    rid,
-                    f"{where}: metadata {key}={rec.meta.get(key)!r} differs from "
-                    f"the first chunk's {first.get(key)!r}",
-                )
-        if rec.prefix_offset > pos:
-            raise DumpError(
-                rid,
-                f"positions {pos}..{rec.prefix_offset - 1} are missing (gap before "
-                f"the {where}); a radix-cache prefix hit looks like this: run the "
-                f"server with --disable-radix-cache",
-            )
-        if rec.prefix_offset < pos:
-            raise DumpError(
-                rid,
-                f"{where} overlaps positions {rec.prefix_offset}..{pos - 1}, "
-                f"already covered by an earlier chunk",
-            )
-        n = rec.meta["num_tokens"]
-        shapes = (
-            tuple(rec.token_ids.shape),
-            tuple(rec.aux_hidden_states.shape),
-            tuple(rec.last_hidden_state.shape),
-        )
-        if shapes != ((n,), (n, num_layers * hidden), (n, hidden)):
-            raise DumpError(
-                rid,
-                f"{where}: shapes token_ids/aux/last are {shapes}, expected "
-                f"{((n,), (n, num_layers * hidden), (n, hidden))}",
-            )
-        if pos + n > total:
-            raise DumpError(
-                rid,
-                f"{where} covers positions up to {pos + n - 1}, but only {total} tokens were sent",
-            )
-        sent = torch.tensor(expected_token_ids[pos : pos + n], dtype=torch.int64)
-        got = rec.token_ids.to(torch.int64)
-        if not torch.equal(sent, got):
-            i = int((sent != got).nonzero()[0])
-            raise DumpError(
-                rid, f"token id at position {pos + i} is {int(got[i])}, but {int(sent[i])} was sent"
-            )
-        for name in ("aux_hidden_states", "last_hidden_state"):
-            if not _all_finite(getattr(rec, name)):
-                raise DumpError(rid, f"{where}: {name} has non-finite values (NaN or inf)")
-        pos += n
+        _check_chunk(rec, first, pos, expected_token_ids, rid)
+        pos += rec.meta["num_tokens"]
     if pos != total:
         raise DumpError(
             rid,
@@ -539,3 +636,76 @@ def validate(  # noqa: C901
     meta = {k: first[k] for k in _SHARED_META}
     meta.update(num_tokens=total, num_chunks=len(records))
     return meta
+
+
+def _check_chunk(
+    rec: DumpRecord, first: dict[str, Any], pos: int, expected_token_ids: list[int], rid: str
+) -> None:
+    """One chunk, due to start at position `pos`; each property is refused with its own message."""
+    where = f"chunk at offset {rec.prefix_offset}"
+    _check_shared_meta(rec, first, where, rid)
+    _check_start(rec, pos, where, rid)
+    _check_shapes(rec, len(first["layer_ids"]), first["hidden_size"], where, rid)
+    n, total = rec.meta["num_tokens"], len(expected_token_ids)
+    if pos + n > total:
+        raise DumpError(
+            rid,
+            f"{where} covers positions up to {pos + n - 1}, but only {total} tokens were sent",
+        )
+    _check_token_ids(rec, expected_token_ids[pos : pos + n], pos, rid)
+    for name in ("aux_hidden_states", "last_hidden_state"):
+        if not _all_finite(getattr(rec, name)):
+            raise DumpError(rid, f"{where}: {name} has non-finite values (NaN or inf)")
+
+
+def _check_shared_meta(rec: DumpRecord, first: dict[str, Any], where: str, rid: str) -> None:
+    for key in _SHARED_META:
+        if rec.meta.get(key) != first.get(key):
+            raise DumpError(
+                rid,
+                f"{where}: metadata {key}={rec.meta.get(key)!r} differs from "
+                f"the first chunk's {first.get(key)!r}",
+            )
+
+
+def _check_start(rec: DumpRecord, pos: int, where: str, rid: str) -> None:
+    """The chunk starts where the previous one ended: no gap, no overlap."""
+    if rec.prefix_offset > pos:
+        raise DumpError(
+            rid,
+            f"positions {pos}..{rec.prefix_offset - 1} are missing (gap before "
+            f"the {where}); a radix-cache prefix hit looks like this: run the "
+            f"server with --disable-radix-cache",
+        )
+    if rec.prefix_offset < pos:
+        raise DumpError(
+            rid,
+            f"{where} overlaps positions {rec.prefix_offset}..{pos - 1}, "
+            f"already covered by an earlier chunk",
+        )
+
+
+def _check_shapes(rec: DumpRecord, num_layers: int, hidden: int, where: str, rid: str) -> None:
+    n = rec.meta["num_tokens"]
+    shapes = (
+        tuple(rec.token_ids.shape),
+        tuple(rec.aux_hidden_states.shape),
+        tuple(rec.last_hidden_state.shape),
+    )
+    if shapes != ((n,), (n, num_layers * hidden), (n, hidden)):
+        raise DumpError(
+            rid,
+            f"{where}: shapes token_ids/aux/last are {shapes}, expected "
+            f"{((n,), (n, num_layers * hidden), (n, hidden))}",
+        )
+
+
+def _check_token_ids(rec: DumpRecord, sent_ids: list[int], pos: int, rid: str) -> None:
+    """The chunk's token ids are the ones sent at positions pos.."""
+    sent = torch.tensor(sent_ids, dtype=torch.int64)
+    got = rec.token_ids.to(torch.int64)
+    if not torch.equal(sent, got):
+        i = int((sent != got).nonzero()[0])
+        raise DumpError(
+            rid, f"token id at position {pos + i} is {int(got[i])}, but {int(sent[i])} was sent"
+        )

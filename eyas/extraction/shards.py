@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import threading
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -32,23 +31,13 @@ from typing import Any, Iterable
 import torch
 from safetensors import safe_open
 
-from eyas.dump import DTYPES
+from eyas.dump import DTYPES, dtype_name, encode_header
 from eyas.errors import EyasError, InvalidInput
 from eyas.extraction import fp8
 from eyas.files import DiskFull, disk_full, fsync_dir, is_disk_full, sha256_file, write_json_atomic
 
 FORMAT = "eyas-shard/1"
 ENCODINGS = ("plain", "fp8_e4m3")
-
-_ST_DTYPES = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.int32: "I32",
-    torch.int64: "I64",
-    torch.uint8: "U8",
-    fp8.E4M3: "F8_E4M3",
-}
 
 
 class ShardError(EyasError, ValueError):
@@ -82,34 +71,31 @@ def bytes_per_token(
     """Bytes one token takes in a shard (without the header and the 8-byte offset per sample)."""
     if encoding == "fp8_e4m3":
         return (num_aux + 1) * (hidden_size + 4) + 4 + 1
-    item = torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    item = DTYPES[dtype].itemsize
     return (num_aux + 1) * hidden_size * item + 4 + 1
 
 
 def _layout(
     encoding: str, dtype: torch.dtype, T: int, N: int, H: int, K: int
-) -> list[tuple[str, str, list[int]]]:
-    """(name, safetensors dtype, shape) in the order the tensors lie in the file."""
+) -> list[tuple[str, torch.dtype, list[int]]]:
+    """(name, dtype, shape) in the order the tensors lie in the file."""
     if encoding == "fp8_e4m3":
         hidden = [
-            ("aux_hidden_states_fp8", "F8_E4M3", [T, K * H]),
-            ("aux_hidden_states_scale", "F32", [T, K]),
-            ("last_hidden_state_fp8", "F8_E4M3", [T, H]),
-            ("last_hidden_state_scale", "F32", [T, 1]),
+            ("aux_hidden_states_fp8", fp8.E4M3, [T, K * H]),
+            ("aux_hidden_states_scale", torch.float32, [T, K]),
+            ("last_hidden_state_fp8", fp8.E4M3, [T, H]),
+            ("last_hidden_state_scale", torch.float32, [T, 1]),
         ]
     else:
         hidden = [
-            ("aux_hidden_states", _ST_DTYPES[dtype], [T, K * H]),
-            ("last_hidden_state", _ST_DTYPES[dtype], [T, H]),
+            ("aux_hidden_states", dtype, [T, K * H]),
+            ("last_hidden_state", dtype, [T, H]),
         ]
     return hidden + [
-        ("input_ids", "I32", [T]),
-        ("loss_mask", "U8", [T]),
-        ("offsets", "I64", [N + 1]),
+        ("input_ids", torch.int32, [T]),
+        ("loss_mask", torch.uint8, [T]),
+        ("offsets", torch.int64, [N + 1]),
     ]
-
-
-_ITEM = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "F8_E4M3": 1}
 
 
 def _pwrite_all(fd: int, buf, offset: int) -> None:
@@ -117,6 +103,15 @@ def _pwrite_all(fd: int, buf, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+def _check_plan(path: str | Path, lengths: list[int], encoding: str) -> None:
+    if not lengths or min(lengths) <= 0:
+        raise InvalidInput(
+            f"{path}: every sample needs at least one token, got lengths {lengths[:8]}..."
+        )
+    if encoding not in ENCODINGS:
+        raise InvalidInput(f"{path}: encoding must be one of {ENCODINGS}, got {encoding!r}")
 
 
 class ShardWriter:
@@ -139,57 +134,24 @@ class ShardWriter:
         meta: dict[str, Any],
         encoding: str = "plain",
     ):
-        if not lengths or min(lengths) <= 0:
-            raise InvalidInput(
-                f"{path}: every sample needs at least one token, got lengths {lengths[:8]}..."
-            )
-        if encoding not in ENCODINGS:
-            raise InvalidInput(f"{path}: encoding must be one of {ENCODINGS}, got {encoding!r}")
+        _check_plan(path, lengths, encoding)
         # FP8 shards record the dtype readers get back (bf16), whatever the dump's precision was.
         dtype = torch.bfloat16 if encoding == "fp8_e4m3" else dtype
         self.path, self.lengths, self.dtype, self.meta = Path(path), lengths, dtype, meta
         self.hidden_size, self.num_aux, self.encoding = hidden_size, num_aux, encoding
         self.offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
         T, N = int(self.offsets[-1]), len(lengths)
-        header, begin = {}, 0
-        self._base: dict[
-            str, tuple[int, int]
-        ] = {}  # name -> (byte offset in the data buffer, bytes per row)
-        for name, st_dtype, shape in _layout(encoding, dtype, T, N, hidden_size, num_aux):
-            row = _ITEM[st_dtype] * (shape[1] if len(shape) == 2 else 1)
-            size = row * shape[0]
-            header[name] = {
-                "dtype": st_dtype,
-                "shape": shape,
-                "data_offsets": [begin, begin + size],
-            }
-            self._base[name] = (begin, row)
-            begin += size
         file_meta = {"format": FORMAT, **meta}
         if encoding != "plain":
             file_meta["encoding"] = encoding
-        header["__metadata__"] = {"eyas": json.dumps(file_meta, sort_keys=True)}
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)  # safetensors aligns the data buffer to 8 bytes
-        self._data_start = 8 + len(blob)
-        self.total_bytes = self._data_start + begin
+        head, self._header = encode_header(
+            _layout(encoding, dtype, T, N, hidden_size, num_aux),
+            {"eyas": json.dumps(file_meta, sort_keys=True)},
+        )
+        self.total_bytes = self._header.file_size
         self._tmp = partial_path(self.path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._failed: DiskFull | None = None
-        try:
-            self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        except OSError as e:
-            raise (disk_full(self.path, e) if is_disk_full(e) else e) from None
-        try:
-            _pwrite_all(self._fd, struct.pack("<Q", len(blob)) + blob, 0)
-            os.ftruncate(self._fd, self.total_bytes)  # sparse: the space is taken as samples arrive
-            self._write("offsets", 0, self.offsets)
-        except BaseException as e:
-            os.close(self._fd)
-            self._tmp.unlink(missing_ok=True)
-            if is_disk_full(e) and not isinstance(e, DiskFull):
-                raise disk_full(self.path, e) from e
-            raise
+        self._create(head)
         self._lock = threading.Lock()
         self._covered = [0] * N
         self._closed = False
@@ -197,13 +159,32 @@ class ShardWriter:
             (fp8.Fp8Error(num_aux), fp8.Fp8Error(1)) if encoding == "fp8_e4m3" else None
         )
 
+    def _create(self, head: bytes) -> None:
+        """Open the partial file and lay it out: the header and the offsets written, the rest
+        sparse (the space is taken as samples arrive). On any failure nothing is left behind."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise (disk_full(self.path, e) if is_disk_full(e) else e) from None
+        try:
+            _pwrite_all(self._fd, head, 0)
+            os.ftruncate(self._fd, self.total_bytes)
+            self._write("offsets", 0, self.offsets)
+        except BaseException as e:
+            os.close(self._fd)
+            self._tmp.unlink(missing_ok=True)
+            if is_disk_full(e) and not isinstance(e, DiskFull):
+                raise disk_full(self.path, e) from e
+            raise
+
     def _write(self, name: str, row: int, t: torch.Tensor) -> None:
         if self._failed is not None:
             raise self._failed
-        base, row_bytes = self._base[name]
+        entry = self._header.tensors[name]
         arr = t.contiguous().view(torch.uint8).numpy()
         try:
-            _pwrite_all(self._fd, arr, self._data_start + base + row * row_bytes)
+            _pwrite_all(self._fd, arr, entry.start + row * entry.row_bytes)
         except OSError as e:
             if not is_disk_full(e):
                 raise
@@ -295,7 +276,7 @@ class ShardWriter:
             "num_tokens": int(self.offsets[-1]),
             "bytes": self.total_bytes,
             "sha256": sha256_file(self._tmp),
-            "dtype": _dtype_name(self.dtype),
+            "dtype": dtype_name(self.dtype),
             "encoding": self.encoding,
             "hidden_size": self.hidden_size,
             "num_aux_layers": self.num_aux,
@@ -465,7 +446,3 @@ def verify_shard(path: str | Path, *, full: bool = True) -> dict[str, Any]:
     if full and sha256_file(path) != manifest["sha256"]:
         raise ShardError(f"{path}: sha256 differs from the manifest (corrupted)")
     return manifest
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return next(k for k, v in DTYPES.items() if v == dtype)

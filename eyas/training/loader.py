@@ -26,10 +26,8 @@ process open.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import queue
-import struct
 import threading
 import time
 from concurrent.futures import Future
@@ -37,20 +35,13 @@ from typing import Iterable, Iterator
 
 import torch
 
+from eyas.dump import Header, HeaderError, read_header
 from eyas.errors import InvalidInput
+from eyas.extraction.shards import ShardError
 from eyas.training.batches import ShardData, collate, epoch_plan
 
 #: bytes per read call: a closing loader stops a worker within one chunk
 READ_CHUNK = 64 << 20
-_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F8_E4M3": torch.uint8,  # bytes
-    "I32": torch.int32,
-    "U8": torch.uint8,
-    "I64": torch.int64,
-}
 THREAD_PREFIX = "eyas-loader"
 STOP_POLL_S = 0.2  #: how often an idle worker looks whether the loader stopped
 
@@ -76,21 +67,6 @@ def plan_steps(
 
 class _Stopped(Exception):
     """A read given up because the loader is closing."""
-
-
-class _Layout:
-    """Where each tensor of one shard file lies: name -> (dtype, byte offset, bytes per row)."""
-
-    def __init__(self, path):
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        self.tensors = {}
-        for name, t in header.items():
-            shape = t["shape"]
-            row = (t["data_offsets"][1] - t["data_offsets"][0]) // max(shape[0], 1)
-            self.tensors[name] = (_DTYPES[t["dtype"]], 8 + n + t["data_offsets"][0], row)
 
 
 class BatchLoader:
@@ -125,7 +101,7 @@ class BatchLoader:
         self._exhausted = False
         self._stop = threading.Event()
         self._jobs: queue.Queue = queue.Queue()
-        self._layouts: dict = {}
+        self._headers: dict = {}  # shard path -> its Header
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(self.device) if self.cuda and workers else None
         self._threads = [
@@ -254,67 +230,16 @@ class BatchLoader:
         their dtype, FP8 ones as aux_fp8/aux_scale, last_fp8/last_scale; on a CPU already what
         collate returns."""
         samples = [self.data.index[i] for i in ids]
-        kinds = {
-            (
-                r.encoding,
-                self._layout(r).tensors["aux_hidden_states" + "_fp8" * (r.encoding == "fp8_e4m3")][
-                    0
-                ],
-            )
-            for r, _ in samples
-        }
-        if (
-            len(kinds) > 1
-        ):  # shards of several encodings in one batch: the reader's way, on the host
-            out = collate([self.data.sample(i) for i in ids], "cpu", self.dtype, ids=ids)
-            return {
-                k: (v.pin_memory() if self.cuda and isinstance(v, torch.Tensor) else v)
-                for k, v in out.items()
-            }
-        ((encoding, stored),) = kinds
-        fp8 = encoding == "fp8_e4m3"
-        B, T = len(ids), max(self.data.lengths[i] for i in ids)
-        H, K = self.data.hidden_size, self.data.num_aux
-        names = (
-            {
-                "aux_fp8": ("aux_hidden_states_fp8", K * H),
-                "aux_scale": ("aux_hidden_states_scale", K),
-                "last_fp8": ("last_hidden_state_fp8", H),
-                "last_scale": ("last_hidden_state_scale", 1),
-            }
-            if fp8
-            else {"aux": ("aux_hidden_states", K * H), "last": ("last_hidden_state", H)}
-        )
-        layout0 = self._layout(samples[0][0])
+        if len({self._stored_kind(r) for r, _ in samples}) > 1:
+            return self._collated_on_host(ids)
+        fp8 = samples[0][0].encoding == "fp8_e4m3"
+        names = _stored_names(fp8, self.data.hidden_size, self.data.num_aux)
         pin = (
             self.cuda and torch.cuda.is_available()
         )  # (bench/loader.py times the GPU path's host work on a CPU)
-        out = {
-            k: self.empty((B, T, w), dtype=layout0.tensors[name][0], pin_memory=pin)
-            for k, (name, w) in names.items()
-        }
-        raw_ids, raw_mask = (
-            torch.zeros(B, T, dtype=torch.int32),
-            torch.zeros(B, T, dtype=torch.uint8),
-        )
-        for b, (r, j) in enumerate(samples):
-            a, e = int(r.offsets[j]), int(r.offsets[j + 1])
-            n, lay = e - a, self._layout(r)
-            fd = os.open(r.path, os.O_RDONLY)
-            try:
-                for k, (name, _) in names.items():
-                    self._read(fd, lay, name, a, out[k][b, :n])
-                    out[k][b, n:] = 0
-                self._read(fd, lay, "input_ids", a, raw_ids[b, :n])
-                self._read(fd, lay, "loss_mask", a, raw_mask[b, :n])
-            finally:
-                os.close(fd)
-        mask = raw_mask.bool()
-        if self.data.all_positions:  # every real token scored (ShardData.sample's rule)
-            mask = torch.zeros_like(mask)
-            for b, i in enumerate(ids):
-                mask[b, : self.data.lengths[i]] = True
-        out["ids"], out["loss_mask"] = raw_ids.long(), mask
+        T = max(self.data.lengths[i] for i in ids)
+        out, raw_ids, raw_mask = self._read_samples(samples, names, T, pin)
+        out["ids"], out["loss_mask"] = raw_ids.long(), self._loss_mask(raw_mask, ids)
         if pin:
             out["ids"], out["loss_mask"] = out["ids"].pin_memory(), out["loss_mask"].pin_memory()
         if not self.cuda:  # a CPU step takes the batch as collate makes it
@@ -327,16 +252,72 @@ class BatchLoader:
         out["sample_ids"] = list(ids)
         return out
 
-    def _layout(self, reader) -> _Layout:
-        lay = self._layouts.get(reader.path)
-        if lay is None:
-            lay = self._layouts[reader.path] = _Layout(reader.path)
-        return lay
+    def _stored_kind(self, reader) -> tuple[str, torch.dtype]:
+        """How a shard stores hidden states: its encoding and the dtype of its aux tensor."""
+        aux = "aux_hidden_states_fp8" if reader.encoding == "fp8_e4m3" else "aux_hidden_states"
+        return reader.encoding, self._header(reader).tensors[aux].dtype
 
-    def _read(self, fd: int, lay: _Layout, name: str, row: int, dst: torch.Tensor) -> None:
+    def _collated_on_host(self, ids: list[int]) -> dict:
+        """A batch from shards stored in several ways: the reader's way (collate), on the host."""
+        out = collate([self.data.sample(i) for i in ids], "cpu", self.dtype, ids=ids)
+        return {
+            k: (v.pin_memory() if self.cuda and isinstance(v, torch.Tensor) else v)
+            for k, v in out.items()
+        }
+
+    def _read_samples(
+        self, samples: list, names: dict[str, tuple[str, int]], T: int, pin: bool
+    ) -> tuple[dict, torch.Tensor, torch.Tensor]:
+        """The samples' stored tensors, padded with zeros to T rows: the hidden-state buffers
+        (names: key -> (tensor name, width)), input ids and loss mask."""
+        B = len(samples)
+        header0 = self._header(samples[0][0])
+        out = {
+            k: self.empty(
+                (B, T, w), dtype=_buffer_dtype(header0.tensors[name].dtype), pin_memory=pin
+            )
+            for k, (name, w) in names.items()
+        }
+        raw_ids, raw_mask = (
+            torch.zeros(B, T, dtype=torch.int32),
+            torch.zeros(B, T, dtype=torch.uint8),
+        )
+        for b, (r, j) in enumerate(samples):
+            a, e = int(r.offsets[j]), int(r.offsets[j + 1])
+            n, header = e - a, self._header(r)
+            fd = os.open(r.path, os.O_RDONLY)
+            try:
+                for k, (name, _) in names.items():
+                    self._read(fd, header, name, a, out[k][b, :n])
+                    out[k][b, n:] = 0
+                self._read(fd, header, "input_ids", a, raw_ids[b, :n])
+                self._read(fd, header, "loss_mask", a, raw_mask[b, :n])
+            finally:
+                os.close(fd)
+        return out, raw_ids, raw_mask
+
+    def _loss_mask(self, raw_mask: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        mask = raw_mask.bool()
+        if self.data.all_positions:  # every real token scored (ShardData.sample's rule)
+            mask = torch.zeros_like(mask)
+            for b, i in enumerate(ids):
+                mask[b, : self.data.lengths[i]] = True
+        return mask
+
+    def _header(self, reader) -> Header:
+        """The shard's header, read once per shard (ShardError naming the file if malformed)."""
+        header = self._headers.get(reader.path)
+        if header is None:
+            try:
+                header = self._headers[reader.path] = read_header(reader.path)
+            except HeaderError as e:
+                raise ShardError(str(e)) from e
+        return header
+
+    def _read(self, fd: int, header: Header, name: str, row: int, dst: torch.Tensor) -> None:
         """Rows row.. of tensor `name` into dst (contiguous), in chunks; the GIL is free while
         reading."""
-        _, offset, row_bytes = lay.tensors[name]
+        offset, row_bytes = header.tensors[name].start, header.tensors[name].row_bytes
         view = (
             memoryview(dst.view(torch.uint8).numpy()).cast("B") if dst.numel() else memoryview(b"")
         )
@@ -376,6 +357,24 @@ class BatchLoader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _stored_names(fp8: bool, H: int, K: int) -> dict[str, tuple[str, int]]:
+    """The batch's hidden-state keys -> (the shard's tensor name, width) for an encoding."""
+    if fp8:
+        return {
+            "aux_fp8": ("aux_hidden_states_fp8", K * H),
+            "aux_scale": ("aux_hidden_states_scale", K),
+            "last_fp8": ("last_hidden_state_fp8", H),
+            "last_scale": ("last_hidden_state_scale", 1),
+        }
+    return {"aux": ("aux_hidden_states", K * H), "last": ("last_hidden_state", H)}
+
+
+def _buffer_dtype(stored: torch.dtype) -> torch.dtype:
+    """A host buffer's dtype for a stored one: FP8 travels as its bytes (dequantize views them as
+    e4m3)."""
+    return torch.uint8 if stored == torch.float8_e4m3fn else stored
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import threading
 
 import pytest
@@ -13,11 +14,19 @@ import torch
 from safetensors import safe_open
 
 from eyas.dump import (
+    DTYPES,
     DUMP_DIR_ENV,
+    ST_DTYPES,
+    TORCH_DTYPES,
     AssembledSample,
     DumpError,
     DumpWriter,
+    HeaderError,
     assemble,
+    dtype_name,
+    encode_header,
+    parse_header,
+    read_header,
     read_records,
     records_from_bytes,
     remove_records,
@@ -253,3 +262,85 @@ def test_a_record_under_another_name_is_refused(dumped):
         records_from_bytes("r-2", files[:1])
     with pytest.raises(ValueError, match="invalid rid"):
         records_from_bytes("../x", files)
+
+
+# ---------------------------------------------------------------------------------------------
+# The safetensors header codec (dump records, shards and the training loader all use it)
+# ---------------------------------------------------------------------------------------------
+
+
+def _codec_file(path, metadata=None):
+    """A file of three tensors written with encode_header, and the tensors."""
+    tensors = {
+        "x": torch.arange(12, dtype=torch.float32).view(3, 4).to(torch.bfloat16),
+        "ids": torch.arange(5, dtype=torch.int64),
+        "q": torch.randn(2, 6).to(torch.float8_e4m3fn),
+    }
+    head, header = encode_header(
+        [(name, t.dtype, list(t.shape)) for name, t in tensors.items()], metadata or {"k": "v"}
+    )
+    path.write_bytes(
+        head + b"".join(t.view(torch.uint8).numpy().tobytes() for t in tensors.values())
+    )
+    return tensors, header
+
+
+def test_an_encoded_header_reads_back_and_safetensors_reads_its_file(tmp_path):
+    path = tmp_path / "t.safetensors"
+    tensors, header = _codec_file(path)
+    assert read_header(path) == header == parse_header(path.read_bytes(), "there")
+    assert list(header.tensors) == ["x", "ids", "q"] and header.metadata == {"k": "v"}
+    assert header.data_start % 8 == 0 and header.file_size == path.stat().st_size
+    x = header.tensors["x"]
+    assert (x.dtype, x.shape, x.start, x.end, x.row_bytes) == (
+        torch.bfloat16,
+        (3, 4),
+        header.data_start,
+        header.data_start + 24,
+        8,
+    )
+    assert header.tensors["ids"].row_bytes == 8 and header.tensors["ids"].start == x.end
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"k": "v"}
+        for name, t in tensors.items():
+            got = f.get_tensor(name)
+            assert got.dtype == t.dtype and torch.equal(got.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_the_dtype_tables_agree():
+    assert {TORCH_DTYPES[ST_DTYPES[d]] for d in ST_DTYPES} == set(ST_DTYPES)
+    assert set(DTYPES.values()) <= set(ST_DTYPES)
+    assert [dtype_name(d) for d in DTYPES.values()] == list(DTYPES)
+
+
+@pytest.mark.parametrize(
+    "data, fault",
+    [
+        (b"\x01\x00", "shorter than the 8-byte length"),
+        (b"\xff" * 16, "a header of 18446744073709551615 bytes in a file of 16"),
+        (struct.pack("<Q", 4) + b"{no}", "not JSON"),
+        (struct.pack("<Q", 2) + b"[]", "a JSON list, not an object"),
+        (struct.pack("<Q", 19) + b'{"__metadata__": 1}', "__metadata__ is a int"),
+        (struct.pack("<Q", 10) + b'{"x": {}} ', "tensor 'x': KeyError: 'dtype'"),
+    ],
+)
+def test_a_malformed_header_is_refused_naming_the_file(tmp_path, data, fault):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(data)
+    with pytest.raises(
+        HeaderError, match=rf"^{path}: not a readable safetensors header: .*{fault}"
+    ):
+        read_header(path)
+    with pytest.raises(HeaderError, match=rf"^node:bad: not a readable .*{fault}"):
+        parse_header(data, "node:bad")
+
+
+def test_a_header_with_an_unknown_dtype_or_wrong_offsets_is_refused(tmp_path):
+    def file(entry):
+        blob = json.dumps({"x": entry}).encode()
+        return struct.pack("<Q", len(blob)) + blob + bytes(64)
+
+    with pytest.raises(HeaderError, match=r"tensor 'x': dtype 'BOOL' is none of eyas's"):
+        parse_header(file({"dtype": "BOOL", "shape": [2], "data_offsets": [0, 2]}), "f")
+    with pytest.raises(HeaderError, match=r"data_offsets \[0, 4\] do not fit F32 \[2\]"):
+        parse_header(file({"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}), "f")

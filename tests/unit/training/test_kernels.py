@@ -103,8 +103,7 @@ MEMOS = {
     ("gemm", "FP32_OUT"),
     ("target_head", "_NAMES"),
     ("target_head", "_PREFIXES"),  # these two: constant lookup tables
-    ("loader", "_DTYPES"),
-}  # a constant lookup table too
+}
 #: Module-level strings that are names, not choices: a file name, its format tag, a thread name.
 NAMES = {("checkpoints", "SUMS"), ("checkpoints", "SUMS_FORMAT"), ("loader", "THREAD_PREFIX")}
 

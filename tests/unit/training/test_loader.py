@@ -6,6 +6,7 @@ import itertools
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eyas.extraction.shards import Sample, write_shard
+from eyas.extraction.shards import Sample, ShardError, write_shard
 from eyas.training.batches import ShardData, collate
 from eyas.training.loader import BatchLoader, dequantize, plan_steps, threads_left
 from eyas.training.train import train_drafter
@@ -146,6 +147,24 @@ def test_a_worker_error_reaches_the_step_and_no_thread_is_left(shard_sets, tmp_p
     cut.write_bytes(paths[1].read_bytes()[:4096])
     os.replace(cut, paths[1])  # the second file loses its tail after ShardData read its offsets
     with pytest.raises(OSError, match="short read"):
+        with BatchLoader(data, steps, "cpu", torch.float32, workers=2) as loader:
+            for _ in loader:
+                pass
+    assert not threads_left()
+
+
+def test_a_malformed_shard_header_reaches_the_step_naming_the_shard(shard_sets, tmp_path):
+    paths = [tmp_path / p.name for p in shard_sets["bf16"]]
+    for src, dst in zip(shard_sets["bf16"], paths):
+        shutil.copy(src, dst)
+    data = ShardData(paths, num_validation=0)
+    steps = list(
+        itertools.islice(plan_steps(data.lengths, data.train_ids, 2, 1, seed=0, epoch=0, pos=0), 6)
+    )
+    bad = tmp_path / "bad"
+    bad.write_bytes(struct.pack("<Q", 3) + b"{x}" + bytes(64))
+    os.replace(bad, paths[1])  # after ShardData read its offsets
+    with pytest.raises(ShardError, match=rf"^{paths[1]}: not a readable safetensors header"):
         with BatchLoader(data, steps, "cpu", torch.float32, workers=2) as loader:
             for _ in loader:
                 pass
