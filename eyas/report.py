@@ -110,6 +110,7 @@ def extraction_section(extracted: Extracted, extract_s: float) -> dict[str, Any]
         # over the shards this run extracted; None when it extracted none
         "tokens_per_s": round(new_tokens / extract_s, 1) if extract_s and new_tokens else None,
         "dtype": manifests[0].dtype if manifests else None,
+        "relaunches": extracted.relaunches,  # why the server died, each time it was relaunched
     }
 
 
@@ -124,6 +125,7 @@ TRAINING_KEYS = (
     "simulated_acceptance_length",
     "init_from",
     "resumed_from_step",
+    "quarantined",  # damaged checkpoints moved aside before resuming
     "history",
 )
 

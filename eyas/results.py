@@ -46,6 +46,8 @@ class Extracted:
     patch: PatchReport
     ready: ReadyReport | None = None  # None when every shard was intact and no server was launched
     stages: dict[str, float] = field(default_factory=dict)
+    #: why the target server died each time it was relaunched during extraction (at most once)
+    relaunches: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -87,7 +87,7 @@ def _extract(ctx: ExtractionContext, cfg: PipelineConfig) -> Extracted:
     # 3. Every shard intact on disk (a re-run): all cache hits, so no server and no GPU lock.
     #    (Pending regeneration replans the shards: checking the present ones would be wasted
     #    reading.)
-    up = None
+    up, deaths = None, []  # deaths: why the server died, each time it was relaunched
     checks = None if regen else check_shards(cfg, prepared.plans, patch_version)
     if checks is not None and all(c.intact for c in checks.values()):
         with stage("extract"):
@@ -97,7 +97,6 @@ def _extract(ctx: ExtractionContext, cfg: PipelineConfig) -> Extracted:
         #    server that dies is relaunched once; finished parts and shards stay, the rest resume.
         with gpu_host(cfg):
             up = serve(cfg)
-            deaths: list[str] = []
             try:
                 while True:
                     try:
@@ -134,6 +133,7 @@ def _extract(ctx: ExtractionContext, cfg: PipelineConfig) -> Extracted:
         patch=patched,
         ready=up.ready if up else None,
         stages={**(up.stages if up else {}), **stage.seconds},
+        relaunches=deaths,
     )
 
 

@@ -31,7 +31,14 @@ def train(cfg: PipelineConfig, manifests: list[ShardManifest]) -> TrainResult:
     shard_paths = [Path(cfg.extraction.output_dir) / m.file for m in manifests]
     run = launch_training if cfg.training.distributed.launched else train_drafter
     publisher = TrainingPublisher(cfg.name, cfg.training.max_steps)
-    result = run(cfg.training, cfg.target, shard_paths, log=logger.info, on_step=publisher)
+    result = run(
+        cfg.training,
+        cfg.target,
+        shard_paths,
+        log=logger.info,
+        warn=logger.warning,
+        on_step=publisher,
+    )
     publisher.finish(result)
     return result
 

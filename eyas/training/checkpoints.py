@@ -1,6 +1,6 @@
 """Training checkpoints: written whole, then renamed into place; resumed exactly.
 
-    state = load_checkpoint(resumable_checkpoint(out_dir, log), objective, opt, sched, fingerprint,
+    state = load_checkpoint(resumable_checkpoint(out_dir, warn), objective, opt, sched, fingerprint,
     log) save_checkpoint(out_dir, objective, opt, sched, state, info, rank=rank)
 
 `output_dir/checkpoints/step-NNNNNN/` holds `model.safetensors` (the trainable weights with d2t and
@@ -104,9 +104,12 @@ def quarantine(path: Path) -> Path:
     return dest
 
 
-def resumable_checkpoint(output_dir: Path, log) -> Path | None:
+def resumable_checkpoint(
+    output_dir: Path, warn, quarantined: list[dict] | None = None
+) -> Path | None:
     """The newest intact checkpoint of output_dir (None: none left, so training starts from step 0,
-    as with no checkpoints). Each damaged newer one is named in the log and quarantined.
+    as with no checkpoints). Each damaged newer one is named through `warn`, quarantined, and
+    appended to `quarantined` ({"checkpoint", "moved_to", "why"}: report.json's record).
 
     Under torch.distributed rank 0 checks and moves, the others get its answer (every rank must
     resume from the same checkpoint)."""
@@ -119,12 +122,15 @@ def resumable_checkpoint(output_dir: Path, log) -> Path | None:
             if why is None:
                 found = path
                 break
-            log(
-                f"checkpoint {path} is damaged: {why}; moved to {quarantine(path)}, resuming from "
-                f"the newest intact one"
+            moved = quarantine(path)
+            if quarantined is not None:
+                quarantined.append({"checkpoint": str(path), "moved_to": str(moved), "why": why})
+            warn(
+                f"checkpoint {path} is damaged: {why}; moved to {moved}, resuming from the newest "
+                f"intact one"
             )
         if candidates and found is None:
-            log(
+            warn(
                 f"no intact checkpoint left in {Path(output_dir) / 'checkpoints'} (the damaged "
                 f"ones are in {quarantine_dir(output_dir)}): training starts from step 0"
             )

@@ -159,6 +159,7 @@ def launch_training(
     *,
     target_config_json: dict | None = None,
     log: Callable[[str], None] = print,
+    warn: Callable[[str], None] | None = None,
     poll_s: float = 1.0,
     hosts=None,
     stop_at_step: int | None = None,
@@ -166,7 +167,8 @@ def launch_training(
 ):
     """Run train_drafter under torchrun on the configured hosts -> TrainResult (rank 0's).
 
-    on_step gets rank 0's StepStats as they reach launch/progress.jsonl (up to poll_s late)."""
+    on_step gets rank 0's StepStats as they reach launch/progress.jsonl (up to poll_s late). warn
+    (default: log) gets the damaged checkpoints rank 0 set aside, from its result."""
     d = cfg.distributed
     with (
         contextlib.ExitStack() as made
@@ -184,7 +186,13 @@ def launch_training(
                     host.kill_group(pid)
         for i, node in enumerate(nodes):
             _check_exit(i, *node)
-        return _fetch_result(launch, nodes[0][2])
+        result = _fetch_result(launch, nodes[0][2])
+    for q in result.quarantined:
+        (warn or log)(
+            f"checkpoint {q['checkpoint']} is damaged: {q['why']}; moved to {q['moved_to']}, "
+            f"resumed from the newest intact one"
+        )
+    return result
 
 
 def _fetch_result(launch: _Launch, log0: Path):

@@ -104,6 +104,8 @@ class TrainResult:
         default_factory=list
     )  # the loss table: StepStats.row() of ~100 steps
     init_from: dict | None = None  # the warm start's source: path, kind (drafter/checkpoint)
+    #: damaged checkpoints moved aside before resuming: {"checkpoint", "moved_to", "why"}
+    quarantined: list[dict] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -208,6 +210,7 @@ def train_drafter(
     *,
     target_config_json: dict | None = None,
     log: Callable[[str], None] = print,
+    warn: Callable[[str], None] | None = None,
     log_every: int | None = None,
     stop_at_step: int | None = None,
     on_step: Callable[[StepStats], None] | None = None,
@@ -220,11 +223,13 @@ def train_drafter(
     log_every defaults to about 20 lines per run. on_step gets every step's StepStats on rank 0
     (cheap; the caller decides how often to show them). The step's kernels (torch.compile per
     training.compile, training.fp8_gemms) come from kernel_options, made once here and passed down.
+    warn (default: log) gets what an operator must see: damaged checkpoints set aside.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     log = log if rank == 0 else (lambda _: None)
+    warn = (warn or log) if rank == 0 else (lambda _: None)
     stop = min(cfg.max_steps, stop_at_step or cfg.max_steps)
-    run = set_up(cfg, target, shard_paths, target_config_json, stop, log)
+    run = set_up(cfg, target, shard_paths, target_config_json, stop, log, warn)
     loop = _Loop(
         run,
         cfg,
@@ -233,9 +238,9 @@ def train_drafter(
         log_every or max(1, cfg.max_steps // 20),
         on_step if rank == 0 else None,
     )
-    run.labels = Labeller(
-        run, cfg, log
-    )  # after the clock started: its teacher work counts as training time
+    # after the clock started: its teacher work counts as training time; a finished run labels only
+    # the held-out batches it evaluates
+    run.labels = Labeller(run, cfg, log, training=run.state.step < stop)
     final_held = loop.train()
     # held-out accuracy per TTT step -> simulated acceptance length (a finished run resumed: again)
     if final_held is None and run.state.step >= cfg.max_steps:
@@ -262,6 +267,7 @@ def train_drafter(
         global_batch=run.global_batch,
         history=state.history,
         init_from=state.init_from,
+        quarantined=run.quarantined,
     )
 
 
@@ -291,6 +297,7 @@ class RunSetup:
     cpu_bf16: bool  # a CPU with bf16 matrix units: the GEMMs in bf16
     kernels: object  # KernelOptions
     ckpt: Path | None  # the newest checkpoint of this run
+    quarantined: list[dict]  # damaged checkpoints moved aside (resumable_checkpoint)
     labels: "Labeller | None" = None
 
     @property
@@ -307,10 +314,12 @@ class _Start:
     differ: list[str]  # the fingerprint fields in which ckpt is another run's ([]: ours)
     resume: Path | None
     init: warm_start.InitSource | None
+    quarantined: list[dict]  # damaged newer checkpoints, moved aside
 
     @classmethod
-    def find(cls, cfg: TrainingConfig, out_dir: Path, fingerprint: dict, log) -> _Start:
-        ckpt = resumable_checkpoint(out_dir, log)  # damaged newer ones: named, quarantined, skipped
+    def find(cls, cfg: TrainingConfig, out_dir: Path, fingerprint: dict, warn) -> _Start:
+        quarantined: list[dict] = []
+        ckpt = resumable_checkpoint(out_dir, warn, quarantined)  # damaged newer ones: moved aside
         differ = (
             checkpoint_differs(ckpt, fingerprint, can_warm_start=cfg.init_from is not None)
             if ckpt
@@ -322,7 +331,7 @@ class _Start:
             if cfg.init_from is not None and resume is None
             else None
         )
-        return cls(ckpt, differ, resume, init)
+        return cls(ckpt, differ, resume, init, quarantined)
 
     def set_aside(self, out_dir: Path, rank: int, log) -> None:
         """Another run's checkpoints (init_from is set): set aside, never resumed nor mixed with
@@ -343,6 +352,7 @@ def set_up(
     target_config_json: dict | None,
     stop: int,
     log,
+    warn,
 ) -> RunSetup:
     """The data, where the weights start (this run's newest checkpoint, else init_from's drafter,
     else the target's rows), the drafter and its objective, the teacher's head, the optimizer."""
@@ -357,7 +367,7 @@ def set_up(
     tcfg = target_config_json or read_target_config(target.checkpoint)
     G = _global_batch(cfg, data, world)
     fingerprint = _fingerprint(cfg, target, data, meta, G)
-    start = _Start.find(cfg, out_dir, fingerprint, log)
+    start = _Start.find(cfg, out_dir, fingerprint, warn)
     dcfg = drafter_config(cfg, tcfg, data.hidden_size, data.num_aux)
     if start.init is not None:
         warm_start.check_init(start.init, dcfg, target.capture_ids())
@@ -391,6 +401,7 @@ def set_up(
         cpu_bf16,
         kernels,
         start.ckpt,
+        start.quarantined,
     )
     if start.resume is not None:
         _resume(run, cfg, start.resume, fingerprint, stop, log)
@@ -578,7 +589,7 @@ class Labeller:
     remembered from its sequence's first epoch, so later epochs run the draft vocabulary's rows
     only."""
 
-    def __init__(self, run: RunSetup, cfg: TrainingConfig, log):
+    def __init__(self, run: RunSetup, cfg: TrainingConfig, log, training: bool = True):
         head, vocab, dtype, kernels = run.head, cfg.draft_vocab_size, run.dtype, run.kernels
         self.teacher = lambda b, outside=None: teacher_labels(
             head, b["last"], b["loss_mask"], vocab, dtype, kernels=kernels, outside=outside
@@ -594,6 +605,8 @@ class Labeller:
             f"{run.global_batch} ({run.world} rank(s) x {cfg.grad_accum} x {cfg.batch_size}), "
             f"draft vocab {vocab}, device {run.device}{' (bf16 GEMMs)' * run.cpu_bf16}"
         )
+        if not training:  # a finished run: the held-out batches' labels only, per batch
+            return
         if run.device.type == "cpu" and cfg.teacher_cache_gb > 0:
             cache = TeacherCache.build(run.data, self.teacher, vocab, dtype, cfg.teacher_cache_gb)
             if cache is not None:

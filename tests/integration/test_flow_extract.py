@@ -2,6 +2,7 @@
 no server at all (regenerated parts and shards are both found intact)."""
 
 import json
+import re
 
 import pytest
 
@@ -174,6 +175,9 @@ def test_a_killed_server_is_relaunched_once_and_a_second_death_fails_with_both_r
     assert (
         log.count("The server is fired up and ready to roll!") == 2
     )  # launched, then relaunched once
+    assert len(done.relaunches) == 1 and re.match(r"pid \d+ exited", done.relaunches[0]), (
+        done.relaunches
+    )  # report.json's extraction.relaunches
 
     limit = 3
     for m in done.manifests:  # everything to do again, so the shard tasks talk to the server

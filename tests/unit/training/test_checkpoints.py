@@ -75,13 +75,18 @@ def test_a_damaged_latest_checkpoint_is_quarantined_and_training_resumes_from_th
             (ckpts / step / SUMS).unlink()
         truncate(bad / "trainer_state.pt")
         why = r"trainer_state.pt does not load \(RuntimeError: .*zip archive"
-    logs = []
-    resumed = train_drafter(cfg, tgt, shards, log=logs.append)
-    named = [line for line in logs if line.startswith(f"checkpoint {bad} is damaged")]
+    logs, warnings = [], []
+    resumed = train_drafter(cfg, tgt, shards, log=logs.append, warn=warnings.append)
+    named = [line for line in warnings if line.startswith(f"checkpoint {bad} is damaged")]
     assert (
         len(named) == 1 and f"moved to {out / 'checkpoints.quarantine' / 'step-000006'}" in named[0]
     ), logs
     assert re.search(why, named[0]), named[0]
+    assert len(warnings) == 1 and not any(line.startswith("checkpoint ") for line in logs)
+    # report.json's training.quarantined
+    [q] = resumed.quarantined
+    assert q["checkpoint"] == str(bad) and re.search(why, q["why"]), q
+    assert q["moved_to"] == str(out / "checkpoints.quarantine" / "step-000006")
     assert (
         out / "checkpoints.quarantine" / "step-000006" / "trainer_state.pt"
     ).exists()  # kept for a look

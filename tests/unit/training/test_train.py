@@ -92,8 +92,12 @@ def test_interrupted_and_resumed_equals_uninterrupted(sharp_target, shards, tmp_
         load_file(f"{resumed.checkpoint_dir}/model.safetensors"),
     )
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    again = train_drafter(cfg_b, tgt, shards, log=quiet)  # finished: nothing left to train
+    logs = []
+    again = train_drafter(cfg_b, tgt, shards, log=logs.append)  # finished: nothing left to train
     assert again.losses == full.losses and again.resumed_from_step == 9
+    # no teacher work for the training sequences: the held-out batches' labels only
+    assert not any(line.startswith("teacher labels of all") for line in logs), logs
+    assert again.simulated_acceptance_length == full.simulated_acceptance_length
 
 
 def test_checkpoint_of_another_run_is_refused(sharp_target, shards, tmp_path):
