@@ -5,6 +5,8 @@ what exists: every config field and `eyas` command they mention is the code's.""
 import re
 from pathlib import Path
 
+from eyas.report import TRAINING_KEYS
+
 ROOT = Path(__file__).resolve().parents[2]
 PERFORMANCE = ROOT / "docs" / "performance.md"
 MAX_PERFORMANCE_LINES = 250
@@ -102,7 +104,12 @@ def test_the_runbooks_capture_launch_is_the_one_eyas_builds():
 # --- every config field and command the docs name exists -------------------------------------
 
 #: report.json keys the docs name beside config fields of the same first word
-REPORT_KEYS = {"training.history", "extraction.tokens_per_s", "extraction.shards_reused"}
+REPORT_KEYS = {
+    *(f"training.{k}" for k in TRAINING_KEYS),
+    "extraction.tokens_per_s",
+    "extraction.shards_reused",
+    "extraction.relaunches",
+}
 FILE_NAME = re.compile(r"\.(pid|json|jsonl|log|py|yaml|md)$")
 
 
