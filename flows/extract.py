@@ -117,6 +117,7 @@ def _extract(ctx: ExtractionContext, cfg: PipelineConfig) -> Extracted:
                         break
                     except Exception:
                         up = _relaunch_if_dead(cfg, up, deaths, stage)
+                        ctx.new_server()
                         checks = None  # shards finished before the death: checked again
             finally:
                 with stage("stop"):
@@ -178,7 +179,14 @@ def _extract_all(
     plan_of = {id(f): plan for f, plan in zip(futures, plans)}
     cached = set()
     for done, future in enumerate(as_completed(futures), 1):
-        m = future.result()
+        try:
+            m = future.result()
+        except Exception:
+            # one failure ends the stage: the shards still queued never start (nor send a
+            # request to a server that stalled or died)
+            for queued in futures:
+                queued.wrapped_future.cancel()
+            raise
         if future.state.name == "Cached":  # answered from Prefect's cache: no task body counted it
             shard_cached(ctx, cfg, plan_of[id(future)], m)
             cached.add(id(future))

@@ -36,6 +36,7 @@ _task_of: dict[
 #: lines already printed -> the flow run whose log has them
 _printed: collections.OrderedDict[str, str | None] = collections.OrderedDict()
 _recent: collections.deque[str] = collections.deque(maxlen=20)  # WARNING+ lines: the artifact's log
+_shared_causes: set[str] = set()  # a stalled or gone server's reasons, once a task reported one
 
 
 def eyas_raised(exc: BaseException) -> bool:
@@ -135,6 +136,9 @@ class ReasonFilter(logging.Filter):
             line = f"failed at {task}: {reason_of(exc)}"
             with _lock:
                 _task_of[(type(exc).__name__, str(exc))] = _task_of[(type(exc).__name__, "")] = task
+            if _repeats_a_shared_cause(line):
+                self._set(record, f"{task} stopped by the same cause", level=logging.INFO)
+                return True
             self._set(record, line, keep_traceback=not eyas_raised(exc))
             remember(line, _flow_run_of(record))
         elif (
@@ -171,6 +175,9 @@ class ReasonFilter(logging.Filter):
             line = f"failed at {task}: " + (
                 message if kind in _eyas_names() else f"{kind}: {message}"
             )
+            if _repeats_a_shared_cause(line):
+                self._set(record, f"{task} stopped by the same cause", level=logging.INFO)
+                return
             self._set(record, line[:MAX_REASON])
             remember(line[:MAX_REASON], _flow_run_of(record))
             return
@@ -193,6 +200,24 @@ class ReasonFilter(logging.Filter):
             record.exc_info = record.exc_text = None
         if level is not None:
             record.levelno, record.levelname = level, logging.getLevelName(level)
+
+
+#: a server pool's own reason, after the shard, sequence and request it met it in
+_SHARED_CAUSE = re.compile(
+    r"rid \S+: ((?:server stalled|every server's process is gone): .*)$", re.S
+)
+
+
+def _repeats_a_shared_cause(line: str) -> bool:
+    """Whether the cause of this task's failure already failed another task: a stalled or gone
+    server fails every shard in flight, and the first one's line says why (then remembers it)."""
+    m = _SHARED_CAUSE.search(line)
+    if m is None:
+        return False
+    with _lock:
+        seen = m[1] in _shared_causes
+        _shared_causes.add(m[1])
+    return seen
 
 
 def _flow_run_of(record: logging.LogRecord) -> str | None:

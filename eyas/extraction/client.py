@@ -22,10 +22,13 @@ and removes the others (`attempt_rids`). Every retry is a WARNING naming the rid
 the error.
 
 A watchdog bounds a stall: when requests are in flight and none has completed for
-`stall_timeout_s`, every endpoint's /health is asked; one that answers is slow, not stalled (the
-clock restarts, with a warning), and when none answers every pending and later request fails with
-ServerStalled ("server stalled: no reply for N s ...") instead of waiting out its timeouts and
-retries (a stopped process accepts connections and never answers).
+`stall_timeout_s`, less the time the /health probe may take (a quarter of it, at most
+health_timeout_s), every endpoint's /health is asked; one that answers is slow, not stalled (the
+clock restarts, with a warning), and when none answers, stall_timeout_s after the last reply,
+every pending and later request fails with ServerStalled ("server stalled: no reply for N s ...")
+instead of waiting out its timeouts and retries (a stopped process accepts connections and never
+answers). The pool stays stalled: no request reaches that server again (a relaunched server gets
+a new pool, ExtractionContext.new_server).
 """
 
 from __future__ import annotations
@@ -202,11 +205,6 @@ class ServerPool:
         self._changed = asyncio.Condition()
         if self.stall_timeout_s is not None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
-
-    @property
-    def lost_a_server(self) -> bool:
-        """An endpoint whose process was found gone: the pool never sends to it again."""
-        return any(s.dead for s in self._state.values())
 
     @property
     def stalled(self) -> str | None:
@@ -410,16 +408,20 @@ class ServerPool:
     # ------------------------------------------------------------------ the stall watchdog
 
     async def _watch(self) -> None:
-        tick = min(5.0, self.stall_timeout_s / 4)
+        # The /health probe runs inside the stall timeout, so a stall is declared stall_timeout_s
+        # after the last reply (within a tick), not a probe's timeout later.
+        probe_s = min(self.health_timeout_s, self.stall_timeout_s / 4)
+        tick = min(1.0, self.stall_timeout_s / 8)
         while True:
             await asyncio.sleep(tick)
             busy = any(s.in_flight for s in self._state.values())
             quiet = time.monotonic() - self._last_progress
-            if not busy or quiet < self.stall_timeout_s:
+            if not busy or quiet < self.stall_timeout_s - probe_s:
                 continue
             health = await asyncio.gather(
-                *(self._health(e) for e in self.endpoints if not self._state[e.url].dead)
+                *(self._health(e, probe_s) for e in self.endpoints if not self._state[e.url].dead)
             )
+            quiet = time.monotonic() - self._last_progress
             if any(ok for ok, _ in health):
                 self._warn_callers(
                     "no request completed for %.0f s, but %s: slow, not stalled; waiting on",
@@ -445,11 +447,11 @@ class ServerPool:
         for warn in {id(w): w for w in self._tasks.values()}.values() or [log.warning]:
             warn(fmt, *args)
 
-    async def _health(self, ep: Endpoint) -> tuple[bool, str]:
+    async def _health(self, ep: Endpoint, timeout_s: float) -> tuple[bool, str]:
         try:
-            r = await self._client.get(f"{ep.url}/health", timeout=self.health_timeout_s)
+            r = await self._client.get(f"{ep.url}/health", timeout=timeout_s)
         except httpx.TransportError as e:
-            return False, f"{ep.url}/health: {type(e).__name__} after {self.health_timeout_s:g} s"
+            return False, f"{ep.url}/health: {type(e).__name__} after {timeout_s:g} s"
         return r.status_code == 200, f"{ep.url}/health answered {r.status_code}"
 
 

@@ -112,9 +112,16 @@ class ExtractionContext:
         ]
         return self.register(cfg, plans, index)
 
+    def new_server(self) -> None:
+        """The server was relaunched: the next requests go through fresh pools. Until then a pool
+        that found its server stalled or gone fails every request at once, sending none."""
+        with self._lock:
+            for pool in self._pools.values():
+                pool.close()
+            self._pools.clear()
+
     def pool(self, cfg: PipelineConfig) -> ServerPool:
-        """The pool of cfg's endpoints, shared by the threads of this extraction (a fresh one after
-        a server stalled or was lost: a relaunched server)."""
+        """The pool of cfg's endpoints, shared by the threads of this extraction."""
         x = cfg.extraction
         headers = auth_headers(cfg)
         key = (
@@ -126,8 +133,6 @@ class ExtractionContext:
             tuple(headers.items()),
         )
         with self._lock:
-            if key in self._pools and (self._pools[key].stalled or self._pools[key].lost_a_server):
-                self._pools.pop(key).close()
             if key not in self._pools:
                 logging.getLogger("httpx").setLevel(
                     logging.WARNING

@@ -453,6 +453,7 @@ def stop_server(
         "replaced": f"not running (pid {pid} is now another process: left alone)",
     }.get(state, "terminated")
     if state == "alive":
+        host.kill_group(pid, signal.SIGCONT)  # a stopped (SIGSTOP) server handles no SIGTERM
         host.kill_group(pid, signal.SIGTERM)
         if not wait_dead(host, pid, s.stop_timeout_s):
             if _check(host, cfg, handle) == "alive":

@@ -2,7 +2,9 @@
 no server at all (regenerated parts and shards are both found intact)."""
 
 import json
+import logging
 import re
+import time
 
 import pytest
 
@@ -129,6 +131,71 @@ def _kill_the_server(cfg) -> int:
     pid = json.loads(cfg.server.pid_path.read_text())["pid"]
     os.killpg(pid, signal.SIGKILL)
     return pid
+
+
+def test_a_stalled_server_fails_the_stage_within_its_stall_timeout_with_one_error(
+    prefect_harness, tmp_path, monkeypatch
+):
+    """The server freezes (SIGSTOP) under the second shard: the stall is declared within
+    extraction.stall_timeout_s of its last reply, the server is stopped at once, one error names
+    the stall, and no request is retried after it."""
+    import os
+    import signal
+
+    from eyas.extraction import stage
+    from eyas.extraction.extract import ExtractionError
+
+    real, frozen = stage.run_shard, []
+
+    def freezes_the_server(ctx, cfg, plan, patch_version, **kw):
+        if plan.index == 1 and not frozen:
+            pid = json.loads(cfg.server.pid_path.read_text())["pid"]
+            os.killpg(pid, signal.SIGSTOP)
+            frozen.append((pid, time.monotonic()))
+        return real(ctx, cfg, plan, patch_version, **kw)
+
+    monkeypatch.setattr(stage, "run_shard", freezes_the_server)
+    data = tmp_path / "conversations.jsonl"
+    data.write_text(
+        "\n".join(
+            (ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:12]
+        )
+        + "\n"
+    )
+    cfg = stage_config(
+        tmp_path,
+        ROOT / "fixtures" / "tiny-target",
+        **{
+            "data.path": str(data),
+            "data.num_heldout": 2,
+            "data.max_length": 256,
+            "extraction.num_shards": 4,
+            "extraction.stall_timeout_s": 10,
+            "extraction.request_retries": 5,
+            "extraction.retry_backoff_s": 1.0,
+        },
+    )
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    loggers = [logging.getLogger(n) for n in ("prefect", "eyas")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        with pytest.raises(ExtractionError, match=r"server stalled: no reply for \d+ s"):
+            extract(cfg)
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    pid, t_frozen = frozen[0]
+    assert time.monotonic() - t_frozen < 10 + 8  # the stall timeout, a tick, the stop
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # stopped at once
+    lines = [(r.levelno, r.getMessage()) for r in records]
+    errors = [m for level, m in lines if level >= logging.ERROR and "server stalled" in m]
+    assert len(errors) == 1, lines
+    after = lines[[m for _, m in lines].index(errors[0]) :]
+    assert not [m for _, m in after if "retrying" in m], after
 
 
 def test_a_killed_server_is_relaunched_once_and_a_second_death_fails_with_both_reasons(
