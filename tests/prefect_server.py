@@ -52,18 +52,28 @@ class PrefectServer:
             )
         return r.stdout
 
-    def spawn(self, args: list[str], log: str) -> subprocess.Popen:
+    def spawn(self, args: list[str], log: str, **popen) -> subprocess.Popen:
+        """`prefect ARGS` (or, args[0] a path, that program) in a session of its own, output to
+        home/log; stopped by stop()."""
+        program = args if "/" in args[0] else [str(BIN / "prefect"), *args]
         p = subprocess.Popen(
-            [str(BIN / "prefect"), *args],
+            program,
             cwd=ROOT,
             env=self.env,
             stdout=open(self.home / log, "w"),
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            **popen,
         )
         self.procs.append(p)
         return p
+
+    def start_worker(self, log: str, *options: str, **popen) -> subprocess.Popen:
+        """The docs' worker command (`.venv/bin/eyas worker --pool eyas`) with `options` added."""
+        return self.spawn(
+            [*shlex.split(worker_line().replace(".venv/bin/", f"{BIN}/")), *options], log, **popen
+        )
 
     def get(self, path: str):
         with urllib.request.urlopen(self.api + path, timeout=10) as r:
@@ -181,9 +191,16 @@ def sh(server: PrefectServer, line: str, timeout: float = 120) -> str:
     return r.stdout
 
 
-def deploy_as_documented(server: PrefectServer, webhook_url: str) -> None:
-    """docs/operations.md's Deploy block as written (the pool, every deployment, a worker), then the
-    failure notification posting to `webhook_url`."""
+def worker_line() -> str:
+    """The docs' command that starts a worker."""
+    return next(c for c in doc_commands() if re.match(r"\.venv/bin/eyas worker ", c))
+
+
+def deploy_as_documented(
+    server: PrefectServer, webhook_url: str | None = None, worker: bool = True
+) -> None:
+    """docs/operations.md's Deploy block as written (the pool, every deployment, a worker unless
+    `worker` is false), then the failure notification posting to `webhook_url` (if given)."""
     deploy = [
         c
         for c in doc_commands()
@@ -192,14 +209,12 @@ def deploy_as_documented(server: PrefectServer, webhook_url: str) -> None:
         and " deployment run " not in c
     ]
     for line in deploy:
-        if " worker start " in line:
-            server.spawn(
-                shlex.split(line.replace(".venv/bin/prefect ", "")) + ["--limit", "2"], "worker.log"
-            )
-        else:
-            sh(server, line)
-    notify = next(c for c in doc_commands() if "notifications.py" in c)
-    sh(server, notify.replace("https://hooks.example.com/eyas", webhook_url))
+        sh(server, line)
+    if worker:
+        server.start_worker("worker.log", "--limit", "2")
+    if webhook_url:
+        notify = next(c for c in doc_commands() if "notifications.py" in c)
+        sh(server, notify.replace("https://hooks.example.com/eyas", webhook_url))
 
 
 def deployment_run(server, name: str, overrides: dict) -> str:

@@ -1,7 +1,8 @@
-"""The `eyas` script: `eyas run` runs the pipeline as a Prefect flow in this process; every other
-command is the core's (eyas/cli.py).
+"""The `eyas` script: `eyas run` runs the pipeline as a Prefect flow in this process, `eyas worker`
+serves the deployments (flows/runtime/worker.py); every other command is the core's (eyas/cli.py).
 
     eyas run CONFIG [--set training.max_steps=50 ...]   run the whole pipeline
+    eyas worker --pool eyas [...]                       Prefect's worker; one SIGTERM stops it
     eyas check-config | preflight | stop | serve-local | make-tiny-target ...   (eyas/cli.py)
 """
 
@@ -62,6 +63,11 @@ RUN = core.Command("run", "run the whole pipeline (a Prefect flow)", cmd_run)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "worker":  # its options are `prefect worker start`'s
+        from flows.runtime.worker import main as worker
+
+        return worker(argv[1:])
     return core.main(argv, extra=[RUN])
 
 

@@ -179,9 +179,9 @@ def test_the_field_check_refuses_a_field_that_is_not_there():
 def test_every_eyas_command_the_docs_name_exists():
     from eyas.cli import COMMANDS
 
-    # run: the Prefect layer's (flows/runtime/cli.py); make-tiny-target and serve-local: parsers
-    # of eyas/cli.py's own
-    commands = {c.name for c in COMMANDS} | {"run", "make-tiny-target", "serve-local"}
+    # run and worker: the Prefect layer's (flows/runtime/cli.py); make-tiny-target and serve-local:
+    # parsers of eyas/cli.py's own
+    commands = {c.name for c in COMMANDS} | {"run", "worker", "make-tiny-target", "serve-local"}
     named = set()
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = path.read_text()
