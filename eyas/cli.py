@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from eyas.threads import apply_cpu_settings
+
 
 @dataclass(frozen=True)
 class Command:
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None, extra: Sequence[Command] = ()) -> int:
     """Parse argv and run its command; `extra` are commands a layer above adds (the `eyas` script's
     `run`)."""
     argv = sys.argv[1:] if argv is None else argv
+    apply_cpu_settings()  # before torch loads: OpenMP reads its wait policy once
     if argv and argv[0] == "serve-local":
         from eyas.local.server import main as serve_local
 
