@@ -45,6 +45,7 @@ import re
 import socket
 import time
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Iterator
 
@@ -254,3 +255,27 @@ def gpu_host(cfg: PipelineConfig) -> Iterator[None]:
                 _delete(client, mine)
         except Exception as e:  # noqa: BLE001 - the API is gone: the next run reclaims from a dead holder
             log.warning("could not give back GPU host %s (%s): %s", cfg.server.host.name, name, e)
+
+
+def release_held_by(client, runs: set[str]) -> list[str]:
+    """Give back every GPU host one of `runs` (flow run ids) holds: its Variable deleted, its slot
+    released -> the limits' names. For a run that cannot do it itself (killed outright): the
+    release flow (flows/release.py) calls this once the run is final."""
+    freed = []
+    for variable in client.read_variables():
+        held = variable.value if isinstance(variable.value, dict) else {}
+        if not variable.name.startswith("eyas-gpu-host-") or held.get("run") not in runs:
+            continue
+        if _delete(client, variable.id):
+            client.release_concurrency_slots([variable.name], 1, _held_for(held))
+            freed.append(variable.name)
+    return freed
+
+
+def _held_for(record: dict) -> float:
+    """Seconds since a holder record's `since` (the slot's occupancy; Prefect takes > 0 only)."""
+    try:
+        since = datetime.strptime(record["since"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    except (KeyError, TypeError, ValueError):
+        return 1.0
+    return max(1.0, time.time() - since)
