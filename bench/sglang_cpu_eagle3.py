@@ -31,7 +31,7 @@ import transformers  # noqa: E402
 
 from eyas.evaluation.evaluate import evaluate_acceptance  # noqa: E402
 from eyas.evaluation.serve_bench import heldout_prompts  # noqa: E402
-from eyas.evaluation.serving import Chain, Meter, running, server_config  # noqa: E402
+from eyas.evaluation.serving import Chain, Meter, running, serving_launch  # noqa: E402
 from eyas.server.hosts import LocalHost  # noqa: E402
 from tests.sglang_cpu import cpu_server, sglang_cpu_python, subset_of_conversations  # noqa: E402
 from tests.stage_config import stage_config  # noqa: E402
@@ -88,11 +88,11 @@ def main() -> None:
     reference = [greedy(model, p, args.tokens, eos) for p in prompts]
     figures: dict = {"prompts": len(prompts), "tokens": args.tokens}
     for label, chain in [("plain", None), ("3/1/4", Chain.of(3)), ("1/1/2", Chain.of(1))]:
-        c = server_config(
+        launch = serving_launch(
             cfg, label.replace("/", "-"), args.drafter if chain else None, chain=chain
         )
-        with running(LocalHost(), c, print) as (handle, _):
-            meter = Meter(handle.url, c.benchmark)
+        with running(LocalHost(), launch, cfg.sensor, print) as (handle, _):
+            meter = Meter(handle.url, cfg.benchmark)
             meter.warm_up(prompts)
             served = meter.serve_set(prompts, args.tokens)
             meter.close()

@@ -73,11 +73,11 @@ def _preflight_arguments(sp: argparse.ArgumentParser) -> None:
 
 def cmd_stop(args) -> int:
     from eyas.server.hosts import make_host
-    from eyas.server.launch import stop_recorded
+    from eyas.server.launch import capture_launch, stop_recorded
 
     cfg = load(args)  # only a server this config's launch recorded, and still that very process
     with make_host(cfg.server.host) as host:
-        print(json.dumps(stop_recorded(host, cfg)))
+        print(json.dumps(stop_recorded(host, capture_launch(cfg))))
     return 0
 
 

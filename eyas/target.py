@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eyas.config import TargetConfig
 from eyas.errors import EyasError, InvalidInput
 
 
@@ -65,16 +66,18 @@ def local_copy(target) -> Path:
     return Path(target.local_dir if target.local_dir is not None else target.checkpoint)
 
 
-def trust_remote_code(cfg) -> bool:
+def trust_remote_code(target: TargetConfig, backend: str) -> bool:
     """target.trust_remote_code; None = on for server.backend sglang (SGLang loads the same
     code)."""
-    setting = cfg.target.trust_remote_code
-    return cfg.server.backend == "sglang" if setting is None else setting
+    setting = target.trust_remote_code
+    return backend == "sglang" if setting is None else setting
 
 
 def target_tokenizer(cfg):
     """The target's tokenizer from its local copy, loaded as every eyas stage loads it."""
-    return load_tokenizer(local_copy(cfg.target), trust_remote_code=trust_remote_code(cfg))
+    return load_tokenizer(
+        local_copy(cfg.target), trust_remote_code=trust_remote_code(cfg.target, cfg.server.backend)
+    )
 
 
 def remote_tokenizer_class(path: str | Path) -> str | None:

@@ -36,7 +36,7 @@ from eyas.resources import shipped_root
 from eyas.secrets import MASK, PYDANTIC_MASK, secret_flag_values
 from eyas.server import readiness
 from eyas.server.hosts import make_host
-from eyas.server.launch import stop_recorded
+from eyas.server.launch import capture_launch, stop_recorded
 from flows import failures
 
 failures.install()  # Prefect's run loggers: the reason once, no traceback for eyas's own errors
@@ -228,7 +228,10 @@ def stop_server_hook(flow, flow_run, state) -> None:
     benchmarked = cfg.benchmark.enabled or cfg.evaluation.method == "server"
     try:
         with make_host(cfg.server.host) as host:
-            outcomes = [(cfg, stop_recorded(host, cfg, runs=mine))]  # the target server first
+            capture = capture_launch(cfg)
+            outcomes = [
+                (capture, stop_recorded(host, capture, runs=mine))
+            ]  # the target server first
             for launched in serve_bench.launches(cfg) if benchmarked else []:
                 outcomes.append((launched, stop_recorded(host, launched, runs=mine)))
     except Exception as e:  # noqa: BLE001 - a hook that raises hides the run's reason
@@ -240,8 +243,8 @@ def stop_server_hook(flow, flow_run, state) -> None:
             failures.reason_of(e),
         )
         return
-    for server, outcome in outcomes:
-        level, sentence = stop_sentence(outcome, cfg.server.host.name, server is cfg)
+    for launched, outcome in outcomes:
+        level, sentence = stop_sentence(outcome, cfg.server.host.name, launched.mode == "capture")
         if sentence:
             log.log(level, "run %s: %s", state.name, sentence)
 

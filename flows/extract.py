@@ -93,35 +93,10 @@ def _extract(ctx: ExtractionContext, cfg: PipelineConfig) -> Extracted:
         with stage("extract"):
             manifests = _extract_all(ctx, cfg, prepared.plans, patch_version, resource, checks)
     else:
-        # 4. Launch, wait until ready, (regenerate,) extract, stop: the host is ours meanwhile. A
-        #    server that dies is relaunched once; finished parts and shards stay, the rest resume.
-        with gpu_host(cfg):
-            up = serve(cfg)
-            try:
-                while True:
-                    try:
-                        # the target answers the training conversations; shards come from its
-                        # answers
-                        if regen:
-                            with stage("regenerate"):
-                                regenerated = regenerate_data(ctx, cfg)
-                            with stage("prepare"):
-                                prepared = prepare_data(
-                                    ctx, cfg, regenerated, take_output_dir=False
-                                )
-                            regen = False
-                        with stage("extract"):
-                            manifests = _extract_all(
-                                ctx, cfg, prepared.plans, patch_version, resource, checks
-                            )
-                        break
-                    except Exception:
-                        up = _relaunch_if_dead(cfg, up, deaths, stage)
-                        ctx.new_server()
-                        checks = None  # shards finished before the death: checked again
-            finally:
-                with stage("stop"):
-                    stop(cfg, up.handle)
+        # 4. Launch, wait until ready, (regenerate,) extract, stop: the host is ours meanwhile.
+        manifests, prepared, up = _extract_on_server(
+            ctx, cfg, prepared, patch_version, resource, checks, regen, stage, deaths
+        )
     emit_event(
         event="eyas.extraction.completed",
         resource=resource,
@@ -136,6 +111,46 @@ def _extract(ctx: ExtractionContext, cfg: PipelineConfig) -> Extracted:
         stages={**(up.stages if up else {}), **stage.seconds},
         relaunches=deaths,
     )
+
+
+def _extract_on_server(
+    ctx,
+    cfg,
+    prepared,
+    patch_version: str,
+    resource: dict,
+    checks,
+    regen: bool,
+    stage: Stopwatch,
+    deaths: list[str],
+):
+    """Under the server host's GPU lock: launch, wait until ready, (regenerate,) extract, stop ->
+    (manifests, prepared data, the server's `serve` result). A server that dies is relaunched once
+    (why, appended to `deaths`); finished parts and shards stay, the rest resume."""
+    with gpu_host(cfg):
+        up = serve(cfg)
+        try:
+            while True:
+                try:
+                    # the target answers the training conversations; shards come from its answers
+                    if regen:
+                        with stage("regenerate"):
+                            regenerated = regenerate_data(ctx, cfg)
+                        with stage("prepare"):
+                            prepared = prepare_data(ctx, cfg, regenerated, take_output_dir=False)
+                        regen = False
+                    with stage("extract"):
+                        manifests = _extract_all(
+                            ctx, cfg, prepared.plans, patch_version, resource, checks
+                        )
+                    return manifests, prepared, up
+                except Exception:
+                    up = _relaunch_if_dead(cfg, up, deaths, stage)
+                    ctx.new_server()
+                    checks = None  # shards finished before the death: checked again
+        finally:
+            with stage("stop"):
+                stop(cfg, up.handle)
 
 
 def _relaunch_if_dead(cfg, up, deaths: list[str], stage: Stopwatch):

@@ -46,7 +46,9 @@ def launch_server(cfg: PipelineConfig) -> launch.ServerHandle:
     with make_host(cfg.server.host) as host:
         # a top-level `serve` run leaves its server up on purpose; inside a pipeline it ends with
         # the run
-        handle = launch.start_server(host, cfg, owner, leave_up=len(owner.runs) <= 1)
+        handle = launch.start_server(
+            host, launch.capture_launch(cfg), owner, leave_up=len(owner.runs) <= 1
+        )
     get_run_logger().info("launched pid %s on %s: %s", handle.pid, handle.host, handle.command)
     return handle
 
@@ -110,8 +112,13 @@ def wait_ready(cfg: PipelineConfig, handle: launch.ServerHandle) -> readiness.Re
 def stop(cfg: PipelineConfig, handle: launch.ServerHandle | None = None) -> dict:
     """Stop the server (the one `handle` names, else the recorded one) and clean its dump directory;
     only ever a process eyas launched (launch.stop_server)."""
+    capture = launch.capture_launch(cfg)
     with make_host(cfg.server.host) as host:
-        out = launch.stop_server(host, cfg, handle) if handle else launch.stop_recorded(host, cfg)
+        out = (
+            launch.stop_server(host, capture, handle)
+            if handle
+            else launch.stop_recorded(host, capture)
+        )
     get_run_logger().info(
         "server pid %s: %s; dump folder: %s", out.get("pid"), out["outcome"], out.get("dump_dir")
     )
@@ -128,4 +135,4 @@ def stop(cfg: PipelineConfig, handle: launch.ServerHandle | None = None) -> dict
 def server_gone(cfg: PipelineConfig, handle: launch.ServerHandle) -> str | None:
     """Why the launched server has died (its log's fatal line), or None while it runs."""
     with make_host(cfg.server.host) as host:
-        return launch.gone_reason(host, cfg, handle)
+        return launch.gone_reason(host, launch.capture_launch(cfg), handle)

@@ -171,7 +171,7 @@ def capture_stand(cfg, figures: dict):
     from eyas.extraction import stage
     from eyas.server import readiness
     from eyas.server.hosts import LocalHost
-    from eyas.server.launch import start_server, stop_server
+    from eyas.server.launch import capture_launch, start_server, stop_server
     from eyas.server.sglang_patch import ensure_patched, reverse_patch
 
     host = LocalHost()
@@ -189,7 +189,7 @@ def capture_stand(cfg, figures: dict):
         with stage.ExtractionContext() as ctx:
             prepared = stage.prepare(ctx, cfg, log=lambda fmt, *a: print(fmt % a))
         t0 = time.monotonic()
-        handle = start_server(host, cfg)
+        handle = start_server(host, capture_launch(cfg))
         figures["launch_command"] = handle.command
         report = readiness.wait_until_ready(
             host,
@@ -209,7 +209,7 @@ def capture_stand(cfg, figures: dict):
     finally:
         if handle is not None:
             figures["server_log_tail"] = Path(handle.log_path).read_text(errors="replace")[-3000:]
-            stop_server(host, cfg, handle)
+            stop_server(host, capture_launch(cfg), handle)
         figures["reverse"] = reverse_patch(host, cfg).status
 
 

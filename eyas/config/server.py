@@ -58,8 +58,6 @@ class ServerConfig(StrictModel):
     #: one GPU group each); None = the backend's default (1). eyas-local: copies on a core each. The
     #: serving benchmark's launches leave it out, as max_running_requests
     dp_size: int | None = Field(None, ge=1)
-    #: launch with hidden-state capture (extraction); the serving benchmark launches without it
-    capture_aux: bool = True
     stop_timeout_s: float = Field(30.0, gt=0)
 
     @field_validator("env_from", mode="before")

@@ -44,9 +44,9 @@ from typing import Any
 from eyas.config import PipelineConfig
 from eyas.errors import EyasError, InvalidInput
 from eyas.evaluation.acceptance import pooled, prompt_record
-from eyas.evaluation.serving import Chain, Meter, machine, running, server_config, stage_drafter
-from eyas.server import launch
+from eyas.evaluation.serving import Chain, Meter, machine, running, serving_launch, stage_drafter
 from eyas.server.hosts import Host, make_host
+from eyas.server.launch import Launch, auth_headers
 
 
 @dataclass(frozen=True)
@@ -104,13 +104,13 @@ def chains(cfg: PipelineConfig) -> tuple[list[Chain], Chain | None]:
     return served + ([bench] if bench not in served else []), bench
 
 
-def launches(cfg: PipelineConfig, drafter_dir: str | Path | None = None) -> list[PipelineConfig]:
-    """The configs of every launch of the stage, plain first (the stop hook stops each of them)."""
+def launches(cfg: PipelineConfig, drafter_dir: str | Path | None = None) -> list[Launch]:
+    """Every launch of the stage, plain first (the stop hook stops each of them)."""
     offset = 1 if cfg.benchmark.interleave else 0
     own = [
-        server_config(cfg, "plain", None),
+        serving_launch(cfg, "plain", None),
         *(
-            server_config(cfg, c.label, drafter_dir or "-", chain=c, port_offset=offset)
+            serving_launch(cfg, c.label, drafter_dir or "-", chain=c, port_offset=offset)
             for c in chains(cfg)[0]
         ),
     ]
@@ -157,7 +157,8 @@ def reference_config(cfg: PipelineConfig) -> PipelineConfig:
 def _open(
     stack: ExitStack,
     host: Host,
-    c: PipelineConfig,
+    cfg: PipelineConfig,
+    served: Launch,
     out: dict,
     key: str,
     warm: list[list[int]],
@@ -165,15 +166,15 @@ def _open(
     owner,
     on_launch=None,
 ) -> Meter:
-    """Launch (stopped when the stack closes), warm up, and note the launch under out[key]; tell
-    on_launch(key) that it is up."""
+    """Start `served` (stopped when the stack closes), warm up, and note the launch under out[key];
+    tell on_launch(key) that it is up."""
     launched_at = time.time()
-    handle, ready_s = stack.enter_context(running(host, c, log, owner))
+    handle, ready_s = stack.enter_context(running(host, served, cfg.sensor, log, owner))
     window = {
         "launched_at": round(launched_at, 3),
         "ready_at": round(time.time(), 3),
     }  # when, in epoch seconds
-    meter = Meter(handle.url, c.benchmark, launch.auth_headers(c))
+    meter = Meter(handle.url, cfg.benchmark, auth_headers(served.server))
     stack.callback(meter.close)
     meter.warm_up(warm)
     out[key] = {
@@ -212,7 +213,7 @@ def _one_at_a_time(
     host: Host,
     sets: dict,
     speed_prompts: list[list[int]],
-    configs: dict,
+    planned: dict[str, Launch],
     bench: str | None,
     log,
     owner=None,
@@ -220,9 +221,9 @@ def _one_at_a_time(
 ) -> dict[str, dict]:
     """Plain, then each chain: launch, every set, the speed passes (plain and bench), stop."""
     out: dict[str, dict] = {}
-    for key, c in configs.items():
+    for key, served in planned.items():
         with ExitStack() as stack:
-            meter = _open(stack, host, c, out, key, speed_prompts, log, owner, on_launch)
+            meter = _open(stack, host, cfg, served, out, key, speed_prompts, log, owner, on_launch)
             for name, s in sets.items():
                 out[key]["sets"][name] = meter.serve_set(
                     s["prompts"], cfg.evaluation.max_new_tokens
@@ -252,7 +253,7 @@ def _interleaved(
     host: Host,
     sets: dict,
     speed_prompts: list[list[int]],
-    configs: dict,
+    planned: dict[str, Launch],
     bench: str | None,
     log,
     owner=None,
@@ -262,26 +263,28 @@ def _interleaved(
     with benchmark.concurrent, running at the same time: each server on its own cores, and the plain
     and the first chain's servers launched at the same time too)."""
     out: dict[str, dict] = {}
-    (_, plain_cfg), *chain_configs = configs.items()
+    (_, plain_launch), *chain_launches = planned.items()
     together, max_new = cfg.benchmark.concurrent, cfg.evaluation.max_new_tokens
 
-    def launch(stack: ExitStack, key: str, c: PipelineConfig) -> Meter:
-        return _open(stack, host, c, out, key, speed_prompts, log, owner, on_launch)
+    def launch(stack: ExitStack, key: str, served: Launch) -> Meter:
+        return _open(stack, host, cfg, served, out, key, speed_prompts, log, owner, on_launch)
 
     with ExitStack() as stack:
         # a chain's server, stopped after its turn
-        inners = [stack.enter_context(ExitStack()) for _ in chain_configs]
+        inners = [stack.enter_context(ExitStack()) for _ in chain_launches]
         first = None
-        if together and chain_configs:  # separate workdirs, ports and records: only the host shared
+        if (
+            together and chain_launches
+        ):  # separate workdirs, ports and records: only the host shared
             plain, first = _together(
-                partial(launch, stack, "plain", plain_cfg),
-                partial(launch, inners[0], *chain_configs[0]),
+                partial(launch, stack, "plain", plain_launch),
+                partial(launch, inners[0], *chain_launches[0]),
             )
         else:
-            plain = launch(stack, "plain", plain_cfg)
-        for i, (key, c) in enumerate(chain_configs):
+            plain = launch(stack, "plain", plain_launch)
+        for i, (key, served) in enumerate(chain_launches):
             with inners[i] as inner:
-                spec = first if i == 0 and first is not None else launch(inner, key, c)
+                spec = first if i == 0 and first is not None else launch(inner, key, served)
                 _serve_sets_beside(plain, spec, key, sets, out, max_new, together)
                 if key == bench:
                     out["plain"]["speed"], out[key]["speed"] = _speed(
@@ -352,14 +355,14 @@ def run_serve_bench(
         where = stage_drafter(host, cfg, drafter_dir)
         if str(where) != str(drafter_dir):
             log(f"drafter uploaded to {cfg.server.host.name}:{where}")
-        configs = dict(zip(["plain", *(c.name for c in served)], launches(cfg, where)))
+        planned = dict(zip(["plain", *(c.name for c in served)], launches(cfg, where)))
         measure = _interleaved if b.interleave else _one_at_a_time
         runs = measure(
             cfg,
             host,
             sets,
             speed_prompts,
-            configs,
+            planned,
             bench.name if bench else None,
             log,
             owner,

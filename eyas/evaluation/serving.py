@@ -1,7 +1,7 @@
 """One serving launch of the target, plain or with the drafter, and what is measured on it.
 
-    cfg_3 = server_config(cfg, Chain.of(3).label, drafter_dir, chain=Chain.of(3))
-    with running(host, cfg_3, log) as (handle, ready_s):
+    spec_3 = serving_launch(cfg, Chain.of(3).label, drafter_dir, chain=Chain.of(3))
+    with running(host, spec_3, cfg.sensor, log) as (handle, ready_s):
         meter = Meter(handle.url, cfg.benchmark)
         meter.warm_up()
         served = meter.serve_set(prompts, max_new_tokens=48)   # acceptance: greedy, to the eos
@@ -9,7 +9,8 @@
         meter.one_pass(prompts); figures = meter.summary()
 
 Every launch goes through the pipeline's own launch, readiness and stop code (eyas.server.launch,
-eyas.server.readiness), from config copies that differ only in their launch arguments and workdir.
+eyas.server.readiness): a serving Launch whose server section is a copy of the configured one with
+its own launch arguments, environment, port and workdir.
 eyas/evaluation/serve_bench.py decides which launches happen and assembles the figures.
 """
 
@@ -28,11 +29,12 @@ from typing import Any, Iterator
 
 import httpx
 
-from eyas.config import BenchmarkConfig, PipelineConfig
+from eyas.config import BenchmarkConfig, PipelineConfig, SensorConfig
 from eyas.evaluation.acceptance import chain_name
 from eyas.evaluation.export import drafter_digest
-from eyas.server import launch, readiness
+from eyas.server import readiness
 from eyas.server.hosts import Host
+from eyas.server.launch import Launch, ServerHandle, start_server, stop_server
 
 
 @dataclass(frozen=True)
@@ -73,17 +75,17 @@ class Chain:
         ]
 
 
-def server_config(
+def serving_launch(
     cfg: PipelineConfig,
     label: str,
     drafter_dir: str | Path | None,
     *,
     chain: Chain | None = None,
     port_offset: int = 0,
-) -> PipelineConfig:
-    """A copy of cfg whose server serves plainly (no capture), with the drafter if one is given:
-    server.launch_args and benchmark.launch_args (server.capture_launch_args are the capture's
-    only)."""
+) -> Launch:
+    """The launch that serves cfg's target plainly (no capture), with the drafter if one is given,
+    in <server.workdir>/bench-<label>: server.launch_args and benchmark.launch_args
+    (server.capture_launch_args are the capture's only), server.env under benchmark.server_env."""
     s = cfg.server
     # repeats of the same prompts must not skip their prefill
     extra = ["--disable-radix-cache", *cfg.benchmark.launch_args]
@@ -91,7 +93,6 @@ def server_config(
         extra += chain.args(drafter_dir, cfg.benchmark.speculative_launch_args)
     server = s.model_copy(
         update={
-            "capture_aux": False,
             "port": s.port + port_offset,
             "env": {**s.env, **cfg.benchmark.server_env},
             "launch_args": [*s.launch_args, *extra],
@@ -99,22 +100,22 @@ def server_config(
             "dump_dir": Path(s.workdir) / f"bench-{label}" / "dump",
         }
     )
-    return cfg.model_copy(update={"server": server})
+    return Launch("serve", server, cfg.target, cfg.name)
 
 
 @contextmanager
 def running(
-    host: Host, cfg: PipelineConfig, log, owner=None
-) -> Iterator[tuple[launch.ServerHandle, float]]:
-    """Launch the server cfg describes (recorded as `owner`'s, ownership.Owner), wait until it is
-    ready, and always stop it afterwards."""
-    handle = launch.start_server(host, cfg, owner)
+    host: Host, served: Launch, sensor: SensorConfig, log, owner=None
+) -> Iterator[tuple[ServerHandle, float]]:
+    """Start the launch (recorded as `owner`'s, ownership.Owner), wait until it is ready, and
+    always stop it afterwards."""
+    handle = start_server(host, served, owner)
     log(f"launched pid {handle.pid}: {handle.command}")
     try:
-        ready = readiness.wait_for_server(host, handle, cfg.sensor)
+        ready = readiness.wait_for_server(host, handle, sensor)
         yield handle, round(ready.seconds, 2)
     finally:
-        launch.stop_server(host, cfg, handle)
+        stop_server(host, served, handle)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -127,12 +127,19 @@ def reclaim_stale_server(host: Host, cfg: PipelineConfig) -> dict | None:
     what was done, or None when there was nothing to reclaim.
     """
     from eyas.secrets import redact
-    from eyas.server.launch import _check, host_launch_command, read_record, stop_server
+    from eyas.server.launch import (
+        _check,
+        capture_launch,
+        host_launch_command,
+        read_record,
+        stop_server,
+    )
 
-    record = read_record(host, cfg)
-    if record is None or _check(host, cfg, record) != "alive":
+    launch = capture_launch(cfg)
+    record = read_record(host, cfg.server)
+    if record is None or _check(host, launch, record) != "alive":
         return None
-    command = redact(host_launch_command(host, cfg))
+    command = redact(host_launch_command(host, launch))
     if (record.command or command) != command:
         return {
             "pid": record.pid,
@@ -140,6 +147,6 @@ def reclaim_stale_server(host: Host, cfg: PipelineConfig) -> dict | None:
             "command": redact(record.command),
         }
     return {
-        **stop_server(host, cfg, record),
+        **stop_server(host, launch, record),
         "reason": "stale server of a killed run of this config",
     }

@@ -31,7 +31,7 @@ from eyas.extraction.progress import ExtractionRun
 from eyas.extraction.shards import ShardManifest
 from eyas.files import sha256_file
 from eyas.server.hosts import make_host
-from eyas.server.launch import auth_headers, server_alive
+from eyas.server.launch import auth_headers, capture_launch, server_alive
 from eyas.target import load_tokenizer, local_copy, target_dims, trust_remote_code
 
 Log = Callable[..., None]  # log(fmt, *args), as logging.Logger.info takes them
@@ -123,7 +123,7 @@ class ExtractionContext:
     def pool(self, cfg: PipelineConfig) -> ServerPool:
         """The pool of cfg's endpoints, shared by the threads of this extraction."""
         x = cfg.extraction
-        headers = auth_headers(cfg)
+        headers = auth_headers(cfg.server)
         key = (
             tuple(endpoints(cfg)),
             x.request_timeout_s,
@@ -163,7 +163,7 @@ def endpoints(cfg: PipelineConfig) -> list[Endpoint]:
             cfg.server.url,
             cfg.server.dump_dir,
             x.concurrency,
-            alive=partial(server_alive, cfg),
+            alive=partial(server_alive, capture_launch(cfg)),
             dump_host=cfg.server.host,
             dump_connections=conns,
         )
@@ -230,7 +230,9 @@ def prepare(
     # Tokenize and check every line (ids against the target's vocabulary).
     folder = local_copy(cfg.target)
     hidden, vocab = target_dims(folder)
-    tokenizer = load_tokenizer(folder, trust_remote_code=trust_remote_code(cfg))
+    tokenizer = load_tokenizer(
+        folder, trust_remote_code=trust_remote_code(cfg.target, cfg.server.backend)
+    )
     records, skipped = data.load_records(source, vocab_size=vocab, bad_lines=cfg.data.bad_lines)
     prepared = data.prepare(
         records,
@@ -282,7 +284,9 @@ def _regeneration_inputs(cfg: PipelineConfig):
     """(training records, held-out records, tokenizer, output dir, target, skipped lines)."""
     folder = local_copy(cfg.target)
     _, vocab = target_dims(folder)
-    tokenizer = load_tokenizer(folder, trust_remote_code=trust_remote_code(cfg))
+    tokenizer = load_tokenizer(
+        folder, trust_remote_code=trust_remote_code(cfg.target, cfg.server.backend)
+    )
     records, skipped = data.load_records(
         cfg.data.path, vocab_size=vocab, bad_lines=cfg.data.bad_lines
     )

@@ -53,7 +53,7 @@ def checked_tokenizer(
     if not pending and check:
         from eyas.target import RemoteCodeRefused, load_tokenizer, trust_remote_code
 
-        trust = trust_remote_code(cfg)
+        trust = trust_remote_code(cfg.target, cfg.server.backend)
         try:
             tok = load_tokenizer(folder, trust_remote_code=trust)
         except RemoteCodeRefused as e:

@@ -61,7 +61,7 @@ def check_host_access(
     from eyas.server.patch_sets import available_versions
     from eyas.server.sglang_probe import server_python
 
-    python = server_python(cfg)
+    python = server_python(s)
     code = SGLANG_VERSION_CODE if s.backend == "sglang" else "import eyas"
     r = run_on(
         s.host, "server.host", f"{shlex.quote(python)} -c {shlex.quote(code)}", problems, env=s.env

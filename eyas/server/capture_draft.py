@@ -1,7 +1,7 @@
 """The stub EAGLE-3 draft that makes an SGLang without capture-only mode capture hidden states.
 
-    # <server.workdir>/capture-draft
-    folder = install_capture_draft(host, cfg, target_config, architecture)
+    folder = f"{workdir}/{FOLDER}"   # <server.workdir>/capture-draft
+    install_capture_draft(host, folder, target_config, capture_ids, architecture)
     capture_draft_args(folder)   # --speculative-algorithm EAGLE3 --speculative-draft-model-path ...
 
 SGLang 0.5.18 has no `--enable-return-aux-hidden-states`: its target keeps aux hidden states only
@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eyas.config import PipelineConfig
 from eyas.draft_format import DrafterConfig, expected_weights, sglang_config
 from eyas.dump import server_layer_ids
 from eyas.errors import InvalidInput
@@ -100,18 +99,20 @@ def capture_draft(
 
 
 def install_capture_draft(
-    host: Host, cfg: PipelineConfig, target_config: dict, architecture: str | None
-) -> str:
-    """Write the stub draft to <server.workdir>/capture-draft on the server host; its path there."""
-    folder = f"{str(cfg.server.workdir).rstrip('/')}/{FOLDER}"
-    config, weights = capture_draft(target_config, cfg.target.capture_ids(), architecture)
+    host: Host,
+    folder: str,
+    target_config: dict,
+    capture_ids: list[int],
+    architecture: str | None,
+) -> None:
+    """Write the stub draft to `folder` on the server host (<server.workdir>/capture-draft)."""
+    config, weights = capture_draft(target_config, capture_ids, architecture)
     with tempfile.TemporaryDirectory(prefix="eyas-capture-draft-") as tmp:
         save_file(weights, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
         (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         # put writes each file beside its destination and renames it: never a half-written file
         for name in ("model.safetensors", "config.json"):
             host.put(Path(tmp) / name, f"{folder}/{name}")
-    return folder
 
 
 def capture_draft_args(folder: str) -> list[str]:

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.config import PipelineConfig
+from eyas.config import PipelineConfig, ServerConfig
 from eyas.remote import sglang_install, source
 from eyas.server.hosts import Host
 from eyas.server.patch_sets import DUMP_MODULE, PatchError, available_versions
@@ -45,10 +45,10 @@ class Probe:
     target_config: dict | None = None
 
 
-def server_python(cfg: PipelineConfig) -> str:
-    """The interpreter the server runs with (the same default as eyas/server/launch.py)."""
-    s = cfg.server
-    return s.python or (sys.executable if s.host.kind == "local" else "python3")
+def server_python(server: ServerConfig) -> str:
+    """The interpreter the server runs with: server.python, else this one (a local host) or
+    python3."""
+    return server.python or (sys.executable if server.host.kind == "local" else "python3")
 
 
 def probe(
@@ -96,7 +96,7 @@ def target_config_path(cfg: PipelineConfig) -> str:
 
 
 def find_install(host: Host, cfg: PipelineConfig, patches_dir: Path) -> Probe:
-    python = server_python(cfg)
+    python = server_python(cfg.server)
     found = probe(host, python, cfg.server.env, _probe_paths(patches_dir), target_config_path(cfg))
     if found.version is None or found.site_dir is None:
         raise PatchError(

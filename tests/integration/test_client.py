@@ -145,12 +145,12 @@ def test_a_stopped_server_is_a_stall_named_in_one_line_not_hours_of_retries(
     import signal
 
     from eyas.server.hosts import LocalHost
-    from eyas.server.launch import start_server, stop_server
+    from eyas.server.launch import capture_launch, start_server, stop_server
     from eyas.server.readiness import wait_until_ready
     from tests.stage_config import stage_config
 
     host, cfg = LocalHost(), stage_config(tmp_path, random_target)
-    handle = start_server(host, cfg)
+    handle = start_server(host, capture_launch(cfg))
     try:
         wait_until_ready(
             host,
@@ -185,4 +185,4 @@ def test_a_stopped_server_is_a_stall_named_in_one_line_not_hours_of_retries(
                 pool.generate([7], "eyas-stop-2", {}).result(1)
     finally:
         os.killpg(handle.pid, signal.SIGCONT)
-        stop_server(host, cfg, handle)
+        stop_server(host, capture_launch(cfg), handle)

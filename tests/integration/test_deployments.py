@@ -182,7 +182,7 @@ def test_rerun_serves_extraction_from_cache_and_automation_starts_training(serve
 
 def test_server_failure_fails_the_run_with_the_reason_and_stops_the_server(server, small):
     from eyas.config import load_config
-    from eyas.server.launch import stop_recorded
+    from eyas.server.launch import capture_launch, stop_recorded
 
     overrides = small(
         "dep-oom", **{"server.launch_args": ["--fault", "oom-at-shard", "--fault-shard", "2"]}
@@ -197,7 +197,7 @@ def test_server_failure_fails_the_run_with_the_reason_and_stops_the_server(serve
     assert "train-drafter" not in states
     cfg = load_config(ROOT / "configs" / "local-tiny.yaml", overrides)
     assert not cfg.server.pid_path.exists()
-    assert stop_recorded(LocalHost(), cfg)["outcome"] == "not running"
+    assert stop_recorded(LocalHost(), capture_launch(cfg))["outcome"] == "not running"
 
 
 def test_extraction_spreads_over_several_servers_then_teardown_stops_them(server, small):

@@ -17,7 +17,7 @@ from eyas.extraction.extract import (
 from eyas.extraction.shards import ShardReader, bytes_per_token, partial_path, verify_shard
 from eyas.server import readiness
 from eyas.server.hosts import LocalHost, wait_dead
-from eyas.server.launch import start_server, stop_server
+from eyas.server.launch import capture_launch, start_server, stop_server
 from tests.stage_config import stage_config
 
 CAPTURE = [2, 4, 5]
@@ -26,7 +26,7 @@ META = {"cache_key": "k1", "layer_ids": CAPTURE, "layer_convention": "capture-be
 
 def _launch(tmp, target):
     host, cfg = LocalHost(), stage_config(tmp, target, **{"server.env": {"OMP_NUM_THREADS": "1"}})
-    handle = start_server(host, cfg)
+    handle = start_server(host, capture_launch(cfg))
     readiness.wait_until_ready(
         host,
         log_path=handle.log_path,
@@ -45,7 +45,7 @@ def _launch(tmp, target):
 def server(tmp_path_factory, random_target):
     host, cfg, handle = _launch(tmp_path_factory.mktemp("extract"), random_target)
     yield cfg, handle
-    stop_server(host, cfg, handle)
+    stop_server(host, capture_launch(cfg), handle)
 
 
 def _plans(tmp, n=6, seed=0, num_shards=2):
@@ -247,7 +247,7 @@ def test_server_killed_mid_shard_retries_or_fails_over_with_identical_output(
         def kill_and_restart(p):
             if not restarted:
                 _kill(host, handle_b, cfg_b.server.port)
-                restarted.append(start_server(host, cfg_b))
+                restarted.append(start_server(host, capture_launch(cfg_b)))
 
         with ServerPool(
             [_endpoint(cfg_b, 2)], retries=30, backoff_s=0.2, backoff_max_s=1.0
@@ -292,7 +292,7 @@ def test_server_killed_mid_shard_retries_or_fails_over_with_identical_output(
         assert stats[cfg_b.server.url]["failures"] >= 1
         assert m["sha256"] == ref["sha256"]
     finally:
-        stop_server(host, cfg_b, handle_b)
+        stop_server(host, capture_launch(cfg_b), handle_b)
 
 
 def test_a_dead_server_fails_the_shard_at_once_instead_of_backing_off(
@@ -303,7 +303,7 @@ def test_a_dead_server_fails_the_shard_at_once_instead_of_backing_off(
     hours."""
     from functools import partial
 
-    from eyas.server.launch import server_alive
+    from eyas.server.launch import capture_launch, server_alive
 
     _, plans = _plans(tmp_path, n=10, seed=6, num_shards=1)
     host, cfg_b, handle_b = _launch(tmp_path_factory.mktemp("server-dead"), random_target)
@@ -315,10 +315,13 @@ def test_a_dead_server_fails_the_shard_at_once_instead_of_backing_off(
             _kill(host, handle_b, cfg_b.server.port)
 
     endpoint = Endpoint(
-        cfg_b.server.url, cfg_b.server.dump_dir, 2, alive=partial(server_alive, cfg_b)
+        cfg_b.server.url,
+        cfg_b.server.dump_dir,
+        2,
+        alive=partial(server_alive, capture_launch(cfg_b)),
     )
     try:
-        assert server_alive(cfg_b)
+        assert server_alive(capture_launch(cfg_b))
         with ServerPool([endpoint], retries=30, backoff_s=30) as pool:
             with pytest.raises(ExtractionError, match="process is gone"):
                 extract_shard(
@@ -332,11 +335,11 @@ def test_a_dead_server_fails_the_shard_at_once_instead_of_backing_off(
                 )
             assert pool.stats()[cfg_b.server.url]["dead"] is True
         assert time.monotonic() - killed[0] < 30
-        assert not server_alive(cfg_b)
+        assert not server_alive(capture_launch(cfg_b))
         assert not shard_path(tmp_path / "out", plans[0]).exists()
         assert not partial_path(shard_path(tmp_path / "out", plans[0])).exists()
     finally:
-        stop_server(host, cfg_b, handle_b)
+        stop_server(host, capture_launch(cfg_b), handle_b)
 
 
 # ---------------------------------------------------------------------------------------------

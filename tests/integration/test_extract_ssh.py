@@ -23,7 +23,7 @@ from eyas.extraction.extract import extract_shard, shard_path
 from eyas.extraction.records import DumpStore
 from eyas.extraction.shards import ShardReader, verify_shard
 from eyas.server import readiness
-from eyas.server.launch import start_server, stop_server
+from eyas.server.launch import capture_launch, start_server, stop_server
 from eyas.server.ssh_host import SSHHost
 from tests.integration.test_lifecycle_ssh import ssh_stage_config
 from tests.sshd import SSHD, can_unshare, start_sshd
@@ -90,7 +90,7 @@ def test_extraction_collects_records_only_the_node_sees(tmp_path, node, random_t
     plan = write_shard_plans(samples, 1, tmp_path / "plan")[0]
     host = SSHHost(cfg.server.host)
     try:
-        handle = start_server(host, cfg)
+        handle = start_server(host, capture_launch(cfg))
         pool = None
         try:
             readiness.wait_until_ready(
@@ -124,7 +124,7 @@ def test_extraction_collects_records_only_the_node_sees(tmp_path, node, random_t
         finally:
             if pool is not None:
                 pool.close()
-            stop_server(host, cfg, handle)
+            stop_server(host, capture_launch(cfg), handle)
     finally:
         host.close()
     path = shard_path(tmp_path / "out", plan)

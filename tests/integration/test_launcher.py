@@ -11,16 +11,16 @@ import time
 import pytest
 
 from eyas.server.hosts import LocalHost
-from eyas.server.launch import stop_recorded
+from eyas.server.launch import capture_launch, stop_recorded
 from tests.stage_config import ROOT, stage_config
 
 LAUNCHER = """
 import sys, time
 from eyas.config import PipelineConfig
 from eyas.server.hosts import LocalHost
-from eyas.server.launch import start_server
+from eyas.server.launch import capture_launch, start_server
 cfg = PipelineConfig.model_validate_json(open(sys.argv[1]).read())
-handle = start_server(LocalHost(), cfg, leave_up=sys.argv[2] == "leave_up")
+handle = start_server(LocalHost(), capture_launch(cfg), leave_up=sys.argv[2] == "leave_up")
 print(handle.pid, flush=True)
 time.sleep(600)
 """
@@ -60,4 +60,4 @@ def test_a_local_server_ends_with_the_process_that_launched_it(tmp_path, random_
             )
     finally:
         launcher.kill()
-        stop_recorded(host, cfg)
+        stop_recorded(host, capture_launch(cfg))

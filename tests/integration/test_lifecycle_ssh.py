@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from eyas.server import readiness, sglang_patch
-from eyas.server.launch import start_server, stop_server
+from eyas.server.launch import capture_launch, start_server, stop_server
 from eyas.server.ssh_host import SSHHost
 from tests.sshd import ssh_host_fields
 from tests.stage_config import stage_config
@@ -48,7 +48,7 @@ def test_patch_launch_sense_stop_over_ssh(tmp_path, sshd, random_target):
     host = SSHHost(cfg.server.host)
     try:
         assert sglang_patch.ensure_patched(host, cfg).status == "not needed"
-        handle = start_server(host, cfg)
+        handle = start_server(host, capture_launch(cfg))
         try:
             progress = []
             report = _sense(host, cfg, handle, on_progress=progress.append)
@@ -60,7 +60,7 @@ def test_patch_launch_sense_stop_over_ssh(tmp_path, sshd, random_target):
             assert record["pid"] == handle.pid and record["start"] and record["boot"]
             assert host.process_identity(handle.pid).start == record["start"]
         finally:
-            outcome = stop_server(host, cfg, handle)
+            outcome = stop_server(host, capture_launch(cfg), handle)
         assert outcome["outcome"] in ("terminated", "killed")
         assert not host.is_alive(handle.pid) and not cfg.server.dump_dir.exists()
     finally:
@@ -76,11 +76,11 @@ def test_a_crash_over_ssh_is_reported_with_the_log(tmp_path, sshd, random_target
     )
     host = SSHHost(cfg.server.host)
     try:
-        handle = start_server(host, cfg)
+        handle = start_server(host, capture_launch(cfg))
         with pytest.raises(readiness.ServerFailed) as e:
             _sense(host, cfg, handle)
         assert e.value.reason == "oom"
         assert any("CUDA out of memory" in line for line in e.value.log_lines)
-        stop_server(host, cfg, handle)
+        stop_server(host, capture_launch(cfg), handle)
     finally:
         host.close()

@@ -222,11 +222,11 @@ def test_a_stale_server_of_this_config_is_stopped_and_another_configs_left_alone
     the output directory's lock, stops it; a server of another config (another command line) is
     left."""
     from eyas.extraction.locks import lock_output_dir, reclaim_stale_server, unlock_output_dir
-    from eyas.server.launch import start_server, stop_server
+    from eyas.server.launch import capture_launch, start_server, stop_server
     from tests.stage_config import stage_config
 
     host, cfg = LocalHost(), stage_config(tmp_path, random_target)
-    handle = start_server(host, cfg, leave_up=True)
+    handle = start_server(host, capture_launch(cfg), leave_up=True)
     try:
         other = cfg.model_copy(
             update={"server": cfg.server.model_copy(update={"chunked_prefill_size": 32})}
@@ -241,4 +241,4 @@ def test_a_stale_server_of_this_config_is_stopped_and_another_configs_left_alone
         assert wait_dead(host, handle.pid, 10)
     finally:
         unlock_output_dir(cfg.extraction.output_dir)
-        stop_server(host, cfg, handle)
+        stop_server(host, capture_launch(cfg), handle)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from eyas.server.hosts import LocalHost, wait_dead
-from eyas.server.launch import LaunchError, start_server
+from eyas.server.launch import LaunchError, capture_launch, start_server
 from tests import eyas_run
 from tests.stage_config import stage_config
 
@@ -175,7 +175,7 @@ def test_launch_refuses_a_dump_dir_holding_files_eyas_did_not_write(tmp_path, ra
             match=r"server.dump_dir .* holds files eyas did not write "
             r"\(thesis.tex\)",
         ):
-            start_server(host, cfg)
+            start_server(host, capture_launch(cfg))
         assert (tmp_path / "data" / "thesis.tex").read_text() == "years of work"
         assert not cfg.server.pid_path.exists()  # nothing was launched
     finally:

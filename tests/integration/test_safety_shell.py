@@ -91,7 +91,7 @@ def test_metacharacters_in_every_launch_field_arrive_intact_and_run_nothing(
     cfg = stage_config(tmp_path, checkpoint, **overrides)
     host = _make_host(host_cfg)
     try:
-        handle = launch.start_server(host, cfg)
+        handle = launch.start_server(host, launch.capture_launch(cfg))
         try:
             deadline = time.monotonic() + 30
             while (
@@ -100,7 +100,7 @@ def test_metacharacters_in_every_launch_field_arrive_intact_and_run_nothing(
                 assert time.monotonic() < deadline, _proc(handle.pid, "cmdline")
                 time.sleep(0.05)
             argv = [a.decode() for a in _proc(handle.pid, "cmdline").split(b"\0")[:-1]]
-            assert argv[1:] == shlex.split(launch.launch_command(cfg))[1:]
+            assert argv[1:] == shlex.split(launch.launch_command(launch.capture_launch(cfg)))[1:]
             assert argv[argv.index("--model-path") + 1] == str(checkpoint)
             assert argv[argv.index("--served-model-name") + 1] == bad
             environ = dict(
@@ -115,7 +115,10 @@ def test_metacharacters_in_every_launch_field_arrive_intact_and_run_nothing(
                 and json.loads(Path(cfg.server.pid_path).read_text())["pid"] == handle.pid
             )
         finally:
-            assert launch.stop_server(host, cfg, handle)["outcome"] in ("terminated", "killed")
+            assert launch.stop_server(host, launch.capture_launch(cfg), handle)["outcome"] in (
+                "terminated",
+                "killed",
+            )
         assert not cfg.server.dump_dir.exists()
         # the patch stage's probe runs server.python with server.env, paths as arguments
         (python.parent / "ran").unlink()

@@ -17,11 +17,12 @@ from eyas.evaluation.serve_bench import (
     compare,
     launches,
     markdown,
+    reference_config,
     reference_markdown,
     run_serve_bench,
 )
-from eyas.evaluation.serving import Chain, server_config
-from eyas.server.launch import launch_command
+from eyas.evaluation.serving import Chain, serving_launch
+from eyas.server.launch import capture_launch, launch_command
 from tests.stage_config import ROOT, stage_config
 
 
@@ -51,8 +52,8 @@ def test_bench_launches_differ_only_in_the_speculative_flags(tmp_path, backend):
         ROOT / "fixtures" / "tiny-target",
         **{"server.backend": backend, "server.launch_args": ["--x", "1"]},
     )
-    plain = launch_command(server_config(cfg, "plain", None))
-    spec = launch_command(server_config(cfg, "speculative", "/d/drafter", chain=Chain.of(3)))
+    plain = launch_command(serving_launch(cfg, "plain", None))
+    spec = launch_command(serving_launch(cfg, "speculative", "/d/drafter", chain=Chain.of(3)))
     for cmd in (plain, spec):  # a serving launch: no hidden-state capture, no dump hook
         assert "--enable-return-aux-hidden-states" not in cmd and "--forward-hooks" not in cmd
         assert "--x 1" in cmd and "--disable-radix-cache" in cmd
@@ -69,8 +70,9 @@ def test_bench_launches_differ_only_in_the_speculative_flags(tmp_path, backend):
         "--speculative-num-draft-tokens",
         "4",
     ]
-    assert server_config(cfg, "plain", None).server.workdir != cfg.server.workdir
-    assert "--enable-return-aux-hidden-states" in launch_command(cfg)  # extraction is unchanged
+    assert serving_launch(cfg, "plain", None).server.workdir != cfg.server.workdir
+    # extraction is unchanged
+    assert "--enable-return-aux-hidden-states" in launch_command(capture_launch(cfg))
 
 
 def test_plain_once_then_one_launch_per_chain_the_benchmarks_included():
@@ -84,18 +86,18 @@ def test_plain_once_then_one_launch_per_chain_the_benchmarks_included():
     assert [c.name for c in chains(load_config(ROOT / "configs" / "local-tiny.yaml"))[0]] == [
         "3/1/4"
     ]  # the default
-    configs = launches(cfg, "/d")
-    assert [c.server.workdir.name for c in configs] == [
+    planned = launches(cfg, "/d")
+    assert [c.server.workdir.name for c in planned] == [
         "bench-plain",
         "bench-spec-3-1-4",
         "bench-spec-7-1-8",
     ]
-    assert [c.server.port - cfg.server.port for c in configs] == [
+    assert [c.server.port - cfg.server.port for c in planned] == [
         0,
         1,
         1,
     ]  # interleaved: beside plain
-    assert "--speculative-num-steps 7" in launch_command(configs[2])
+    assert "--speculative-num-steps 7" in launch_command(planned[2])
     # benchmark.server_env: the serving launches' environment over server.env, not the extraction's
     env = load_config(
         ROOT / "configs" / "local-tiny.yaml",
@@ -153,14 +155,14 @@ def test_a_reference_backend_serves_the_same_chains_on_eyas_and_sets_its_accepta
         load_config(ROOT / "configs" / "local-tiny.yaml", {"benchmark.reference_backend": "local"})
     cfg = load_config(ROOT / "configs" / "sglang-cpu.yaml")
     assert cfg.benchmark.reference_backend == "local"
-    configs = launches(cfg, "/d")
-    assert [c.server.backend for c in configs] == [
+    planned = launches(cfg, "/d")
+    assert [c.server.backend for c in planned] == [
         "sglang",
         "sglang",
         "local",
         "local",
     ]  # the stop hook stops all
-    ref_plain, ref_spec = configs[2:]
+    ref_plain, ref_spec = planned[2:]
     assert ref_plain.server.workdir == cfg.server.workdir / "reference" / "bench-plain"
     assert {ref_plain.server.port, ref_spec.server.port} == {cfg.server.port + 2}
     command = launch_command(ref_spec)
@@ -169,7 +171,7 @@ def test_a_reference_backend_serves_the_same_chains_on_eyas_and_sets_its_accepta
         and "--device" not in command
         and "--speculative-num-steps 3" in command
     )
-    assert ref_spec.server.env == {} and not ref_spec.benchmark.enabled
+    assert ref_spec.server.env == {} and not reference_config(cfg).benchmark.enabled
 
     def result(per_prompt: list[tuple[int, int]]) -> ServeBenchResult:
         sets = {

@@ -186,7 +186,7 @@ def in_process(cfg, captured, drafter, figures) -> float:
 def shifted(cfg, captured, drafter, tmp_path_factory, figures) -> float:
     """The drafter served by SGLang at 3/1/4 with its layer ids one layer off (the capture-before /
     capture-after mix-up): acceptance with the wrong hidden states."""
-    from eyas.evaluation.serving import Chain, Meter, running, server_config
+    from eyas.evaluation.serving import Chain, Meter, running, serving_launch
     from eyas.server.hosts import LocalHost
 
     wrong = tmp_path_factory.mktemp("shifted") / "drafter"
@@ -195,10 +195,10 @@ def shifted(cfg, captured, drafter, tmp_path_factory, figures) -> float:
     ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in ids]
     (wrong / "config.json").write_text(json.dumps(config))
-    launch = server_config(cfg, "shifted", wrong, chain=Chain.of(3))
+    launch = serving_launch(cfg, "shifted", wrong, chain=Chain.of(3))
     prompts = captured["prepared"].prompts[: cfg.evaluation.num_prompts]
-    with running(LocalHost(), launch, print) as (handle, _):
-        meter = Meter(handle.url, launch.benchmark)
+    with running(LocalHost(), launch, cfg.sensor, print) as (handle, _):
+        meter = Meter(handle.url, cfg.benchmark)
         meter.warm_up(prompts[:1])
         out = meter.serve_set(prompts, cfg.evaluation.max_new_tokens)
         meter.close()

@@ -7,7 +7,7 @@ import pytest
 from prefect import flow
 
 from eyas.server.hosts import LocalHost
-from eyas.server.launch import stop_recorded
+from eyas.server.launch import capture_launch, stop_recorded
 from tasks.server import launch_server, wait_ready
 from tasks.server import stop as stop_task
 from tests.stage_config import stage_config
@@ -100,6 +100,6 @@ def test_crash_fails_the_task_with_the_reason_and_stops_the_server(
         state.result()
     assert "CUDA out of memory" in str(e.value)
     assert not cfg.server.pid_path.exists()  # the flow's finally stopped it
-    assert stop_recorded(LocalHost(), cfg)["outcome"] == "not running"
+    assert stop_recorded(LocalHost(), capture_launch(cfg))["outcome"] == "not running"
     rid = f"eyas.server.localhost.{cfg.server.port}"
     assert "eyas.server.failed" in _wait_for_events("eyas.server.", rid, {"eyas.server.failed"})

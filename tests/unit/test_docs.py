@@ -93,12 +93,14 @@ def test_the_runbooks_capture_launch_is_the_one_eyas_builds():
     """docs/production.md shows the Kimi capture launch whole: a hand-copied launch must be eyas's
     own."""
     from eyas.config import load_config
-    from eyas.server.launch import launch_command
+    from eyas.server.launch import capture_launch, launch_command
 
     text = (ROOT / "docs" / "production.md").read_text()
     shown = re.search(r"## 3\. The launches on this node.*?```\n(.+?)\n```", text, re.S)
     cfg = load_config(ROOT / "configs" / "kimi-k2.5-sglang.yaml")
-    assert shown and shown.group(1) == launch_command(cfg, "KimiK25ForConditionalGeneration")
+    assert shown and shown.group(1) == launch_command(
+        capture_launch(cfg), "KimiK25ForConditionalGeneration"
+    )
 
 
 # --- every config field and command the docs name exists -------------------------------------

@@ -20,7 +20,7 @@ from eyas.config import load_config
 from eyas.evaluation.export import check_layer_ids, sglang_config
 from eyas.plan import DataCount, make_plan
 from eyas.preflight import format_preflight, preflight
-from eyas.server.launch import launch_command
+from eyas.server.launch import capture_launch, launch_command
 from eyas.target import read_config
 from eyas.training.train import drafter_config
 from tests.stage_config import ROOT
@@ -180,7 +180,7 @@ def test_a_full_sized_extraction_is_planned_in_bytes_and_hours(tmp_path):
 
 
 def test_the_capture_launch_asks_sglang_for_layers_2_30_58(tmp_path):
-    args = shlex.split(launch_command(kimi(tmp_path)))
+    args = shlex.split(launch_command(capture_launch(kimi(tmp_path))))
     assert args[:3] == ["/opt/sglang/.venv/bin/python3", "-m", "sglang.launch_server"]
     assert args[args.index("--model-path") + 1] == str(KIMI)
     assert "--enable-return-aux-hidden-states" in args
@@ -195,9 +195,11 @@ def test_the_capture_launch_asks_sglang_for_layers_2_30_58(tmp_path):
     ]
     out_of = shlex.split(
         launch_command(
-            kimi(
-                tmp_path,
-                **{"target.layer_ids": [1, 29, 57], "target.layer_convention": "output-of"},
+            capture_launch(
+                kimi(
+                    tmp_path,
+                    **{"target.layer_ids": [1, 29, 57], "target.layer_convention": "output-of"},
+                )
             )
         )
     )
@@ -304,13 +306,13 @@ def test_the_h200_variant_plans_two_16k_sequences_per_141_gb(tmp_path):
 
 def test_capture_and_serving_launches_get_the_seeds_node_flags_where_they_belong(tmp_path):
     from eyas.dump import DUMP_DIR_ENV
-    from eyas.evaluation.serving import Chain, server_config
+    from eyas.evaluation.serving import Chain, serving_launch
     from eyas.server.launch import launch_env
 
     cfg = kimi(tmp_path)
-    capture = shlex.split(launch_command(cfg))
-    plain = server_config(cfg, "plain", None)
-    spec = server_config(cfg, "spec", tmp_path / "drafter", chain=Chain.of(3))
+    capture = shlex.split(launch_command(capture_launch(cfg)))
+    plain = serving_launch(cfg, "plain", None)
+    spec = serving_launch(cfg, "spec", tmp_path / "drafter", chain=Chain.of(3))
     serving = [shlex.split(launch_command(c)) for c in (plain, spec)]
     for args in (capture, *serving):  # every launch on the PCIe node
         assert args[args.index("--tp-size") + 1] == "8" and "--disable-custom-all-reduce" in args
@@ -327,7 +329,7 @@ def test_capture_and_serving_launches_get_the_seeds_node_flags_where_they_belong
         and "--speculative-draft-model-path" not in serving[0]
     )
     # NCCL: Ring everywhere and LL on the capture, as the team's working capture launch ran
-    env = launch_env(cfg)
+    env = launch_env(capture_launch(cfg))
     assert env["NCCL_ALGO"] == "Ring" and env["NCCL_PROTO"] == "LL" and DUMP_DIR_ENV in env
     for c in (plain, spec):
         env = launch_env(c)

@@ -11,7 +11,13 @@ from fastapi.encoders import jsonable_encoder
 from eyas.config import ConfigError, load_config
 from eyas.secrets import MASK, redact, redact_args, register
 from eyas.server.hosts import HostError
-from eyas.server.launch import LaunchError, auth_headers, launch_command, launch_secrets
+from eyas.server.launch import (
+    LaunchError,
+    auth_headers,
+    capture_launch,
+    launch_command,
+    launch_secrets,
+)
 from eyas.server.readiness import ServerFailed
 from flows.common import resolve_config
 from tests.stage_config import ROOT
@@ -49,13 +55,13 @@ def test_secrets_resolve_on_the_worker_and_dump_masked():
             "server.launch_args": ["--api-key", "sekrit-2", "--log-level", "info"],
         }
     )
-    assert launch_secrets(cfg, environ={"MY_HF": "sekrit-3"}) == {
+    assert launch_secrets(cfg.server, environ={"MY_HF": "sekrit-3"}) == {
         "HF_TOKEN": "sekrit-3",
         "WANDB_API_KEY": "sekrit-1",
     }
     with pytest.raises(LaunchError, match="server.env_from: MY_HF is not set"):
-        launch_secrets(cfg, environ={})
-    assert auth_headers(cfg) == {"Authorization": "Bearer sekrit-2"}
+        launch_secrets(cfg.server, environ={})
+    assert auth_headers(cfg.server) == {"Authorization": "Bearer sekrit-2"}
     for dumped in (
         cfg.model_dump(mode="json"),
         jsonable_encoder(cfg),
@@ -70,13 +76,13 @@ def test_secrets_resolve_on_the_worker_and_dump_masked():
         cfg.model_dump(mode="json")
     )  # a failure hook reads the stored parameters back
     with pytest.raises(LaunchError, match="holds \\*{10}, the mask Prefect stored"):
-        launch_secrets(masked, environ={"MY_HF": "x"})
+        launch_secrets(masked.server, environ={"MY_HF": "x"})
     again = resolve_config(
         cfg, {"training.max_steps": 3}
     )  # eyas run CONFIG --set ...: the real values stay
     assert again.server.secret_env["WANDB_API_KEY"].get_secret_value() == "sekrit-1"
     assert again.server.launch_args[1] == "sekrit-2" and "sekrit-2" in shlex.split(
-        launch_command(again)
+        launch_command(capture_launch(again))
     )
 
 

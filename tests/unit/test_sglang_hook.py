@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from eyas.dump import DUMP_DIR_ENV, assemble, read_records
-from eyas.evaluation.serving import Chain, server_config
+from eyas.evaluation.serving import Chain, serving_launch
 from eyas.server.hosts import LocalHost
-from eyas.server.launch import SGLANG_HOOK, launch_command, launch_env
+from eyas.server.launch import SGLANG_HOOK, capture_launch, launch_command, launch_env
 from eyas.server.sglang_patch import ensure_patched
 from tests.sglang_wheel import DSV2, make_site, sglang_config, wheel_text
 
@@ -286,7 +286,7 @@ def hook_specs(tmp: Path, dump_dir: Path) -> list[dict]:
     cfg = stage_config(
         tmp, tmp / "ckpt", **{"server.backend": "sglang", "server.dump_dir": str(dump_dir)}
     )
-    argv = shlex.split(launch_command(cfg))
+    argv = shlex.split(launch_command(capture_launch(cfg)))
     specs = json.loads(argv[argv.index("--forward-hooks") + 1])
     assert specs[0]["hook_factory"] == SGLANG_HOOK and specs[0]["target_modules"] == [
         "*logits_processor"
@@ -466,7 +466,7 @@ def test_layer_ids_follow_llamas_rule_and_the_launch_asks_for_them(
         ("KimiK25ForConditionalGeneration", "2 4 5"),
         (None, "2 4 5"),
     ):
-        argv = shlex.split(launch_command(cfg, arch))
+        argv = shlex.split(launch_command(capture_launch(cfg), arch))
         i = argv.index("--return-aux-hidden-state-layer-ids")
         assert " ".join(argv[i + 1 : i + 4]) == asked
         config = json.loads(argv[argv.index("--forward-hooks") + 1])[0]["config"]
@@ -934,11 +934,13 @@ def test_a_speculative_serving_launch_runs_the_patched_file_and_hook_and_dumps_n
     warm-up) and every later one pass through the patched DeepseekV2ForCausalLM.forward and the hook
     without failing and without writing, whether or not EYAS_DUMP_DIR reaches the server."""
     cfg = installed.cfg
-    spec = server_config(cfg, Chain.of(3).label, tmp_path / "drafter", chain=Chain.of(3))
+    spec = serving_launch(cfg, Chain.of(3).label, tmp_path / "drafter", chain=Chain.of(3))
     env, argv = launch_env(spec), shlex.split(launch_command(spec))
     assert "--speculative-draft-model-path" in argv and "--forward-hooks" not in argv
     assert "--enable-return-aux-hidden-states" not in argv and DUMP_DIR_ENV not in env
-    capture_env = launch_env(cfg)  # the extraction launch of the same config does get it
+    capture_env = launch_env(
+        capture_launch(cfg)
+    )  # the extraction launch of the same config does get it
     assert capture_env[DUMP_DIR_ENV] == str(cfg.server.dump_dir)
     dump_dir = tmp_path / "dump" if dump_env == "forced" else env.get(DUMP_DIR_ENV)
 

@@ -58,11 +58,14 @@ def test_a_remote_code_tokenizer_is_refused_without_trust_and_loads_with_it():
 
 
 def test_trust_is_on_for_sglang_and_off_for_the_local_backend_unless_set(tmp_path):
-    assert trust_remote_code(tiny(tmp_path)) is False  # local-tiny: backend local
+    def trusted(cfg) -> bool:
+        return trust_remote_code(cfg.target, cfg.server.backend)
+
+    assert trusted(tiny(tmp_path)) is False  # local-tiny: backend local
     sglang = tiny(tmp_path, **{"server.backend": "sglang", "evaluation.method": "server"})
-    assert trust_remote_code(sglang) is True  # SGLang's launch trusts the same code
+    assert trusted(sglang) is True  # SGLang's launch trusts the same code
     assert (
-        trust_remote_code(
+        trusted(
             tiny(
                 tmp_path,
                 **{
@@ -74,7 +77,7 @@ def test_trust_is_on_for_sglang_and_off_for_the_local_backend_unless_set(tmp_pat
         )
         is False
     )
-    assert trust_remote_code(tiny(tmp_path, **{"target.trust_remote_code": True})) is True
+    assert trusted(tiny(tmp_path, **{"target.trust_remote_code": True})) is True
 
 
 def test_every_stage_loads_the_tokenizer_from_the_local_copy_with_the_setting(tmp_path):
