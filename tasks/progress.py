@@ -40,6 +40,14 @@ def logger(name: str = "eyas"):
         return get_logger(name)
 
 
+def _run_logger():
+    """The run logger of this thread's run context, or None."""
+    try:
+        return get_run_logger()
+    except Exception:  # noqa: BLE001 - outside a run context
+        return None
+
+
 class Publisher:
     """The progress artifact `STAGE-NAME` and, with `table`, the table artifact `TABLE-NAME` of one
     run.
@@ -67,6 +75,9 @@ class Publisher:
         self.lock = threading.Lock()
         self.warned = False
         self.writes = 0  # progress artifact writes (creation included)
+        # the run's logger where the publisher is made: its lines reach the run's log from threads
+        # without a run context (a heartbeat) too
+        self.log = logger(f"eyas.{stage}")
 
     def start(self, text: str) -> None:
         """Show the bar at 0 now, from the task's own thread: Prefect ties an artifact to the run it
@@ -100,7 +111,7 @@ class Publisher:
             if log_now:
                 self.last_log = now
         percent, text = figures()
-        log = logger(f"eyas.{self.stage}")
+        log = _run_logger() or self.log
         if log_now:
             log.info("%s: %s", self.label, text)
         try:
@@ -190,25 +201,53 @@ class TrainingPublisher:
 
 
 class ServeBenchPublisher:
-    """The serve-bench stage's launches -> `serve-launches-NAME` (`serve-bench-NAME` holds its
-    results): which server is up, k of n. Made in the task, which it shows at 0 at once; told each
-    launch's key as it is up (run_serve_bench on_launch)."""
+    """The serve-bench stage -> `serve-launches-NAME` (`serve-bench-NAME` holds its results): which
+    server is up, k of n launches, the prompts it has answered and its acceptance so far, with a
+    log line at most every LOG_EVERY_S. Made in the task, which it shows at 0 at once; told each
+    launch's key as it is up (`launched`) and each answered prompt (`answered`): run_serve_bench's
+    `progress`. A heartbeat republishes the state with the time spent every
+    HEARTBEAT_S, so the artifact moves while one long request runs; `finish` stops it."""
+
+    LOG_EVERY_S = 15.0
+    HEARTBEAT_S = 10.0
 
     def __init__(self, name: str, keys: list[str]):
-        self.out, self.keys, self.up = (
-            Publisher("serve-launches", name, "serve-bench", log_every_s=0.0),
-            keys,
-            [],
-        )
-        self.out.start(f"launching the {keys[0]} server (1 of {len(keys)} launches)")
+        self.out = Publisher("serve-launches", name, "serve-bench", log_every_s=self.LOG_EVERY_S)
+        self.keys, self.up, self.t0 = keys, [], time.monotonic()
+        self.state = f"launching the {keys[0]} server (1 of {len(keys)} launches)"
+        self.done = 0.0  # launches measured, fractionally
+        self.out.start(self.state)
+        self.stopped = threading.Event()
+        threading.Thread(target=self._beat, name="serve-bench-progress", daemon=True).start()
 
-    def __call__(self, key: str) -> None:
+    def launched(self, key: str) -> None:
         self.up.append(key)
-        done, total = len(self.up), len(self.keys)
-        text = f"{key} server up and serving ({done} of {total} launches)"
-        self.out.publish(lambda: (round(100.0 * (done - 0.5) / total, 2), text), force=True)
+        self.done = len(self.up) - 1.0
+        self.state = f"{key} server up and serving ({len(self.up)} of {len(self.keys)} launches)"
+        self._publish(force=True)
+
+    def answered(self, key: str, what: str, done: int, total: int, acceptance: float | None):
+        """The `key` server answered `done` of `total` prompts of `what` (a prompt set, the speed
+        pass); `acceptance`: its acceptance length so far (None on the plain server)."""
+        so_far = "" if acceptance is None else f", acceptance {acceptance:.2f} so far"
+        self.state = (
+            f"{key} server ({len(self.up)} of {len(self.keys)} launches): {what} {done}/{total} "
+            f"prompts{so_far}"
+        )
+        self.done = len(self.up) - 1.0 + min(1.0, done / max(total, 1)) * 0.99
+        self._publish()
 
     def finish(self) -> None:
-        self.out.publish(
-            lambda: (100.0, f"{len(self.keys)} of {len(self.keys)} launches measured"), force=True
-        )
+        self.stopped.set()
+        n = len(self.keys)
+        self.out.publish(lambda: (100.0, f"{n} of {n} launches measured"), force=True)
+
+    def _publish(self, force: bool = False) -> None:
+        spent = time.monotonic() - self.t0
+        percent = round(100.0 * max(0.0, self.done) / len(self.keys), 2)
+        text = f"{self.state}; {spent:.0f} s in"
+        self.out.publish(lambda: (percent, text), force=force)
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(self.HEARTBEAT_S):
+            self._publish(force=True)

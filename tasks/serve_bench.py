@@ -59,7 +59,7 @@ def benchmark_serving(
     logger = get_run_logger()
     progress = ServeBenchPublisher(cfg.name, ["plain", *(c.name for c in chains(cfg)[0])])
     result = run_serve_bench(
-        cfg, drafter_dir, sets, log=logger.info, owner=run_owner(), on_launch=progress
+        cfg, drafter_dir, sets, log=logger.info, owner=run_owner(), progress=progress
     )
     progress.finish()
     for chain, c in result.chains.items():

@@ -39,7 +39,7 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from eyas.config import PipelineConfig
 from eyas.errors import EyasError, InvalidInput
@@ -154,6 +154,16 @@ def reference_config(cfg: PipelineConfig) -> PipelineConfig:
 # ---------------------------------------------------------------------------------------------
 
 
+class ServeProgress(Protocol):
+    """Who watches the stage (tasks/progress.py's ServeBenchPublisher)."""
+
+    def launched(self, key: str) -> None: ...
+
+    def answered(
+        self, key: str, what: str, done: int, total: int, acceptance: float | None
+    ) -> None: ...
+
+
 def _open(
     stack: ExitStack,
     host: Host,
@@ -164,17 +174,18 @@ def _open(
     warm: list[list[int]],
     log,
     owner,
-    on_launch=None,
+    progress: ServeProgress | None = None,
 ) -> Meter:
     """Start `served` (stopped when the stack closes), warm up, and note the launch under out[key];
-    tell on_launch(key) that it is up."""
+    tell `progress` that it is up, and then each prompt it answers."""
     launched_at = time.time()
     handle, ready_s = stack.enter_context(running(host, served, cfg.sensor, log, owner))
     window = {
         "launched_at": round(launched_at, 3),
         "ready_at": round(time.time(), 3),
     }  # when, in epoch seconds
-    meter = Meter(handle.url, cfg.benchmark, auth_headers(served.server))
+    on_answer = partial(progress.answered, key) if progress is not None else None
+    meter = Meter(handle.url, cfg.benchmark, auth_headers(served.server), on_answer)
     stack.callback(meter.close)
     meter.warm_up(warm)
     out[key] = {
@@ -184,8 +195,8 @@ def _open(
         "sets": {},
         "speed": None,
     }
-    if on_launch is not None:
-        on_launch(key)
+    if progress is not None:
+        progress.launched(key)
     return meter
 
 
@@ -217,16 +228,16 @@ def _one_at_a_time(
     bench: str | None,
     log,
     owner=None,
-    on_launch=None,
+    progress: ServeProgress | None = None,
 ) -> dict[str, dict]:
     """Plain, then each chain: launch, every set, the speed passes (plain and bench), stop."""
     out: dict[str, dict] = {}
     for key, served in planned.items():
         with ExitStack() as stack:
-            meter = _open(stack, host, cfg, served, out, key, speed_prompts, log, owner, on_launch)
+            meter = _open(stack, host, cfg, served, out, key, speed_prompts, log, owner, progress)
             for name, s in sets.items():
                 out[key]["sets"][name] = meter.serve_set(
-                    s["prompts"], cfg.evaluation.max_new_tokens
+                    s["prompts"], cfg.evaluation.max_new_tokens, name
                 )
             if bench is not None and key in ("plain", bench):
                 out[key]["speed"] = _speed([meter], speed_prompts, cfg.benchmark.num_repeats)[0]
@@ -239,9 +250,9 @@ def _serve_sets_beside(
     """Every set on the chain's server into out[key], and on the plain one where it has not served
     it yet (the first chain's turn): their passes alternating, or at the same time."""
     for name, s in sets.items():
-        calls = [partial(spec.serve_set, s["prompts"], max_new)]
+        calls = [partial(spec.serve_set, s["prompts"], max_new, name)]
         if name not in out["plain"]["sets"]:  # the first chain's turn
-            calls.insert(0, partial(plain.serve_set, s["prompts"], max_new))
+            calls.insert(0, partial(plain.serve_set, s["prompts"], max_new, name))
         results = _together(*calls) if together else [call() for call in calls]
         if len(results) == 2:
             out["plain"]["sets"][name] = results[0]
@@ -257,7 +268,7 @@ def _interleaved(
     bench: str | None,
     log,
     owner=None,
-    on_launch=None,
+    progress: ServeProgress | None = None,
 ) -> dict[str, dict]:
     """The plain server up throughout; each chain's beside it in turn, their passes alternating (or,
     with benchmark.concurrent, running at the same time: each server on its own cores, and the plain
@@ -267,7 +278,7 @@ def _interleaved(
     together, max_new = cfg.benchmark.concurrent, cfg.evaluation.max_new_tokens
 
     def launch(stack: ExitStack, key: str, served: Launch) -> Meter:
-        return _open(stack, host, cfg, served, out, key, speed_prompts, log, owner, on_launch)
+        return _open(stack, host, cfg, served, out, key, speed_prompts, log, owner, progress)
 
     with ExitStack() as stack:
         # a chain's server, stopped after its turn
@@ -330,15 +341,16 @@ def run_serve_bench(
     host: Host | None = None,
     log=print,
     owner=None,
-    on_launch=None,
+    progress: ServeProgress | None = None,
 ) -> ServeBenchResult:
     """Every launch, side by side -> per-chain acceptance per set, speed-up ratios, machine,
     settings.
 
     `sets` maps a name to {"prompts": token ids, "source": where they came from}; "heldout" (the
     data's held-out prompts) is required and cut to evaluation.num_prompts here. `owner`
-    (ownership.Owner): who launches the servers, recorded with each launch. `on_launch(key)` is told
-    as each launch ("plain", "3/1/4", ...) is up and warmed, in the order of `launches`.
+    (ownership.Owner): who launches the servers, recorded with each launch. `progress`
+    (ServeProgress) is told as each launch ("plain", "3/1/4", ...) is up and warmed, in the order
+    of `launches`, and as it answers each prompt.
     """
     b, ev = cfg.benchmark, cfg.evaluation
     if not sets.get("heldout", {}).get("prompts"):
@@ -366,7 +378,7 @@ def run_serve_bench(
             bench.name if bench else None,
             log,
             owner,
-            on_launch,
+            progress,
         )
         reference = None
         if b.reference_backend:

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 
@@ -134,8 +134,15 @@ def _generate(client: httpx.Client, ids: list[int], sampling: dict) -> tuple[dic
 class Meter:
     """One running server's figures, a pass at a time (so two servers' passes can alternate)."""
 
-    def __init__(self, url: str, b: BenchmarkConfig, headers: dict | None = None):
-        self.b = b
+    def __init__(
+        self,
+        url: str,
+        b: BenchmarkConfig,
+        headers: dict | None = None,
+        on_answer: Callable[[str, int, int, float | None], None] | None = None,
+    ):
+        """on_answer(what, done, total, acceptance so far) after each prompt of a pass."""
+        self.b, self.on_answer = b, on_answer
         limits = httpx.Limits(
             max_connections=b.concurrency, max_keepalive_connections=b.concurrency
         )
@@ -157,8 +164,11 @@ class Meter:
         for i in range(self.b.num_warmup):
             _generate(self.client, prompts[i % len(prompts)], self.sampling)
 
-    def serve_set(self, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
-        """The acceptance pass: each prompt alone, greedy, to the target's eos or max_new_tokens.
+    def serve_set(
+        self, prompts: list[list[int]], max_new_tokens: int, what: str = "prompts"
+    ) -> dict[str, Any]:
+        """The acceptance pass over the prompt set `what`: each prompt alone, greedy, to the
+        target's eos or max_new_tokens.
 
         Per prompt the output ids and the server's verify steps (meta_info.spec_verify_ct; absent
         on a plain server); over the pass, output tokens / wall seconds.
@@ -169,6 +179,7 @@ class Meter:
             res, _ = _generate(self.client, ids, sampling)
             outputs.append(res["output_ids"])
             verify.append(res["meta_info"].get("spec_verify_ct") or 0)
+            self._answered(what, len(outputs), len(prompts), sum(map(len, outputs)), sum(verify))
         seconds = time.perf_counter() - t0
         return {
             "outputs": outputs,
@@ -177,17 +188,22 @@ class Meter:
             "tokens_per_s": round(sum(map(len, outputs)) / seconds, 2),
         }
 
+    def _answered(self, what: str, done: int, total: int, tokens: int, verify: int) -> None:
+        if self.on_answer is not None:  # acceptance so far: tokens per verify step (None: plain)
+            self.on_answer(what, done, total, tokens / verify if verify else None)
+
     def one_pass(self, prompts: list[list[int]]) -> None:
         """The speed pass: single stream, then `concurrency` in flight, then time to first token."""
         b, client = self.b, self.client
         t0, tokens, first = time.perf_counter(), 0, not self.single
-        for ids in prompts:
+        for done, ids in enumerate(prompts, 1):
             res, _ = _generate(client, ids, self.sampling)
             meta = res["meta_info"]
             tokens += meta["completion_tokens"]
             self.verify += meta.get("spec_verify_ct") or 0
             if first:
                 self.outputs.append(res["output_ids"])
+            self._answered("speed pass", done, len(prompts), self.completion + tokens, self.verify)
         self.single.append(tokens / (time.perf_counter() - t0))
         self.completion += tokens
 

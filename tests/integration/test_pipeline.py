@@ -7,6 +7,7 @@ the full default (bench/pipeline.py times it and checks its acceptance length).
 
 import asyncio
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -225,6 +226,35 @@ def test_the_serve_bench_stage_showed_its_launches_as_progress(run):
     assert (
         bar.data == 100.0 and bar.description == "3 of 3 launches measured"
     )  # plain, 3/1/4, 7/1/8
+    # while it ran: a line (and an artifact update) at least every 15 s, prompts and acceptance
+    lines = serve_bench_lines(cfg.name)
+    assert any(re.search(r"\d+/\d+ prompts, acceptance \d", m) for _, m in lines), lines
+    gaps = [b - a for (a, _), (b, _) in zip(lines, lines[1:])]
+    assert gaps and max(gaps) <= 15.5, list(zip(gaps, [m for _, m in lines[1:]]))
+
+
+def serve_bench_lines(name: str) -> list[tuple[float, str]]:
+    """The serve-bench stage's progress lines of the run `name`: (epoch seconds, message)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterName,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                name=FlowRunFilterName(any_=[f"serve-bench-{name}@localhost"])
+            )
+        )
+        logs = client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[r.id for r in runs]))
+        )
+    return sorted(
+        (x.timestamp.timestamp(), x.message) for x in logs if x.message.startswith("serve-bench: ")
+    )
 
 
 def test_the_report_says_what_this_run_extracted(run):

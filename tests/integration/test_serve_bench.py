@@ -312,9 +312,21 @@ def test_served_acceptance_equals_in_process_evaluation_per_chain_and_prompt(
         "heldout": {"prompts": prompts, "source": None},
         "other": {"prompts": other, "source": {"file": "x"}},
     }
-    result = run_serve_bench(cfg, drafter, sets, log=lambda _: None)
+    progress = Progress()
+    result = run_serve_bench(cfg, drafter, sets, log=lambda _: None, progress=progress)
 
     assert list(result.chains) == ["1/1/2", "3/1/4"] and result.speedup is None  # acceptance only
+    # progress: each launch as it is up, then each prompt it answers, acceptance so far on a chain
+    assert progress.launched_keys == ["plain", "1/1/2", "3/1/4"]
+    for key in progress.launched_keys:
+        mine = [a for a in progress.answers if a[0] == key]
+        assert [(what, done, total) for _, what, done, total, _ in mine] == [
+            *(("heldout", i, 3) for i in (1, 2, 3)),
+            *(("other", i, 2) for i in (1, 2)),
+        ], mine
+        assert all((acc is None) == (key == "plain") for *_, acc in mine), mine
+    last = [a for a in progress.answers if a[0] == "3/1/4" and a[1] == "other"][-1][-1]
+    assert abs(last - result.chains["3/1/4"]["sets"]["other"]["acceptance_length"]) < 1e-3
     for steps, name in ((1, "1/1/2"), (3, "3/1/4")):
         for set_name, set_prompts in (("heldout", prompts[:3]), ("other", other)):
             served = result.chains[name]["sets"][set_name]
@@ -343,6 +355,19 @@ def test_served_acceptance_equals_in_process_evaluation_per_chain_and_prompt(
     assert per_set["other"]["source"] == {"file": "x"} and per_set["other"]["num_prompts"] == 2
     assert set(per_set["heldout"]["chains"]) == {"1/1/2", "3/1/4"}
     assert "| other | x | 2 |" in markdown(result) and "Speed at" not in markdown(result)
+
+
+class Progress:
+    """run_serve_bench's `progress`, recording what it is told."""
+
+    def __init__(self):
+        self.launched_keys, self.answers = [], []
+
+    def launched(self, key: str) -> None:
+        self.launched_keys.append(key)
+
+    def answered(self, key, what, done, total, acceptance) -> None:
+        self.answers.append((key, what, done, total, acceptance))
 
 
 def test_disabled_benchmark_with_in_process_evaluation_launches_nothing(prefect_harness, tmp_path):
