@@ -252,6 +252,11 @@ LONGEST_FIRST = [
     "tests/integration/test_sglang_cpu.py",
     "tests/integration/test_serve_bench.py",
     "tests/integration/test_pipeline.py",
+    "tests/integration/test_locks.py",
+    "tests/integration/test_flow_extract.py",
+    "tests/integration/test_worker.py",
+    "tests/integration/test_docs_paste.py",
+    "tests/integration/test_release.py",
 ]
 
 

@@ -237,3 +237,27 @@ def wait_flow_run(server, run_id: str, timeout: float = 240) -> dict:
 
 def runs_named(server, pattern: str) -> list[dict]:
     return server.post("/flow_runs/filter", {"flow_runs": {"name": {"like_": pattern}}})
+
+
+#: one SIGTERM to exit, on a loaded CI machine (it takes well under a second on an idle one)
+STOP_S = 10.0
+
+
+def sigterm_worker(worker: subprocess.Popen, log, within: float = STOP_S) -> str:
+    """SIGTERM the documented worker once its handlers are set; its log once it has exited, within
+    `within` seconds and with 0."""
+    deadline = time.monotonic() + 90
+    while "started!" not in log.read_text() and time.monotonic() < deadline:
+        assert worker.poll() is None, log.read_text()
+        time.sleep(0.5)
+    t0 = time.monotonic()
+    os.kill(worker.pid, signal.SIGTERM)
+    try:
+        code = worker.wait(within)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(  # noqa: B904 - the log says why, not the timeout
+            f"worker alive {within} s after SIGTERM:\n{log.read_text()[-3000:]}"
+        )
+    took = time.monotonic() - t0
+    assert code == 0 and took < within, (code, took, log.read_text()[-3000:])
+    return log.read_text()

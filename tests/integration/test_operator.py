@@ -4,19 +4,13 @@ the run tags, and a worker that stops on SIGTERM.
 """
 
 import json
-import os
 import re
-import shlex
-import signal
-import subprocess
 import time
-import urllib.request
 
 import pytest
 
 from eyas.net import free_port
-from eyas.server.hosts import LocalHost
-from tests.prefect_server import BIN, ROOT, doc_commands, sh, wait_flow_run
+from tests.prefect_server import doc_commands, sh, sigterm_worker, wait_flow_run
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +44,7 @@ COMMANDS = {
     "&": "here (tests/prefect_server.py, 127.0.0.1)",
     ".venv/bin/prefect work-pool create eyas --type process": "here",
     "until .venv/bin/prefect work-pool ls >/dev/null 2>&1; do sleep 2; done": "here: the Deploy "
-    "block as pasted (test_the_deploy_block_runs_as_pasted_in_order), and README's Prefect block",
+    "block as pasted (tests/integration/test_docs_paste.py), and README's Prefect block",
     ".venv/bin/prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml": "here",
     ".venv/bin/eyas worker --pool eyas": "here, stopped by SIGTERM (idle; a run in flight)",
     ".venv/bin/prefect deployment run 'eagle3-pipeline/pipeline'": "here (pool paused)",
@@ -64,55 +58,6 @@ COMMANDS = {
     ".venv/bin/python deployments/notifications.py "
     "https://hooks.example.com/eyas": "here (URL: a receiver on 127.0.0.1)",
 }
-
-
-def bash_block(doc: str, heading: str) -> str:
-    """The first bash block after `heading` in a doc."""
-    text = (ROOT / doc).read_text()
-    return re.search(r"```bash\n(.*?)```", text[text.index(heading) :], re.S).group(1)
-
-
-def test_the_deploy_block_runs_as_pasted_in_order(tmp_path):
-    """docs/operations.md's Deploy block as one script, in order, on a fresh Prefect home: the
-    operator's host, port and checkout substituted, the worker run for 20 s. The work pool is
-    created right after the server starts, so the block must wait for it."""
-    port = free_port()
-    script = (
-        bash_block("docs/operations.md", "### Deploy")
-        .replace("http://prefect-host:4200", f"http://127.0.0.1:{port}")
-        .replace("--host 0.0.0.0 --port 4200", f"--host 127.0.0.1 --port {port}")
-        .replace("cd /srv/eyas", f"cd {shlex.quote(str(ROOT))}")
-        .replace(".venv/bin/eyas worker", "timeout 20 .venv/bin/eyas worker")
-        .replace(".venv/bin/", f"{BIN}/")
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp_path), PWD=str(ROOT))
-    bash = subprocess.Popen(
-        ["bash", "-c", f"set -e\n{script}\n"],
-        cwd=tmp_path,
-        env=env,
-        stdout=open(tmp_path / "block.log", "w"),  # the backgrounded server keeps it open
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # the backgrounded server: stopped with the group below
-    )
-    try:
-        bash.wait(timeout=300)
-        out = (tmp_path / "block.log").read_text()
-        # the worker's 20 s end as `timeout` ends it (124); every line before it must succeed
-        assert bash.returncode == 124, out[-4000:]
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/api/deployments/filter",
-            data=b"{}",
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=10) as r:
-            names = {d["name"] for d in json.loads(r.read())}
-        assert {"pipeline", "nightly", "train", "extract"} <= names, names
-    finally:
-        try:
-            os.killpg(bash.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def test_the_docs_commands_are_exactly_the_listed_ones():
@@ -234,93 +179,10 @@ def test_the_documented_runs_are_accepted_as_written(server):
         sh(server, "prefect work-pool resume eyas")
 
 
-#: one SIGTERM to exit, on a loaded CI machine (it takes well under a second on an idle one)
-STOP_S = 10.0
-
-
-def _sigterm(worker: subprocess.Popen, log, within: float = STOP_S) -> str:
-    """SIGTERM the documented worker once its handlers are set; its log once it has exited, within
-    `within` seconds and with 0."""
-    deadline = time.monotonic() + 90
-    while "started!" not in log.read_text() and time.monotonic() < deadline:
-        assert worker.poll() is None, log.read_text()
-        time.sleep(0.5)
-    t0 = time.monotonic()
-    os.kill(worker.pid, signal.SIGTERM)
-    try:
-        code = worker.wait(within)
-    except subprocess.TimeoutExpired:
-        raise AssertionError(  # noqa: B904 - the log says why, not the timeout
-            f"worker alive {within} s after SIGTERM:\n{log.read_text()[-3000:]}"
-        )
-    took = time.monotonic() - t0
-    assert code == 0 and took < within, (code, took, log.read_text()[-3000:])
-    return log.read_text()
-
-
 def test_the_worker_stops_on_sigterm_within_seconds(server):
     """One SIGTERM stops the documented worker (`eyas worker`), idle, within seconds, saying so. A
     second worker of the documented command, so the session's own worker serves on."""
     log = server.home / "worker-sigterm.log"
-    out = _sigterm(server.start_worker(log.name, "--name", "sigterm-test"), log)
+    out = sigterm_worker(server.start_worker(log.name, "--name", "sigterm-test"), log)
     assert "eyas worker: SIGTERM: stopped the Prefect worker" in out, out[-3000:]
     assert "no flow run of it was running" in out, out[-3000:]
-
-
-def test_one_sigterm_stops_a_worker_with_a_run_in_flight_and_the_run_completes(tmp_path, small):
-    """The operator's case: the worker started as a script's background job (SIGINT ignored, which
-    made Prefect's own worker deaf to its first SIGTERM), an extract run in flight (its server up,
-    the GPU host held). One SIGTERM: the worker exits within seconds naming the run, and the run
-    goes on in its own process to Completed, its subflows final, its server stopped and the GPU
-    host given back, with no broken pipe on the way. On a Prefect server of its own, so that no
-    other worker takes the run."""
-    from eyas.config import load_config
-    from eyas.server.launch import stop_recorded
-    from tests.prefect_server import deploy_as_documented, deployment_run, start_prefect_server
-
-    (tmp_path / "prefect").mkdir()
-    srv = start_prefect_server(tmp_path / "prefect")
-    try:
-        deploy_as_documented(srv, worker=False)
-        log = srv.home / "worker.log"
-        worker = srv.start_worker(
-            log.name, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
-        )
-        overrides = small("op-inflight")
-        cfg = load_config(ROOT / "configs" / "local-tiny.yaml", overrides)
-        run_id = deployment_run(srv, "eyas-extract/extract", overrides)
-        deadline = time.monotonic() + 240
-        while True:  # in flight: its target server answers
-            try:
-                with urllib.request.urlopen(f"{cfg.server.url}/health", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, log.read_text()[-4000:]
-                time.sleep(0.2)
-        out = _sigterm(worker, log)
-        assert f"go on in their own processes: {run_id} (pid " in out, out[-3000:]
-
-        run = wait_flow_run(srv, run_id, timeout=240)
-        subs = srv.post(
-            "/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"any_": [run_id]}}}
-        )
-        logs = srv.post(
-            "/logs/filter",
-            {"logs": {"flow_run_id": {"any_": [run_id, *(r["id"] for r in subs)]}}, "limit": 200},
-        )
-        assert run["state"]["type"] == "COMPLETED", (
-            run["state"],
-            [x["message"][:300] for x in logs if x["level"] >= 30],
-        )
-        assert subs and all(r["state"]["type"] == "COMPLETED" for r in subs), [
-            (r["name"], r["state"]["type"]) for r in subs
-        ]
-        assert not [
-            x for x in logs if "Broken pipe" in x["message"] or "BrokenPipe" in x["message"]
-        ]
-        assert not cfg.server.pid_path.exists()
-        assert stop_recorded(LocalHost(), cfg)["outcome"] == "not running"
-        held = srv.post("/variables/filter", {"variables": {"name": {"like_": "eyas-gpu-host-"}}})
-        assert held == [], held
-    finally:
-        srv.stop()

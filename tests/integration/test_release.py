@@ -60,7 +60,7 @@ def test_a_run_killed_outright_lets_go_of_its_subflows_gpu_host_and_server(tmp_p
             except OSError:
                 assert time.monotonic() < deadline, "the server never came up"
                 time.sleep(0.2)
-        server_pid = read_record(LocalHost(), cfg).pid
+        server_pid = read_record(LocalHost(), cfg.server).pid
         os.kill(flow_run_process(run_id), signal.SIGKILL)
 
         run = wait_flow_run(srv, run_id, timeout=120)
