@@ -8,7 +8,8 @@ worker, "Engine execution exited with unexpected exception" with the traceback o
 - `ReasonFilter`, on Prefect's task-run and flow-run loggers, turns the task's error record into the
   one line `failed at TASK: reason` (without a traceback when eyas raised the error itself: its
   message is the whole story; a bug keeps its traceback), remembers which task failed with which
-  exception, and shortens the later records that would repeat the reason.
+  exception, and shortens the later records that would repeat the reason. Shards that a stalled
+  or gone server fails together say so once: the others read `TASK stopped by the same cause`.
 - `checked_flow` (flows/common.py) turns whatever a flow body raises into `Failed("failed at TASK:
   reason")` carrying the exception (callers' `state.result()` still raise it) and writes the
   top-level run's artifact `failure-NAME`.
