@@ -32,20 +32,17 @@ TABLE_EVERY_S = (
 )
 
 
-def logger(name: str = "eyas"):
-    """The run logger inside a run; a plain logger outside one (callbacks, cache-key functions)."""
-    try:
-        return get_run_logger()
-    except Exception:  # noqa: BLE001 - outside a run context
-        return get_logger(name)
-
-
 def _run_logger():
     """The run logger of this thread's run context, or None."""
     try:
         return get_run_logger()
     except Exception:  # noqa: BLE001 - outside a run context
         return None
+
+
+def logger(name: str = "eyas"):
+    """The run logger inside a run; a plain logger outside one (callbacks, cache-key functions)."""
+    return _run_logger() or get_logger(name)
 
 
 class Publisher:
@@ -205,8 +202,8 @@ class ServeBenchPublisher:
     server is up, k of n launches, the prompts it has answered and its acceptance so far, with a
     log line at most every LOG_EVERY_S. Made in the task, which it shows at 0 at once; told each
     launch's key as it is up (`launched`) and each answered prompt (`answered`): run_serve_bench's
-    `progress`. A heartbeat republishes the state with the time spent every
-    HEARTBEAT_S, so the artifact moves while one long request runs; `finish` stops it."""
+    `progress`. A heartbeat republishes the state with the time spent every HEARTBEAT_S, so the
+    artifact moves while one long request runs; `stop` (and `finish`) ends it."""
 
     LOG_EVERY_S = 15.0
     HEARTBEAT_S = 10.0
@@ -237,8 +234,12 @@ class ServeBenchPublisher:
         self.done = len(self.up) - 1.0 + min(1.0, done / max(total, 1)) * 0.99
         self._publish()
 
-    def finish(self) -> None:
+    def stop(self) -> None:
+        """Stop the heartbeat (the stage ended, however)."""
         self.stopped.set()
+
+    def finish(self) -> None:
+        self.stop()
         n = len(self.keys)
         self.out.publish(lambda: (100.0, f"{n} of {n} launches measured"), force=True)
 

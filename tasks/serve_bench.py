@@ -58,9 +58,12 @@ def benchmark_serving(
     """
     logger = get_run_logger()
     progress = ServeBenchPublisher(cfg.name, ["plain", *(c.name for c in chains(cfg)[0])])
-    result = run_serve_bench(
-        cfg, drafter_dir, sets, log=logger.info, owner=run_owner(), progress=progress
-    )
+    try:
+        result = run_serve_bench(
+            cfg, drafter_dir, sets, log=logger.info, owner=run_owner(), progress=progress
+        )
+    finally:
+        progress.stop()  # a failed stage's heartbeat must not outlive it
     progress.finish()
     for chain, c in result.chains.items():
         for name, s in c["sets"].items():
