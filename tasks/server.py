@@ -1,7 +1,11 @@
 """Prefect tasks: launch the target server, wait until it is ready, stop it."""
 
 from prefect import task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 from prefect.logging import get_run_logger
@@ -79,9 +83,26 @@ def wait_ready(cfg: PipelineConfig, handle: launch.ServerHandle) -> readiness.Re
             payload={"done": p.done, "total": p.total, "eta_s": p.remaining_s},
         )
 
+    def on_replicas(seen: dict[str, str]) -> None:
+        replicas = replica_states(seen, cfg.server.dp_size)
+        loaded = sum(state == "loaded" for state in replicas.values())
+        logger.info(
+            "replicas %s: %d of %d loaded",
+            ", ".join(f"{r} {state}" for r, state in replicas.items()),
+            loaded,
+            len(replicas),
+        )
+        create_table_artifact(
+            key=artifact_key("replicas", cfg.name),
+            table=[{"replica": r, "weights": state} for r, state in replicas.items()],
+            description=f"each replica's load on {cfg.server.host.name} ({loaded} of "
+            f"{len(replicas)} loaded)",
+        )
+        emit_event(event="eyas.server.replicas", resource=resource, payload={"replicas": replicas})
+
     try:
         with make_host(cfg.server.host) as host:
-            report = readiness.wait_for_server(host, handle, cfg.sensor, on_progress)
+            report = readiness.wait_for_server(host, handle, cfg.sensor, on_progress, on_replicas)
     except readiness.ServerFailed as e:
         # the state message keeps the cause; the log's own words go to the run's log
         logger.warning("the server log's last %d lines:\n%s", len(e.log_lines), e.log_tail())
@@ -99,6 +120,13 @@ def wait_ready(cfg: PipelineConfig, handle: launch.ServerHandle) -> readiness.Re
     )
     logger.info("server ready after %.1fs", report.seconds)
     return report
+
+
+def replica_states(seen: dict[str, str], dp_size: int | None) -> dict[str, str]:
+    """Each replica's load as the log showed it, with the ones `dp_size` promises and the log has
+    not named yet as "waiting"."""
+    expected = {f"DP{i}": "waiting" for i in range(dp_size or 0)}
+    return dict(sorted({**expected, **seen}.items(), key=lambda kv: int(kv[0].removeprefix("DP"))))
 
 
 @task(

@@ -95,6 +95,7 @@ def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dp-worker", action="store_true", help=argparse.SUPPRESS
     )  # a replica --dp-size started
+    p.add_argument("--dp-rank", type=int, default=0, help=argparse.SUPPRESS)  # that replica's index
 
 
 def _add_other_args(p: argparse.ArgumentParser) -> None:

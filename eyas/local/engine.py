@@ -46,9 +46,20 @@ BAR_DESC = "Multi-thread loading shards"
 FAULTS = ("none", "die-at-shard", "hang-at-shard", "oom-at-shard")
 
 
+# What a data-parallel replica's lines carry after their time, as SGLang's scheduler lines do
+# (" DP1 TP0"): the readiness sensor tells the replicas' loads apart by it. One server: nothing.
+_rank = ""
+
+
+def set_dp_rank(rank: int | None) -> None:
+    """Mark every later log line of this process as replica `rank`'s (None: one replica)."""
+    global _rank
+    _rank = "" if rank is None else f" DP{rank} TP0"
+
+
 def log(msg: str) -> None:
     """One SGLang-format log line, flushed at once (the readiness sensor tails this file)."""
-    sys.stderr.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {msg}\n")
+    sys.stderr.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}{_rank}] {msg}\n")
     sys.stderr.flush()
 
 

@@ -48,6 +48,7 @@ from eyas.local.engine import (
     log,
     optional_tokenizer,
     resolve_capture_ids,
+    set_dp_rank,
 )
 from eyas.local.generate_request import parse_generate, parse_sampling
 from eyas.local.replicas import Worker, exit_with_parent, start_workers, wait_ready
@@ -366,13 +367,15 @@ def main(argv: list[str] | None = None) -> int:
         exit_with_parent()
     else:
         exit_with_launcher(log)
+    if args.dp_size > 1 or args.dp_worker:  # each replica's lines say which (the front is DP0)
+        set_dp_rank(args.dp_rank)
     shown = _log_args(args)
 
     # 1. Load the model (and fail here, as SGLang would, if a fault is injected)
     workers = []  # --dp-size: the other replicas, this server again as worker processes; they load
     if args.dp_size > 1:  # their models while this one loads its own
         log(f"dp_size={args.dp_size}: starting {args.dp_size - 1} more replica(s) of the model")
-        workers = start_workers(raw_argv, args.dp_size - 1)
+        workers = start_workers(raw_argv, args.dp_size - 1, log)
     model = load_model(
         args.model_path, load_delay=args.load_delay, fault=args.fault, fault_shard=args.fault_shard
     )
@@ -384,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     writer = _dump_writer(args, capture_ids)
     engine = _engine(args, model, tokenizer, writer, capture_ids)
     if workers:
-        wait_ready(workers, log)
+        wait_ready(workers)
         log(
             f"dp_size={args.dp_size}: {args.dp_size} replicas ready (pids "
             f"{[w.proc.pid for w in workers]} "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -115,6 +115,20 @@ def _interval_s(text: str) -> float | None:
 def bar_totals(line: str) -> list[int]:
     """The totals of every loading-bar update on this line (tqdm's \r-separated updates)."""
     return [int(m.group(4)) for m in _BAR_RE.finditer(line)]
+
+
+# A data-parallel replica's load, from its scheduler's lines: "[time DP1 TP0] Load weight begin."
+# and "[time DP1 TP0] Load weight end. ...". Not anchored: another process's bar update may run into
+# the line ahead of it.
+_REPLICA_RE = re.compile(r"\[[^\[\]]*?\b(DP\d+)\b[^\[\]]*\]\s*Load weight (begin|end)")
+
+
+def replica_load(line: str) -> tuple[str, str] | None:
+    """("DP1", "loading" or "loaded") for a replica's load begin or end line, else None."""
+    m = _REPLICA_RE.search(line)
+    if m is None:
+        return None
+    return m[1], "loading" if m[2] == "begin" else "loaded"
 
 
 def parse_progress(line: str) -> Progress | None:
@@ -261,6 +275,8 @@ class ReadyReport:
     )  # the widest loading bar's total: the target's checkpoint (None: no bar)
     last_progress: Progress | None
     log_offset: int  # bytes of the log read so far: a later reader can start there
+    # each data-parallel replica's load ("DP0": "loaded"); empty where the log names no replica
+    replicas: dict[str, str] = field(default_factory=dict)
 
 
 class _LogWatch:
@@ -273,10 +289,11 @@ class _LogWatch:
         offset: int,
         clock: Callable[[], float],
         on_progress: Callable[[Progress], None] | None,
+        on_replicas: Callable[[dict[str, str]], None] | None = None,
     ):
         self.cursor = LogCursor(host, path, offset)
         self.clock = clock
-        self.on_progress = on_progress
+        self.on_progress, self.on_replicas = on_progress, on_replicas
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.last_activity = clock()  # launch: the stall clock starts here
         self.progress: Progress | None = None
@@ -285,10 +302,14 @@ class _LogWatch:
         self.shards_total: int | None = None
         self.fatal: list[tuple[str, str]] = []  # (reason, line), oldest first
         self.ready = False
+        self.replicas: dict[str, str] = {}  # "DP1" -> "loading" | "loaded", in rank order
 
     def read(self) -> None:
-        newest = None
+        newest, replicas = None, dict(self.replicas)
         for line in self.cursor.poll():
+            load = replica_load(line)
+            if load is not None:
+                replicas[load[0]] = load[1]
             bar = parse_progress(line)
             if bar is not None and self.tail and parse_progress(self.tail[-1]) is not None:
                 self.tail[-1] = line  # keep one bar line in the quoted tail, not one per shard
@@ -303,6 +324,10 @@ class _LogWatch:
             if reason:
                 self.fatal.append((reason, line))
             self.ready = self.ready or READY_LINE in line
+        if replicas != self.replicas:
+            self.replicas = dict(sorted(replicas.items(), key=lambda kv: int(kv[0][2:])))
+            if self.on_replicas:
+                self.on_replicas(dict(self.replicas))
         # tqdm's newest update has no terminator until the next one: read it from the fragment.
         newest = parse_progress(self.cursor.pending) or newest
         if newest and (self.progress is None or newest.key != self.progress.key):
@@ -356,6 +381,7 @@ def wait_until_ready(
     deadline_s: float,
     http_timeout_s: float,
     on_progress: Callable[[Progress], None] | None = None,
+    on_replicas: Callable[[dict[str, str]], None] | None = None,
     start_offset: int = 0,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
@@ -375,6 +401,9 @@ def wait_until_ready(
     that does not exist yet is simply empty. After the ready line, GET /health_generate must answer
     200 within http_timeout_s ("http not ready" otherwise).
 
+    on_progress gets each new state of the loading bar; on_replicas each new state of the
+    data-parallel replicas' loads ({"DP0": "loaded", "DP1": "loading"}), where the log names them.
+
     start_offset: where this launch's output begins in the log. Host.start appends to the log, so
     after a relaunch pass the log's size from before it, or an earlier run's lines are read too.
     """
@@ -385,7 +414,7 @@ def wait_until_ready(
         poll_interval_s,
         clock,
         sleep,
-        _LogWatch(host, log_path, start_offset, clock, on_progress),
+        _LogWatch(host, log_path, start_offset, clock, on_progress, on_replicas),
     )
     while True:
         try:
@@ -417,13 +446,18 @@ def wait_until_ready(
                 shards_total=wait.watch.shards_total,
                 last_progress=wait.watch.progress,
                 log_offset=wait.watch.cursor.offset,
+                replicas=wait.watch.replicas,
             )
         wait.check(now, alive, stall_timeout_s, deadline_s)
         sleep(max(0.0, min(poll_interval_s, wait.start + deadline_s - now)))
 
 
 def wait_for_server(
-    host: Host, handle, sensor, on_progress: Callable[[Progress], None] | None = None
+    host: Host,
+    handle,
+    sensor,
+    on_progress: Callable[[Progress], None] | None = None,
+    on_replicas: Callable[[dict[str, str]], None] | None = None,
 ):
     """wait_until_ready for a launched server (a launch.ServerHandle) with the config's sensor
     settings (SensorConfig) -> ReadyReport."""
@@ -438,6 +472,7 @@ def wait_for_server(
         deadline_s=sensor.deadline_s,
         http_timeout_s=sensor.http_timeout_s,
         on_progress=on_progress,
+        on_replicas=on_replicas,
     )
 
 

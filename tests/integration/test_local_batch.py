@@ -78,16 +78,17 @@ def test_dp_replicas_share_the_requests_and_answer_as_one_model(start_server, ra
     # fires)
     w = parse_args(
         worker_argv(
-            ["--model-path", "x", "--port", "1", "--dp-size", "2", "--fault", "oom-at-shard"], 5
+            ["--model-path", "x", "--port", "1", "--dp-size", "2", "--fault", "oom-at-shard"], 5, 1
         )
     )
-    assert (w.port, w.host, w.dp_size, w.fault, w.skip_server_warmup, w.dp_worker) == (
+    assert (w.port, w.host, w.dp_size, w.fault, w.skip_server_warmup, w.dp_worker, w.dp_rank) == (
         5,
         "127.0.0.1",
         1,
         "none",
         True,
         True,
+        1,
     )
     # A replica that dies takes the server with it: a crash the sensor and the extraction see
     import os

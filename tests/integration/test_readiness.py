@@ -437,3 +437,29 @@ def test_a_stub_drafts_bar_after_the_targets_leaves_the_targets_shard_count(tmp_
         assert report.shards_total == 5 and report.last_progress.total == 1
     finally:
         host.kill_group(pid, 9)
+
+
+def test_each_replica_of_a_dp_server_is_seen_loading_then_loaded(start_server):
+    """--dp-size 2: both replicas' lines reach the log with their ranks (SGLang's "DP1 TP0"), and
+    the sensor reports each one's load as it changes, and all of them at ready; the worker's bar
+    and ready line stay out of the log."""
+    proc = start_server("--dp-size", "2", "--load-delay", "0.05", name="dp-ready")
+    seen: list[dict[str, str]] = []
+    report = wait(proc, on_replicas=seen.append)
+    assert report.replicas == {"DP0": "loaded", "DP1": "loaded"}, seen
+    assert seen[-1] == report.replicas and all(set(s) <= {"DP0", "DP1"} for s in seen)
+    for rank in ("DP0", "DP1"):  # each went through loading to loaded
+        states = [s[rank] for s in seen if rank in s]
+        assert states[0] == "loading" and states[-1] == "loaded", seen
+    text = proc.log_text()
+    assert " DP1 TP0] Load weight end." in text and " DP0 TP0] Load weight end." in text
+    assert text.count(READY_LINE) == 1  # the front's: the worker's ready line is not relayed
+    bars = [line for line in text.replace("\r", "\n").splitlines() if "% Completed |" in line]
+    assert bars and len({parse_progress(b).total for b in bars}) == 1
+
+
+def test_one_replica_names_no_replicas(start_server):
+    proc = start_server("--skip-server-warmup", name="one-replica")
+    seen: list[dict[str, str]] = []
+    assert wait(proc, on_replicas=seen.append).replicas == {} and seen == []
+    assert " DP0 " not in proc.log_text()

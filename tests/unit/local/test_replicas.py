@@ -19,7 +19,7 @@ def test_a_worker_overrides_the_fronts_port_replicas_warmup_and_fault():
         "--fault",
         "oom-at-shard",
     ]
-    w = parse_args(worker_argv(front, 40001))
+    w = parse_args(worker_argv(front, 40001, 3))
     assert (w.model_path, w.host, w.port, w.dp_size, w.fault) == (
         "x",
         "127.0.0.1",
@@ -27,7 +27,7 @@ def test_a_worker_overrides_the_fronts_port_replicas_warmup_and_fault():
         1,
         "none",
     )
-    assert w.skip_server_warmup and w.dp_worker
+    assert w.skip_server_warmup and w.dp_worker and w.dp_rank == 3
     assert (
-        worker_argv(front, 40001)[: len(front)] == front
+        worker_argv(front, 40001, 3)[: len(front)] == front
     )  # the front's own flags, overridden after them

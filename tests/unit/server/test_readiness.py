@@ -1,6 +1,9 @@
-"""The readiness sensor's failure message: one line that leads with the cause."""
+"""The readiness sensor's failure message: one line that leads with the cause; each replica's
+load read from its lines."""
 
-from eyas.server.readiness import ServerFailed, cause_line
+import pytest
+
+from eyas.server.readiness import ServerFailed, cause_line, replica_load
 
 USAGE = [
     "usage: eyas serve-local [-h] --model-path MODEL_PATH [--api-key API_KEY]",
@@ -58,3 +61,26 @@ def test_a_long_cause_and_detail_are_cut_to_fit():
     message = str(e)
     assert len(message) <= 260 and message.startswith("RuntimeError: xxx"), message
     assert "(crashed: where" in message
+
+
+@pytest.mark.parametrize(
+    "line, load",
+    [
+        ("[2026-12-06 10:00:00 DP1 TP0] Load weight begin. avail mem=70.1 GB", ("DP1", "loading")),
+        (
+            "[2026-12-06 10:02:31 DP12 TP3 EP3] Load weight end. elapsed=151.2 s, type=X",
+            ("DP12", "loaded"),
+        ),
+        # another process's bar update ran into the line ahead of it
+        (
+            "\rMulti-thread loading shards:  50% Completed | 32/64 [01:10<01:10,  2.2s/it]"
+            "[2026-12-06 10:01:00 DP3 TP0] Load weight end. elapsed=70.0 s",
+            ("DP3", "loaded"),
+        ),
+        ("[2026-12-06 10:00:00 TP0] Load weight begin. avail mem=70.1 GB", None),  # no DP rank
+        ("[2026-12-06 10:00:00] Load weight begin. avail mem=70.1 GB", None),
+        ("[2026-12-06 10:00:00 DP1 TP0] Memory pool end. avail mem=10.0 GB", None),
+    ],
+)
+def test_a_replicas_load_is_read_from_its_ranked_lines(line, load):
+    assert replica_load(line) == load
