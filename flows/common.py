@@ -244,18 +244,27 @@ def stop_server_hook(flow, flow_run, state) -> None:
         )
         return
     for launched, outcome in outcomes:
-        level, sentence = stop_sentence(outcome, cfg.server.host.name, launched.mode == "capture")
+        level, sentence = stop_sentence(outcome, cfg.server.host.name, server_words(launched))
         if sentence:
             log.log(level, "run %s: %s", state.name, sentence)
 
 
-def stop_sentence(outcome: dict, host: str, target: bool) -> tuple[int, str]:
-    """A stop_recorded outcome as (log level, sentence); no sentence for a benchmark server this
-    run never started."""
+def server_words(launched) -> str:
+    """How a stop sentence names a launch: "the server" (the target's capture launch), or "the
+    benchmark server spec-3-1-4 (sglang)" (its workdir bench-<label>, its backend)."""
+    if launched.mode == "capture":
+        return "the server"
+    label = Path(launched.server.workdir).name.removeprefix("bench-")
+    return f"the benchmark server {label} ({launched.server.backend})"
+
+
+def stop_sentence(outcome: dict, host: str, which: str = "the server") -> tuple[int, str]:
+    """A stop_recorded outcome as (log level, sentence), naming the server `which`; no sentence
+    for a benchmark server this run never started."""
     said, pid = str(outcome.get("outcome", "")), outcome.get("pid")
+    target = which == "the server"
     if not target and (pid is None or said.startswith("left alone")):
         return logging.INFO, ""
-    which = "the server" if target else "a benchmark server"
     dump = f"; its dump folder: {outcome['dump_dir']}" if outcome.get("dump_dir") else ""
     if pid is None:
         return logging.INFO, f"it launched no server on {host}: nothing to stop"

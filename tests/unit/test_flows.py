@@ -98,25 +98,41 @@ def test_the_stop_hook_says_what_it_did_in_sentences():
     from flows.common import stop_sentence
 
     level, line = stop_sentence(
-        {"pid": 41, "outcome": "terminated", "dump_dir": "removed"}, "gpu-1", True
+        {"pid": 41, "outcome": "terminated", "dump_dir": "removed"}, "gpu-1", "the server"
     )
     assert level == logging.WARNING and line == (
         "stopped the server it launched on gpu-1 (pid 41, terminated); its dump folder: removed"
     )
-    assert stop_sentence(
-        {"pid": None, "outcome": "not running", "dump_dir": "kept"}, "h", True
-    ) == (
+    assert stop_sentence({"pid": None, "outcome": "not running", "dump_dir": "kept"}, "h") == (
         logging.INFO,
         "it launched no server on h: nothing to stop",
     )
-    assert stop_sentence({"pid": None, "outcome": "not running"}, "h", False)[1] == ""
+    bench = "the benchmark server spec-3-1-4 (sglang)"
+    assert stop_sentence({"pid": None, "outcome": "not running"}, "h", bench)[1] == ""
+    assert stop_sentence({"pid": 9, "outcome": "terminated"}, "h", bench) == (
+        logging.WARNING,
+        "stopped the benchmark server spec-3-1-4 (sglang) it launched on h (pid 9, terminated)",
+    )
     left = {"pid": 7, "outcome": "left alone: launched by flow run abc, not by this run"}
-    assert stop_sentence(left, "h", True)[1] == (
+    assert stop_sentence(left, "h")[1] == (
         "the server on h (pid 7) was left alone: launched by flow run abc, not by this run"
     )
-    assert stop_sentence(left, "h", False)[1] == ""
-    for line in (stop_sentence(o, "h", True)[1] for o in ({"pid": 3, "outcome": "killed"},)):
+    assert stop_sentence(left, "h", bench)[1] == ""
+    for line in (stop_sentence(o, "h")[1] for o in ({"pid": 3, "outcome": "killed"},)):
         assert "{" not in line and "'" not in line, line
+
+
+def test_the_stop_hook_names_each_benchmark_server_by_its_label_and_backend(tmp_path):
+    from eyas.evaluation import serve_bench
+    from eyas.server.launch import capture_launch
+    from flows.common import server_words
+    from tests.stage_config import stage_config
+
+    cfg = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{"benchmark.enabled": True})
+    words = [server_words(launched) for launched in serve_bench.launches(cfg)]
+    assert server_words(capture_launch(cfg)) == "the server"
+    assert words[0] == "the benchmark server plain (local)" and len(set(words)) == len(words) > 1
+    assert all(w.startswith("the benchmark server spec-") for w in words[1:]), words
 
 
 def test_the_stop_hook_never_raises_and_logs_why_it_could_not_stop(tmp_path):
