@@ -27,9 +27,10 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from contextlib import nullcontext
 from typing import Any, Callable
+
+import httpx
 
 from eyas.errors import EyasError
 
@@ -118,9 +119,8 @@ class TemporaryServer:
 
     def _healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
             return False
 
     def stop(self, timeout_s: float = 10.0) -> None:
