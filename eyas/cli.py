@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None, extra: Sequence[Command] = ()) -> int:
     """Parse argv and run its command; `extra` are commands a layer above adds (the `eyas` script's
     `run`)."""
     argv = sys.argv[1:] if argv is None else argv
-    apply_cpu_settings()  # before torch loads: OpenMP reads its wait policy once
+    chose = apply_cpu_settings()  # before torch loads: OpenMP reads its wait policy once
+    if chose:
+        print(f"eyas: {chose}", file=sys.stderr)
     if argv and argv[0] == "serve-local":
         from eyas.local.server import main as serve_local
 

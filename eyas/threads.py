@@ -9,7 +9,10 @@ when the machine is busy as they start, and spin when it is idle.
 
 OpenMP reads the setting once, when the library loads (when torch is first imported): it is put
 into the environment before that, and the processes eyas starts inherit it. An operator's own
-OMP_WAIT_POLICY is kept.
+OMP_WAIT_POLICY is kept. The choice holds for the whole command, so the sample is long enough
+(half a second) that a moment's work of another command does not decide it, and the command says
+when it chose to sleep: on a machine that turns idle after the start, PASSIVE costs a training step
+about a third (bench/contention.py).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 BUSY_CORES = 0.5
 
 
-def busy_cores(interval_s: float = 0.2) -> float | None:
+def busy_cores(interval_s: float = 0.5) -> float | None:
     """How many cores are busy now (from /proc/stat, over interval_s); None where it is absent."""
 
     def sample() -> tuple[int, int] | None:
@@ -53,9 +56,19 @@ def cpu_settings(env: dict[str, str] | None = None, busy: float | None = None) -
     return {"OMP_WAIT_POLICY": "PASSIVE"} if busy is not None and busy >= BUSY_CORES else {}
 
 
-def apply_cpu_settings() -> dict[str, str]:
-    """Put cpu_settings into this process's environment (before torch is first imported) -> what
-    was set."""
-    settings = cpu_settings()
+def apply_cpu_settings() -> str | None:
+    """Put cpu_settings into this process's environment (before torch is first imported) -> a line
+    saying what was set and why (None: nothing was)."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return None
+    busy = busy_cores()
+    if busy is None:  # no /proc/stat: nothing known, nothing set
+        return None
+    settings = cpu_settings(busy=busy)
     os.environ.update(settings)
-    return settings
+    if not settings:
+        return None
+    return (
+        f"{busy:.1f} of {os.cpu_count()} cores were busy as this command started: OpenMP's waiting "
+        "threads sleep for all of it (OMP_WAIT_POLICY=PASSIVE; set OMP_WAIT_POLICY to choose)"
+    )

@@ -44,3 +44,13 @@ def test_the_eyas_command_sets_it_before_torch_loads():
         spinner.kill()
         spinner.wait()
     assert out.stdout.split() == ["PASSIVE", "False"], out.stdout + out.stderr
+    # ... and says so, once, with how to choose
+    said = "OMP_WAIT_POLICY=PASSIVE; set OMP_WAIT_POLICY to choose"
+    assert out.stderr.count(said) == 1, out.stderr
+
+
+def test_an_operators_own_policy_is_kept_and_nothing_is_said(monkeypatch):
+    from eyas.threads import apply_cpu_settings
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert apply_cpu_settings() is None and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
