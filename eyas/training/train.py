@@ -434,35 +434,16 @@ def _fingerprint(
     cfg: TrainingConfig, target: TargetConfig, data: ShardData, meta: dict, G: int
 ) -> dict:
     """What a checkpoint must share with this call to be resumed: the training settings that shape
-    the weights, the global batch, the shards and the layers they hold."""
-    fingerprint = {
-        **cfg.model_dump(
-            mode="json",
-            exclude={
-                "output_dir",
-                "checkpoint_every",
-                "device",
-                "eval_every",
-                "batch_size",
-                "grad_accum",
-                "distributed",
-                "compile",
-                "teacher_cache_gb",
-                "loader_workers",
-                "disk_check",
-            },
-        ),
+    the weights (every field not marked as one that may change on resume: eyas/config/training.py),
+    the global batch, the shards and the layers they hold."""
+    return {
+        **cfg.fingerprint_settings(),
         "global_batch": G,
         "shards": [[Path(r.path).name, r.num_tokens] for r in data.readers],
         "data_sha256": data_digest(data.readers),
         "capture_ids": target.capture_ids(),
         "last_hidden_norm": meta["last_hidden_norm"],
     }
-    if (
-        not cfg.ema_decay
-    ):  # off (the default): checkpoints written before the field existed still resume
-        fingerprint.pop("ema_decay")
-    return fingerprint
 
 
 def _drafter(
