@@ -57,10 +57,6 @@ HEAD_CHUNK_ROWS_CPU = (
     1024  # on a CPU: (1024, 2048) fp32 chunks stay in cache, 15% faster steps than 8192
 )
 TEACHER_CHUNK_ROWS = 4096  # positions per chunk of the teacher: (rows, vocab) logits transient
-# Gather the positions some step scores only when they are under this share of the span's rows: the
-# gathers of h and the scatter around every step's attention are copies that buy nothing when the
-# span holds little else (a prompt prefix alone the span skips as well; every position scored).
-ROWS_WORTH = 0.9
 
 
 # ----------------------------------------------------------------------------- teacher
@@ -129,7 +125,7 @@ def teacher_labels(
             known = gemm.mm_f32(x, W_rest.T).amax(-1) > best_logit
         return torch.where(known, num_draft, best), p
 
-    with gemm.teacher_blas(last.device):
+    with gemm.teacher_blas(last.device, kernels.teacher_cublaslt):
         at = scored.view(-1).nonzero().flatten()  # (n,) flat positions
         flat_last, flat_probs, flat_top = last.view(B * T, H), probs.view(B * T, -1), top.view(-1)
         for s in range(0, at.numel(), chunk):
@@ -308,9 +304,10 @@ class TTTObjective(nn.Module):
         )
 
     def _shares_emb(self) -> bool:
-        """Whether the embedding's share of q/k/v is one projection per unroll: not with FP8 GEMMs,
-        which quantize q/k/v's weights whole (each step then projects its own concatenation)."""
-        return not self.kernels.fp8_gemms
+        """Whether the embedding's share of q/k/v is one projection per unroll (kernels.shared_emb):
+        not with FP8 GEMMs, which quantize q/k/v's weights whole (each step then projects its own
+        concatenation)."""
+        return self.kernels.shared_emb and not self.kernels.fp8_gemms
 
     def _weights(self, device) -> TTTWeights:
         """This unroll's TTTWeights: q/k/v in two column blocks where the embedding's share is
@@ -323,6 +320,7 @@ class TTTObjective(nn.Module):
             fp8=kn.fp8_gemms,
             compile=kn.compile,
             halves=self._shares_emb(),
+            grouped=kn.grouped_gemms,
         )
 
     def _emb(self, ids, K: int, weights: TTTWeights, q_from: int = 0) -> SharedEmb | None:
@@ -419,9 +417,10 @@ class TTTObjective(nn.Module):
         """ids (B, T), aux (B, T, 3H) -> (loss, correct (K,), scored (K,)); counts (K,) the
         denominators."""
         (B, T), K = ids.shape, ttt_steps
-        s, e = ttt_span(labels, T, K)  # the steps >= 1 and the head run on positions [s, e) only
+        # the steps >= 1 and the head run on positions [s, e) only
+        s, e = ttt_span(labels, T, K) if self.kernels.skip_span else (0, T)
         b, t = ttt_rows(labels.scored, K)
-        if b.numel() < ROWS_WORTH * B * (e - s):  # else the span holds (nearly) nothing to skip
+        if b.numel() < self.kernels.gather_under * B * (e - s):  # they skip enough of the span
             return self._forward_rows(ids, aux, labels, K, decay, counts, b, t)
         hn = self._unroll_span(ids, aux, K, s, e)
         rows, inside = label_rows(B, T, K, ids.device, (s, e))

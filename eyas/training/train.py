@@ -192,7 +192,8 @@ def optimizer_step(
                 loss * world
             ).backward()  # DDP/FSDP average over ranks; the loss is a share of the global sum
         stats = stats + torch.cat([loss.detach().reshape(1), correct, scored]).double()
-    clip_and_step([p for p in objective.parameters() if p.requires_grad], opt, grad_clip)
+    params = [p for p in objective.parameters() if p.requires_grad]
+    clip_and_step(params, opt, grad_clip, objective.kernels.fused_clip)
     sched.step()
     opt.zero_grad(set_to_none=True)
     return (

@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eyas.training import gemm, losses
+from eyas.training import gemm
 from eyas.training.drafter import KVCache, ttt_mask
+from eyas.training.kernels import DEFAULT, KernelOptions
 from eyas.training.losses import (
     TTTObjective,
     draft_first_order,
@@ -193,10 +194,8 @@ def test_ttt_objective_skips_unscored_positions_with_the_same_loss_and_gradients
             ttt_rows(labels.scored, K)[0].numel() == B * T
         )  # every position: the loss is 0 but has a graph
     params = [p for p in m.parameters() if p.requires_grad]
-    with monkeypatch.context() as mp:  # nothing skipped: every position, one span
-        mp.setattr(losses, "ttt_span", lambda labels, T, K: (0, T))
-        mp.setattr(losses, "ROWS_WORTH", 0.0)
-        full, c_full, n_full = TTTObjective(m)(ids, aux, labels, K, 0.8)
+    everywhere = KernelOptions(skip_span=False, gather_under=0.0)  # nothing skipped: one span
+    full, c_full, n_full = TTTObjective(m, kernels=everywhere)(ids, aux, labels, K, 0.8)
     g_full = torch.autograd.grad(full, params) if layout != "nothing_scored" else []
     if layout != "nothing_scored":  # the reference divides by zero there
         torch.testing.assert_close(full, reference_loss(m, ids, aux, labels, K, 0.8))
@@ -208,12 +207,12 @@ def test_ttt_objective_skips_unscored_positions_with_the_same_loss_and_gradients
     )
     for labels.span, worth in (
         (span, 1.0),  # gathered wherever anything is skipped
-        (span, losses.ROWS_WORTH),  # gathered where worth it
+        (span, DEFAULT.gather_under),  # gathered where worth it
         (span, 0.0),  # always the span
         (None, 0.0),
     ):  # None: the span off `scored`
-        monkeypatch.setattr(losses, "ROWS_WORTH", worth)
-        loss, correct, scored = TTTObjective(m)(ids, aux, labels, K, 0.8)
+        kernels = KernelOptions(gather_under=worth)
+        loss, correct, scored = TTTObjective(m, kernels=kernels)(ids, aux, labels, K, 0.8)
         torch.testing.assert_close(loss, full, atol=1e-7, rtol=1e-6)
         for a, b in zip(torch.autograd.grad(loss, params) if g_full else [], g_full):
             torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
@@ -233,7 +232,7 @@ def test_ttt_objective_skips_unscored_positions_with_the_same_loss_and_gradients
 
 def test_positions_are_gathered_only_where_they_skip_enough_of_the_span(monkeypatch):
     """A short user turn in one of two sequences skips under a tenth of the span's rows: the span
-    runs; a long one skips more: the rows are gathered (losses.ROWS_WORTH)."""
+    runs; a long one skips more: the rows are gathered (KernelOptions.gather_under)."""
     taken = []
     real = TTTObjective._forward_rows
     monkeypatch.setattr(
