@@ -80,6 +80,12 @@ class KernelOptions:
     #: with a fused AdamW, the gradient clip applied inside its kernel (optim.clip_and_step); False:
     #: clip_grad_norm_ rescales every gradient in a pass of its own, then the step
     fused_clip: bool = True
+    # ---- the spec
+    #: the TTT objective as the plain drafter unrolled (losses.reference_ttt_loss): every position,
+    #: all logits, explicit masks; what the fused objective is held to, slow and memory-hungry at
+    #: any real size. The TTT step's options above then go unread (the teacher's and the clip's
+    #: still apply), gemm_dtype too.
+    reference: bool = False
 
 
 DEFAULT = KernelOptions()  # eager, full precision GEMMs: what a caller that names nothing gets

@@ -36,23 +36,27 @@ OFF = {
     "teacher_cublaslt": False,
     "fused_clip": False,
 }
+#: the plain unroll the fused step is held to (losses.reference_ttt_loss), off by default
+SPEC = {"reference": True}
 
 
 def test_kernel_options_are_the_users_choices_and_the_steps_optimisations():
-    """The user's choices are training config fields; the optimisations are not, and each is on by
-    default."""
+    """The user's choices are training config fields; the optimisations and the spec are not, each
+    optimisation on by default, the spec off."""
     names = {f.name for f in dataclasses.fields(KernelOptions)}
-    assert names == CHOICES | set(OFF)
+    assert names == CHOICES | set(OFF) | set(SPEC)
     assert CHOICES <= set(TrainingConfig.model_fields)
-    assert not set(OFF) & set(TrainingConfig.model_fields)
-    assert all(getattr(KernelOptions(), n) != v for n, v in OFF.items())
+    assert not (set(OFF) | set(SPEC)) & set(TrainingConfig.model_fields)
+    assert all(getattr(KernelOptions(), n) != v for n, v in {**OFF, **SPEC}.items())
 
 
-@pytest.mark.parametrize("off", [{n: v} for n, v in OFF.items()] + [{"gather_under": 1.0}], ids=str)
-def test_each_optimisation_switched_off_gives_the_same_loss_and_gradients(off):
+@pytest.mark.parametrize(
+    "off", [{n: v} for n, v in {**OFF, **SPEC}.items()] + [{"gather_under": 1.0}], ids=str
+)
+def test_each_option_off_its_default_gives_the_same_loss_and_gradients(off):
     """The CPU's fp32 step with one optimisation off (cudnn, triton_ce and teacher_cublaslt act on
-    CUDA only; fused_clip is the optimizer's, tests/unit/training/test_optim.py): the default's
-    loss, gradients and statistics."""
+    CUDA only; fused_clip is the optimizer's, tests/unit/training/test_optim.py), or on the plain
+    unroll: the default's loss, gradients and statistics."""
     assert_same_step(loss_and_grads(KernelOptions(**off)), loss_and_grads(), atol=1e-6, rtol=1e-4)
 
 
