@@ -33,9 +33,10 @@ if TYPE_CHECKING:  # eyas.config needs pydantic; the GPU benchmark imports this 
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """How a training step computes: the user's choices (training.compile, training.fp8_gemms), then
-    the step's optimisations, each on by default and each the same function off (up to rounding):
-    bench/train.py switches them off one by one to measure each against its absence.
+    """How a training step computes: the user's choices (training.compile, training.fp8_gemms), the
+    step's optimisations, each on by default and each the same function off (up to rounding):
+    bench/train.py switches them off one by one to measure each against its absence, and the spec
+    (reference), the objective's plain unroll to run instead.
 
     Built once per run and passed down, never read from a global: TTTObjective(..., kernels=k) hands
     it to the TTT step (eyas/training/ttt_step.py), the TTT attention, the fused head loss and the
@@ -83,8 +84,8 @@ class KernelOptions:
     # ---- the spec
     #: the TTT objective as the plain drafter unrolled (losses.reference_ttt_loss): every position,
     #: all logits, explicit masks; what the fused objective is held to, slow and memory-hungry at
-    #: any real size. The TTT step's options above then go unread (the teacher's and the clip's
-    #: still apply), gemm_dtype too.
+    #: any real size. The TTT step's options above then go unread, as does TTTObjective's
+    #: gemm_dtype (the teacher's and the clip's still apply).
     reference: bool = False
 
 
