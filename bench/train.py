@@ -29,9 +29,8 @@ variants (VARIANTS; the goals of a variant other than the default are reported w
 appended: `fp8`, the experimental FP8 GEMMs, is not the same arithmetic), and --fp8-check reports
 how far FP8 lies from fp32 per GEMM and over a whole step, beside bf16's distance.
 
-A variant is the user's KernelOptions (training.compile, training.fp8_gemms), the head's chunk, and
-the optimisations of the step this bench switches off itself to measure each against its absence
-(OFF: each patches eyas's code for that variant's steps only; eyas has no switch for them).
+A variant is a KernelOptions (the user's training.compile and training.fp8_gemms, and the step's
+optimisations, each switched off to measure it against its absence) and the head's chunk.
 
 The drafter is SGLang's LlamaForCausalLMEagle3 at Kimi-K2.5 size (H 7168, 64 heads of 128,
 intermediate 18432, vocab 163840, draft vocab 32000), trained on synthetic target states (random
@@ -59,15 +58,14 @@ Ends with one JSON line: {"bench": "train", "figures": {...}, "goals": {...}}.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
-from unittest import mock
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -76,8 +74,7 @@ import torch  # noqa: E402
 
 from bench import masks  # noqa: E402  (numpy only)
 from bench.disk import disk_read_rate, drop_cache  # noqa: E402
-from eyas.training import attention, gemm, losses, shared_emb, soft_ce  # noqa: E402
-from eyas.training import train as training
+from eyas.training import attention, gemm, soft_ce  # noqa: E402
 from eyas.training.attention import (  # noqa: E402
     reference_ttt_attention,
     reference_ttt_attention_rows,
@@ -101,7 +98,6 @@ from eyas.training.optim import clip_and_step, lr_factor, make_optimizer  # noqa
 from eyas.training.target_head import TargetHead  # noqa: E402
 from eyas.training.teacher_cache import ArgmaxMemo  # noqa: E402
 from eyas.training.train import optimizer_step  # noqa: E402
-from eyas.training.ttt_weights import TTTWeights  # noqa: E402
 
 KIMI = dict(
     hidden_size=7168,
@@ -318,7 +314,7 @@ def check_step(
         )
         aux = d["aux"] if mixed else d["aux"].float()
         name = "default" if v == "fp32" else v
-        with autocast, switched_off(VARIANTS[name].get("off", ())):
+        with autocast:
             loss, _, _ = objective(model, variant(name, compile_on), name)(
                 d["ids"], aux, labels, K, 0.8
             )
@@ -494,20 +490,19 @@ def run_batch(
 
     def step():
         j = i[0] % 2
-        with switched_off(VARIANTS[name].get("off", ())):
-            stats = optimizer_step(
-                obj,
-                obj,
-                opt,
-                sched,
-                [data[j]],
-                make_labels,
-                ttt_steps=K,
-                decay=0.8,
-                counts=counts[j],
-                grad_clip=0.5,
-                autocast=autocast,
-            )
+        stats = optimizer_step(
+            obj,
+            obj,
+            opt,
+            sched,
+            [data[j]],
+            make_labels,
+            ttt_steps=K,
+            decay=0.8,
+            counts=counts[j],
+            grad_clip=0.5,
+            autocast=autocast,
+        )
         seen.append(float(stats[0]))
         i[0] += 1
 
@@ -580,92 +575,26 @@ def breakdown(model, head, opt, c, T, K, device, dtype, args, kernels: KernelOpt
     return out
 
 
-def _plain_clip_and_step(params, opt, max_norm):
-    torch.nn.utils.clip_grad_norm_(params, max_norm)
-    opt.step()
-
-
-def _no_emb_inplace(init):
-    def patched(self, *a, **k):
-        init(self, *a, **k)
-        self.sums = self.token = None  # autograd sums each step's zero-padded slice instead
-
-    return patched
-
-
-def _cudnn_refused():
-    """Attention's memo of a refused cuDNN, set for the block: every causal call runs flash."""
-    added = "cudnn" not in attention._refused
-    attention._refused.add("cudnn")
-    try:
-        yield
-    finally:
-        if added:
-            attention._refused.discard("cudnn")
-
-
-#: The optimisations a variant can switch off, each by patching eyas's code for its own steps only:
-#: name -> a function giving the context manager that does it.
-OFF = {
-    "cudnn": lambda: contextlib.contextmanager(
-        _cudnn_refused
-    )(),  # the TTT attention on FlashAttention-2
-    "rows": lambda: mock.patch.object(
-        losses, "ROWS_WORTH", 0.0
-    ),  # the scored span, never gathered rows
-    "skip": lambda: mock.patch.object(
-        losses, "ttt_span", lambda labels, T, K: (0, T)
-    ),  # every position
-    "triton_ce": lambda: mock.patch.object(
-        soft_ce, "_triton_ce_ready", lambda z: False
-    ),  # the PyTorch soft CE
-    "emb_inplace": lambda: mock.patch.object(
-        shared_emb.SharedEmb, "__init__", _no_emb_inplace(shared_emb.SharedEmb.__init__)
-    ),
-    "grouped": lambda: mock.patch.object(
-        TTTWeights,
-        "linears",  # one node per projection
-        lambda self, names, x, part=None: [self.linear(n, x, part) for n in names],
-    ),
-    "teacher_lt": lambda: mock.patch.object(
-        gemm, "teacher_blas", lambda device: contextlib.nullcontext()
-    ),
-    "shared_emb": lambda: mock.patch.object(
-        TTTObjective, "_shares_emb", lambda self: False
-    ),  # own concat per step
-    "fused_clip": lambda: mock.patch.object(
-        training, "clip_and_step", _plain_clip_and_step
-    ),  # clip, then step
-}
-
-
-@contextlib.contextmanager
-def switched_off(names):
-    with contextlib.ExitStack() as stack:
-        for n in names:
-            stack.enter_context(OFF[n]())
-        yield
-
-
 # The variants for side-by-side runs (--variants, --mask-variants): "kernels" the KernelOptions
-# fields set (compile is the run's), "off" the optimisations switched off (OFF), "memo" False for a
+# fields set (compile is the run's; the step's optimisations switched off), "memo" False for a
 # run's first epoch (the teacher over the whole vocabulary; the default's timed steps are the later
 # epochs', the argmax's bit remembered: ArgmaxMemo), "head_chunk" the fused head's rows per chunk.
 VARIANTS = {
     "default": {},
     "nomemo": {"memo": False},
     "fp8": {"kernels": dict(fp8_gemms=True)},  # the layer's GEMMs in FP8 (training.fp8_gemms)
-    "flash": {"off": ["cudnn"]},
-    "tce": {"off": ["skip", "rows"]},
-    "skip": {"off": ["triton_ce"]},
-    "all": {"off": ["skip", "rows", "triton_ce"]},  # every position, the PyTorch soft CE
-    "span": {"off": ["rows"]},  # skipping by the batch's one scored span
-    "noemb": {"off": ["shared_emb"]},  # every TTT step projects its own embedding
-    "noinplace": {"off": ["emb_inplace"]},  # autograd sums the embedding share's slices
-    "nogroup": {"off": ["grouped"]},  # q/k/v and gate/up one node each, input gradients added
-    "noteacherlt": {"off": ["teacher_lt"]},  # the teacher's GEMMs under cuBLAS
-    "nofusedclip": {"off": ["fused_clip"]},
-    "before": {"off": ["emb_inplace", "grouped", "teacher_lt"]},
+    "flash": {"kernels": dict(cudnn=False)},  # the TTT attention on FlashAttention-2
+    "tce": {"kernels": dict(skip_span=False, gather_under=0.0)},  # every position
+    "skip": {"kernels": dict(triton_ce=False)},  # the PyTorch soft CE
+    # every position, the PyTorch soft CE
+    "all": {"kernels": dict(skip_span=False, gather_under=0.0, triton_ce=False)},
+    "span": {"kernels": dict(gather_under=0.0)},  # skipping by the batch's one scored span
+    "noemb": {"kernels": dict(shared_emb=False)},  # every TTT step projects its own embedding
+    "noinplace": {"kernels": dict(emb_inplace=False)},  # autograd sums the embedding's slices
+    "nogroup": {"kernels": dict(grouped_gemms=False)},  # q/k/v and gate/up one node each
+    "noteacherlt": {"kernels": dict(teacher_cublaslt=False)},  # the teacher's GEMMs under cuBLAS
+    "nofusedclip": {"kernels": dict(fused_clip=False)},  # clip_grad_norm_, then the step
+    "before": {"kernels": dict(emb_inplace=False, grouped_gemms=False, teacher_cublaslt=False)},
     "chunk4k": {"head_chunk": 4096},
     "chunk16k": {"head_chunk": 16384},
     "chunk32k": {"head_chunk": 32768},
@@ -700,8 +629,7 @@ def run_variants(
 ) -> list:
     """The variants side by side at one batch size, interleaved (a warm-up step each, then `rounds`
     rounds of `per_round` timed steps of every variant in turn), so clock and thermal drift hit all
-    alike. Each variant is its own TTTObjective over the one model, built with its KernelOptions,
-    its steps run with its OFF switched off."""
+    alike. Each variant is its own TTTObjective over the one model, built with its KernelOptions."""
     data = batch(c, B, T, device, dtype, seed=0, mask_fn=mask_fn)
     counts = scored_counts(list(data["loss_mask"].cpu()), K)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -713,20 +641,19 @@ def run_variants(
 
     def step(n):
         o = objectives[n]
-        with switched_off(VARIANTS[n].get("off", ())):
-            return optimizer_step(
-                o,
-                o,
-                opt,
-                sched,
-                [data],
-                labellers[n],
-                ttt_steps=K,
-                decay=0.8,
-                counts=counts,
-                grad_clip=0.5,
-                autocast=autocast,
-            )
+        return optimizer_step(
+            o,
+            o,
+            opt,
+            sched,
+            [data],
+            labellers[n],
+            ttt_steps=K,
+            decay=0.8,
+            counts=counts,
+            grad_clip=0.5,
+            autocast=autocast,
+        )
 
     times: dict = {n: [] for n in names}
     peaks: dict = {}
@@ -849,8 +776,7 @@ def check_fused_clip(device) -> float:
         for p in ps:
             p.grad = torch.randn(p.shape, generator=g).to(device) * 3
         opt = make_optimizer(ps, 1e-2, 0.01)
-        with switched_off([] if on else ["fused_clip"]):
-            training.clip_and_step(ps, opt, 0.5)
+        clip_and_step(ps, opt, 0.5, in_kernel=on)
         out.append(torch.cat([p.detach().flatten() for p in ps]))
         g = torch.Generator(device="cpu").manual_seed(5)
     return rel(out[1], out[0])
@@ -960,23 +886,20 @@ def soft_ce_timing(device, kernels: KernelOptions) -> dict:
                 )
             )
     want = z.argmax(-1)
-    for name, off in (("triton", []), ("compiled", ["triton_ce"])):
-        with switched_off(off):
-            # a copy: the PyTorch version works in place on z (the caller's buffer), so z itself,
-            # compared against afterwards, would no longer be the logits
-            loss, pred, dz = soft_ce.soft_ce_rows(
-                z.clone(), probs, rows, w, torch.bfloat16, kernels
+    for name, kn in (("triton", kernels), ("compiled", replace(kernels, triton_ce=False))):
+        # a copy: the PyTorch version works in place on z (the caller's buffer), so z itself,
+        # compared against afterwards, would no longer be the logits
+        loss, pred, dz = soft_ce.soft_ce_rows(z.clone(), probs, rows, w, torch.bfloat16, kn)
+        out[f"{name}_rel_err"] = max(rel(loss, ref_loss), rel(dz, ref_dz))
+        out[f"{name}_argmax_ok"] = bool(torch.equal(pred, want))
+        out[f"{name}_ms"] = 1e3 * statistics.median(
+            timed(
+                lambda: soft_ce.soft_ce_rows(z, probs, rows, w, torch.bfloat16, kn),  # noqa: B023
+                device,
+                2,
+                10,
             )
-            out[f"{name}_rel_err"] = max(rel(loss, ref_loss), rel(dz, ref_dz))
-            out[f"{name}_argmax_ok"] = bool(torch.equal(pred, want))
-            out[f"{name}_ms"] = 1e3 * statistics.median(
-                timed(
-                    lambda: soft_ce.soft_ce_rows(z, probs, rows, w, torch.bfloat16, kernels),
-                    device,
-                    2,
-                    10,
-                )
-            )
+        )
     return out
 
 
@@ -1443,8 +1366,7 @@ def main() -> None:
     )  # the from-shards rows time the step only (the checks cost a minute)
     figures["checks_rel_err"] = check_kernels(device, dtype) if checks else {}
     if device.type == "cuda" and checks:
-        with switched_off(["cudnn"]):
-            flash = check_kernels(device, dtype)
+        flash = check_kernels(device, dtype, KernelOptions(cudnn=False))
         figures["checks_rel_err"].update(
             {f"{k}_flash": v for k, v in flash.items() if k.startswith("ttt")}
         )

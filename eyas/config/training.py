@@ -10,6 +10,17 @@ from pydantic import Field, model_validator
 from eyas.config.base import EnvName, StrictModel
 from eyas.config.hosts import HostConfig
 
+# How a training field is held on resume, marked on the field (json_schema_extra). The training
+# fingerprint (TrainingConfig.fingerprint_settings, eyas/training/train.py) holds every field not
+# marked MAY_CHANGE, and a checkpoint whose fingerprint differs from the call's is another run's.
+#: how a run is carried out, not what its weights become: where and how often it writes and
+#: evaluates, its devices and ranks, the micro-batches a global batch is cut into (the global batch
+#: is fingerprinted apart), its kernels, caches, loader threads and disk probe
+MAY_CHANGE = {"resume": "may change"}
+#: fingerprinted only where not its default: a field added after checkpoints were written without
+#: it, which then still resume a run that leaves it at the default
+ONLY_WHERE_SET = {"resume": "only where set"}
+
 
 class DrafterShape(StrictModel):
     """Sizes of the EAGLE-3 draft layer; None means "same as the target"."""
@@ -52,7 +63,7 @@ class DistributedConfig(StrictModel):
 class TrainingConfig(StrictModel):
     """EAGLE-3 drafter training (docs/training.md explains every field)."""
 
-    output_dir: Path
+    output_dir: Path = Field(json_schema_extra=MAY_CHANGE)
     drafter: DrafterShape = DrafterShape()
     draft_vocab_size: int = Field(1024, gt=0)
     ttt_steps: int = Field(3, ge=1)  #: training-time-test unroll length
@@ -62,8 +73,10 @@ class TrainingConfig(StrictModel):
     #: mask.
     loss_positions: Literal["assistant", "all"] = "assistant"
     max_steps: int = Field(300, ge=1)  #: optimizer steps
-    batch_size: int = Field(4, ge=1)  #: sequences per micro-batch, per process
-    grad_accum: int = Field(1, ge=1)  #: micro-batches per optimizer step, per process
+    #: sequences per micro-batch, per process
+    batch_size: int = Field(4, ge=1, json_schema_extra=MAY_CHANGE)
+    #: micro-batches per optimizer step, per process
+    grad_accum: int = Field(1, ge=1, json_schema_extra=MAY_CHANGE)
     #: global batches per length-sorting window: sequences of similar length share a micro-batch
     #: (less padding); 1 = plain shuffled batches
     length_grouping: int = Field(16, ge=1)
@@ -73,7 +86,7 @@ class TrainingConfig(StrictModel):
     grad_clip: float = Field(0.5, gt=0)  #: max global gradient norm
     #: the final weights are an exponential moving average of the trained ones, this decay per step
     #: (eyas/training/ema.py; ~1/(1-decay) steps averaged); 0 = off, the last step's weights
-    ema_decay: float = Field(0.0, ge=0, lt=1)
+    ema_decay: float = Field(0.0, ge=0, lt=1, json_schema_extra=ONLY_WHERE_SET)
     #: training-only augmentation (as EAGLE did): Gaussian noise on the target's captured states,
     #: this many times each token's RMS per layer; 0 = off. Evaluation and export never see it.
     aux_noise: float = Field(0.0, ge=0)
@@ -81,7 +94,7 @@ class TrainingConfig(StrictModel):
     precision: Literal["bf16", "fp32"] = "bf16"
     #: fuse the elementwise regions with torch.compile (eyas/training/kernels.py); None = on a GPU
     #: only
-    compile: bool | None = None
+    compile: bool | None = Field(None, json_schema_extra=MAY_CHANGE)
     #: EXPERIMENTAL: the drafter layer's GEMMs in FP8 (e4m3, row-wise scales; a GPU with FP8 units,
     #: Hopper or newer), the head and the teacher in bf16. 1.1-1.25x faster steps, but one step's
     #: gradients lie 60% from fp32's (bf16: 6%) and no drafter trained with it has been evaluated:
@@ -92,27 +105,27 @@ class TrainingConfig(StrictModel):
     #: eyas/training/teacher_cache.py); 0 = per batch, as on a GPU always (then each position's
     #: full-vocabulary argmax bit is remembered from its sequence's first epoch:
     #: teacher_cache.ArgmaxMemo)
-    teacher_cache_gb: float = Field(2.0, ge=0)
+    teacher_cache_gb: float = Field(2.0, ge=0, json_schema_extra=MAY_CHANGE)
     #: threads that read, collate and pin the coming micro-batches while the step runs (the copy to
     #: the GPU overlaps it too: eyas/training/loader.py); 0 = synchronously inside the step. One
     #: reads a Kimi-size micro-batch of 4 (0.94 GB) in ~0.2 s from the page cache
     #: (docs/performance.md, "The data path"). None = 2 on a GPU, 0 on a CPU, whose step already
     #: uses every core. The same batches either way
-    loader_workers: int | None = Field(None, ge=0)
+    loader_workers: int | None = Field(None, ge=0, json_schema_extra=MAY_CHANGE)
     #: the shard folder's read rate against what the planned training speed needs (eyas preflight:
     #: a short probe with the page cache dropped): "warn" notes a disk too slow, "refuse" makes it a
     #: problem, "off" skips the probe
-    disk_check: Literal["warn", "refuse", "off"] = "warn"
+    disk_check: Literal["warn", "refuse", "off"] = Field("warn", json_schema_extra=MAY_CHANGE)
     seed: int = 0
-    device: str = "auto"  #: "auto" = cuda if available else cpu
-    checkpoint_every: int = Field(100, ge=1)
+    #: "auto" = cuda if available else cpu
+    device: str = Field("auto", json_schema_extra=MAY_CHANGE)
+    checkpoint_every: int = Field(100, ge=1, json_schema_extra=MAY_CHANGE)
     #: the last shard sequences, kept out of training: the simulated acceptance length is measured
     #: on them; None = 5% of the data, at most 64. (data.num_heldout is another thing: the
     #: conversations kept back before extraction as evaluation prompts.)
     num_validation_sequences: int | None = Field(None, ge=0)
-    eval_every: int = Field(
-        0, ge=0
-    )  #: simulated acceptance length every N steps (0 = at the end only)
+    #: simulated acceptance length every N steps (0 = at the end only)
+    eval_every: int = Field(0, ge=0, json_schema_extra=MAY_CHANGE)
     #: warm start: the drafter begins as this one (an exported drafter folder such as an earlier
     #: run's run_dir/drafter, a checkpoint step-NNNNNN/, or another run's training output_dir) with
     #: its draft vocabulary; optimizer, schedule and step start fresh. Sizes must match (refused
@@ -120,7 +133,7 @@ class TrainingConfig(StrictModel):
     #: output_dir are set aside to checkpoints.previous/ instead of refused; this run's own are
     #: resumed. None = from the target
     init_from: Path | None = None
-    distributed: DistributedConfig = DistributedConfig()
+    distributed: DistributedConfig = Field(DistributedConfig(), json_schema_extra=MAY_CHANGE)
 
     @model_validator(mode="before")
     @classmethod
@@ -134,3 +147,17 @@ class TrainingConfig(StrictModel):
                 "evaluation prompts are data.num_heldout"
             )
         return raw
+
+    @classmethod
+    def marked(cls, mark: dict) -> set[str]:
+        """The fields marked `mark` (MAY_CHANGE, ONLY_WHERE_SET)."""
+        return {n for n, f in cls.model_fields.items() if f.json_schema_extra == mark}
+
+    def fingerprint_settings(self) -> dict:
+        """The settings a checkpoint must share with this run to be resumed: every field but those
+        marked MAY_CHANGE, those marked ONLY_WHERE_SET only where not their default."""
+        settings = self.model_dump(mode="json", exclude=self.marked(MAY_CHANGE))
+        for name in self.marked(ONLY_WHERE_SET):
+            if getattr(self, name) == type(self).model_fields[name].default:
+                settings.pop(name)
+        return settings

@@ -140,11 +140,12 @@ def _padded_bwd(dy, q, k, v, y, lse, state, scale, bwd):
     return dq[:, :, off:], dk, dv
 
 
-def _flash_fwd(q, k, v, scale):
+def _flash_fwd(q, k, v, scale, cudnn: bool = True):
     """Causal attention -> (y (B, nh, L, hd), lse (fp32, (B, nh, L) or (B, nh, L, 1)), state for the
-    backward): cuDNN on CUDA (flash where it refuses), the CPU's one kernel elsewhere."""
+    backward): cuDNN on CUDA (flash where it refuses, or without `cudnn`: KernelOptions.cudnn), the
+    CPU's one kernel elsewhere."""
     if q.device.type == "cuda":
-        if "cudnn" not in _refused:
+        if cudnn and "cudnn" not in _refused:
             try:
                 y, lse, state = _padded_fwd(q, k, v, scale, _cudnn_fwd)
                 return y, lse, ("cudnn", state)
@@ -172,7 +173,8 @@ class _TTTAttention(torch.autograd.Function):
     def forward(
         ctx, q, k0, v0, scale, n, kernels, *kv
     ):  # kv: n diagonal keys, then n values, (B, nh, T, hd) each
-        y0, lse0, state = _flash_fwd(q, k0, v0, scale)  # (B, nh, T, hd), (B, nh, T[, 1])
+        # y0 (B, nh, T, hd), lse0 (B, nh, T[, 1])
+        y0, lse0, state = _flash_fwd(q, k0, v0, scale, kernels.cudnn)
         if (
             n == 0
         ):  # step 0's queries shorter than its keys: the causal part alone, nothing to merge;
@@ -240,7 +242,7 @@ class _TTTAttentionRows(torch.autograd.Function):
     ):  # q, kv (1, nh, N, hd); k0, v0 (B, nh, T, hd)
         B, nh, T, hd = k0.shape
         qf = _scatter(q, b, t, B, T)  # (B, nh, T, hd)
-        y0, raw, state = _flash_fwd(qf, k0, v0, scale)
+        y0, raw, state = _flash_fwd(qf, k0, v0, scale, kernels.cudnn)
         lse0 = raw.view(B, nh, T).float()
         if n == 0:  # step 0's queries at the gathered rows: the causal part alone, nothing to merge
             y, lse, a = _gather_rows(y0, b, t), lse0[b, :, t].T[None], None

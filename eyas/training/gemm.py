@@ -30,10 +30,11 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def teacher_blas(device: torch.device):
+def teacher_blas(device: torch.device, cublaslt: bool = True):
     """The BLAS the teacher's GEMMs run under: cuBLASLt on CUDA, which runs its fp32-output GEMMs
-    ~7% faster than cuBLAS (bench/results/2026-12-03_h200_train-step.md); elsewhere as it is."""
-    if device.type != "cuda":
+    ~7% faster than cuBLAS (bench/results/2026-12-03_h200_train-step.md); elsewhere, or without
+    `cublaslt` (KernelOptions.teacher_cublaslt), as it is."""
+    if device.type != "cuda" or not cublaslt:
         yield
         return
     before = torch.backends.cuda.preferred_blas_library()

@@ -33,14 +33,15 @@ if TYPE_CHECKING:  # eyas.config needs pydantic; the GPU benchmark imports this 
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """The choices a user makes about how a training step computes (training.compile,
-    training.fp8_gemms). Everything else a step does (the fused GEMMs and their gradient sums, the
-    skipping of unscored positions, the attention and cross-entropy kernels) is what the step is:
-    bench/train.py measures each against its absence by building that absence itself.
+    """How a training step computes: the user's choices (training.compile, training.fp8_gemms), the
+    step's optimisations, each on by default and each the same function off (up to rounding):
+    bench/train.py switches them off one by one to measure each against its absence, and the spec
+    (reference), the objective's plain unroll to run instead.
 
     Built once per run and passed down, never read from a global: TTTObjective(..., kernels=k) hands
-    it to the TTT step (eyas/training/ttt_step.py), the TTT attention and the fused head loss.
-    Frozen, so one run cannot change another's.
+    it to the TTT step (eyas/training/ttt_step.py), the TTT attention, the fused head loss and the
+    teacher; optimizer_step reads fused_clip off the objective. Frozen, so one run cannot change
+    another's.
     """
 
     #: the elementwise regions below through torch.compile (fused kernels); False: eager PyTorch
@@ -49,6 +50,43 @@ class KernelOptions:
     #: scale per row and column (eyas/training/ttt_weights.py): not the same function, FP8 rounds
     #: each operand to 3 mantissa bits. The head, the teacher and attention stay bf16.
     fp8_gemms: bool = False
+    # ---- the step's optimisations
+    #: the TTT steps >= 1 and the head only on the span from the batch's first to its last position
+    #: some step scores (losses.ttt_span); False: on every position
+    skip_span: bool = True
+    #: gather the positions some step scores (losses.ttt_rows) where they are under this share of
+    #: the span's rows: the gathers of h and the scatter around every step's attention are copies
+    #: that buy nothing when the span holds little else; 0 = never gather (the span), 1 = wherever
+    #: anything is skipped
+    gather_under: float = 0.9
+    #: the embedding's share of every step's q/k/v as one projection per unroll
+    #: (eyas/training/shared_emb.py); False: each step projects its own concatenation of embedding
+    #: and hidden state (ttt_step.ttt_step_concat, which fp8_gemms always takes)
+    shared_emb: bool = True
+    #: that projection's gradient summed in place, step by step, into one buffer (shared_emb.py);
+    #: False: autograd sums each step's zero-padded slice of it
+    emb_inplace: bool = True
+    #: q/k/v and gate/up, which read one input, as one autograd node whose input gradient is summed
+    #: inside the GEMMs (ttt_weights._SharedLinears); False: one node per projection
+    grouped_gemms: bool = True
+    #: on CUDA, the causal part of the TTT attention on cuDNN's fused attention where cuDNN accepts
+    #: the call (eyas/training/attention.py); False: PyTorch's FlashAttention-2 always
+    cudnn: bool = True
+    #: on CUDA with Triton installed, the head's soft cross-entropy as one Triton kernel
+    #: (eyas/training/soft_ce.py); False: the PyTorch math (compiled per `compile`)
+    triton_ce: bool = True
+    #: on CUDA, the teacher's GEMMs under cuBLASLt (gemm.teacher_blas, ~7% faster); False: under
+    #: PyTorch's preferred BLAS as it is
+    teacher_cublaslt: bool = True
+    #: with a fused AdamW, the gradient clip applied inside its kernel (optim.clip_and_step); False:
+    #: clip_grad_norm_ rescales every gradient in a pass of its own, then the step
+    fused_clip: bool = True
+    # ---- the spec
+    #: the TTT objective as the plain drafter unrolled (losses.reference_ttt_loss): every position,
+    #: all logits, explicit masks; what the fused objective is held to, slow and memory-hungry at
+    #: any real size. The TTT step's options above then go unread, as does TTTObjective's
+    #: gemm_dtype (the teacher's and the clip's still apply).
+    reference: bool = False
 
 
 DEFAULT = KernelOptions()  # eager, full precision GEMMs: what a caller that names nothing gets

@@ -26,6 +26,9 @@ or, where that would skip little, on the one span from the batch's first to its 
 (`ttt_span`). The loss and its gradients are the same function; a position is never dropped for its
 label's content.
 
+`reference_ttt_loss` is the objective read plainly: the drafter unrolled K times under explicit
+masks, every position, all logits. TTTObjective computes the same function, as follows.
+
 Each TTT step is the plain drafter's function through fused machinery (eyas/training/ttt_step.py):
 the GEMM weights cast once per unroll with their gradients summed inside the GEMMs (ttt_weights.py),
 and the embedding's share of every step's q/k/v one projection per unroll (shared_emb.py): step k at
@@ -42,7 +45,7 @@ import torch.nn.functional as F
 
 from eyas.training import gemm
 from eyas.training import kernels as fused
-from eyas.training.drafter import Eagle3Drafter
+from eyas.training.drafter import Eagle3Drafter, KVCache, ttt_mask
 from eyas.training.kernels import DEFAULT, KernelOptions
 from eyas.training.shared_emb import SharedEmb
 from eyas.training.soft_ce import soft_ce_rows, soft_ce_rows_nograd
@@ -57,10 +60,6 @@ HEAD_CHUNK_ROWS_CPU = (
     1024  # on a CPU: (1024, 2048) fp32 chunks stay in cache, 15% faster steps than 8192
 )
 TEACHER_CHUNK_ROWS = 4096  # positions per chunk of the teacher: (rows, vocab) logits transient
-# Gather the positions some step scores only when they are under this share of the span's rows: the
-# gathers of h and the scatter around every step's attention are copies that buy nothing when the
-# span holds little else (a prompt prefix alone the span skips as well; every position scored).
-ROWS_WORTH = 0.9
 
 
 # ----------------------------------------------------------------------------- teacher
@@ -129,7 +128,7 @@ def teacher_labels(
             known = gemm.mm_f32(x, W_rest.T).amax(-1) > best_logit
         return torch.where(known, num_draft, best), p
 
-    with gemm.teacher_blas(last.device):
+    with gemm.teacher_blas(last.device, kernels.teacher_cublaslt):
         at = scored.view(-1).nonzero().flatten()  # (n,) flat positions
         flat_last, flat_probs, flat_top = last.view(B * T, H), probs.view(B * T, -1), top.view(-1)
         for s in range(0, at.numel(), chunk):
@@ -148,6 +147,43 @@ def scored_span(scored: torch.Tensor) -> tuple[int, int]:
     sync)."""
     at = scored.any(0).nonzero().flatten()
     return (int(at[0]), int(at[-1]) + 1) if at.numel() else (0, 0)
+
+
+# ----------------------------------------------------------------------------- the plain objective
+
+
+def reference_ttt_loss(
+    drafter: Eagle3Drafter,
+    ids,
+    aux,
+    labels: Labels,
+    ttt_steps: int,
+    decay: float,
+    counts: torch.Tensor | None = None,
+):
+    """The objective as the plain drafter unrolled: the spec TTTObjective computes through fused
+    machinery (held equal by tests/unit/training/test_losses.py; KernelOptions.reference trains on
+    this). Every step runs the whole model on every position under ttt_mask and forms all logits.
+
+    ids (B, T), aux (B, T, 3H) -> (loss, correct (K,), scored (K,)); counts (K,) the denominators
+    (None: this batch's scored positions)."""
+    (B, T), K = ids.shape, ttt_steps
+    probs = labels.probs.view(B, T, -1)  # (B, T, V_d) the teacher at t, predicting token t+1
+    pos = torch.arange(T, device=ids.device)
+    h, cache, loss, correct, scored = aux, KVCache(), 0.0, [], []
+    for k in range(K):
+        nxt = torch.zeros_like(ids)
+        nxt[:, : T - 1 - k] = ids[:, 1 + k :]  # step k at t reads token t+1+k (0 past the end)
+        # causal over step 0's keys (in the cache), and t over its own position in steps 1..k
+        logits, h = drafter(nxt, h, pos + k, ttt_mask(T, k, ids.device), cache)  # (B, T, V_d)
+        z = logits[:, : T - 1 - k].float()  # (B, T-1-k, V_d): t labelled by the teacher at t+1+k
+        valid, s = labels.valid[:, 1 + k :], labels.scored[:, 1 + k :]  # (B, T-1-k) bool each
+        ce = -(probs[:, 1 + k :][valid].float() * F.log_softmax(z[valid], -1)).sum()
+        n = s.sum() if counts is None else counts[k]
+        loss = loss + decay**k * ce / n.to(z.device, torch.float32).clamp(min=1)
+        correct.append(((z.argmax(-1) == labels.target[:, 1 + k :]) & s).sum())
+        scored.append(s.sum())
+    return loss, torch.stack(correct), torch.stack(scored)
 
 
 # ----------------------------------------------------------------------------- fused head + soft CE
@@ -308,9 +344,10 @@ class TTTObjective(nn.Module):
         )
 
     def _shares_emb(self) -> bool:
-        """Whether the embedding's share of q/k/v is one projection per unroll: not with FP8 GEMMs,
-        which quantize q/k/v's weights whole (each step then projects its own concatenation)."""
-        return not self.kernels.fp8_gemms
+        """Whether the embedding's share of q/k/v is one projection per unroll (kernels.shared_emb):
+        not with FP8 GEMMs, which quantize q/k/v's weights whole (each step then projects its own
+        concatenation)."""
+        return self.kernels.shared_emb and not self.kernels.fp8_gemms
 
     def _weights(self, device) -> TTTWeights:
         """This unroll's TTTWeights: q/k/v in two column blocks where the embedding's share is
@@ -323,6 +360,7 @@ class TTTObjective(nn.Module):
             fp8=kn.fp8_gemms,
             compile=kn.compile,
             halves=self._shares_emb(),
+            grouped=kn.grouped_gemms,
         )
 
     def _emb(self, ids, K: int, weights: TTTWeights, q_from: int = 0) -> SharedEmb | None:
@@ -418,10 +456,13 @@ class TTTObjective(nn.Module):
     ):
         """ids (B, T), aux (B, T, 3H) -> (loss, correct (K,), scored (K,)); counts (K,) the
         denominators."""
+        if self.kernels.reference:  # the spec, unrolled plainly
+            return reference_ttt_loss(self.drafter, ids, aux, labels, ttt_steps, decay, counts)
         (B, T), K = ids.shape, ttt_steps
-        s, e = ttt_span(labels, T, K)  # the steps >= 1 and the head run on positions [s, e) only
+        # the steps >= 1 and the head run on positions [s, e) only
+        s, e = ttt_span(labels, T, K) if self.kernels.skip_span else (0, T)
         b, t = ttt_rows(labels.scored, K)
-        if b.numel() < ROWS_WORTH * B * (e - s):  # else the span holds (nearly) nothing to skip
+        if b.numel() < self.kernels.gather_under * B * (e - s):  # they skip enough of the span
             return self._forward_rows(ids, aux, labels, K, decay, counts, b, t)
         hn = self._unroll_span(ids, aux, K, s, e)
         rows, inside = label_rows(B, T, K, ids.device, (s, e))

@@ -52,17 +52,21 @@ def make_optimizer(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
     )
 
 
-def clip_and_step(params, opt: torch.optim.Optimizer, max_norm: float) -> None:
+def clip_and_step(
+    params, opt: torch.optim.Optimizer, max_norm: float, in_kernel: bool = True
+) -> None:
     """clip_grad_norm_(params, max_norm), then opt.step().
 
-    With a fused AdamW and plain (not sharded) gradients the clip factor is not applied in a pass of
-    its own over every gradient: the kernel's grad_scale divides each gradient by 1 /
-    clip_grad_norm_'s clamped coefficient as it reads it (the mechanism GradScaler uses), which
-    saves reading and writing all fp32 gradients once. Same update, up to the last bit of rounding.
+    With a fused AdamW, plain (not sharded) gradients and in_kernel (KernelOptions.fused_clip) the
+    clip factor is not applied in a pass of its own over every gradient: the kernel's grad_scale
+    divides each gradient by 1 / clip_grad_norm_'s clamped coefficient as it reads it (the mechanism
+    GradScaler uses), which saves reading and writing all fp32 gradients once. Same update, up to
+    the last bit of rounding.
     """
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    if not (opt.defaults.get("fused") and grads and all(type(g) is torch.Tensor for g in grads)):
+    fused = opt.defaults.get("fused") and grads and all(type(g) is torch.Tensor for g in grads)
+    if not (in_kernel and fused):
         torch.nn.utils.clip_grad_norm_(params, max_norm)
         opt.step()
         return

@@ -85,11 +85,13 @@ class _EmbRows(torch.autograd.Function):
 class SharedEmb:
     """input_layernorm(embed(tokens)) @ W_e.T for q, k and v over an unroll's S = T + K - 1 tokens,
     handed to each TTT step at its rows (at()). `start`: the first token a projection holds (q's may
-    start where the first query does); rows are given in token positions."""
+    start where the first query does); rows are given in token positions. inplace
+    (KernelOptions.emb_inplace): the steps' gradients summed in place (_EmbSums); False: autograd
+    sums each step's slice, zero-padded to the whole."""
 
-    def __init__(self, pe: dict, start: dict | None = None):
+    def __init__(self, pe: dict, start: dict | None = None, inplace: bool = True):
         self.pe, self.start = pe, start or {}
-        grad = any(p.requires_grad for p in pe.values())
+        grad = inplace and any(p.requires_grad for p in pe.values())
         self.sums = _EmbSums(pe) if grad else None
         self.token = (
             {n: _CollectEmb.apply(self.sums, n, p) for n, p in pe.items()} if grad else None

@@ -2,8 +2,8 @@
 
     loss, argmax, dz = soft_ce_rows(z, probs, rows, w, torch.bfloat16, kernels)
 
-On CUDA one hand-written Triton kernel; elsewhere (or without Triton) the PyTorch math, compiled or
-eager per kernels.compile.
+On CUDA one hand-written Triton kernel (unless kernels.triton_ce is off); elsewhere (or without
+Triton) the PyTorch math, compiled or eager per kernels.compile.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ def soft_ce_rows(z, probs, rows, w, dz_dtype: torch.dtype, kernels: KernelOption
     """Soft cross-entropy of logits z (n, V) fp32 against probs[rows] (n, V), weighted by w (n,).
 
     -> (sum_i w_i CE_i, argmax per row, d/dz (n, V) in dz_dtype); probs may be bf16, read in place.
-    On CUDA one Triton kernel (below), elsewhere the PyTorch math (compiled or eager, per
-    kernels.compile).
+    On CUDA one Triton kernel (below; kernels.triton_ce), elsewhere the PyTorch math (compiled or
+    eager, per kernels.compile).
     """
-    if _triton_ce_ready(z):
+    if kernels.triton_ce and _triton_ce_ready(z):
         return _soft_ce_triton(
             z, probs, rows, w, torch.empty(z.shape, dtype=dz_dtype, device=z.device)
         )
@@ -29,7 +29,7 @@ def soft_ce_rows(z, probs, rows, w, dz_dtype: torch.dtype, kernels: KernelOption
 
 def soft_ce_rows_nograd(z, probs, rows, w, kernels: KernelOptions = DEFAULT):
     """soft_ce_rows without the gradient (evaluation)."""
-    if _triton_ce_ready(z):
+    if kernels.triton_ce and _triton_ce_ready(z):
         return _soft_ce_triton(z, probs, rows, w, None)[:2]
     return _soft_ce_torch_nograd(z, probs, rows, w, compile=kernels.compile)
 

@@ -192,7 +192,8 @@ def optimizer_step(
                 loss * world
             ).backward()  # DDP/FSDP average over ranks; the loss is a share of the global sum
         stats = stats + torch.cat([loss.detach().reshape(1), correct, scored]).double()
-    clip_and_step([p for p in objective.parameters() if p.requires_grad], opt, grad_clip)
+    params = [p for p in objective.parameters() if p.requires_grad]
+    clip_and_step(params, opt, grad_clip, objective.kernels.fused_clip)
     sched.step()
     opt.zero_grad(set_to_none=True)
     return (
@@ -434,35 +435,16 @@ def _fingerprint(
     cfg: TrainingConfig, target: TargetConfig, data: ShardData, meta: dict, G: int
 ) -> dict:
     """What a checkpoint must share with this call to be resumed: the training settings that shape
-    the weights, the global batch, the shards and the layers they hold."""
-    fingerprint = {
-        **cfg.model_dump(
-            mode="json",
-            exclude={
-                "output_dir",
-                "checkpoint_every",
-                "device",
-                "eval_every",
-                "batch_size",
-                "grad_accum",
-                "distributed",
-                "compile",
-                "teacher_cache_gb",
-                "loader_workers",
-                "disk_check",
-            },
-        ),
+    the weights (every field not marked as one that may change on resume: eyas/config/training.py),
+    the global batch, the shards and the layers they hold."""
+    return {
+        **cfg.fingerprint_settings(),
         "global_batch": G,
         "shards": [[Path(r.path).name, r.num_tokens] for r in data.readers],
         "data_sha256": data_digest(data.readers),
         "capture_ids": target.capture_ids(),
         "last_hidden_norm": meta["last_hidden_norm"],
     }
-    if (
-        not cfg.ema_decay
-    ):  # off (the default): checkpoints written before the field existed still resume
-        fingerprint.pop("ema_decay")
-    return fingerprint
 
 
 def _drafter(

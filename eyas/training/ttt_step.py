@@ -119,7 +119,7 @@ def emb_proj(
     pe = dict(zip(names, weights.linears(names, en, 0)))
     if q_from:
         pe["q_proj"] = weights.linear("q_proj", en[:, q_from:], 0)
-    return SharedEmb(pe, {"q_proj": q_from})
+    return SharedEmb(pe, {"q_proj": q_from}, kernels.emb_inplace)
 
 
 def ttt_step(

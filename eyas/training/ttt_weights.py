@@ -209,7 +209,8 @@ class TTTWeights:
     CPU with bf16 matrix units: bf16 GEMMs run ~8x faster than fp32 ones on 2 cores, its bf16
     elementwise ops slower: bench/results/2026-12-03_cpu2_cpu-train-step.md). fp8: the layer's GEMMs
     in FP8 where their shapes allow. halves: q/k/v as two column blocks, the embedding's and the
-    hidden state's (eyas/training/shared_emb.py), picked by linear's `part`."""
+    hidden state's (eyas/training/shared_emb.py), picked by linear's `part`. grouped: linears() as
+    one node where it applies (KernelOptions.grouped_gemms)."""
 
     def __init__(
         self,
@@ -219,6 +220,7 @@ class TTTWeights:
         fp8: bool = False,
         compile: bool = False,
         halves: bool = False,
+        grouped: bool = True,
     ):
         a, m = drafter.midlayer.self_attn, drafter.midlayer.mlp
         mods = {
@@ -241,6 +243,7 @@ class TTTWeights:
             compile,
         )
         self._last: tuple | None = None  # (x, its FP8 quantization): q/k/v and gate/up read one x
+        self.grouped = grouped
         H = drafter.cfg.hidden_size
         for name, mod in mods.items():
             w = mod.weight
@@ -263,9 +266,10 @@ class TTTWeights:
         self, names: tuple[str, ...], x: torch.Tensor, part: int | None = None
     ) -> list[torch.Tensor]:
         """[linear(name, x, part) for name in names], as one _SharedLinears where it applies (x in
-        the GEMM dtype, gradients wanted, no FP8): the same function, x's gradient summed in the
-        GEMMs."""
-        if len(names) < 2 or any(n in self.q8 or self.token[n] is None for n in names):
+        the GEMM dtype, gradients wanted, no FP8, grouped): the same function, x's gradient summed
+        in the GEMMs."""
+        one_each = not self.grouped or len(names) < 2
+        if one_each or any(n in self.q8 or self.token[n] is None for n in names):
             return [self.linear(n, x, part) for n in names]
         ws = [self.w[n] if part is None else self.w[n][part] for n in names]
         if any(w.dtype != x.dtype for w in ws):

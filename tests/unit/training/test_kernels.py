@@ -1,5 +1,5 @@
-"""KernelOptions holds the user's choices only; the elementwise regions run eagerly or through
-torch.compile."""
+"""KernelOptions holds the user's choices and the step's optimisations, each the same step off; the
+elementwise regions run eagerly or through torch.compile."""
 
 import ast
 import dataclasses
@@ -14,7 +14,7 @@ import eyas.training
 from eyas.config import TrainingConfig
 from eyas.training import kernels as fused
 from eyas.training.kernels import KernelOptions, kernel_options
-from eyas.training.losses import TTTObjective, draft_first_order, teacher_labels
+from eyas.training.losses import draft_first_order, teacher_labels
 from eyas.training.target_head import TargetHead
 from tests.helpers_training import training_config
 from tests.unit.training.test_ttt_step import assert_same_step, loss_and_grads
@@ -22,11 +22,42 @@ from tests.unit.training.test_ttt_step import assert_same_step, loss_and_grads
 torch.set_num_threads(1)
 
 
-def test_kernel_options_are_the_training_configs_choices():
-    """Every option is a training config field of the same name; what exists only to measure an
-    optimisation against its absence lives in bench/train.py (OFF), not here."""
+#: KernelOptions' fields that are the user's, each a training config field of the same name
+CHOICES = {"compile", "fp8_gemms"}
+#: the step's optimisations, each at a value that switches it off (or changes it)
+OFF = {
+    "skip_span": False,
+    "gather_under": 0.0,
+    "shared_emb": False,
+    "emb_inplace": False,
+    "grouped_gemms": False,
+    "cudnn": False,
+    "triton_ce": False,
+    "teacher_cublaslt": False,
+    "fused_clip": False,
+}
+#: the plain unroll the fused step is held to (losses.reference_ttt_loss), off by default
+SPEC = {"reference": True}
+
+
+def test_kernel_options_are_the_users_choices_and_the_steps_optimisations():
+    """The user's choices are training config fields; the optimisations and the spec are not, each
+    optimisation on by default, the spec off."""
     names = {f.name for f in dataclasses.fields(KernelOptions)}
-    assert names == {"compile", "fp8_gemms"} and names <= set(TrainingConfig.model_fields)
+    assert names == CHOICES | set(OFF) | set(SPEC)
+    assert CHOICES <= set(TrainingConfig.model_fields)
+    assert not (set(OFF) | set(SPEC)) & set(TrainingConfig.model_fields)
+    assert all(getattr(KernelOptions(), n) != v for n, v in {**OFF, **SPEC}.items())
+
+
+@pytest.mark.parametrize(
+    "off", [{n: v} for n, v in {**OFF, **SPEC}.items()] + [{"gather_under": 1.0}], ids=str
+)
+def test_each_option_off_its_default_gives_the_same_loss_and_gradients(off):
+    """The CPU's fp32 step with one optimisation off (cudnn, triton_ce and teacher_cublaslt act on
+    CUDA only; fused_clip is the optimizer's, tests/unit/training/test_optim.py), or on the plain
+    unroll: the default's loss, gradients and statistics."""
+    assert_same_step(loss_and_grads(KernelOptions(**off)), loss_and_grads(), atol=1e-6, rtol=1e-4)
 
 
 def test_kernel_options_follow_the_training_config(tmp_path):
@@ -68,10 +99,9 @@ def test_compile_routes_every_region_through_torch_compile(monkeypatch):
     } <= set(seen)
     seen.clear()  # every step projecting its own concatenation (the FP8 GEMMs' path)
     fused._compiled.clear()
-    monkeypatch.setattr(TTTObjective, "_shares_emb", lambda self: False)
     assert_same_step(
-        loss_and_grads(KernelOptions(compile=True)),
-        loss_and_grads(KernelOptions()),
+        loss_and_grads(KernelOptions(compile=True, shared_emb=False)),
+        loss_and_grads(KernelOptions(shared_emb=False)),
         atol=1e-7,
         rtol=1e-6,
     )

@@ -1,22 +1,27 @@
-"""The objective against plain autograd math: fused head loss, teacher labels, the TTT unroll and
-its skipping."""
+"""The objective against plain autograd math: fused head loss, teacher labels, the TTT unroll
+(against reference_ttt_loss, the plain unroll) and its skipping."""
+
+import contextlib
+import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from eyas.training import gemm, losses
-from eyas.training.drafter import KVCache, ttt_mask
+from eyas.training import gemm
+from eyas.training.kernels import DEFAULT, KernelOptions
 from eyas.training.losses import (
     TTTObjective,
     draft_first_order,
     head_soft_ce,
+    reference_ttt_loss,
     scored_counts,
     teacher_labels,
     ttt_rows,
     ttt_span,
 )
 from eyas.training.target_head import TargetHead
+from eyas.training.train import optimizer_step
 from tests.helpers_training import shift_left
 from tests.unit.training.test_drafter import make
 
@@ -100,19 +105,6 @@ def test_chunked_teacher_equals_the_full_vocab_head(norm):
     assert lab.probs.isfinite().all()
 
 
-def reference_loss(m, ids, aux, labels, K, decay):
-    """The plain model unrolled: explicit masks, logits for every position, CE averaged per step."""
-    B, T = ids.shape
-    h, cache, loss = aux, KVCache(), 0.0
-    for k in range(K):
-        logits, h = m(shift_left(ids, 1 + k), h, torch.arange(T) + k, ttt_mask(T, k), cache)
-        v = labels.valid[:, 1 + k :]
-        p = labels.probs.view(B, T, -1)[:, 1 + k :][v]
-        ce = -(p * F.log_softmax(logits[:, : T - 1 - k][v], -1)).sum()
-        loss = loss + decay**k * ce / labels.scored[:, 1 + k :].sum()
-    return loss
-
-
 def test_ttt_objective_equals_the_reference_unroll():
     m = make(seed=2)
     g = torch.Generator().manual_seed(2)
@@ -127,10 +119,16 @@ def test_ttt_objective_equals_the_reference_unroll():
     labels = teacher_labels(head, torch.randn(B, T, 32, generator=g), mask, 40)
     params = [p for p in m.parameters() if p.requires_grad]
     loss, correct, scored = TTTObjective(m)(ids, aux, labels, K, 0.8)
-    want = reference_loss(m, ids, aux, labels, K, 0.8)
+    want, want_correct, want_scored = reference_ttt_loss(m, ids, aux, labels, K, 0.8)
     torch.testing.assert_close(loss, want)
     for a, b in zip(torch.autograd.grad(loss, params), torch.autograd.grad(want, params)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    assert torch.equal(correct, want_correct) and torch.equal(scored, want_scored)
+    counts = torch.tensor([50.0, 40.0, 30.0], dtype=torch.float64)  # a global batch's, say
+    torch.testing.assert_close(
+        TTTObjective(m)(ids, aux, labels, K, 0.8, counts)[0],
+        reference_ttt_loss(m, ids, aux, labels, K, 0.8, counts)[0],
+    )
     assert scored.tolist() == [int(labels.scored[:, 1 + k :].sum()) for k in range(K)]
     assert torch.equal(scored.double(), scored_counts(list(mask), K))  # known from the masks alone
     assert (correct <= scored).all()
@@ -193,13 +191,10 @@ def test_ttt_objective_skips_unscored_positions_with_the_same_loss_and_gradients
             ttt_rows(labels.scored, K)[0].numel() == B * T
         )  # every position: the loss is 0 but has a graph
     params = [p for p in m.parameters() if p.requires_grad]
-    with monkeypatch.context() as mp:  # nothing skipped: every position, one span
-        mp.setattr(losses, "ttt_span", lambda labels, T, K: (0, T))
-        mp.setattr(losses, "ROWS_WORTH", 0.0)
-        full, c_full, n_full = TTTObjective(m)(ids, aux, labels, K, 0.8)
+    everywhere = KernelOptions(skip_span=False, gather_under=0.0)  # nothing skipped: one span
+    full, c_full, n_full = TTTObjective(m, kernels=everywhere)(ids, aux, labels, K, 0.8)
     g_full = torch.autograd.grad(full, params) if layout != "nothing_scored" else []
-    if layout != "nothing_scored":  # the reference divides by zero there
-        torch.testing.assert_close(full, reference_loss(m, ids, aux, labels, K, 0.8))
+    torch.testing.assert_close(full, reference_ttt_loss(m, ids, aux, labels, K, 0.8)[0])
     span = labels.span
     taken = []
     real = TTTObjective._forward_rows
@@ -208,12 +203,12 @@ def test_ttt_objective_skips_unscored_positions_with_the_same_loss_and_gradients
     )
     for labels.span, worth in (
         (span, 1.0),  # gathered wherever anything is skipped
-        (span, losses.ROWS_WORTH),  # gathered where worth it
+        (span, DEFAULT.gather_under),  # gathered where worth it
         (span, 0.0),  # always the span
         (None, 0.0),
     ):  # None: the span off `scored`
-        monkeypatch.setattr(losses, "ROWS_WORTH", worth)
-        loss, correct, scored = TTTObjective(m)(ids, aux, labels, K, 0.8)
+        kernels = KernelOptions(gather_under=worth)
+        loss, correct, scored = TTTObjective(m, kernels=kernels)(ids, aux, labels, K, 0.8)
         torch.testing.assert_close(loss, full, atol=1e-7, rtol=1e-6)
         for a, b in zip(torch.autograd.grad(loss, params) if g_full else [], g_full):
             torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
@@ -231,9 +226,46 @@ def test_ttt_objective_skips_unscored_positions_with_the_same_loss_and_gradients
     assert taken == want[layout]
 
 
+def test_training_steps_on_the_reference_as_on_the_fused_objective():
+    """KernelOptions.reference: optimizer_step trains on the plain unroll; two steps give the fused
+    objective's statistics and move the weights as its steps do."""
+    mask = torch.zeros(3, 23, dtype=torch.bool)
+    mask[0, 8:11], mask[0, 15:18], mask[1, 11:13], mask[2, 9:20] = True, True, True, True
+    m0, ids, aux, labels = _objective_case(mask)
+    counts = scored_counts(list(mask), 3)
+    out = []
+    for m, kernels in ((m0, DEFAULT), (copy.deepcopy(m0), KernelOptions(reference=True))):
+        objective = TTTObjective(m, kernels=kernels)
+        params = [p for p in m.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        stats = []
+        for _ in range(2):
+            stats.append(
+                optimizer_step(
+                    objective,
+                    objective,
+                    opt,
+                    sched,
+                    [{"ids": ids, "aux": aux}],
+                    lambda batch: labels,
+                    ttt_steps=3,
+                    decay=0.8,
+                    counts=counts,
+                    grad_clip=0.5,
+                    autocast=contextlib.nullcontext(),
+                )
+            )
+        out.append((torch.stack(stats), torch.cat([p.detach().flatten() for p in params])))
+    (s_fused, w_fused), (s_ref, w_ref) = out
+    torch.testing.assert_close(s_ref, s_fused)
+    torch.testing.assert_close(w_ref, w_fused, atol=1e-6, rtol=1e-5)
+    assert s_ref[1, 0] < s_ref[0, 0]  # the steps trained
+
+
 def test_positions_are_gathered_only_where_they_skip_enough_of_the_span(monkeypatch):
     """A short user turn in one of two sequences skips under a tenth of the span's rows: the span
-    runs; a long one skips more: the rows are gathered (losses.ROWS_WORTH)."""
+    runs; a long one skips more: the rows are gathered (KernelOptions.gather_under)."""
     taken = []
     real = TTTObjective._forward_rows
     monkeypatch.setattr(

@@ -1,4 +1,5 @@
-"""The optimizer step: the clip inside fused AdamW takes clip_grad_norm_'s step."""
+"""The optimizer step: the clip inside fused AdamW takes clip_grad_norm_'s step; with the clip out
+of the kernel (KernelOptions.fused_clip off) it is clip_grad_norm_'s."""
 
 import torch
 
@@ -26,6 +27,8 @@ def test_fused_clip_takes_the_same_step_as_clip_then_step():
             elif how == "plain":
                 torch.nn.utils.clip_grad_norm_(ps, 0.5)
                 opt.step()
+            elif how == "out of the kernel":
+                clip_and_step(ps, opt, 0.5, in_kernel=False)
             else:
                 clip_and_step(ps, opt, 0.5)
             assert (
@@ -34,6 +37,7 @@ def test_fused_clip_takes_the_same_step_as_clip_then_step():
         return torch.cat([p.detach() for p in ps])
 
     plain = params_after("plain")
+    assert torch.equal(params_after("out of the kernel"), plain)
     torch.testing.assert_close(params_after("fused"), plain, atol=1e-6, rtol=1e-6)
     assert (params_after("none") - plain).abs().max() > 1e-3  # not clipping would have shown
     # not fused (make_optimizer on a CPU): the same two passes, bit for bit

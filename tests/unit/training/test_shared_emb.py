@@ -2,31 +2,22 @@
 
 import torch
 
-from eyas.training import losses, shared_emb
+from eyas.training.kernels import KernelOptions
 from eyas.training.shared_emb import SharedEmb, rows_of
 from tests.unit.training.test_ttt_step import LAYOUTS, assert_same_step, loss_and_grads
 
 torch.set_num_threads(1)
 
 
-def test_gradients_summed_in_place_equal_autograds_sums_bit_for_bit(monkeypatch):
-    """The in-place sums against autograd summing zero-padded slices (no sums buffer): bit for bit
-    (same adds, same order) on the gathered rows, the span and no skipping, fp32 and the CPU's bf16
-    GEMMs."""
-    init = SharedEmb.__init__
-
-    def autograd_sums(self, *a, **k):
-        init(self, *a, **k)
-        self.sums = self.token = None
-
+def test_gradients_summed_in_place_equal_autograds_sums_bit_for_bit():
+    """The in-place sums against autograd summing zero-padded slices (KernelOptions.emb_inplace
+    off): bit for bit (same adds, same order) on the gathered rows, the span and no skipping, fp32
+    and the CPU's bf16 GEMMs."""
     for gemm_dtype in (None, torch.bfloat16):
-        for patches in LAYOUTS.values():
-            with monkeypatch.context() as mp:
-                for attr, value in patches.items():
-                    mp.setattr(losses, attr, value)
-                a = loss_and_grads(gemm_dtype=gemm_dtype)
-                mp.setattr(shared_emb.SharedEmb, "__init__", autograd_sums)
-                assert_same_step(a, loss_and_grads(gemm_dtype=gemm_dtype), atol=0, rtol=0)
+        for layout in LAYOUTS.values():
+            a = loss_and_grads(KernelOptions(**layout), gemm_dtype)
+            b = loss_and_grads(KernelOptions(**layout, emb_inplace=False), gemm_dtype)
+            assert_same_step(a, b, atol=0, rtol=0)
 
 
 def test_one_buffer_per_projection_rows_shifted_where_q_starts_later():

@@ -3,7 +3,6 @@ each step's own concatenation (the FP8 path), the span, gathered rows, or every 
 
 import torch
 
-from eyas.training import losses
 from eyas.training.kernels import KernelOptions
 from eyas.training.losses import TTTObjective, draft_first_order, teacher_labels, ttt_span
 from eyas.training.target_head import TargetHead
@@ -45,42 +44,36 @@ def assert_same_step(a, b, atol=1e-7, rtol=1e-5):
     assert torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
 
 
-#: how the steps >= 1 run: gathered rows (where they skip enough), the one span, every position
+#: how the steps >= 1 run (KernelOptions): gathered rows (where they skip enough), the one span,
+#: every position
 LAYOUTS = {
-    "rows": {"ROWS_WORTH": 1.0},
-    "span": {"ROWS_WORTH": 0.0},
-    "everywhere": {"ROWS_WORTH": 0.0, "ttt_span": lambda labels, T, K: (0, T)},
+    "rows": dict(gather_under=1.0),
+    "span": dict(gather_under=0.0),
+    "everywhere": dict(gather_under=0.0, skip_span=False),
 }
 
 
-def test_skipping_unscored_positions_or_not_gives_the_same_loss_and_gradients(monkeypatch):
+def test_skipping_unscored_positions_or_not_gives_the_same_loss_and_gradients():
     *_, labels = case()
     assert labels.span == (8, 19) and ttt_span(labels, T, K) == (
         5,
         18,
     )  # the teacher ran on 11 of 23 positions
     skipped = loss_and_grads()
-    monkeypatch.setattr(losses, "ttt_span", lambda labels, T, K: (0, T))
-    assert_same_step(skipped, loss_and_grads())
+    assert_same_step(skipped, loss_and_grads(KernelOptions(skip_span=False)))
 
 
-def test_shared_embedding_projection_gives_the_same_loss_and_gradients(monkeypatch):
+def test_shared_embedding_projection_gives_the_same_loss_and_gradients():
     """q/k/v's embedding columns applied once per unroll and shifted per step (with step 0's
     queries, o_proj and MLP only where read), against every step projecting its own concatenation
     (ttt_step_concat, the FP8 GEMMs' path): the gathered rows, the span and no skipping, in fp32 and
     in the CPU's bf16 GEMMs."""
-
-    def own_concat(gemm_dtype=None):
-        with monkeypatch.context() as mp:
-            mp.setattr(TTTObjective, "_shares_emb", lambda self: False)
-            return loss_and_grads(gemm_dtype=gemm_dtype)
-
-    for patches in LAYOUTS.values():
-        with monkeypatch.context() as mp:
-            for attr, value in patches.items():
-                mp.setattr(losses, attr, value)
-            assert_same_step(loss_and_grads(), own_concat(), atol=1e-6, rtol=1e-4)
-    a, b = loss_and_grads(gemm_dtype=torch.bfloat16), own_concat(torch.bfloat16)
+    for layout in LAYOUTS.values():
+        shared, own = KernelOptions(**layout), KernelOptions(**layout, shared_emb=False)
+        assert_same_step(loss_and_grads(shared), loss_and_grads(own), atol=1e-6, rtol=1e-4)
+    own_concat = KernelOptions(shared_emb=False)
+    a = loss_and_grads(gemm_dtype=torch.bfloat16)
+    b = loss_and_grads(own_concat, gemm_dtype=torch.bfloat16)
     torch.testing.assert_close(a[0], b[0], rtol=1e-2, atol=0)
     for ga, gb in zip(a[1], b[1]):
         assert float((ga - gb).norm() / gb.norm()) < 3e-2

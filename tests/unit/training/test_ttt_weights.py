@@ -3,7 +3,7 @@ FP8."""
 
 import torch
 
-from eyas.training import gemm, losses, ttt_weights
+from eyas.training import gemm, ttt_weights
 from eyas.training.kernels import KernelOptions
 from eyas.training.ttt_weights import TTTWeights, _GradSink
 from tests.unit.training.test_ttt_step import LAYOUTS, K, assert_same_step, case, loss_and_grads
@@ -36,23 +36,19 @@ def test_grouped_projections_sum_the_input_gradient_in_the_gemms_and_give_the_sa
     monkeypatch.setattr(
         ttt_weights._SharedLinears, "apply", lambda *a: calls.append(len(a[1])) or apply(*a)
     )
-    one_each = lambda self, names, x, part=None: [self.linear(n, x, part) for n in names]  # noqa: E731
-    for patches, own_concat in ((LAYOUTS["rows"], False), (LAYOUTS["span"], False), ({}, True)):
-        with monkeypatch.context() as mp:
-            for attr, value in patches.items():
-                mp.setattr(losses, attr, value)
-            if own_concat:
-                mp.setattr(losses.TTTObjective, "_shares_emb", lambda self: False)
-            calls.clear()
-            a = loss_and_grads()
-            # q/k/v's two halves (all three, or k/v beside step 0's fewer queries) and gate/up; each
-            # step's own concatenation: q/k/v one GEMM each, gate/up alone grouped
-            assert set(calls) == ({2} if own_concat else {2, 3})
-            n = len(calls)
-            calls.clear()
-            mp.setattr(TTTWeights, "linears", one_each)
-            assert_same_step(a, loss_and_grads(), atol=1e-6, rtol=1e-5)
-            assert calls == [] and n >= K
+    for layout, own_concat in ((LAYOUTS["rows"], False), (LAYOUTS["span"], False), ({}, True)):
+        kw = dict(layout, shared_emb=not own_concat)
+        calls.clear()
+        a = loss_and_grads(KernelOptions(**kw))
+        # q/k/v's two halves (all three, or k/v beside step 0's fewer queries) and gate/up; each
+        # step's own concatenation: q/k/v one GEMM each, gate/up alone grouped
+        assert set(calls) == ({2} if own_concat else {2, 3})
+        n = len(calls)
+        calls.clear()
+        assert_same_step(
+            a, loss_and_grads(KernelOptions(**kw, grouped_gemms=False)), atol=1e-6, rtol=1e-5
+        )
+        assert calls == [] and n >= K
     loss_and_grads(gemm_dtype=torch.bfloat16)
     assert calls == []  # fp32 activations, bf16 GEMMs: one node each, the sums in fp32
 
