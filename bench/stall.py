@@ -7,9 +7,9 @@ prints.
 Runs `eyas run` on the config (regeneration off, a fresh run directory) and, as soon as its first
 shard file is on disk, freezes the target server's whole process group with SIGSTOP: the process
 lives and holds its port, but answers nothing, as a wedged GPU server does. Measured: seconds from
-the freeze until `eyas run` has exited, its exit code, the output lines at ERROR that name the stall,
-and the retry warnings printed after the first of them. The server is woken and killed afterwards
-whatever happened.
+the freeze until `eyas run` has exited, its exit code, the output lines at ERROR that name the
+stall, and the retry warnings printed after the first of them. The server is woken and killed
+afterwards whatever happened.
 
 Goals (issue 37): with extraction.stall_timeout_s=60 the run fails within 70 s of the freeze, with
 exactly one error naming the stall and no retry warning after it. The last line printed is one
