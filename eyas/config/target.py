@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, model_validator
 
 from eyas.config.base import StrictModel
-
-LayerConvention = Literal["capture-before", "output-of"]
+from eyas.layers import Convention, to_capture_before
 
 
 class TargetConfig(StrictModel):
@@ -30,7 +28,7 @@ class TargetConfig(StrictModel):
     layer_ids: list[int] = Field(min_length=1)  #: the aux layers, in `layer_convention`
     #: "capture-before": id i is the input of decoder layer i (SGLang's capture index, HF
     #: hidden_states[i]); "output-of": id i is the output of layer i (= capture-before i + 1).
-    layer_convention: LayerConvention = "capture-before"
+    layer_convention: Convention = "capture-before"
 
     @model_validator(mode="after")
     def _check_ids(self) -> "TargetConfig":
@@ -41,5 +39,4 @@ class TargetConfig(StrictModel):
 
     def capture_ids(self) -> list[int]:
         """Layer ids in the capture-before convention (what the server actually captures)."""
-        shift = 1 if self.layer_convention == "output-of" else 0
-        return [i + shift for i in self.layer_ids]
+        return to_capture_before(self.layer_ids, self.layer_convention)

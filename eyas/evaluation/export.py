@@ -30,6 +30,7 @@ from eyas.draft_format import DrafterConfig, expected_weights, sglang_config
 from eyas.dump import DTYPES
 from eyas.errors import InvalidInput
 from eyas.files import atomic_dir, sha256_file
+from eyas.layers import CONVENTIONS, eagle_config_capture_ids, to_capture_before
 from eyas.target import local_copy
 from eyas.training.drafter import Eagle3Drafter
 from eyas.training.target_head import load_target_tensors, read_target_config
@@ -44,11 +45,11 @@ def _shard_capture_ids(shard_meta: dict) -> list[int]:
             f"layer_convention (got layer_ids={ids!r}, layer_convention={conv!r}), so the "
             "layers the drafter was trained on cannot be checked"
         )
-    if conv not in ("capture-before", "output-of"):
+    if conv not in CONVENTIONS:
         raise InvalidInput(
             f"refusing to export: unknown layer_convention {conv!r} in the shard manifest"
         )
-    capture = [i + (1 if conv == "output-of" else 0) for i in ids]
+    capture = to_capture_before(ids, conv)
     if "capture_ids" in shard_meta and list(shard_meta["capture_ids"]) != capture:
         raise InvalidInput(
             f"refusing to export: the shard manifest contradicts itself: layer_ids {ids} "
@@ -80,10 +81,11 @@ def check_layer_ids(
         raise InvalidInput(
             f"refusing to export: SGLang's EAGLE-3 drafter fuses exactly 3 layers, got {capture}"
         )
-    if capture[0] == 1:
+    read = eagle_config_capture_ids(capture)
+    if read != capture:
         raise InvalidInput(
             f"refusing to export: capture-before ids {capture} start with 1, which SGLang "
-            f"reads as output-of ids and shifts to {[i + 1 for i in capture]}; choose layers "
+            f"reads as output-of ids and shifts to {read}; choose layers "
             f"whose first capture id is not 1"
         )
     if num_target_layers is not None and capture[-1] >= num_target_layers:

@@ -43,6 +43,7 @@ from eyas.extraction.shards import (
     partial_path,
     verify_shard,
 )
+from eyas.layers import to_capture_before
 from eyas.server.hosts import HostError
 
 SAMPLING = {"max_new_tokens": 1, "temperature": 0}
@@ -374,5 +375,4 @@ def _wait_records(store: DumpStore, rid: str, num_tokens: int, timeout: float):
 
 
 def _capture_ids(meta: dict) -> list[int]:
-    ids = list(meta["layer_ids"])
-    return [i + 1 for i in ids] if meta.get("layer_convention") == "output-of" else ids
+    return to_capture_before(meta["layer_ids"], meta["layer_convention"])

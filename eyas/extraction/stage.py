@@ -30,6 +30,7 @@ from eyas.extraction.data import ShardPlan
 from eyas.extraction.progress import ExtractionRun
 from eyas.extraction.shards import ShardManifest
 from eyas.files import sha256_file
+from eyas.layers import to_output_of
 from eyas.server.hosts import make_host
 from eyas.server.launch import auth_headers, capture_launch, server_alive
 from eyas.target import load_tokenizer, local_copy, target_dims, trust_remote_code
@@ -410,7 +411,7 @@ def shard_meta(cfg: PipelineConfig, plan: ShardPlan, patch_version: str) -> dict
         "layer_convention": t.layer_convention,
         "capture_ids": capture,
         "layer_ids_capture_before": capture,
-        "layer_ids_output_of": [i - 1 for i in capture],
+        "layer_ids_output_of": to_output_of(capture),
         "target_checkpoint": str(t.checkpoint),
         "target_revision": t.revision,
         "patch_version": patch_version,

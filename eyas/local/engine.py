@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from eyas.dump import DumpWriter
 from eyas.errors import EyasError, InvalidInput
+from eyas.layers import captured_layer_ids, eagle_config_capture_ids
 from eyas.local.batch import DecodeBatch, Sequence, Think
 
 # SGLang's exact loading bar (utils/common.py) and its default description (multithread loader).
@@ -248,13 +249,14 @@ def resolve_capture_ids(ids: list[int] | None, num_layers: int) -> list[int]:
     """SGLang's set_eagle3_layers_to_capture: default [2, L//2, L-3]; a list starting at 1 is +1."""
     if ids is None:
         return [2, num_layers // 2, num_layers - 3]
-    if ids[0] == 1:
-        shifted = [i + 1 for i in ids]
+    # DeepSeek-V2's rule: the DeepSeek-V3 served here is of that family
+    shifted = captured_layer_ids(ids)
+    if shifted != ids:
         log(
             f"Aux layer ids {ids} start at 1: read as output-of ids (as SGLang does), capturing "
             f"{shifted}"
         )
-        ids = shifted
+    ids = shifted
     if max(ids) >= num_layers:
         # HF hidden_states[L] is the post-norm output, which SGLang cannot capture either.
         raise InvalidInput(
@@ -315,8 +317,7 @@ class Speculative:
 
         drafter, _, meta = load_exported(drafter_dir, target_checkpoint=target_path)
         ids = list(meta["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
-        # SGLang reads this list as capture-before ids (a list starting with 1 is shifted by +1).
-        ids = [i + 1 for i in ids] if ids and ids[0] == 1 else ids
+        ids = eagle_config_capture_ids(ids)
         if max(ids) >= num_target_layers:
             raise InvalidInput(
                 f"{drafter_dir}: the drafter reads layers {ids}, the target has only "

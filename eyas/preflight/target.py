@@ -10,6 +10,7 @@ import shlex
 from pathlib import Path
 
 from eyas.config import PipelineConfig, TargetConfig
+from eyas.layers import eagle_config_capture_ids
 from eyas.preflight.hosts import run_on
 
 # eyas/local/engine.py builds the model with transformers' AutoModelForCausalLM and captures the
@@ -137,10 +138,10 @@ def layer_id_problems(target: TargetConfig, num_layers: int) -> list[str]:
             f"is the input of decoder layer i, so ids go from 1 to {num_layers - 1} (the "
             f"last layer's output is the final norm's input, which SGLang cannot capture)"
         )
-    elif capture and capture[0] == 1:
+    elif (read := eagle_config_capture_ids(capture)) != capture:
         out.append(
             f"{where}: capture ids starting with 1 are read by SGLang as output-of ids and "
-            f"shifted to {[i + 1 for i in capture]}; choose a first capture id of 2 or more"
+            f"shifted to {read}; choose a first capture id of 2 or more"
         )
     return out
 

@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import save_file
 
 from eyas.draft_format import DrafterConfig, expected_weights, sglang_config
-from eyas.dump import server_layer_ids
 from eyas.errors import InvalidInput
+from eyas.layers import server_layer_ids
 from eyas.server.hosts import Host
 
 FOLDER = "capture-draft"  #: under server.workdir on the server host

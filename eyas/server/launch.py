@@ -35,8 +35,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Literal
 
 from eyas.config import PipelineConfig, ServerConfig, TargetConfig
-from eyas.dump import DUMP_DIR_ENV, server_layer_ids
+from eyas.dump import DUMP_DIR_ENV
 from eyas.errors import EyasError
+from eyas.layers import server_layer_ids
 from eyas.secrets import PYDANTIC_MASK, redact, register, secret_flag_values
 from eyas.server.capture_draft import FOLDER as CAPTURE_DRAFT
 from eyas.server.capture_draft import capture_draft_args, install_capture_draft

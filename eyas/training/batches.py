@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 from eyas.errors import InvalidInput
 from eyas.extraction.shards import ShardReader
+from eyas.layers import to_capture_before
 from eyas.training.losses import scored_counts
 
 if TYPE_CHECKING:  # eyas.config needs pydantic; the GPU benchmark imports this package without it
@@ -100,8 +101,7 @@ def check_shard_meta(readers: list[ShardReader], target: TargetConfig) -> dict:
             f"the wrong states"
         )
     if meta["layer_ids"] is not None:
-        shift = 1 if meta["layer_convention"] == "output-of" else 0
-        capture = [i + shift for i in meta["layer_ids"]]
+        capture = to_capture_before(meta["layer_ids"], meta["layer_convention"])
         if capture != target.capture_ids():
             raise InvalidInput(
                 f"{readers[0].path}: shards hold capture layers {capture} ({meta['layer_ids']} "
