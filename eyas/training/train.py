@@ -50,7 +50,14 @@ import torch.distributed as dist
 
 from eyas.errors import InvalidInput
 from eyas.training import gemm, warm_start
-from eyas.training.batches import ShardData, add_aux_noise, check_shard_meta, collate, data_digest
+from eyas.training.batches import (
+    Batch,
+    ShardData,
+    add_aux_noise,
+    check_shard_meta,
+    collate,
+    data_digest,
+)
 from eyas.training.checkpoints import (
     TrainState,
     checkpoint_differs,
@@ -186,7 +193,7 @@ def optimizer_step(
             labels = make_labels(batch)
             with autocast:
                 loss, correct, scored = wrapped(
-                    batch["ids"], batch["aux"], labels, ttt_steps, decay, counts
+                    batch.ids, batch.aux, labels, ttt_steps, decay, counts
                 )
             (
                 loss * world
@@ -574,7 +581,7 @@ class Labeller:
     def __init__(self, run: RunSetup, cfg: TrainingConfig, log, training: bool = True):
         head, vocab, dtype, kernels = run.head, cfg.draft_vocab_size, run.dtype, run.kernels
         self.teacher = lambda b, outside=None: teacher_labels(
-            head, b["last"], b["loss_mask"], vocab, dtype, kernels=kernels, outside=outside
+            head, b.last, b.loss_mask, vocab, dtype, kernels=kernels, outside=outside
         )
         self.memo = None
         self.labels = self.teacher
@@ -601,7 +608,7 @@ class Labeller:
             self.memo = ArgmaxMemo(run.data.lengths, run.device)
             self.labels = lambda b: self.memo.labels(b, self.teacher)
 
-    def __call__(self, batch: dict) -> torch.Tensor:
+    def __call__(self, batch: Batch) -> torch.Tensor:
         return self.labels(batch)
 
     def new_epoch(self, epoch: int, num_sequences: int, log) -> None:
@@ -831,7 +838,7 @@ def evaluate_heldout(run: RunSetup, cfg: TrainingConfig, autocast=None) -> list[
         )
         with autocast:
             _, c, n = run.wrapped(
-                batch["ids"], batch["aux"], run.labels(batch), cfg.ttt_steps, cfg.loss_decay
+                batch.ids, batch.aux, run.labels(batch), cfg.ttt_steps, cfg.loss_decay
             )
         if idx < len(
             batches
