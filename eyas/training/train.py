@@ -726,7 +726,7 @@ class _Loop:
             None  # held-out simulated acceptance length, every eval_every steps and at max_steps
         )
         if state.step == cfg.max_steps or (cfg.eval_every and state.step % cfg.eval_every == 0):
-            held = evaluate_heldout(run, cfg, self.autocast)
+            held = evaluate_heldout(run, cfg, autocast=self.autocast)
             simulated = None if held is None else simulated_acceptance_length(held)
             if state.step == cfg.max_steps:
                 self.final_held = held
@@ -813,9 +813,11 @@ def _all_reduce(t: torch.Tensor, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_heldout(run: RunSetup, cfg: TrainingConfig, autocast=None) -> list[float] | None:
+def evaluate_heldout(
+    run: RunSetup, cfg: TrainingConfig, *, autocast: contextlib.AbstractContextManager | None = None
+) -> list[float] | None:
     """Per-TTT-step accuracy on the held-out sequences; every rank runs the same number of
-    forwards."""
+    forwards. autocast: the loop's (default: bf16 autocast on a GPU in bf16)."""
     data, device, dtype, rank, world = run.data, run.device, run.dtype, run.rank, run.world
     autocast = (
         autocast
