@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from eyas.training.batches import Batch  # noqa: E402
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eyas.training.gemm import cpu_bf16_gemm  # noqa: E402
 from eyas.training.kernels import KernelOptions  # noqa: E402
@@ -66,12 +67,12 @@ def batches(n: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
         T = int(torch.randint(150, 385, (1,), generator=g))
-        yield {
-            "ids": torch.randint(0, V, (B, T), generator=g),
-            "aux": torch.randn(B, T, 3 * H, generator=g),
-            "last": torch.randn(B, T, H, generator=g),
-            "loss_mask": torch.ones(B, T, dtype=torch.bool),
-        }
+        yield Batch(
+            ids=torch.randint(0, V, (B, T), generator=g),
+            aux=torch.randn(B, T, 3 * H, generator=g),
+            last=torch.randn(B, T, H, generator=g),
+            loss_mask=torch.ones(B, T, dtype=torch.bool),
+        )
 
 
 def step(mode, batch, head) -> float:
@@ -84,10 +85,10 @@ def step(mode, batch, head) -> float:
         opt,
         sched,
         [batch],
-        lambda b: teacher_labels(head, b["last"], b["loss_mask"], VD, kernels=KERNELS),
+        lambda b: teacher_labels(head, b.last, b.loss_mask, VD, kernels=KERNELS),
         ttt_steps=K,
         decay=0.8,
-        counts=scored_counts(list(batch["loss_mask"]), K),
+        counts=scored_counts(list(batch.loss_mask), K),
         grad_clip=0.5,
         autocast=contextlib.nullcontext(),
     )
@@ -112,7 +113,7 @@ def main() -> None:
             if i >= 3:
                 times[name].append(dt)
         if i >= 3:
-            tokens.append(batch["ids"].numel())
+            tokens.append(batch.ids.numel())
     med = {m: statistics.median(t) for m, t in times.items()}
     figures = {
         "threads": args.threads,

@@ -80,7 +80,7 @@ from eyas.training.attention import (  # noqa: E402
     reference_ttt_attention_rows,
     ttt_attention,
 )
-from eyas.training.batches import ShardData  # noqa: E402
+from eyas.training.batches import Batch, ShardData  # noqa: E402
 from eyas.training.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eyas.training.kernels import KernelOptions  # noqa: E402
 from eyas.training.loader import BatchLoader, plan_steps  # noqa: E402
@@ -264,12 +264,12 @@ def check_compiled(device, dtype) -> dict:
         ("compiled_vs_eager_turns", lambda B, seed: turns),
     ):
         d = batch(c, 2, T, device, dtype, seed=3, mask_fn=mask_fn)
-        labels = teacher_labels(head, d["last"], d["loss_mask"], c.draft_vocab_size, dtype)
+        labels = teacher_labels(head, d.last, d.loss_mask, c.draft_vocab_size, dtype)
         out = []
         for on in (False, True):
             with autocast:
                 loss, _, _ = TTTObjective(model, kernels=KernelOptions(compile=on))(
-                    d["ids"], d["aux"], labels, K, 0.8
+                    d.ids, d.aux, labels, K, 0.8
                 )
             out.append([loss] + list(torch.autograd.grad(loss, params)))
         res[name] = max(rel(a, b) for a, b in zip(out[1], out[0]))
@@ -278,8 +278,8 @@ def check_compiled(device, dtype) -> dict:
     eager, compiled = (
         teacher_labels(
             head,
-            d["last"],
-            d["loss_mask"],
+            d.last,
+            d.loss_mask,
             c.draft_vocab_size,
             dtype,
             kernels=KernelOptions(compile=on),
@@ -304,7 +304,7 @@ def check_step(
     of the loss and of each trainable weight's gradient, each variant against the reference, and the
     second against the first."""
     d = batch(c, 1, T, device, dtype, seed=11, mask_fn=mask_source("prefix:0", T))
-    labels = teacher_labels(head, d["last"], d["loss_mask"], c.draft_vocab_size, dtype)
+    labels = teacher_labels(head, d.last, d.loss_mask, c.draft_vocab_size, dtype)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = [p for p in model.parameters() if p.requires_grad]
     out = {}
@@ -312,11 +312,11 @@ def check_step(
         autocast = torch.autocast(
             device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and mixed
         )
-        aux = d["aux"] if mixed else d["aux"].float()
+        aux = d.aux if mixed else d.aux.float()
         name = "default" if v == "fp32" else v
         with autocast:
             loss, _, _ = objective(model, variant(name, compile_on), name)(
-                d["ids"], aux, labels, K, 0.8
+                d.ids, aux, labels, K, 0.8
             )
         out[v] = [loss.detach().float()] + [g.float() for g in torch.autograd.grad(loss, params)]
     res = {}
@@ -419,17 +419,17 @@ def mask_source(kind: str, T: int, masks_from: str | None = None):
 MEMO_SEQS = 256
 
 
-def batch(c: DrafterConfig, B: int, T: int, device, dtype, seed: int, mask_fn=None) -> dict:
+def batch(c: DrafterConfig, B: int, T: int, device, dtype, seed: int, mask_fn=None) -> Batch:
     g = torch.Generator(device="cpu").manual_seed(seed)
     mask = (mask_fn or mask_source(f"prefix:{_PROMPT_FRACTION[0]}", T))(B, seed)
     assert (seed + 1) * B <= MEMO_SEQS, "a batch's sample ids must stay inside the bench's memo"
-    return {
-        "ids": torch.randint(0, c.vocab_size, (B, T), generator=g).to(device),
-        "sample_ids": list(range(seed * B, seed * B + B)),
-        "loss_mask": mask.to(device),
-        "aux": torch.randn(B, T, c.num_aux * c.target_hidden_size, generator=g).to(device, dtype),
-        "last": torch.randn(B, T, c.hidden_size, generator=g).to(device, dtype),
-    }
+    return Batch(
+        ids=torch.randint(0, c.vocab_size, (B, T), generator=g).to(device),
+        sample_ids=list(range(seed * B, seed * B + B)),
+        loss_mask=mask.to(device),
+        aux=torch.randn(B, T, c.num_aux * c.target_hidden_size, generator=g).to(device, dtype),
+        last=torch.randn(B, T, c.hidden_size, generator=g).to(device, dtype),
+    )
 
 
 def timed(fn, device, warmup: int, steps: int) -> list[float]:
@@ -452,8 +452,8 @@ def labeller(head, c: DrafterConfig, dtype, kernels: KernelOptions, T: int, memo
     epoch's."""
     teacher = lambda b, outside=None: teacher_labels(  # noqa: E731
         head,
-        b["last"],
-        b["loss_mask"],
+        b.last,
+        b.loss_mask,
         c.draft_vocab_size,
         dtype,
         kernels=kernels,
@@ -483,7 +483,7 @@ def run_batch(
 ) -> dict:
     obj = objective(model, kernels, name)
     data = [batch(c, B, T, device, dtype, seed=s, mask_fn=mask_fn) for s in range(2)]
-    counts = [scored_counts(list(d["loss_mask"].cpu()), K) for d in data]
+    counts = [scored_counts(list(d.loss_mask.cpu()), K) for d in data]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     make_labels = labeller(head, c, dtype, kernels, T, VARIANTS[name].get("memo", True))
     seen, i = [], [0]
@@ -513,7 +513,7 @@ def run_batch(
     peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
     reserved = torch.cuda.max_memory_reserved() / 1e9 if device.type == "cuda" else float("nan")
     med = statistics.median(times)
-    unscored = 1.0 - float(sum(d["loss_mask"].float().mean() for d in data)) / len(data)
+    unscored = 1.0 - float(sum(d.loss_mask.float().mean() for d in data)) / len(data)
     return {
         "batch": B,
         "step_s": med,
@@ -532,7 +532,7 @@ def rows_share(data: list, K: int) -> float:
     (ttt_rows)."""
     n = 0.0
     for d in data:
-        m = d["loss_mask"].bool().cpu()
+        m = d.loss_mask.bool().cpu()
         scored = torch.zeros_like(m)
         scored[:, :-1] = m[:, 1:]
         n += ttt_rows(scored, K)[0].numel() / m.numel()
@@ -543,7 +543,7 @@ def breakdown(model, head, opt, c, T, K, device, dtype, args, kernels: KernelOpt
     """Batch 1, the parts of a step timed alone: teacher, forward+backward, clip+AdamW."""
     obj = TTTObjective(model, kernels=kernels)
     d = batch(c, 1, T, device, dtype, seed=7)
-    counts = scored_counts(list(d["loss_mask"].cpu()), K)
+    counts = scored_counts(list(d.loss_mask.cpu()), K)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     labels: list[Labels] = []
     params = [p for p in model.parameters() if p.requires_grad]
@@ -554,12 +554,12 @@ def breakdown(model, head, opt, c, T, K, device, dtype, args, kernels: KernelOpt
 
     def fwd_bwd():
         with autocast:
-            loss, _, _ = obj(d["ids"], d["aux"], labels[-1], K, 0.8, counts)
+            loss, _, _ = obj(d.ids, d.aux, labels[-1], K, 0.8, counts)
         loss.backward()
 
     def fwd():
         with torch.no_grad(), autocast:
-            obj(d["ids"], d["aux"], labels[-1], K, 0.8, counts)
+            obj(d.ids, d.aux, labels[-1], K, 0.8, counts)
 
     def opt_step():
         clip_and_step(params, opt, 0.5)
@@ -631,7 +631,7 @@ def run_variants(
     rounds of `per_round` timed steps of every variant in turn), so clock and thermal drift hit all
     alike. Each variant is its own TTTObjective over the one model, built with its KernelOptions."""
     data = batch(c, B, T, device, dtype, seed=0, mask_fn=mask_fn)
-    counts = scored_counts(list(data["loss_mask"].cpu()), K)
+    counts = scored_counts(list(data.loss_mask.cpu()), K)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     objectives = {n: objective(model, variant(n, compile_on), n) for n in names}
     labellers = {
@@ -740,7 +740,7 @@ def profile_batch(
 
     obj = TTTObjective(model, kernels=kernels)
     d = batch(c, B, T, device, dtype, seed=9, mask_fn=mask_fn)
-    counts = scored_counts(list(d["loss_mask"].cpu()), K)
+    counts = scored_counts(list(d.loss_mask.cpu()), K)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
     make_labels = labeller(head, c, dtype, kernels, T)
     step = lambda: optimizer_step(  # noqa: E731
@@ -1099,8 +1099,8 @@ def run_from_shards(
             obj = objective(model, kernels)
             teacher = lambda b, outside=None: teacher_labels(  # noqa: E731
                 head,
-                b["last"],
-                b["loss_mask"],
+                b.last,
+                b.loss_mask,
                 c.draft_vocab_size,
                 dtype,
                 kernels=kernels,
@@ -1168,10 +1168,10 @@ def loader_matches_collate(paths: list[Path], device, dtype, K: int, steps: int 
         for (_, _, micro), (b,) in loader:
             want = collate([data.sample(i) for i in micro[0]], device, dtype, ids=micro[0])
             ok &= all(
-                torch.equal(b[k], want[k]) and b[k].dtype == want[k].dtype
-                for k in ("ids", "loss_mask", "aux", "last")
+                torch.equal(x, y) and x.dtype == y.dtype
+                for x, y in zip(b.tensors(), want.tensors())
             )
-            ok &= b["sample_ids"] == want["sample_ids"]
+            ok &= b.sample_ids == want.sample_ids
     return bool(ok)
 
 

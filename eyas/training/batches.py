@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from safetensors import safe_open
@@ -156,33 +157,49 @@ def epoch_plan(
     return [steps[i] for i in torch.randperm(len(steps), generator=g).tolist()]
 
 
-def collate(samples, device, dtype=torch.float32, ids: list[int] | None = None) -> dict:
-    """Right-pad a list of samples: ids (B, T), loss_mask (B, T), aux (B, T, K*H), last (B, T, H);
-    with `ids` (the samples' global indices) also sample_ids, for the teacher cache."""
+@dataclass(frozen=True, eq=False)  # eq: == on tensors is elementwise; compare tensors()
+class Batch:
+    """A micro-batch of sequences, each right-padded with zeros to the longest one (T)."""
+
+    ids: torch.Tensor  # (B, T) long: the input token ids
+    loss_mask: torch.Tensor  # (B, T) bool: the tokens to learn to predict (loss_positions)
+    aux: torch.Tensor  # (B, T, K*H) the K captured layers' hidden states, side by side
+    last: torch.Tensor  # (B, T, H) the target's last hidden state, which the teacher labels
+    sample_ids: list[int] | None = None  # the samples' global indices: the teacher cache's key
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.ids, self.loss_mask, self.aux, self.last
+
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        """fn on every tensor (a copy to the device, pinning); the same sample_ids."""
+        return Batch(*map(fn, self.tensors()), sample_ids=self.sample_ids)
+
+
+def collate(samples, device, dtype=torch.float32, ids: list[int] | None = None) -> Batch:
+    """Right-pad a list of samples into a Batch; with `ids` (the samples' global indices) also its
+    sample_ids, for the teacher cache."""
     B, T = len(samples), max(len(s) for s in samples)
-    out = {
-        "ids": torch.zeros(B, T, dtype=torch.long),
-        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-        "aux": torch.zeros(B, T, samples[0].aux_hidden_states.shape[1], dtype=dtype),
-        "last": torch.zeros(B, T, samples[0].last_hidden_state.shape[1], dtype=dtype),
-    }
+    out = Batch(
+        torch.zeros(B, T, dtype=torch.long),
+        torch.zeros(B, T, dtype=torch.bool),
+        torch.zeros(B, T, samples[0].aux_hidden_states.shape[1], dtype=dtype),
+        torch.zeros(B, T, samples[0].last_hidden_state.shape[1], dtype=dtype),
+        None if ids is None else list(ids),
+    )
     for b, s in enumerate(samples):
         n = len(s)
-        out["ids"][b, :n], out["loss_mask"][b, :n] = s.input_ids, s.loss_mask
-        out["aux"][b, :n], out["last"][b, :n] = s.aux_hidden_states, s.last_hidden_state
-    out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
-    if ids is not None:
-        out["sample_ids"] = list(ids)
-    return out
+        out.ids[b, :n], out.loss_mask[b, :n] = s.input_ids, s.loss_mask
+        out.aux[b, :n], out.last[b, :n] = s.aux_hidden_states, s.last_hidden_state
+    return out.apply(lambda t: t.to(device, non_blocking=True))
 
 
-def add_aux_noise(batch: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+def add_aux_noise(batch: Batch, scale: float) -> Batch:
     """aux + scale * rms * N(0, 1), the RMS taken per token and per captured layer (B, T, K*H)."""
-    if scale:
-        aux = batch["aux"]
-        B, T, KH = aux.shape
-        K = KH // batch["last"].shape[-1]
-        a = aux.float().view(B, T, K, -1)
-        rms = a.pow(2).mean(-1, keepdim=True).sqrt()
-        batch["aux"] = (a + scale * rms * torch.randn_like(a)).view(B, T, KH).to(aux.dtype)
-    return batch
+    if not scale:
+        return batch
+    aux = batch.aux
+    B, T, KH = aux.shape
+    K = KH // batch.last.shape[-1]
+    a = aux.float().view(B, T, K, -1)
+    rms = a.pow(2).mean(-1, keepdim=True).sqrt()
+    return replace(batch, aux=(a + scale * rms * torch.randn_like(a)).view(B, T, KH).to(aux.dtype))

@@ -38,7 +38,7 @@ import torch
 from eyas.dump import Header, HeaderError, read_header
 from eyas.errors import InvalidInput
 from eyas.extraction.shards import ShardError
-from eyas.training.batches import ShardData, collate, epoch_plan
+from eyas.training.batches import Batch, ShardData, collate, epoch_plan
 
 #: bytes per read call: a closing loader stops a worker within one chunk
 READ_CHUNK = 64 << 20
@@ -118,7 +118,7 @@ class BatchLoader:
     def __iter__(self):
         return self
 
-    def __next__(self) -> tuple[tuple, list[dict]]:
+    def __next__(self) -> tuple[tuple, list[Batch]]:
         if self._stop.is_set():
             raise StopIteration
         # synchronous: the step itself reads, collates and copies
@@ -155,7 +155,7 @@ class BatchLoader:
             self._pending.append((item, slots))
             self._queued += len(slots)
 
-    def _hand_over(self, slot: dict) -> dict:
+    def _hand_over(self, slot: dict) -> Batch:
         t0 = time.perf_counter()
         host = slot["host"].result()  # a worker's exception is raised here
         if slot["device"] is None:
@@ -165,11 +165,9 @@ class BatchLoader:
         if event is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(event)
-            for v in batch.values():
-                if isinstance(v, torch.Tensor):
-                    v.record_stream(
-                        stream
-                    )  # its memory goes back to the side stream after the step's use
+            # its memory goes back to the side stream after the step's use
+            for t in batch.tensors():
+                t.record_stream(stream)
         return batch
 
     def _copy_ahead(self) -> None:
@@ -181,27 +179,34 @@ class BatchLoader:
         if slot["device"] is None and slot["host"].done() and not slot["host"].cancelled():
             self._to_device(slot, slot["host"].result())
 
-    def _to_device(self, slot: dict, host: dict) -> None:
-        if not self.cuda:
+    def _to_device(self, slot: dict, host: Batch | dict) -> None:
+        if not self.cuda:  # host_batch made the step's Batch
             slot["device"] = (host, None)
             return
         with torch.cuda.stream(self._stream):
-            g = {
-                k: (v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-                for k, v in host.items()
-            }
-            batch = {"ids": g["ids"], "loss_mask": g["loss_mask"]}
-            for name in ("aux", "last"):
-                if (
-                    f"{name}_fp8" in g
-                ):  # as fp8.dequantize, then the reader's bf16, then the step's dtype
-                    batch[name] = dequantize(g[f"{name}_fp8"], g[f"{name}_scale"], self.dtype)
-                else:
-                    batch[name] = g[name].to(self.dtype)
-            batch["sample_ids"] = host["sample_ids"]
+            if isinstance(host, Batch):  # collated on the host already (_collated_on_host)
+                batch = host.apply(lambda t: t.to(self.device, non_blocking=True))
+            else:
+                batch = self._from_stored(host)
             event = torch.cuda.Event()
             event.record(self._stream)
         slot["device"] = (batch, event)
+
+    def _from_stored(self, host: dict) -> Batch:
+        """The stored tensors on the device: FP8 dequantized here, the rest cast to the step's
+        dtype."""
+        g = {
+            k: (v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+            for k, v in host.items()
+        }
+        states = {}
+        for name in ("aux", "last"):
+            # as fp8.dequantize, then the reader's bf16, then the step's dtype
+            if f"{name}_fp8" in g:
+                states[name] = dequantize(g[f"{name}_fp8"], g[f"{name}_scale"], self.dtype)
+            else:
+                states[name] = g[name].to(self.dtype)
+        return Batch(g["ids"], g["loss_mask"], states["aux"], states["last"], host["sample_ids"])
 
     # -------------------------------------------------------------- the workers
 
@@ -225,9 +230,10 @@ class BatchLoader:
             except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
                 fut.set_exception(e)
 
-    def host_batch(self, ids: list[int]) -> dict:
-        """One micro-batch in host memory (pinned on a GPU), as the shards store it: plain shards in
-        their dtype, FP8 ones as aux_fp8/aux_scale, last_fp8/last_scale; on a CPU already what
+    def host_batch(self, ids: list[int]) -> Batch | dict:
+        """One micro-batch in host memory (pinned on a GPU). For a GPU step the tensors as the
+        shards store them, by name: plain shards' in their dtype, FP8 ones' as aux_fp8/aux_scale,
+        last_fp8/last_scale; for a CPU step, or shards stored in several ways, already the Batch
         collate returns."""
         samples = [self.data.index[i] for i in ids]
         if len({self._stored_kind(r) for r, _ in samples}) > 1:
@@ -249,6 +255,7 @@ class BatchLoader:
                     if fp8
                     else out[name].to(self.dtype)
                 )
+            return Batch(out["ids"], out["loss_mask"], out["aux"], out["last"], list(ids))
         out["sample_ids"] = list(ids)
         return out
 
@@ -257,13 +264,10 @@ class BatchLoader:
         aux = "aux_hidden_states_fp8" if reader.encoding == "fp8_e4m3" else "aux_hidden_states"
         return reader.encoding, self._header(reader).tensors[aux].dtype
 
-    def _collated_on_host(self, ids: list[int]) -> dict:
+    def _collated_on_host(self, ids: list[int]) -> Batch:
         """A batch from shards stored in several ways: the reader's way (collate), on the host."""
         out = collate([self.data.sample(i) for i in ids], "cpu", self.dtype, ids=ids)
-        return {
-            k: (v.pin_memory() if self.cuda and isinstance(v, torch.Tensor) else v)
-            for k, v in out.items()
-        }
+        return out.apply(torch.Tensor.pin_memory) if self.cuda else out
 
     def _read_samples(
         self, samples: list, names: dict[str, tuple[str, int]], T: int, pin: bool

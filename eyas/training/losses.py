@@ -1,8 +1,8 @@
 """The EAGLE-3 objective: teacher labels from the target's head, the TTT unroll, and a fused loss.
 
     # once per batch
-    labels = teacher_labels(head, batch["last"], batch["loss_mask"], num_draft, kernels=k)
-    loss, correct, scored = TTTObjective(drafter, kernels=k)(batch["ids"], batch["aux"], labels, 7,
+    labels = teacher_labels(head, batch.last, batch.loss_mask, num_draft, kernels=k)
+    loss, correct, scored = TTTObjective(drafter, kernels=k)(batch.ids, batch.aux, labels, 7,
     0.8, counts)
 
 Never materialised: the target's logits over its whole vocabulary for all positions (the teacher

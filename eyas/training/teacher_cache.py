@@ -2,7 +2,7 @@
 one bit per position a later epoch cannot get from the draft vocabulary's rows alone.
 
     cache = TeacherCache.build(data, teacher, device, dtype, budget_gb=2.0)   # None: too large
-    labels = cache.labels(batch)        # batch from collate, with batch["sample_ids"]
+    labels = cache.labels(batch)        # a Batch from collate, with sample_ids
 
     memo = ArgmaxMemo(data.lengths, device)             # 1 byte a token
     labels = memo.labels(batch, teacher)  # teacher(batch, outside=None | (B, T) bool) -> Labels
@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from eyas.training.batches import ShardData, collate
+from eyas.training.batches import Batch, ShardData, collate
 from eyas.training.losses import Labels, scored_span
 
 
@@ -49,7 +49,7 @@ class TeacherCache:
     def build(
         cls,
         data: ShardData,
-        teacher: Callable[[dict], Labels],
+        teacher: Callable[[Batch], Labels],
         num_draft: int,
         dtype: torch.dtype,
         budget_gb: float,
@@ -66,9 +66,9 @@ class TeacherCache:
             target.append(lab.target[0].clone())
         return cls(probs, target)
 
-    def labels(self, batch: dict) -> Labels:
+    def labels(self, batch: Batch) -> Labels:
         """The batch's labels, laid out as teacher_labels lays them out (right-padded rows)."""
-        ids, mask = batch["sample_ids"], batch["loss_mask"]
+        ids, mask = batch.sample_ids, batch.loss_mask
         B, T = mask.shape
         V = self.probs[0].shape[1]
         probs = torch.zeros(B, T, V, dtype=self.probs[0].dtype)
@@ -107,12 +107,12 @@ class ArgmaxMemo:
         )  # 1: argmax outside
         self.known = torch.zeros(len(lengths), dtype=torch.bool)  # (N,) on the CPU: no sync to ask
 
-    def labels(self, batch: dict, teacher: Callable[..., Labels]) -> Labels:
+    def labels(self, batch: Batch, teacher: Callable[..., Labels]) -> Labels:
         """The teacher's labels of a collated batch (with sample_ids): the bit from here where every
         sequence of the batch has one, else computed in full and remembered."""
-        ids = batch["sample_ids"]
+        ids = batch.sample_ids
         if bool(self.known[ids].all()):
-            return teacher(batch, outside=self._outside(ids, batch["loss_mask"].shape))
+            return teacher(batch, outside=self._outside(ids, batch.loss_mask.shape))
         lab = teacher(batch, outside=None)
         # target -1: outside the draft vocabulary, or not labelled at all (then it stays unlabelled)
         self._remember(ids, lab.target < 0)

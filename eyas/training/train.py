@@ -50,7 +50,14 @@ import torch.distributed as dist
 
 from eyas.errors import InvalidInput
 from eyas.training import gemm, warm_start
-from eyas.training.batches import ShardData, add_aux_noise, check_shard_meta, collate, data_digest
+from eyas.training.batches import (
+    Batch,
+    ShardData,
+    add_aux_noise,
+    check_shard_meta,
+    collate,
+    data_digest,
+)
 from eyas.training.checkpoints import (
     TrainState,
     checkpoint_differs,
@@ -186,7 +193,7 @@ def optimizer_step(
             labels = make_labels(batch)
             with autocast:
                 loss, correct, scored = wrapped(
-                    batch["ids"], batch["aux"], labels, ttt_steps, decay, counts
+                    batch.ids, batch.aux, labels, ttt_steps, decay, counts
                 )
             (
                 loss * world
@@ -574,7 +581,7 @@ class Labeller:
     def __init__(self, run: RunSetup, cfg: TrainingConfig, log, training: bool = True):
         head, vocab, dtype, kernels = run.head, cfg.draft_vocab_size, run.dtype, run.kernels
         self.teacher = lambda b, outside=None: teacher_labels(
-            head, b["last"], b["loss_mask"], vocab, dtype, kernels=kernels, outside=outside
+            head, b.last, b.loss_mask, vocab, dtype, kernels=kernels, outside=outside
         )
         self.memo = None
         self.labels = self.teacher
@@ -601,7 +608,7 @@ class Labeller:
             self.memo = ArgmaxMemo(run.data.lengths, run.device)
             self.labels = lambda b: self.memo.labels(b, self.teacher)
 
-    def __call__(self, batch: dict) -> torch.Tensor:
+    def __call__(self, batch: Batch) -> torch.Tensor:
         return self.labels(batch)
 
     def new_epoch(self, epoch: int, num_sequences: int, log) -> None:
@@ -719,7 +726,7 @@ class _Loop:
             None  # held-out simulated acceptance length, every eval_every steps and at max_steps
         )
         if state.step == cfg.max_steps or (cfg.eval_every and state.step % cfg.eval_every == 0):
-            held = evaluate_heldout(run, cfg, self.autocast)
+            held = evaluate_heldout(run, cfg, autocast=self.autocast)
             simulated = None if held is None else simulated_acceptance_length(held)
             if state.step == cfg.max_steps:
                 self.final_held = held
@@ -806,9 +813,11 @@ def _all_reduce(t: torch.Tensor, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_heldout(run: RunSetup, cfg: TrainingConfig, autocast=None) -> list[float] | None:
+def evaluate_heldout(
+    run: RunSetup, cfg: TrainingConfig, *, autocast: contextlib.AbstractContextManager | None = None
+) -> list[float] | None:
     """Per-TTT-step accuracy on the held-out sequences; every rank runs the same number of
-    forwards."""
+    forwards. autocast: the loop's (default: bf16 autocast on a GPU in bf16)."""
     data, device, dtype, rank, world = run.data, run.device, run.dtype, run.rank, run.world
     autocast = (
         autocast
@@ -831,7 +840,7 @@ def evaluate_heldout(run: RunSetup, cfg: TrainingConfig, autocast=None) -> list[
         )
         with autocast:
             _, c, n = run.wrapped(
-                batch["ids"], batch["aux"], run.labels(batch), cfg.ttt_steps, cfg.loss_decay
+                batch.ids, batch.aux, run.labels(batch), cfg.ttt_steps, cfg.loss_decay
             )
         if idx < len(
             batches

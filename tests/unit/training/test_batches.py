@@ -2,7 +2,7 @@
 
 import torch
 
-from eyas.training.batches import add_aux_noise, collate, epoch_plan
+from eyas.training.batches import Batch, add_aux_noise, collate, epoch_plan
 from tests.helpers_training import shift_left
 
 torch.set_num_threads(1)
@@ -29,9 +29,11 @@ def test_aux_noise_is_relative_per_layer_and_off_at_zero():
     aux = torch.cat(
         [torch.randn(2, 50, 8, generator=g) * s for s in (1.0, 10.0, 100.0)], -1
     )  # 3 layers of H=8
-    batch = {"aux": aux.clone(), "last": torch.zeros(2, 50, 8)}
-    assert torch.equal(add_aux_noise(dict(batch), 0.0)["aux"], aux)
-    noisy = add_aux_noise(dict(batch), 0.1)["aux"]
+    ids = torch.zeros(2, 50, dtype=torch.long)
+    batch = Batch(ids, ids.bool(), aux.clone(), torch.zeros(2, 50, 8))
+    assert torch.equal(add_aux_noise(batch, 0.0).aux, aux)
+    noisy = add_aux_noise(batch, 0.1).aux
+    assert torch.equal(batch.aux, aux)  # a new Batch: the one given is unchanged
     for k, scale in enumerate((1.0, 10.0, 100.0)):  # noise std ~ 0.1 x each layer's own RMS
         d = (noisy - aux)[..., 8 * k : 8 * (k + 1)]
         assert 0.07 * scale < float(d.std()) < 0.13 * scale
@@ -43,9 +45,11 @@ def test_collate_and_shift(shards):
     r = ShardReader(shards[0])
     b = collate([r.sample(0), r.sample(1)], torch.device("cpu"))
     assert (
-        b["ids"].shape == (2, 40)
-        and b["aux"].shape == (2, 40, 192)
-        and b["aux"].dtype == torch.float32
+        b.ids.shape == (2, 40)
+        and b.aux.shape == (2, 40, 192)
+        and b.aux.dtype == torch.float32
+        and b.last.shape[:2] == (2, 40)
+        and b.sample_ids is None
     )
     x = torch.arange(5)[None]
     assert shift_left(x, 2).tolist() == [[2, 3, 4, 0, 0]]

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from eyas.extraction.shards import Sample, ShardError, write_shard
-from eyas.training.batches import ShardData, collate
+from eyas.training.batches import Batch, ShardData, collate
 from eyas.training.loader import BatchLoader, dequantize, plan_steps, threads_left
 from eyas.training.train import train_drafter
 from tests.helpers_training import shard_meta, target_config, training_config
@@ -69,12 +69,9 @@ def shard_sets(tmp_path_factory):
     return sets
 
 
-def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype
-        if isinstance(a[k], torch.Tensor)
-        else a[k] == b[k]
-        for k in a
+def same(a: Batch, b: Batch) -> bool:
+    return a.sample_ids == b.sample_ids and all(
+        torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(a.tensors(), b.tensors())
     )
 
 
@@ -126,13 +123,26 @@ def test_each_rank_reads_only_its_micro_batches(shard_sets):
         loader.host_batch = lambda ids, f=original, seen=seen: (seen.append(list(ids)), f(ids))[1]
         with loader:
             out = list(loader)
-        assert [[b["sample_ids"] for b in batches] for _, batches in out] == [
+        assert [[b.sample_ids for b in batches] for _, batches in out] == [
             s[-1][rank::2] for s in steps
         ]
         read[rank] = sorted(map(tuple, seen))
     assert read[0] == sorted(tuple(m) for s in steps for m in s[-1][0::2])
     assert read[1] == sorted(tuple(m) for s in steps for m in s[-1][1::2])
     assert not set(read[0]) & set(read[1])
+
+
+def test_shards_stored_in_several_ways_batch_as_collate_does(shard_sets):
+    data = ShardData([shard_sets["bf16"][0], shard_sets["fp8"][1]], num_validation=0)
+    steps = list(
+        itertools.islice(plan_steps(data.lengths, data.train_ids, 6, 1, seed=0, epoch=0, pos=0), 3)
+    )
+    with BatchLoader(data, steps, "cpu", torch.float32, workers=2) as loader:
+        got = list(loader)
+    index = data.index
+    assert any(len({index[i][0].encoding for i in m}) > 1 for _, _, (m,) in steps)
+    for (_, _, (m,)), (b,) in got:
+        assert same(b, collate([data.sample(i) for i in m], "cpu", torch.float32, ids=m)), m
 
 
 def test_a_worker_error_reaches_the_step_and_no_thread_is_left(shard_sets, tmp_path):

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from eyas.training import gemm
+from eyas.training.batches import Batch
 from eyas.training.kernels import DEFAULT, KernelOptions
 from eyas.training.losses import (
     TTTObjective,
@@ -247,7 +248,7 @@ def test_training_steps_on_the_reference_as_on_the_fused_objective():
                     objective,
                     opt,
                     sched,
-                    [{"ids": ids, "aux": aux}],
+                    [Batch(ids, mask, aux, last=torch.empty(0))],  # last: unread, labels given
                     lambda batch: labels,
                     ttt_steps=3,
                     decay=0.8,

@@ -42,7 +42,7 @@ def _head_and_data(sharp_target, uneven, seed: int = 1):
 
 def test_cached_labels_equal_the_teachers_on_every_scored_position(uneven, sharp_target):
     data, head = _head_and_data(sharp_target, uneven, seed=0)
-    teacher = lambda b: teacher_labels(head, b["last"], b["loss_mask"], VD)  # noqa: E731
+    teacher = lambda b: teacher_labels(head, b.last, b.loss_mask, VD)  # noqa: E731
     cache = TeacherCache.build(data, teacher, VD, torch.float32, budget_gb=1.0)
     assert cache is not None and len(cache.probs) == len(data.lengths)
     ids = [5, 0, 4, 1]  # 40, 24, 40, 24 tokens: right padding in the batch
@@ -90,7 +90,7 @@ def test_memo_labels_equal_the_full_teachers_and_skip_the_rest_of_the_vocabulary
 
     def teacher(b, outside=None):
         calls.append(outside is not None)
-        return teacher_labels(head, b["last"], b["loss_mask"], VD, chunk=16, outside=outside)
+        return teacher_labels(head, b.last, b.loss_mask, VD, chunk=16, outside=outside)
 
     memo = ArgmaxMemo(data.lengths, torch.device("cpu"))
     ids = [5, 0, 4, 1]  # 40, 24, 40, 24 tokens: right padding in the batch
