@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from eyas.config import TargetConfig
 from eyas.errors import EyasError, InvalidInput
+
+if TYPE_CHECKING:  # the training path reads a target without pydantic (a GPU host's bare python)
+    from eyas.config import TargetConfig
 
 
 def read_config(folder: str | Path) -> dict:

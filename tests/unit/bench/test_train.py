@@ -171,3 +171,27 @@ def test_each_variant_is_a_kernel_options_and_bench_patches_nothing():
         assert kernels == KernelOptions(**v.get("kernels", {}))
         if v.get("kernels") and name != "fp8":
             assert_same_step(loss_and_grads(kernels), base, atol=1e-6, rtol=1e-4)
+
+
+# The lent GPU's python holds torch, safetensors and numpy but neither pydantic, prefect nor pyyaml:
+# the training benches import the training path alone, and a config import on it stops them there.
+BARE_GPU_PYTHON = """
+import importlib.abc, importlib.util, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("pydantic", "prefect", "yaml", "fabric"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, Absent())
+sys.path.insert(0, sys.argv[1])
+for script in ("train", "train_goal_rows"):
+    spec = importlib.util.spec_from_file_location(script, f"{sys.argv[1]}/bench/{script}.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+print("imported")
+"""
+
+
+def test_the_training_benches_import_on_a_gpu_hosts_bare_python():
+    out = subprocess.run(
+        [sys.executable, "-c", BARE_GPU_PYTHON, str(ROOT)], capture_output=True, text=True
+    )
+    assert out.stdout.strip() == "imported", out.stderr[-2000:]
