@@ -83,26 +83,11 @@ def wait_ready(cfg: PipelineConfig, handle: launch.ServerHandle) -> readiness.Re
             payload={"done": p.done, "total": p.total, "eta_s": p.remaining_s},
         )
 
-    def on_replicas(seen: dict[str, str]) -> None:
-        replicas = replica_states(seen, cfg.server.dp_size)
-        loaded = sum(state == "loaded" for state in replicas.values())
-        logger.info(
-            "replicas %s: %d of %d loaded",
-            ", ".join(f"{r} {state}" for r, state in replicas.items()),
-            loaded,
-            len(replicas),
-        )
-        create_table_artifact(
-            key=artifact_key("replicas", cfg.name),
-            table=[{"replica": r, "weights": state} for r, state in replicas.items()],
-            description=f"each replica's load on {cfg.server.host.name} ({loaded} of "
-            f"{len(replicas)} loaded)",
-        )
-        emit_event(event="eyas.server.replicas", resource=resource, payload={"replicas": replicas})
-
     try:
         with make_host(cfg.server.host) as host:
-            report = readiness.wait_for_server(host, handle, cfg.sensor, on_progress, on_replicas)
+            report = readiness.wait_for_server(
+                host, handle, cfg.sensor, on_progress, replica_reporter(cfg, logger, resource)
+            )
     except readiness.ServerFailed as e:
         # the state message keeps the cause; the log's own words go to the run's log
         logger.warning("the server log's last %d lines:\n%s", len(e.log_lines), e.log_tail())
@@ -120,6 +105,30 @@ def wait_ready(cfg: PipelineConfig, handle: launch.ServerHandle) -> readiness.Re
     )
     logger.info("server ready after %.1fs", report.seconds)
     return report
+
+
+def replica_reporter(cfg: PipelineConfig, logger, resource: dict):
+    """wait-ready's on_replicas: each change of the replicas' loads as a log line, the table
+    artifact `replicas-NAME` and the event eyas.server.replicas."""
+
+    def on_replicas(seen: dict[str, str]) -> None:
+        replicas = replica_states(seen, cfg.server.dp_size)
+        loaded = sum(state == "loaded" for state in replicas.values())
+        logger.info(
+            "replicas %s: %d of %d loaded",
+            ", ".join(f"{r} {state}" for r, state in replicas.items()),
+            loaded,
+            len(replicas),
+        )
+        create_table_artifact(
+            key=artifact_key("replicas", cfg.name),
+            table=[{"replica": r, "weights": state} for r, state in replicas.items()],
+            description=f"each replica's load on {cfg.server.host.name} ({loaded} of "
+            f"{len(replicas)} loaded)",
+        )
+        emit_event(event="eyas.server.replicas", resource=resource, payload={"replicas": replicas})
+
+    return on_replicas
 
 
 def replica_states(seen: dict[str, str], dp_size: int | None) -> dict[str, str]:

@@ -65,9 +65,10 @@ def test_ready_server_gives_progress_artifact_and_events(prefect_harness, tmp_pa
 
     # capitals, '_' and '.' are fine in a run name but not in a Prefect artifact key: the key is
     # normalised
-    cfg = stage_config(tmp_path, random_target, **{"name": "Sensor_OK.1"})
+    # two replicas: each one's load is a table row, and an event as it changes
+    cfg = stage_config(tmp_path, random_target, **{"name": "Sensor_OK.1", "server.dp_size": 2})
     ready = serve_and_stop(cfg)
-    assert ready.shards_total >= 8
+    assert ready.shards_total >= 8 and ready.replicas == {"DP0": "loaded", "DP1": "loaded"}
 
     async def artifact():
         async with get_client() as client:
@@ -78,9 +79,11 @@ def test_ready_server_gives_progress_artifact_and_events(prefect_harness, tmp_pa
         latest["load-sensor-ok-1"].type == "progress"
         and float(latest["load-sensor-ok-1"].data) == 100.0
     )
+    table = latest["replicas-sensor-ok-1"]
+    assert table.type == "table" and "loaded" in str(table.data) and "DP1" in str(table.data)
     rid = f"eyas.server.localhost.{cfg.server.port}"
-    seen = _wait_for_events("eyas.server.", rid, {"eyas.server.loading", "eyas.server.ready"})
-    assert {"eyas.server.loading", "eyas.server.ready"} <= seen
+    wanted = {"eyas.server.loading", "eyas.server.replicas", "eyas.server.ready"}
+    assert wanted <= _wait_for_events("eyas.server.", rid, wanted)
 
 
 def test_crash_fails_the_task_with_the_reason_and_stops_the_server(
