@@ -11,6 +11,7 @@ import pytest
 from eyas.extraction.dataset import dataset_path
 from eyas.extraction.shards import ShardReader, verify_shard
 from flows.extract import extract
+from tests.eyas_run import small_data
 from tests.stage_config import ROOT, stage_config
 
 pytestmark = pytest.mark.slow
@@ -38,13 +39,7 @@ def test_extraction_trains_on_the_targets_answers_and_a_rerun_launches_nothing(
         return real(*args, on_part=part_done, **kw)
 
     monkeypatch.setattr(regen, "regenerate", dies_after_the_first_part)
-    data = tmp_path / "conversations.jsonl"
-    data.write_text(
-        "\n".join(
-            (ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:10]
-        )
-        + "\n"
-    )
+    data = small_data(tmp_path, 10)
     cfg = stage_config(
         tmp_path,
         ROOT / "fixtures" / "tiny-target",
@@ -156,13 +151,7 @@ def test_a_stalled_server_fails_the_stage_within_its_stall_timeout_with_one_erro
         return real(ctx, cfg, plan, patch_version, **kw)
 
     monkeypatch.setattr(stage, "run_shard", freezes_the_server)
-    data = tmp_path / "conversations.jsonl"
-    data.write_text(
-        "\n".join(
-            (ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:12]
-        )
-        + "\n"
-    )
+    data = small_data(tmp_path, 12)
     cfg = stage_config(
         tmp_path,
         ROOT / "fixtures" / "tiny-target",
@@ -215,11 +204,7 @@ def test_a_killed_server_is_relaunched_once_and_a_second_death_fails_with_both_r
         return real(ctx, cfg, plan, patch_version, **kw)
 
     monkeypatch.setattr(stage, "run_shard", kills_the_server_once)
-    data = tmp_path / "conversations.jsonl"
-    data.write_text(
-        "\n".join((ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()[:8])
-        + "\n"
-    )
+    data = small_data(tmp_path, 8)
     cfg = stage_config(
         tmp_path,
         ROOT / "fixtures" / "tiny-target",
