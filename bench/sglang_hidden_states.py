@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from eyas.config import load_config  # noqa: E402
 from eyas.extraction.shards import ShardReader  # noqa: E402
-from tests.sglang_cpu import reference_hidden_states  # noqa: E402
+from tests.sglang_cpu import states_against_transformers  # noqa: E402
 
 
 def relative(a, b) -> float:
@@ -45,15 +45,8 @@ def main() -> None:
         reader = ShardReader(path)
         for i in range(min(args.samples, len(reader))):
             sample = reader.sample(i)
-            ids = sample.input_ids.tolist()
-            f32 = reference_hidden_states(cfg.target.checkpoint, ids, capture)
-            bf16 = reference_hidden_states(cfg.target.checkpoint, ids, capture, "bfloat16")
-            got = (sample.aux_hidden_states.float(), sample.last_hidden_state.float())
-            for name, g, t, b in zip(
-                names,
-                [*got[0].chunk(len(capture), -1), got[1]],
-                [*f32[0].chunk(len(capture), -1), f32[1]],
-                [*bf16[0].chunk(len(capture), -1), bf16[1]],
+            for name, g, t, b in states_against_transformers(
+                cfg.target.checkpoint, sample, capture
             ):
                 w = worst[name]
                 w["sglang_vs_eyas"] = max(w["sglang_vs_eyas"], round(relative(g, t), 4))

@@ -119,6 +119,24 @@ def cpu_server(version: str, python: str) -> dict:
     }
 
 
+def states_against_transformers(folder: str | Path, sample, capture_ids: list[int]) -> list[tuple]:
+    """One shard sample's captured states beside transformers' on the same tokens: per state
+    ("layer i" for each capture id, then "last") (name, captured, float32 forward, bf16 forward),
+    each a float32 [T, H]."""
+    ids, k = sample.input_ids.tolist(), len(capture_ids)
+    f32 = reference_hidden_states(folder, ids, capture_ids)
+    bf16 = reference_hidden_states(folder, ids, capture_ids, "bfloat16")
+    got = (sample.aux_hidden_states.float(), sample.last_hidden_state.float())
+    return list(
+        zip(
+            [f"layer {i}" for i in capture_ids] + ["last"],
+            [*got[0].chunk(k, -1), got[1]],
+            [*f32[0].chunk(k, -1), f32[1]],
+            [*bf16[0].chunk(k, -1), bf16[1]],
+        )
+    )
+
+
 @functools.cache
 def _reference_model(folder: str, dtype_name: str):
     import torch
@@ -262,15 +280,8 @@ def compare_with_transformers(
         assert reader.num_aux == len(capture) and reader.meta["capture_ids"] == capture
         for i in range(min(samples_per_shard, len(reader))):
             sample = reader.sample(i)
-            ids = sample.input_ids.tolist()
-            truth = reference_hidden_states(cfg.target.checkpoint, ids, capture)
-            bf16 = reference_hidden_states(cfg.target.checkpoint, ids, capture, "bfloat16")
-            got = (sample.aux_hidden_states.float(), sample.last_hidden_state.float())
-            for name, g, t, b in zip(
-                names,
-                [*got[0].chunk(len(capture), -1), got[1]],
-                [*truth[0].chunk(len(capture), -1), truth[1]],
-                [*bf16[0].chunk(len(capture), -1), bf16[1]],
+            for name, g, t, b in states_against_transformers(
+                cfg.target.checkpoint, sample, capture
             ):
                 assert g.shape == t.shape, (name, g.shape, t.shape)
                 err, ref = (float((x - t).norm() / t.norm()) for x in (g, b))
