@@ -244,18 +244,27 @@ DEPLOYED_SERVER_MODULES = {
 }
 
 
-#: The longest work units, longest first: the workers start on them, so none is left running alone
-#: at the end while the others idle (the rest keep their collection order).
+#: The longest work units, longest first (as one suite run measured them beside each other): the
+#: workers start on them, so none is left running alone at the end while the others idle (the rest
+#: keep their collection order: the other integration modules, then the short unit tests).
 LONGEST_FIRST = [
     "tests/integration/test_sglang_cpu_dsv3.py",
     *sorted(DEPLOYED_SERVER_MODULES),
-    "tests/integration/test_sglang_cpu.py",
-    "tests/integration/test_serve_bench.py",
     "tests/integration/test_pipeline.py",
-    "tests/integration/test_locks.py",
+    "tests/integration/test_serve_bench.py",
+    "tests/integration/test_sglang_patch.py",
     "tests/integration/test_flow_extract.py",
+    "tests/integration/test_locks.py",
+    "tests/integration/test_sglang_cpu.py",
+    "tests/integration/test_signals.py",
     "tests/integration/test_worker.py",
     "tests/integration/test_docs_paste.py",
+    "tests/integration/test_eyas_run_output.py",
+    "tests/integration/test_gpu_host.py",
+    "tests/integration/test_ownership.py",
+    "tests/integration/test_extract.py",
+    "tests/integration/test_safety_secrets.py",
+    "tests/integration/test_readiness.py",
     "tests/integration/test_release.py",
 ]
 
