@@ -13,13 +13,13 @@ of a deployment's run of an eyas flow (`eagle3-pipeline`, `eyas-*`) the Prefect 
     run: http://prefect-host:4200/runs/flow-run/ID
     deployment: FLOW/DEPLOYMENT
 
-the state message (flows/failures.py: the failing task and the reason, a bad config's field), the
-run's page in the UI (the server's PREFECT_UI_URL, by default its API URL's UI) and the deployment.
-One POST per failed run: its subflows are not deployment runs (they carry no deployment), so a
-failure deep in `serve` posts once, for the pipeline run, not once per level. Runs outside a
-deployment (`eyas run`, `python -m flows.pipeline`) print their reason on the console instead. The
-server sends it (its automation services must run: the default), so the URL must be reachable
-from the Prefect server.
+the run's final state message (the Failed state flows/common.py:checked_flow returns: the task run
+that raised and the reason, or a bad config's field), the run's page in the UI (the server's
+PREFECT_UI_URL, by default its API URL's UI) and the deployment. One POST per failed run: its
+subflows are not deployment runs (they carry no deployment), so a failure deep in `serve` posts
+once, for the pipeline run, not once per level. Runs outside a deployment (`eyas run`, `python -m
+flows.pipeline`) print their reason on the console instead. The server sends it (its automation
+services must run: the default), so the URL must be reachable from the Prefect server.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What every eyas flow shares: the config parameter, the stop-on-failure hooks (STOP_ON_FAILURE),
-the one-line failure reason (flows/failures.py). The per-host GPU lock is
+the one-line failure reason in the run's final state (flows/failures.py). The per-host GPU lock is
 flows/runtime/host_lock.py.
 
 A flow's `config` parameter is either a path to a YAML config (relative paths are taken from the
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Union
 
 import prefect
-from prefect.artifacts import create_markdown_artifact
+from prefect.exceptions import TerminationSignal
 from prefect.logging import get_run_logger
 from prefect.logging.loggers import flow_run_logger
 from prefect.states import Failed
@@ -31,15 +31,14 @@ from prefect.states import Failed
 from eyas.config import ConfigError, PipelineConfig, config_from_dict, load_config
 from eyas.config.loading import apply_overrides
 from eyas.evaluation import serve_bench
-from eyas.report import artifact_key
 from eyas.resources import shipped_root
 from eyas.secrets import MASK, PYDANTIC_MASK, secret_flag_values
-from eyas.server import readiness
 from eyas.server.hosts import make_host
 from eyas.server.launch import capture_launch, stop_recorded
 from flows import failures
+from flows.runtime.prefect_private import cancel_requested
 
-failures.install()  # Prefect's run loggers: the reason once, no traceback for eyas's own errors
+failures.install()  # Prefect's run loggers: no traceback for eyas's own errors
 
 ROOT = shipped_root()  # relative config paths: the checkout, or the wheel's shipped copy
 DEFAULT_CONFIG = "configs/local-tiny.yaml"
@@ -84,10 +83,11 @@ def run_tags(cfg: PipelineConfig) -> list[str]:
 
 def checked_flow(fn):
     """Between @flow and the function: validate `config` + `overrides` before anything runs, and end
-    a failed run with its reason first. A bad config ends the run Failed, its state message the
+    a failed run with its reason. A bad config ends the run Failed, its state message the
     ConfigError on one line; a good one tags the flow run and every task and subflow run inside it
     (run_tags). Whatever the body raises ends the run Failed("failed at TASK: reason") carrying the
-    exception (flows/failures.py); the top-level run also writes the artifact `failure-NAME`."""
+    exception, so a caller's `state.result()` raises it (flows/failures.py). An operator's cancel
+    says so in the run's log and passes on to Prefect, which ends the run Cancelled."""
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
@@ -98,14 +98,20 @@ def checked_flow(fn):
         try:
             cfg = resolve_config(config, overrides)
         except ConfigError as e:
-            return _failed(e, "config", config_label(config, overrides))
+            return Failed(message=f"failed at config: {failures.reason_of(e)}", data=e)
         tags = run_tags(cfg)
         _tag_flow_run(tags)
         with prefect.tags(*tags):
             try:
                 return fn(*args, **kwargs)
+            except TerminationSignal:
+                if cancel_requested():
+                    get_run_logger().warning(
+                        "cancelled by the operator: stopping this run and the servers it launched"
+                    )
+                raise
             except Exception as e:  # noqa: BLE001 - every failure ends as one line; BaseException (signals) passes
-                return _failed(e, _flow_name(fn), cfg.name)
+                return _failed(e, _flow_name(fn))
 
     return wrapper
 
@@ -116,45 +122,15 @@ def _flow_name(fn) -> str:
     return flow_run.flow_name or fn.__name__
 
 
-def _failed(error: Exception, where: str, name: str):
-    """The run's final state: Failed, its message `failed at TASK: reason`, its data the exception
-    (so a caller's `state.result()` raises it as before). An error no task reported (raised by the
-    flow body itself) is logged here: one line for eyas's own, with its traceback for anything
-    else."""
-    from prefect.runtime import deployment, flow_run
+def _failed(error: Exception, where: str):
+    """The run's final state: Failed, its message `failed at TASK: reason`, its data the exception.
+    A bug the body raised outside any task is logged here with its traceback (Prefect logs only
+    its tasks' exceptions, and this run ends by a returned state, not an exception)."""
+    from prefect.runtime import flow_run
 
-    line = failures.failure_line(error, where)
-    top = not flow_run.parent_flow_run_id
-    try:
-        log = get_run_logger()
-        if not failures.printed(line) and not getattr(error, "eyas_failed_task", None):
-            log.error("%s", line, exc_info=None if failures.eyas_raised(error) else error)
-            # the run's "Finished in state Failed" line then names the task only
-            failures.remember(line, flow_run.id)
-        elif top and deployment.id and not failures.printed_by(line, flow_run.id):
-            # a subflow's task failed: the deployment run's own page in the UI says why too (a
-            # console, `eyas run`'s, shows every run's lines already)
-            log.error("%s", line)
-    except Exception:  # noqa: BLE001 - outside a run context
-        pass
-    try:
-        error.eyas_reported = (
-            True  # a worker's "Engine execution exited ..." traceback is then not logged
-        )
-    except Exception:  # noqa: BLE001 - an exception type without a __dict__
-        pass
-    if top:
-        server_log = error.log_tail() if isinstance(error, readiness.ServerFailed) else ""
-        try:
-            create_markdown_artifact(
-                key=artifact_key("failure", name),
-                description=line[:500],
-                markdown=failures.failure_markdown(
-                    flow_run.name or name, line, failures.recent_lines(), server_log
-                ),
-            )
-        except Exception:  # noqa: BLE001 - the artifact is a view; the state message has the reason
-            pass
+    line = failures.failure_line(error, where, flow_run.id)
+    if line.startswith(f"failed at {where}: ") and not failures.eyas_raised(error):
+        get_run_logger().error("%s", line, exc_info=error)
     return Failed(message=line, data=error)
 
 
@@ -275,9 +251,10 @@ def stop_sentence(outcome: dict, host: str, which: str = "the server") -> tuple[
     return logging.WARNING, f"stopped {which} it launched on {host} (pid {pid}, {said}){dump}"
 
 
-#: every flow's hooks: whatever ends a run early, the servers it launched are stopped
+#: every flow's hooks: whatever ends a run early, the servers it launched are stopped; a failed
+#: top-level run also writes its artifact `failure-NAME`
 STOP_ON_FAILURE = {
-    "on_failure": [stop_server_hook],
+    "on_failure": [stop_server_hook, failures.failure_artifact_hook],
     "on_crashed": [stop_server_hook],
     "on_cancellation": [stop_server_hook],
 }

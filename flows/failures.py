@@ -1,43 +1,29 @@
-"""A failed run's reason, first and once: `failed at TASK: reason` in the run's state message, one
-log line, a markdown artifact; a cancel that reads as a cancel.
+"""A failed run's reason: `failed at TASK: reason` as its final state's message, read by the UI, the
+failure webhook (deployments/notifications.py) and `eyas run`'s last line.
 
-Prefect repeats a failure at every level: the task's error line and its traceback, the task's final
-state, every enclosing flow's "Encountered exception" traceback and final state, and, under a
-worker, "Engine execution exited with unexpected exception" with the traceback once more. Here:
+    Failed(message=failure_line(error, "extract"), data=error)   # what checked_flow returns
 
-- `ReasonFilter`, on Prefect's task-run and flow-run loggers, turns the task's error record into the
-  one line `failed at TASK: reason` (without a traceback when eyas raised the error itself: its
-  message is the whole story; a bug keeps its traceback), remembers which task failed with which
-  exception, and shortens the later records that would repeat the reason. Shards that a stalled
-  or gone server fails together say so once: the others read `TASK stopped by the same cause`.
-- `checked_flow` (flows/common.py) turns whatever a flow body raises into `Failed("failed at TASK:
-  reason")` carrying the exception (callers' `state.result()` still raise it) and writes the
-  top-level run's artifact `failure-NAME`.
-- On an operator's cancel, Prefect's "Crash detected! ... termination signal" and "Finished in state
-  Running()" lines read "cancelled".
+TASK is the task run of this flow run that raised the error, as Prefect's API records it (a failed
+subflow is a task run of its parent whose state message is the subflow's own `failed at` line,
+passed up as it is); the flow's stage name where no task raised it. Prefect logs the failure itself
+(the task's error line, each run's "Finished in state Failed(...)"); `EyasTracebackFilter` on its
+run loggers drops the traceback of an error eyas raised on purpose, whose message says what is
+wrong and what to do. `failure_artifact_hook` writes the top-level run's artifact `failure-NAME`.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-import re
-import threading
+import time
+from uuid import UUID
 
 from eyas.config import ConfigError
-from eyas.errors import EyasError
+from eyas.errors import EyasError, causes
 
 LOGGERS = ("prefect.task_runs", "prefect.flow_runs")
 MAX_REASON = 2000  # a state message is shown whole on the run page; a preflight list can be long
-
-_lock = threading.Lock()
-_task_of: dict[
-    tuple[str, str], str
-] = {}  # (exception type, message) -> the task run that raised it
-#: lines already printed -> the flow run whose log has them
-_printed: collections.OrderedDict[str, str | None] = collections.OrderedDict()
-_recent: collections.deque[str] = collections.deque(maxlen=20)  # WARNING+ lines: the artifact's log
-_shared_causes: set[str] = set()  # a stalled or gone server's reasons, once a task reported one
+#: how long the API may take to show a failed task run: task run states reach it as events
+FIND_TASK_S = 5.0
 
 
 def eyas_raised(exc: BaseException) -> bool:
@@ -61,173 +47,18 @@ def reason_of(exc: BaseException) -> str:
     return text[:MAX_REASON]
 
 
-def failure_line(exc: BaseException, where: str) -> str:
-    """`failed at TASK: reason`: TASK the task run that raised it (else `where`, the flow's
-    stage)."""
-    text = str(exc)
-    if text.startswith("failed at "):  # a subflow's own line, passed up as it is
-        return text.splitlines()[0][:MAX_REASON]
-    task = getattr(exc, "eyas_failed_task", None)
-    with _lock:
-        task = (
-            task
-            or _task_of.get((type(exc).__name__, text))
-            or _task_of.get((type(exc).__name__, ""))
-        )
-    return f"failed at {task or where}: {reason_of(exc)}"
-
-
-def printed(line: str) -> bool:
-    with _lock:
-        return line in _printed
-
-
-def printed_by(line: str, flow_run_id: str | None) -> bool:
-    """Whether `line` is in the log of the flow run `flow_run_id` (its own tasks' or its own)."""
-    with _lock:
-        return line in _printed and _printed[line] == flow_run_id
-
-
-def remember(line: str, flow_run_id: str | None = None) -> None:
-    with _lock:
-        _printed[line] = flow_run_id
-        while len(_printed) > 100:
-            _printed.popitem(last=False)
-
-
-def _cancelling() -> bool:
-    from flows.runtime.prefect_private import cancel_requested
-
-    return cancel_requested()
-
-
-_FINISHED = re.compile(r"^Finished in state (\w+)\((.*)\)$", re.S)
-_RAISED = re.compile(r"^Task run encountered an exception (\w+): (.*)$", re.S)
-
-
-def _eyas_names() -> set[str]:
-    """The names of the exception classes eyas defines (loaded so far)."""
-    names, todo = set(), [EyasError]
-    while todo:
-        for sub in todo.pop().__subclasses__():
-            todo.append(sub)
-            names.add(sub.__name__)
-    return names
-
-
-class ReasonFilter(logging.Filter):
-    """See the module docstring. Never drops or rewrites a record it does not recognise."""
+class EyasTracebackFilter(logging.Filter):
+    """Drops the traceback of a record whose exception is an EyasError. Never changes a record's
+    message or level, never drops a record: a bug keeps its traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            return self._filter(record)
-        except Exception:  # noqa: BLE001 - a log filter must never break logging
-            return True
-
-    def _filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        exc = record.exc_info[1] if record.exc_info else None
-        task = getattr(record, "task_run_name", None)
-        if msg.startswith("Task run failed with ") and exc is not None and task:
-            # The task's last attempt failed: the one line, and the task remembered for the flow.
-            try:
-                exc.eyas_failed_task = task
-            except Exception:  # noqa: BLE001 - an exception type without a __dict__
-                pass
-            line = f"failed at {task}: {reason_of(exc)}"
-            with _lock:
-                _task_of[(type(exc).__name__, str(exc))] = _task_of[(type(exc).__name__, "")] = task
-            if _repeats_a_shared_cause(line):
-                self._set(record, f"{task} stopped by the same cause", level=logging.INFO)
-                return True
-            self._set(record, line, keep_traceback=not eyas_raised(exc))
-            remember(line, _flow_run_of(record))
-        elif (
-            msg.startswith("Engine execution exited with unexpected exception") and exc is not None
-        ):
-            return not getattr(
-                exc, "eyas_reported", False
-            )  # the state message says it, in one line
-        elif msg.startswith("Crash detected!") and _cancelling():
-            self._set(record, "cancelled by the operator: stopping", level=logging.WARNING)
-        elif m := _FINISHED.match(msg):
-            state, inner = m.groups()
-            if _cancelling() and state in ("Running", "Crashed", "Cancelling"):
-                self._set(record, "Finished: cancelled", level=logging.WARNING)
-            elif state in ("Failed", "Crashed", "TimedOut"):
-                self._finished_failed(record, state, inner)
-        if record.levelno >= logging.WARNING:
-            _recent.append(record.getMessage().splitlines()[0][:300] if record.getMessage() else "")
+        exc = record.exc_info[1] if isinstance(record.exc_info, tuple) else None
+        if exc is not None and eyas_raised(exc):
+            record.exc_info = record.exc_text = None
         return True
 
-    def _finished_failed(self, record: logging.LogRecord, state: str, inner: str) -> None:
-        text = inner.strip("'\"")
-        task = getattr(record, "task_run_name", None)
-        if task and any(line.startswith(f"failed at {task}: ") for line in list(_printed)):
-            self._set(record, f"Finished in state {state}")  # its error line above says why
-            return
-        raised = _RAISED.match(text)
-        if (
-            task and raised
-        ):  # a failure a retry condition declined: Prefect logged no error line for it
-            kind, message = raised.groups()
-            with _lock:
-                _task_of[(kind, message)] = _task_of[(kind, "")] = task
-            line = f"failed at {task}: " + (
-                message if kind in _eyas_names() else f"{kind}: {message}"
-            )
-            if _repeats_a_shared_cause(line):
-                self._set(record, f"{task} stopped by the same cause", level=logging.INFO)
-                return
-            self._set(record, line[:MAX_REASON])
-            remember(line[:MAX_REASON], _flow_run_of(record))
-            return
-        line = next((p for p in reversed(list(_printed)) if text.startswith(p[:200])), None)
-        if text.startswith("failed at ") and line is not None:
-            self._set(record, f"Finished in state {state}: {line.split(': ', 1)[0]}")
-        elif text.startswith("failed at "):
-            remember(text)
 
-    @staticmethod
-    def _set(
-        record: logging.LogRecord,
-        msg: str,
-        *,
-        keep_traceback: bool = False,
-        level: int | None = None,
-    ):
-        record.msg, record.args = msg, ()
-        if not keep_traceback:
-            record.exc_info = record.exc_text = None
-        if level is not None:
-            record.levelno, record.levelname = level, logging.getLevelName(level)
-
-
-#: a server pool's own reason, after the shard, sequence and request it met it in
-_SHARED_CAUSE = re.compile(
-    r"rid \S+: ((?:server stalled|every server's process is gone): .*)$", re.S
-)
-
-
-def _repeats_a_shared_cause(line: str) -> bool:
-    """Whether the cause of this task's failure already failed another task: a stalled or gone
-    server fails every shard in flight, and the first one's line says why (then remembers it)."""
-    m = _SHARED_CAUSE.search(line)
-    if m is None:
-        return False
-    with _lock:
-        seen = m[1] in _shared_causes
-        _shared_causes.add(m[1])
-    return seen
-
-
-def _flow_run_of(record: logging.LogRecord) -> str | None:
-    """The flow run whose log a record of Prefect's run loggers goes to."""
-    run = getattr(record, "flow_run_id", None)
-    return str(run) if run else None
-
-
-_FILTER = ReasonFilter()
+_FILTER = EyasTracebackFilter()
 
 
 def install() -> None:
@@ -238,14 +69,129 @@ def install() -> None:
             logger.addFilter(_FILTER)
 
 
-def recent_lines() -> list[str]:
-    return list(_recent)
+def failure_line(error: BaseException, where: str, flow_run_id: UUID | str | None) -> str:
+    """`failed at TASK: reason`: TASK the task run of `flow_run_id` that raised `error` (see the
+    module docstring), else `where`."""
+    text = str(error)
+    if text.startswith("failed at "):  # a subflow's state message raised as its error
+        return text.splitlines()[0][:MAX_REASON]
+    try:
+        run = raised_by(flow_run_id, error) if flow_run_id else None
+    except Exception:  # noqa: BLE001 - an API that does not answer must not hide the reason
+        run = None
+    if run is not None and (run.state.message or "").startswith("failed at "):
+        return run.state.message[:MAX_REASON]
+    return f"failed at {run.name if run else where}: {reason_of(error)}"
+
+
+def raised_by(flow_run_id: UUID | str, error: BaseException, wait_s: float = FIND_TASK_S):
+    """The earliest-ended failed or crashed task run of the flow run whose state message names
+    `error` or an error it was raised from, or None once `wait_s` has passed without one."""
+    words = [
+        str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        for e in causes(error)
+    ]
+    deadline = time.monotonic() + wait_s
+    while True:
+        runs = _failed_task_runs(flow_run_id)
+        named = [r for r in runs if any(w in (r.state.message or "") for w in words)]
+        if named or time.monotonic() > deadline:
+            return named[0] if named else None
+        time.sleep(0.2)
+
+
+def _failed_task_runs(flow_run_id: UUID | str) -> list:
+    """The flow run's Failed and Crashed task runs (subflow runs included), earliest end first."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(str(flow_run_id))])),
+            task_run_filter=TaskRunFilter(
+                state=TaskRunFilterState(
+                    type=TaskRunFilterStateType(any_=[StateType.FAILED, StateType.CRASHED])
+                )
+            ),
+        )
+    return sorted((r for r in runs if r.state), key=lambda r: (r.end_time is None, r.end_time))
+
+
+def failure_artifact_hook(flow, flow_run, state) -> None:
+    """on_failure: the top-level run's artifact `failure-NAME`, its reason, the warning and error
+    lines of the run and its subflows (from Prefect's API) and, where a server failed, the last
+    lines of its log. A view only: it never raises, the state message has the reason."""
+    if flow_run.parent_task_run_id is not None:
+        return
+    from prefect.artifacts import create_markdown_artifact
+
+    from eyas.report import artifact_key
+    from eyas.server.readiness import ServerFailed
+    from flows.common import config_label, resolve_config
+
+    params = flow_run.parameters or {}
+    try:
+        name = resolve_config(params.get("config"), params.get("overrides")).name
+    except Exception:  # noqa: BLE001 - a config that does not load is named as checked_flow names it
+        name = config_label(params.get("config"), params.get("overrides"))
+    try:
+        error = state.result(raise_on_failure=False)
+        server_log = error.log_tail() if isinstance(error, ServerFailed) else ""
+        create_markdown_artifact(
+            key=artifact_key("failure", name),
+            description=(state.message or "")[:500],
+            markdown=failure_markdown(
+                flow_run.name or name, state.message or "", logged_problems(flow_run.id), server_log
+            ),
+        )
+    except Exception:  # noqa: BLE001 - the artifact is a view; the state message has the reason
+        logging.getLogger(__name__).debug("no failure artifact", exc_info=True)
+
+
+def logged_problems(flow_run_id, limit: int = 15) -> list[str]:
+    """The last `limit` warning and error lines (first line of each) that Prefect's API holds for
+    the flow run and its subflow runs, oldest first, once this process's log batches are sent."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel
+    from prefect.client.schemas.sorting import LogSort
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(
+            log_filter=LogFilter(
+                flow_run_id=LogFilterFlowRunId(any_=run_family(client, flow_run_id)),
+                level=LogFilterLevel(ge_=logging.WARNING),
+            ),
+            sort=LogSort.TIMESTAMP_DESC,
+            limit=limit,
+        )
+    return [(log.message.splitlines() or [""])[0][:300] for log in reversed(logs)]
+
+
+def run_family(client, flow_run_id) -> list:
+    """The flow run's id and its subflow runs' ids, level by level."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    family, todo = [flow_run_id], [flow_run_id]
+    while todo:
+        below = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=todo))
+        todo = [r.id for r in client.read_flow_runs(flow_run_filter=below)]
+        family += todo
+    return family
 
 
 def failure_markdown(run_name: str, line: str, lines: list[str], server_log: str = "") -> str:
     """The top-level run's artifact: the reason, the warning and error lines that led to it, and
     the last lines of a server's log where a server failed."""
-    log = "\n".join(lines[-15:]) or "(no warnings or errors were logged)"
+    log = "\n".join(lines) or "(no warnings or errors were logged)"
     text = (
         f"# eyas run `{run_name}` failed\n\n**{line}**\n\n"
         f"Warning and error lines of this run, oldest first:\n\n```\n{log}\n```\n"

@@ -24,6 +24,7 @@ from flows.common import (
     config_label,
     resolve_config,
 )
+from flows.failures import failure_artifact_hook
 from tasks.patch import patch_host, unpatch_host
 from tasks.preflight import preflight_check
 from tasks.server import launch_server, stop, wait_ready
@@ -60,7 +61,12 @@ def serve(config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = No
     return ServerUp(handle, ready, patched, stage.seconds)
 
 
-@flow(name="eyas-teardown", flow_run_name=run_name("teardown"), log_prints=True)
+@flow(
+    name="eyas-teardown",
+    flow_run_name=run_name("teardown"),
+    log_prints=True,
+    on_failure=[failure_artifact_hook],
+)
 @checked_flow
 def teardown(
     config: ConfigParam = DEFAULT_CONFIG, overrides: Overrides | None = None, unpatch: bool = False

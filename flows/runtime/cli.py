@@ -23,19 +23,14 @@ def cmd_run(args) -> int:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     cfg = core.load(args)
-    from flows.failures import printed
     from flows.pipeline import eagle3_pipeline
     from flows.runtime.process import run_in_process
 
     # SIGTERM / SIGINT: the run's servers stopped, its flow runs final, exit within seconds.
     state = run_in_process(eagle3_pipeline, cfg, return_state=True)
-    if (
-        not state.is_completed()
-    ):  # the reason was logged once, as `failed at TASK: reason`: no traceback
-        message = state.message or ""
+    if not state.is_completed():  # `failed at TASK: reason`; the run's log above has the rest
         raise SystemExit(
-            f"eyas: run {state.name}"
-            + (f": {message}" if not printed(message) else f" ({message.split(': ', 1)[0]})")
+            f"eyas: run {state.name}" + (f": {state.message}" if state.message else "")
         )
     report = state.result()
     per_set = {

@@ -221,7 +221,7 @@ def _flush_logs() -> None:
     try:
         from prefect.logging.handlers import APILogHandler
 
-        APILogHandler.flush()
+        APILogHandler().flush()  # an instance method: it drains the class-wide log worker
     except Exception:  # noqa: BLE001 - nothing more to do on the way out
         pass
 
