@@ -8,12 +8,13 @@ Runs `eyas run` on the config (regeneration off, a fresh run directory) and, as 
 shard file is on disk, freezes the target server's whole process group with SIGSTOP: the process
 lives and holds its port, but answers nothing, as a wedged GPU server does. Measured: seconds from
 the freeze until `eyas run` has exited, its exit code, its last line, the output lines at ERROR
-that name the stall (Prefect's, one per shard task in flight) and the retry warnings printed after
-the first of them. The server is woken and killed afterwards whatever happened.
+that name the stall (one: the other shards in flight fail pointing at it) and the retry warnings
+printed after it. The server is woken and killed afterwards whatever happened.
 
 Goals (issue 37): with extraction.stall_timeout_s=60 the run fails within 70 s of the freeze, its
-last line `eyas: run Failed: failed at TASK: ... server stalled: ...`, and no retry warning after
-the first error naming the stall. The last line printed is one JSON object.
+output has exactly one error naming the stall, its last line is `eyas: run Failed: failed at TASK:
+... server stalled: ...`, and no retry warning follows the error. The last line printed is one JSON
+object.
 """
 
 from __future__ import annotations
@@ -142,6 +143,11 @@ def main() -> None:
                         "value": round(seconds, 1),
                         "goal": f"<= {goal_s:g}",
                         "met": seconds <= goal_s and rc != 0,
+                    },
+                    "stall_errors": {
+                        "value": counted["stall_errors"],
+                        "goal": "== 1",
+                        "met": counted["stall_errors"] == 1,
                     },
                     "exit_line_names_the_stall": {
                         "value": counted["exit_line_names_the_stall"],

@@ -18,6 +18,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eyas.config import PipelineConfig
+from eyas.extraction.client import is_follower, naming_the_cause
 from eyas.extraction.shards import ShardManifest
 from eyas.extraction.stage import ExtractionContext, check_shards, regeneration_pending
 from eyas.report import Stopwatch
@@ -153,6 +154,26 @@ def _extract_on_server(
                 stop(cfg, up.handle)
 
 
+def _naming_the_cause(error: Exception, futures) -> Exception:
+    """The error the stage fails with: `error`, unless it only points at another shard's error (a
+    stalled pool names its reason in one request's error, eyas/extraction/client.py PoolStopped);
+    then that other shard's error, once the shards in flight have ended."""
+    if not is_follower(error):
+        return error
+    return naming_the_cause(error, (_error_of(f) for f in futures))
+
+
+def _error_of(future) -> Exception | None:
+    """What a shard task raised (waiting for it to end); None when it completed or never ran."""
+    if future.wrapped_future.cancelled():
+        return None
+    try:
+        future.result()
+    except Exception as error:  # noqa: BLE001 - each shard's own failure, judged by the caller
+        return error
+    return None
+
+
 def _relaunch_if_dead(cfg, up, deaths: list[str], stage: Stopwatch):
     """After a failure: re-raise it unless the server died; relaunch a dead server once (returns the
     new one); a second death fails with both reasons. Call inside an `except` block."""
@@ -196,12 +217,15 @@ def _extract_all(
     for done, future in enumerate(as_completed(futures), 1):
         try:
             m = future.result()
-        except Exception:
+        except Exception as error:
             # one failure ends the stage: the shards still queued never start (nor send a
             # request to a server that stalled or died)
             for queued in futures:
                 queued.wrapped_future.cancel()
-            raise
+            cause = _naming_the_cause(error, futures)
+            if cause is error:
+                raise
+            raise cause from None
         if future.state.name == "Cached":  # answered from Prefect's cache: no task body counted it
             shard_cached(ctx, cfg, plan_of[id(future)], m)
             cached.add(id(future))

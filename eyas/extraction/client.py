@@ -25,10 +25,11 @@ A watchdog bounds a stall: when requests are in flight and none has completed fo
 `stall_timeout_s`, less the time the /health probe may take (a quarter of it, at most
 health_timeout_s), every endpoint's /health is asked; one that answers is slow, not stalled (the
 clock restarts, with a warning), and when none answers, stall_timeout_s after the last reply,
-every pending and later request fails with ServerStalled ("server stalled: no reply for N s ...")
-instead of waiting out its timeouts and retries (a stopped process accepts connections and never
-answers). The pool stays stalled: no request reaches that server again (a relaunched server gets
-a new pool, ExtractionContext.new_server).
+every pending and later request fails instead of waiting out its timeouts and retries (a stopped
+process accepts connections and never answers): the first with ServerStalled ("server stalled: no
+reply for N s ..."), the others with PoolStopped, which points at it. The pool stays stalled: no
+request reaches that server again (a relaunched server gets a new pool,
+ExtractionContext.new_server).
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import httpx
 
 from eyas.config import HostConfig
-from eyas.errors import EyasError, InvalidInput
+from eyas.errors import EyasError, InvalidInput, causes
 from eyas.extraction.records import DumpStore
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,28 @@ class ServerStalled(RequestFailed):
     """No request completed for stall_timeout_s and no server answered /health."""
 
     retryable = False
+
+
+class PoolStopped(RequestFailed):
+    """A request given up because the pool stopped for a cause that another request's error names
+    (a stall fails every request in flight and later: the first one raised carries the watchdog's
+    reason, the others this, so a run's log names the stall once). The error to read is that
+    other one (`is_follower`)."""
+
+    retryable = False
+
+
+def is_follower(error: BaseException) -> bool:
+    """Whether `error` (or an error it was raised from) only points at another request's error."""
+    return any(isinstance(e, PoolStopped) for e in causes(error))
+
+
+def naming_the_cause(error: BaseException, others: Iterable[BaseException | None]):
+    """`error`, unless it only points at another request's error: then the first of `others` (the
+    errors raised beside it; None for none) that names the cause, if any."""
+    if not is_follower(error):
+        return error
+    return next((e for e in others if e is not None and not is_follower(e)), error)
 
 
 class ServersGone(RequestFailed):
@@ -185,6 +208,7 @@ class ServerPool:
         )  # a reply, or the moment requests began after a pause
         self.completed = 0
         self._stalled: str | None = None  # the stall's reason, once the watchdog found one
+        self._stall_named = False  # whether a request's error carried it (the others point at it)
         self._tasks: dict[asyncio.Task, Callable[..., None]] = {}  # in flight -> its caller's warn
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -345,7 +369,7 @@ class ServerPool:
 
     async def _generate(self, body: dict[str, Any], rid: str, warn: Callable[..., None]) -> Reply:
         if self._stalled is not None:
-            raise ServerStalled(rid, self._stalled, transient=False)
+            raise self._stall_error(rid)
         task = asyncio.current_task()
         self._tasks[task] = warn
         try:
@@ -353,11 +377,23 @@ class ServerPool:
         except asyncio.CancelledError:
             if self._stalled is None:
                 raise
-            raise ServerStalled(rid, self._stalled, transient=False) from None
+            raise self._stall_error(rid) from None
         finally:
             self._tasks.pop(task, None)
         self._last_progress, self.completed = time.monotonic(), self.completed + 1
         return reply
+
+    def _stall_error(self, rid: str) -> RequestFailed:
+        """The stall's reason for the first request it fails, PoolStopped for the rest (all raised
+        on the pool's one event loop, so exactly one carries it)."""
+        if self._stall_named:
+            return PoolStopped(
+                rid,
+                "given up with every request in flight: another request's error says why",
+                transient=False,
+            )
+        self._stall_named = True
+        return ServerStalled(rid, self._stalled, transient=False)
 
     async def _attempts(self, body: dict[str, Any], rid: str, warn: Callable[..., None]) -> Reply:
         t0, tried = time.monotonic(), []

@@ -33,7 +33,13 @@ import torch
 
 from eyas.dump import DTYPES, DumpError, validate
 from eyas.errors import EyasError, InvalidInput
-from eyas.extraction.client import Endpoint, RequestFailed, ServerPool, attempt_rids
+from eyas.extraction.client import (
+    Endpoint,
+    RequestFailed,
+    ServerPool,
+    attempt_rids,
+    naming_the_cause,
+)
 from eyas.extraction.data import ShardPlan, plan_file_hash, read_shard_plan
 from eyas.extraction.records import DumpStore
 from eyas.extraction.shards import (
@@ -224,6 +230,7 @@ class _ShardJob:
         self.norm = None
         self.writer_lock, self.cancel = threading.Lock(), threading.Event()
         self.collect = threading.Semaphore(collect_workers)
+        self.sent: list[concurrent.futures.Future] = []  # every sequence's request, in order
         self.t0 = time.monotonic()
 
     def writer_for(self, got_meta: dict, hidden: int) -> ShardWriter:
@@ -319,7 +326,9 @@ class _ShardJob:
         pending, nxt = set(), 0
         while nxt < len(samples) or pending:
             while nxt < len(samples) and len(pending) < window:
-                pending.add(ex.submit(self.one, nxt))
+                future = ex.submit(self.one, nxt)
+                pending.add(future)
+                self.sent.append(future)
                 nxt += 1
             finished, pending = concurrent.futures.wait(
                 pending, return_when=concurrent.futures.FIRST_COMPLETED
@@ -352,14 +361,22 @@ class _ShardJob:
         )
         try:
             self.send_all(ex, window, on_progress)
-        except BaseException:
+        except BaseException as error:
             self.cancel.set()
             ex.shutdown(wait=True, cancel_futures=True)
             if self.writer is not None:
                 self.writer.abort()
-            raise
+            # a stall fails every sequence in flight: the shard fails with the one naming it
+            cause = naming_the_cause(error, (f.exception() for f in self.sent if _failed(f)))
+            if cause is error:
+                raise
+            raise cause from None
         ex.shutdown(wait=True)
         return self.writer.close({"seconds": round(time.monotonic() - self.t0, 3)})
+
+
+def _failed(future: concurrent.futures.Future) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is not None
 
 
 def _wait_records(store: DumpStore, rid: str, num_tokens: int, timeout: float):
