@@ -164,9 +164,9 @@ def scale_bookkeeping(num_shards: int, num_sequences: int, prefect_per_shard_s: 
     from concurrent.futures import ThreadPoolExecutor
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import eyas_prefect.tasks.progress as tp
     import torch
 
-    import tasks.progress as tp
     from eyas.extraction.data import TokenizedSample, write_shard_plans
     from eyas.extraction.extract import check_shard, shard_cache_key, shard_path
     from eyas.extraction.progress import ExtractionRun
@@ -298,8 +298,9 @@ def _pipeline_twice(tmp: Path) -> dict:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from eyas_prefect.flows.pipeline import eagle3_pipeline
+
     from eyas.net import free_port
-    from flows.pipeline import eagle3_pipeline
 
     overrides = {
         "run_dir": str(tmp / "run"),

@@ -120,8 +120,9 @@ def goals(
 def run_flow(config: str | Path, overrides: dict) -> tuple[dict, float]:
     """The pipeline flow in this process -> (report, wall seconds)."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from eyas_prefect.flows.pipeline import eagle3_pipeline
+
     from eyas.config import load_config
-    from flows.pipeline import eagle3_pipeline
 
     t0 = time.monotonic()
     report = eagle3_pipeline(load_config(config, overrides))
@@ -217,7 +218,7 @@ def main() -> None:
                 tmp / "shards"
             )  # this process's run is over: the seeds' runs read the shards
             eyas, env = (
-                [sys.executable, "-m", "flows.runtime.cli"],
+                [sys.executable, "-m", "eyas_prefect.flows.runtime.cli"],
                 {**os.environ, "PYTHONPATH": str(ROOT)},
             )  # `eyas`
         cfg = load_config(config)

@@ -98,7 +98,7 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         with open(log, "w") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "flows.runtime.cli", "run", args.config, *sets],
+                [sys.executable, "-m", "eyas_prefect.flows.runtime.cli", "run", args.config, *sets],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,

@@ -18,8 +18,8 @@ that raised and the reason, or a bad config's field), the run's page in the UI (
 PREFECT_UI_URL, by default its API URL's UI) and the deployment. One POST per failed run: its
 subflows are not deployment runs (they carry no deployment), so a failure deep in `serve` posts
 once, for the pipeline run, not once per level. Runs outside a deployment (`eyas run`, `python -m
-flows.pipeline`) print their reason on the console instead. The server sends it (its automation
-services must run: the default), so the URL must be reachable from the Prefect server.
+eyas_prefect.flows.pipeline`) print their reason on the console instead. The server sends it (its
+automation services must run: the default), so the URL must be reachable from the Prefect server.
 """
 
 from __future__ import annotations

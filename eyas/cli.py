@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None, extra: Sequence[Command] = ()) -> int:
     if argv and argv[0] == "run" and not any(c.name == "run" for c in extra):
         raise SystemExit(
             "eyas: `run` starts Prefect flows: use the `eyas` script "
-            "(or python -m flows.runtime.cli run CONFIG)"
+            "(or python -m eyas_prefect.flows.runtime.cli run CONFIG)"
         )
     args = p.parse_args(argv)
     return args.fn(args)

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, Union
 
 import prefect
+from eyas_prefect.flows import failures
+from eyas_prefect.flows.runtime.prefect_private import cancel_requested
 from prefect.exceptions import TerminationSignal
 from prefect.logging import get_run_logger
 from prefect.logging.loggers import flow_run_logger
@@ -35,8 +37,6 @@ from eyas.resources import shipped_root
 from eyas.secrets import MASK, PYDANTIC_MASK, secret_flag_values
 from eyas.server.hosts import make_host
 from eyas.server.launch import capture_launch, stop_recorded
-from flows import failures
-from flows.runtime.prefect_private import cancel_requested
 
 failures.install()  # Prefect's run loggers: no traceback for eyas's own errors
 

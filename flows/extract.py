@@ -11,6 +11,26 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from eyas_prefect.flows.common import (
+    DEFAULT_CONFIG,
+    STOP_ON_FAILURE,
+    ConfigParam,
+    Overrides,
+    checked_flow,
+    resolve_config,
+)
+from eyas_prefect.flows.runtime.host_lock import gpu_host
+from eyas_prefect.flows.serve import run_name, serve
+from eyas_prefect.tasks.extract import (
+    extract_shard_task_for,
+    extraction_context,
+    prepare_data,
+    regenerate_data,
+    shard_cached,
+)
+from eyas_prefect.tasks.patch import patch_host
+from eyas_prefect.tasks.preflight import preflight_check
+from eyas_prefect.tasks.server import server_gone, stop
 from prefect import flow, get_run_logger
 from prefect.events import emit_event
 from prefect.futures import as_completed
@@ -24,26 +44,6 @@ from eyas.extraction.stage import ExtractionContext, check_shards, regeneration_
 from eyas.report import Stopwatch
 from eyas.results import Extracted
 from eyas.server.launch import ServerDied
-from flows.common import (
-    DEFAULT_CONFIG,
-    STOP_ON_FAILURE,
-    ConfigParam,
-    Overrides,
-    checked_flow,
-    resolve_config,
-)
-from flows.runtime.host_lock import gpu_host
-from flows.serve import run_name, serve
-from tasks.extract import (
-    extract_shard_task_for,
-    extraction_context,
-    prepare_data,
-    regenerate_data,
-    shard_cached,
-)
-from tasks.patch import patch_host
-from tasks.preflight import preflight_check
-from tasks.server import server_gone, stop
 
 
 @flow(

@@ -36,7 +36,7 @@ def reason_of(exc: BaseException) -> str:
     """An exception as one line: eyas's own by its message, anything else with its type."""
     text = str(exc).strip()
     if isinstance(exc, ConfigError):
-        from flows.common import one_line
+        from eyas_prefect.flows.common import one_line
 
         text = one_line(exc) + " (fix the config file or the run's overrides)"
     text = (
@@ -130,11 +130,11 @@ def failure_artifact_hook(flow, flow_run, state) -> None:
     lines of its log. A view only: it never raises, the state message has the reason."""
     if flow_run.parent_task_run_id is not None:
         return
+    from eyas_prefect.flows.common import config_label, resolve_config
     from prefect.artifacts import create_markdown_artifact
 
     from eyas.report import artifact_key
     from eyas.server.readiness import ServerFailed
-    from flows.common import config_label, resolve_config
 
     params = flow_run.parameters or {}
     try:

@@ -2,7 +2,7 @@
 serve plainly and with the drafter (acceptance length per chain and prompt set, speed-up), report.
 
     eyas run configs/local-tiny.yaml
-    python -m flows.pipeline configs/local-tiny.yaml
+    python -m eyas_prefect.flows.pipeline configs/local-tiny.yaml
     prefect deployment run 'eagle3-pipeline/pipeline' --params '{"overrides": {"training.max_steps":
     50}}'
 
@@ -16,13 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from prefect import flow
-from prefect.artifacts import create_markdown_artifact
-
-from eyas.evaluation import suites
-from eyas.evaluation.serve_bench import benchmarks_markdown
-from eyas.report import Stopwatch, artifact_key, build_report, training_summary, write_report
-from flows.common import (
+from eyas_prefect.flows.common import (
     DEFAULT_CONFIG,
     STOP_ON_FAILURE,
     ConfigParam,
@@ -30,11 +24,17 @@ from flows.common import (
     checked_flow,
     resolve_config,
 )
-from flows.extract import extract
-from flows.serve import run_name
-from flows.serve_bench import serve_bench_flow
-from flows.train import train_flow
-from tasks.preflight import preflight_check
+from eyas_prefect.flows.extract import extract
+from eyas_prefect.flows.serve import run_name
+from eyas_prefect.flows.serve_bench import serve_bench_flow
+from eyas_prefect.flows.train import train_flow
+from eyas_prefect.tasks.preflight import preflight_check
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from eyas.evaluation import suites
+from eyas.evaluation.serve_bench import benchmarks_markdown
+from eyas.report import Stopwatch, artifact_key, build_report, training_summary, write_report
 
 
 @flow(name="eagle3-pipeline", flow_run_name=run_name("eagle3"), log_prints=True, **STOP_ON_FAILURE)

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 from uuid import UUID
 
+from eyas_prefect.flows.common import stop_server_hook
+from eyas_prefect.flows.runtime.host_lock import release_held_by
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 from prefect.logging import get_run_logger
 from prefect.states import Crashed
-
-from flows.common import stop_server_hook
-from flows.runtime.host_lock import release_held_by
 
 
 def family(client, flow_run_id: str) -> list:

@@ -10,12 +10,7 @@ host's GPU lock and stops the server when extraction ends.
 
 from __future__ import annotations
 
-from prefect import flow
-from prefect.runtime import flow_run
-
-from eyas.report import Stopwatch
-from eyas.results import ServerUp
-from flows.common import (
+from eyas_prefect.flows.common import (
     DEFAULT_CONFIG,
     STOP_ON_FAILURE,
     ConfigParam,
@@ -24,10 +19,15 @@ from flows.common import (
     config_label,
     resolve_config,
 )
-from flows.failures import failure_artifact_hook
-from tasks.patch import patch_host, unpatch_host
-from tasks.preflight import preflight_check
-from tasks.server import launch_server, stop, wait_ready
+from eyas_prefect.flows.failures import failure_artifact_hook
+from eyas_prefect.tasks.patch import patch_host, unpatch_host
+from eyas_prefect.tasks.preflight import preflight_check
+from eyas_prefect.tasks.server import launch_server, stop, wait_ready
+from prefect import flow
+from prefect.runtime import flow_run
+
+from eyas.report import Stopwatch
+from eyas.results import ServerUp
 
 
 def run_name(prefix: str):

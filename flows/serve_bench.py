@@ -1,6 +1,6 @@
 """Subflow: serve the target plainly and with an exported drafter: acceptance length and speed-up.
 
-    python -m flows.serve_bench configs/local-tiny.yaml [runs/local-tiny/drafter]
+    python -m eyas_prefect.flows.serve_bench configs/local-tiny.yaml [runs/local-tiny/drafter]
     prefect deployment run 'eyas-serve-bench/serve-bench'    # once deployed
 
 Runnable alone on any exported drafter (default: <run_dir>/drafter), with the held-out prompts
@@ -19,13 +19,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from prefect import flow
-from prefect.artifacts import create_markdown_artifact
-
-from eyas.evaluation import serve_bench, suites
-from eyas.files import write_json_atomic
-from eyas.report import artifact_key
-from flows.common import (
+from eyas_prefect.flows.common import (
     DEFAULT_CONFIG,
     STOP_ON_FAILURE,
     ConfigParam,
@@ -33,10 +27,16 @@ from flows.common import (
     checked_flow,
     resolve_config,
 )
-from flows.runtime.host_lock import gpu_host
-from flows.serve import run_name
-from tasks.preflight import preflight_check
-from tasks.serve_bench import benchmark_serving_for
+from eyas_prefect.flows.runtime.host_lock import gpu_host
+from eyas_prefect.flows.serve import run_name
+from eyas_prefect.tasks.preflight import preflight_check
+from eyas_prefect.tasks.serve_bench import benchmark_serving_for
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from eyas.evaluation import serve_bench, suites
+from eyas.files import write_json_atomic
+from eyas.report import artifact_key
 
 
 @flow(

@@ -14,17 +14,23 @@ held-out prompts from the data; inside the pipeline it gets both from `extract`.
 # defined").
 from pathlib import Path
 
+from eyas_prefect.flows.common import (
+    DEFAULT_CONFIG,
+    ConfigParam,
+    Overrides,
+    checked_flow,
+    resolve_config,
+)
+from eyas_prefect.flows.serve import run_name
+from eyas_prefect.tasks.extract import extraction_context, prepare_data
+from eyas_prefect.tasks.preflight import preflight_check
+from eyas_prefect.tasks.train import evaluate_for, export, train
 from prefect import flow
 from prefect.events import emit_event
 
 from eyas.extraction.shards import ShardManifest, verify_shard
 from eyas.report import Stopwatch
 from eyas.results import Trained
-from flows.common import DEFAULT_CONFIG, ConfigParam, Overrides, checked_flow, resolve_config
-from flows.serve import run_name
-from tasks.extract import extraction_context, prepare_data
-from tasks.preflight import preflight_check
-from tasks.train import evaluate_for, export, train
 
 
 @flow(name="eyas-train", flow_run_name=run_name("train"), log_prints=True)

@@ -26,10 +26,11 @@ def main() -> None:
         int(sys.argv[2]),
         json.loads(sys.argv[3] if len(sys.argv) > 3 else "{}"),
     )
+    from eyas_prefect.flows.extract import extract
+
     from eyas.config import load_config
     from eyas.evaluation import serve_bench
     from eyas.extraction.shards import ShardReader
-    from flows.extract import extract
 
     rd = ROOT / "runs" / name
     ov = {

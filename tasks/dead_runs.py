@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from uuid import UUID
 
-from tasks.progress import logger
+from eyas_prefect.tasks.progress import logger
 
 _FLOW_RUN = re.compile(r"flow run ([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})")
 _MAX_RUNS = 64  # a pipeline has a handful of subflows; bound the walk all the same

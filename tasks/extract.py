@@ -11,6 +11,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import fields, replace
 
+from eyas_prefect.tasks.dead_runs import crash_dead_runs
+from eyas_prefect.tasks.progress import ExtractionPublisher, RegenerationPublisher, logger
+from eyas_prefect.tasks.retry import worth_retrying
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -20,9 +23,6 @@ from eyas.extraction.data import ShardPlan
 from eyas.extraction.extract import ShardCheck
 from eyas.extraction.shards import ShardManifest
 from eyas.extraction.stage import ExtractionContext, Prepared
-from tasks.dead_runs import crash_dead_runs
-from tasks.progress import ExtractionPublisher, RegenerationPublisher, logger
-from tasks.retry import worth_retrying
 
 
 def extraction_context() -> ExtractionContext:

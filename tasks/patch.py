@@ -1,5 +1,6 @@
 """Prefect tasks: patch the server host so it can dump hidden states, or undo that."""
 
+from eyas_prefect.tasks.retry import worth_retrying
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -7,7 +8,6 @@ from eyas.config import PipelineConfig
 from eyas.server import sglang_patch
 from eyas.server.hosts import make_host
 from eyas.server.sglang_patch import PatchReport
-from tasks.retry import worth_retrying
 
 
 # One retry: a dropped connection or a failed transfer may pass; a refused login, a missing

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
+from eyas_prefect.tasks.progress import logger
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
@@ -17,7 +18,6 @@ from eyas.config import PipelineConfig
 from eyas.errors import EyasError
 from eyas.preflight import format_preflight, preflight
 from eyas.report import artifact_key
-from tasks.progress import logger
 
 
 class PreflightFailed(EyasError, ValueError):

@@ -3,6 +3,9 @@ speed-up."""
 
 from dataclasses import fields
 
+from eyas_prefect.tasks.progress import ServeBenchPublisher
+from eyas_prefect.tasks.server import run_owner
+from eyas_prefect.tasks.train import result_key
 from prefect import task
 from prefect.logging import get_run_logger
 
@@ -10,9 +13,6 @@ from eyas.config import PipelineConfig
 from eyas.evaluation.export import drafter_digest
 from eyas.evaluation.serve_bench import ServeBenchResult, chains, run_serve_bench
 from eyas.secrets import redact_args
-from tasks.progress import ServeBenchPublisher
-from tasks.server import run_owner
-from tasks.train import result_key
 
 
 def _serving_key(context, parameters) -> str:

@@ -1,5 +1,6 @@
 """Prefect tasks: launch the target server, wait until it is ready, stop it."""
 
+from eyas_prefect.tasks.retry import worth_retrying
 from prefect import task
 from prefect.artifacts import (
     create_progress_artifact,
@@ -15,7 +16,6 @@ from eyas.report import artifact_key
 from eyas.server import launch, readiness
 from eyas.server.hosts import make_host
 from eyas.server.ownership import Owner
-from tasks.retry import worth_retrying
 
 
 def run_owner() -> Owner:

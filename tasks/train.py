@@ -5,6 +5,7 @@ import json
 from dataclasses import fields
 from pathlib import Path
 
+from eyas_prefect.tasks.progress import TrainingPublisher
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
@@ -15,7 +16,6 @@ from eyas.evaluation.export import drafter_digest, export_drafter
 from eyas.extraction.shards import ShardManifest
 from eyas.training.distributed import launch_training
 from eyas.training.train import TrainResult, train_drafter
-from tasks.progress import TrainingPublisher
 
 
 @task(task_run_name="train-drafter", cache_policy=NO_CACHE)

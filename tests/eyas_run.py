@@ -50,7 +50,7 @@ def command(verb: str, sets: dict) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
-        "flows.runtime.cli",
+        "eyas_prefect.flows.runtime.cli",
         verb,
         str(ROOT / "configs" / "local-tiny.yaml"),
     ]  # the `eyas` script

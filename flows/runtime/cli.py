@@ -23,8 +23,8 @@ def cmd_run(args) -> int:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     cfg = core.load(args)
-    from flows.pipeline import eagle3_pipeline
-    from flows.runtime.process import run_in_process
+    from eyas_prefect.flows.pipeline import eagle3_pipeline
+    from eyas_prefect.flows.runtime.process import run_in_process
 
     # SIGTERM / SIGINT: the run's servers stopped, its flow runs final, exit within seconds.
     state = run_in_process(eagle3_pipeline, cfg, return_state=True)
@@ -60,7 +60,7 @@ RUN = core.Command("run", "run the whole pipeline (a Prefect flow)", cmd_run)
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "worker":  # its options are `prefect worker start`'s
-        from flows.runtime.worker import main as worker
+        from eyas_prefect.flows.runtime.worker import main as worker
 
         return worker(argv[1:])
     return core.main(argv, extra=[RUN])

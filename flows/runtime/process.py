@@ -207,7 +207,7 @@ def _hand_over(timeout_s: float = 15.0) -> None:
     bench/results/2026-12-04_cpu2_readme-pipeline.md). Prefect 3.9.1 drains each queue through its
     worker class (APILogWorker, EventsWorker: `drain_all`); their private base drains every queue
     at once, and the public log flush is the fallback should that base change."""
-    from flows.runtime.prefect_private import drain_queues
+    from eyas_prefect.flows.runtime.prefect_private import drain_queues
 
     try:
         drained = drain_queues(timeout_s)

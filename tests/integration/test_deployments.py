@@ -121,8 +121,9 @@ def test_pipeline_deployment_completes_with_every_task_and_artifact(server, firs
     assert expected.items() <= keys.items(), keys
     # The server's GPUs were held through the host's strict one-slot limit, and released.
     limits = {c["name"]: c for c in server.post("/v2/concurrency_limits/filter", {})}
+    from eyas_prefect.flows.runtime.host_lock import host_limit_name
+
     from eyas.config import load_config
-    from flows.runtime.host_lock import host_limit_name
 
     gpu = limits[host_limit_name(load_config(ROOT / "configs" / "local-tiny.yaml", overrides))]
     assert gpu["limit"] == 1 and gpu["active_slots"] == 0, gpu

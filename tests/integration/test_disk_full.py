@@ -165,11 +165,10 @@ def test_an_injected_enospc_at_the_shard_writer(tmp_path, monkeypatch):
 def test_the_extraction_tasks_do_not_retry_a_full_disk(small_disk, monkeypatch, prefect_harness):
     """The real extract_shard_task (retries=2): a full disk runs once; another OSError three
     times."""
+    import eyas_prefect.tasks.extract as tx
+    from eyas_prefect.tasks.retry import worth_retrying
     from prefect import flow
     from prefect.cache_policies import NO_CACHE
-
-    import tasks.extract as tx
-    from tasks.retry import worth_retrying
 
     assert (
         tx.regenerate_data.retry_condition_fn

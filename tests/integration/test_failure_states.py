@@ -3,11 +3,11 @@ state names the task run that raised the error, as the API records it; an error 
 no traceback in the run's logs, a bug keeps its own; the top-level run's artifact `failure-NAME`."""
 
 import pytest
+from eyas_prefect.flows.common import DEFAULT_CONFIG, checked_flow
+from eyas_prefect.flows.failures import failure_artifact_hook
 from prefect import flow, task
 
 from eyas.errors import InvalidInput
-from flows.common import DEFAULT_CONFIG, checked_flow
-from flows.failures import failure_artifact_hook
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +44,11 @@ def outer(config=DEFAULT_CONFIG, overrides=None, which: str = "refuses"):
 
 def logs_of(flow_run_id) -> list[str]:
     """Every log message of the flow run and its subflow runs, oldest first."""
+    from eyas_prefect.flows.failures import run_family
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
     from prefect.logging.handlers import APILogHandler
-
-    from flows.failures import run_family
 
     APILogHandler().flush()
     with get_client(sync_client=True) as client:

@@ -7,10 +7,10 @@ import re
 import time
 
 import pytest
+from eyas_prefect.flows.extract import extract
 
 from eyas.extraction.dataset import dataset_path
 from eyas.extraction.shards import ShardReader, verify_shard
-from flows.extract import extract
 from tests.eyas_run import small_data
 from tests.stage_config import ROOT, stage_config
 

@@ -13,16 +13,15 @@ import time
 from pathlib import Path
 
 import pytest
-
-from flows.common import ROOT, resolve_config
-from flows.runtime.host_lock import ensure_host_limit
+from eyas_prefect.flows.common import ROOT, resolve_config
+from eyas_prefect.flows.runtime.host_lock import ensure_host_limit
 
 # A flow run that holds the GPU host while the file argv[2] exists (argv[1]: the host's label).
 CHILD = """
 import logging, os, sys, time
 from prefect import flow
-from flows.common import resolve_config
-from flows.runtime.host_lock import gpu_host
+from eyas_prefect.flows.common import resolve_config
+from eyas_prefect.flows.runtime.host_lock import gpu_host
 logging.basicConfig(level=logging.INFO)
 
 @flow(name="hold-gpu-host")
@@ -164,12 +163,11 @@ def test_a_holder_elsewhere_is_waited_for_until_its_flow_run_is_final(prefect_ha
     it."""
     import threading
 
+    from eyas_prefect.flows.runtime.host_lock import gpu_host, this_machine
     from prefect import flow
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import VariableCreate
     from prefect.states import Crashed, Running
-
-    from flows.runtime.host_lock import gpu_host, this_machine
 
     @flow(name="elsewhere")
     def elsewhere():

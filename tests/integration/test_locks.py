@@ -59,7 +59,7 @@ def _command(tmp: Path, data: Path, port: int) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
-        "flows.runtime.cli",
+        "eyas_prefect.flows.runtime.cli",
         "run",
         str(ROOT / "configs" / "local-tiny.yaml"),
     ]  # `eyas run`

@@ -36,7 +36,7 @@ COMMANDS = {
     "eyas run configs/local-tiny.yaml --set "
     "training.max_steps=50": "tests/integration/test_eyas_run_output.py (reduced)",
     "eyas stop configs/kimi-k2.5-sglang.yaml": "needs the production SSH hosts",
-    ".venv/bin/python -m flows.serve_bench configs/kimi-k2.5-sglang.yaml "
+    ".venv/bin/python -m eyas_prefect.flows.serve_bench configs/kimi-k2.5-sglang.yaml "
     "/data/eyas/runs/kimi-k2.5/drafter": "needs the production GPU hosts",
     "cd /srv/eyas": "here (the repository root)",
     "export PREFECT_API_URL=http://prefect-host:4200/api": "here (the server's env)",

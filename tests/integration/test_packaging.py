@@ -54,9 +54,9 @@ def test_the_wheel_holds_the_code_and_the_shipped_files(installed):
     for path in (
         "eyas/training/train.py",
         "eyas/extraction/stage.py",
-        "tasks/extract.py",
-        "flows/pipeline.py",
-        "flows/runtime/cli.py",  # the `eyas` script's entry point
+        "eyas_prefect/tasks/extract.py",
+        "eyas_prefect/flows/pipeline.py",
+        "eyas_prefect/flows/runtime/cli.py",  # the `eyas` script's entry point
         "eyas/_shipped/patches/sglang/0.5.23/manifest.json",
         "eyas/_shipped/patches/sglang/eyas_sglang_hook.py",
         "eyas/_shipped/configs/local-tiny.yaml",
@@ -65,6 +65,8 @@ def test_the_wheel_holds_the_code_and_the_shipped_files(installed):
         "eyas/_shipped/fixtures/tiny-target/config.json",
     ):
         assert path in names, path
+    # the Prefect layer only under the project's namespace: no top-level `flows` or `tasks`
+    assert not [n for n in names if n.split("/")[0] in ("flows", "tasks")]
     # the real-SGLang tier's target stays in the repository
     assert not [n for n in names if n.startswith("eyas/_shipped/fixtures/tiny-target-cpu/")]
 
@@ -72,7 +74,7 @@ def test_the_wheel_holds_the_code_and_the_shipped_files(installed):
 def test_the_installed_package_finds_its_files_away_from_the_checkout(installed, tmp_path):
     _, site = installed
     script = (
-        "import json, eyas\nfrom eyas.resources import shipped, shipped_root\n"
+        "import importlib.util, json, eyas\nfrom eyas.resources import shipped, shipped_root\n"
         "from eyas.server.patch_sets import available_versions, load_patch_set\n"
         "from eyas.config import load_config\n"
         "cfg = load_config(shipped('configs', 'local-tiny.yaml'))\n"
@@ -80,7 +82,9 @@ def test_the_installed_package_finds_its_files_away_from_the_checkout(installed,
         "                  'versions': available_versions(), 'patch': "
         "load_patch_set('0.5.23').patch_version,\n"
         "                  'target': str(cfg.target.checkpoint), 'target_ok': "
-        "(cfg.target.checkpoint / 'config.json').exists()}))\n"
+        "(cfg.target.checkpoint / 'config.json').exists(),\n"
+        "                  'flows': "
+        "importlib.util.find_spec('eyas_prefect.flows.pipeline').origin}))\n"
     )
     env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run(
@@ -100,3 +104,4 @@ def test_the_installed_package_finds_its_files_away_from_the_checkout(installed,
         "eyas-sglang-0.5.23-"
     )
     assert got["target"].startswith(str(site)) and got["target_ok"]
+    assert got["flows"] == str(site / "eyas_prefect" / "flows" / "pipeline.py")

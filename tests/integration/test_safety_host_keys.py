@@ -7,12 +7,12 @@ import logging
 import time
 
 import pytest
+from eyas_prefect.tasks.server import launch_server
 from prefect import flow
 
 from eyas.config import HostConfig
 from eyas.server.hosts import HostAuthError, HostConfigError, make_host
 from eyas.server.ssh_host import SSHHost
-from tasks.server import launch_server
 from tests.stage_config import ROOT, stage_config
 
 WARNS = "eyas.server.ssh_host"

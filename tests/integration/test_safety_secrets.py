@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 DRIVER = """
 import sys
 from eyas.config import load_config
-from flows.extract import extract
+from eyas_prefect.flows.extract import extract
 
 extract(load_config(sys.argv[1]), overrides={"extraction.num_shards": 1})
 print("extract done")

@@ -212,7 +212,7 @@ def test_a_reference_backend_serves_the_same_chains_on_eyas_and_sets_its_accepta
 def test_subflow_measures_both_servers_on_the_same_prompts(
     prefect_harness, exported_drafter, tmp_path, interleave, concurrent
 ):
-    from flows.serve_bench import serve_bench_flow
+    from eyas_prefect.flows.serve_bench import serve_bench_flow
 
     target, drafter = exported_drafter
     cfg = stage_config(
@@ -371,7 +371,7 @@ class Progress:
 
 
 def test_disabled_benchmark_with_in_process_evaluation_launches_nothing(prefect_harness, tmp_path):
-    from flows.serve_bench import serve_bench_flow
+    from eyas_prefect.flows.serve_bench import serve_bench_flow
 
     cfg = stage_config(
         tmp_path,
@@ -385,7 +385,7 @@ def test_disabled_benchmark_with_in_process_evaluation_launches_nothing(prefect_
 def test_a_rerun_reports_the_cached_measurement_unless_refreshed(
     prefect_harness, exported_drafter, tmp_path
 ):
-    from flows.serve_bench import serve_bench_flow
+    from eyas_prefect.flows.serve_bench import serve_bench_flow
 
     target, drafter = exported_drafter
     cfg = stage_config(

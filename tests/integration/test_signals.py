@@ -139,7 +139,7 @@ def test_the_temporary_prefect_server_ends_with_its_eyas_process_even_on_kill_9(
         [
             sys.executable,
             "-c",
-            "import sys, time; from flows.runtime.process import TemporaryServer; "
+            "import sys, time; from eyas_prefect.flows.runtime.process import TemporaryServer; "
             "s = TemporaryServer(); print(s.url, flush=True); time.sleep(300)",
         ],
         cwd=eyas_run.ROOT,
@@ -176,12 +176,12 @@ def test_kill_9_ends_the_runs_server_and_the_next_run_closes_its_flow_runs(
     """kill -9 of `eyas run`: its local target server exits with it (eyas/server/launcher.py), and
     the next run of the config, taking the output directory, sets the dead run's flow runs Crashed
     instead of leaving them Running in the UI."""
+    from eyas_prefect.tasks.extract import extraction_context, prepare_data
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
     from prefect.settings import PREFECT_API_URL
 
     from eyas.config import load_config
-    from tasks.extract import extraction_context, prepare_data
 
     def runs(like: str):
         with get_client(sync_client=True) as client:

@@ -4,12 +4,12 @@ import asyncio
 import time
 
 import pytest
+from eyas_prefect.tasks.server import launch_server, wait_ready
+from eyas_prefect.tasks.server import stop as stop_task
 from prefect import flow
 
 from eyas.server.hosts import LocalHost
 from eyas.server.launch import capture_launch, stop_recorded
-from tasks.server import launch_server, wait_ready
-from tasks.server import stop as stop_task
 from tests.stage_config import stage_config
 
 

@@ -1,8 +1,8 @@
 """tasks/train.py: the acceptance evaluation is cached on the drafter's bytes and its settings."""
 
+from eyas_prefect.tasks.train import evaluate_for
 from prefect import flow
 
-from tasks.train import evaluate_for
 from tests.stage_config import stage_config
 
 

@@ -139,7 +139,7 @@ def task_exists(name: str) -> bool:
 
     module, _, attr = name.rpartition(".")
     try:
-        return hasattr(importlib.import_module(f"tasks.{module}"), attr)
+        return hasattr(importlib.import_module(f"eyas_prefect.tasks.{module}"), attr)
     except ImportError:
         return False
 

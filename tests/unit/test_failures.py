@@ -3,8 +3,9 @@
 import logging
 import sys
 
+from eyas_prefect.flows import failures
+
 from eyas.errors import InvalidInput
-from flows import failures
 
 
 def record_of(

@@ -7,10 +7,10 @@ import uuid
 
 import pytest
 import yaml
+from eyas_prefect.flows.common import ROOT, resolve_config
+from eyas_prefect.flows.runtime.host_lock import host_limit_name
 
 from eyas.config import ConfigError, load_config
-from flows.common import ROOT, resolve_config
-from flows.runtime.host_lock import host_limit_name
 
 
 def test_a_path_is_taken_from_the_repository_root_wherever_the_run_starts(tmp_path, monkeypatch):
@@ -55,15 +55,14 @@ def test_every_task_that_retries_asks_the_one_retry_condition():
     import importlib
     import pkgutil
 
+    import eyas_prefect.tasks as tasks
+    from eyas_prefect.tasks.retry import worth_retrying
     from prefect import Task
-
-    import tasks
-    from tasks.retry import worth_retrying
 
     retrying = [
         obj
         for info in pkgutil.iter_modules(tasks.__path__)
-        for obj in vars(importlib.import_module(f"tasks.{info.name}")).values()
+        for obj in vars(importlib.import_module(f"eyas_prefect.tasks.{info.name}")).values()
         if isinstance(obj, Task) and obj.retries
     ]
     assert (
@@ -73,8 +72,9 @@ def test_every_task_that_retries_asks_the_one_retry_condition():
 
 
 def test_the_core_command_line_has_no_run_and_the_eyas_script_adds_it(capsys):
+    from eyas_prefect.flows.runtime import cli
+
     from eyas import cli as core
-    from flows.runtime import cli
 
     with pytest.raises(SystemExit, match="`run` starts Prefect flows: use the `eyas` script"):
         core.main(["run", "configs/local-tiny.yaml"])
@@ -95,7 +95,7 @@ def test_the_core_command_line_has_no_run_and_the_eyas_script_adds_it(capsys):
 
 
 def test_the_stop_hook_says_what_it_did_in_sentences():
-    from flows.common import stop_sentence
+    from eyas_prefect.flows.common import stop_sentence
 
     level, line = stop_sentence(
         {"pid": 41, "outcome": "terminated", "dump_dir": "removed"}, "gpu-1", "the server"
@@ -123,9 +123,10 @@ def test_the_stop_hook_says_what_it_did_in_sentences():
 
 
 def test_the_stop_hook_names_each_benchmark_server_by_its_label_and_backend(tmp_path):
+    from eyas_prefect.flows.common import server_words
+
     from eyas.evaluation import serve_bench
     from eyas.server.launch import capture_launch
-    from flows.common import server_words
     from tests.stage_config import stage_config
 
     cfg = stage_config(tmp_path, ROOT / "fixtures" / "tiny-target", **{"benchmark.enabled": True})
@@ -138,9 +139,8 @@ def test_the_stop_hook_names_each_benchmark_server_by_its_label_and_backend(tmp_
 def test_the_stop_hook_never_raises_and_logs_why_it_could_not_stop(tmp_path):
     """An SSH host whose known_hosts file is missing (HostConfigError): one error line naming the
     host and the way out, no exception out of the hook."""
+    from eyas_prefect.flows.common import stop_server_hook
     from prefect.client.schemas.objects import FlowRun, State, StateType
-
-    from flows.common import stop_server_hook
 
     overrides = {
         "server.host": {

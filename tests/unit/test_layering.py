@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FORBIDDEN = ("prefect", "flows", "tasks")
+FORBIDDEN = ("prefect", "eyas_prefect", "flows", "tasks")
 
 
 def _top(name: str | None) -> str:
@@ -49,14 +49,14 @@ def test_the_core_imports_nothing_of_prefect_flows_or_tasks():
 
 def test_the_walk_sees_imports_inside_functions_and_by_name():
     source = (
-        "def f():\n    from prefect import flow\ndef g():\n    import flows.pipeline\n"
-        "importlib.import_module('tasks.extract')\n__import__('prefect.runtime')\n"
+        "def f():\n    from prefect import flow\ndef g():\n    import eyas_prefect.flows.pipeline\n"
+        "importlib.import_module('eyas_prefect.tasks.extract')\n__import__('prefect.runtime')\n"
         "from eyas.config import load_config\nfrom . import sibling\n"
     )
     assert [m for _, m in imports_of(ast.parse(source))] == [
         "prefect",
-        "flows.pipeline",
-        "tasks.extract",
+        "eyas_prefect.flows.pipeline",
+        "eyas_prefect.tasks.extract",
         "prefect.runtime",
         "eyas.config",
     ]

@@ -5,8 +5,11 @@ silently in a run."""
 import importlib
 
 import prefect
-
-from flows.runtime.prefect_private import TESTED_MINORS, cancel_requested, tested_version
+from eyas_prefect.flows.runtime.prefect_private import (
+    TESTED_MINORS,
+    cancel_requested,
+    tested_version,
+)
 
 
 def test_the_installed_prefect_is_a_tested_minor_version():

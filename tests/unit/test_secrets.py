@@ -6,6 +6,7 @@ import json
 import shlex
 
 import pytest
+from eyas_prefect.flows.common import resolve_config
 from fastapi.encoders import jsonable_encoder
 
 from eyas.config import ConfigError, load_config
@@ -19,7 +20,6 @@ from eyas.server.launch import (
     launch_secrets,
 )
 from eyas.server.readiness import ServerFailed
-from flows.common import resolve_config
 from tests.stage_config import ROOT
 
 TINY = ROOT / "configs" / "local-tiny.yaml"

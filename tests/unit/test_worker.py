@@ -6,7 +6,7 @@ import signal
 import subprocess
 import sys
 
-from flows.runtime.worker import flow_runs_of, stop_line
+from eyas_prefect.flows.runtime.worker import flow_runs_of, stop_line
 
 
 def test_the_flow_runs_of_a_process_are_its_children_that_name_a_flow_run():

@@ -1,6 +1,7 @@
 """The serving benchmark's cache key: what makes a re-run measure again."""
 
-from tasks.serve_bench import _serving_key
+from eyas_prefect.tasks.serve_bench import _serving_key
+
 from tests.stage_config import ROOT, stage_config
 
 TARGET = ROOT / "fixtures" / "tiny-target"

@@ -1,6 +1,6 @@
 """The wait-ready task's view of a data-parallel server's replicas."""
 
-from tasks.server import replica_states
+from eyas_prefect.tasks.server import replica_states
 
 
 def test_replicas_the_log_has_not_named_yet_are_waiting_in_rank_order():
