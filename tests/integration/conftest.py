@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from eyas.net import free_port
+from tests.conftest import DEPLOYED_SERVER_MODULES
 from tests.prefect_server import ROOT, WebhookReceiver, deploy_as_documented, start_prefect_server
 
 
@@ -18,16 +19,34 @@ def webhooks():
     receiver.stop()
 
 
+#: the deployed server while it runs, for the hook below to stop it
+_DEPLOYED = []
+
+
 @pytest.fixture(scope="session")
 def deployed(tmp_path_factory, webhooks):
     """A Prefect server deployed as docs/operations.md says: the eyas pool, every deployment of
     deployments/prefect.yaml, a process worker (limit 2), the failure webhook."""
     srv = start_prefect_server(tmp_path_factory.mktemp("prefect-home"))
+    _DEPLOYED.append(srv)
     try:
         deploy_as_documented(srv, webhooks.url)
         yield srv
     finally:
         srv.stop()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """The modules that use the deployed server run one after another on one worker
+    (tests/conftest.py): after the last of them its server and worker stop, instead of polling on
+    the cores until the worker's other modules are done."""
+    if _DEPLOYED and _module(item) in DEPLOYED_SERVER_MODULES:
+        if nextitem is None or _module(nextitem) not in DEPLOYED_SERVER_MODULES:
+            _DEPLOYED.pop().stop()
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0]
 
 
 @pytest.fixture(scope="module")
