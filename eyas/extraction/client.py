@@ -71,18 +71,23 @@ class ServerStalled(RequestFailed):
     retryable = False
 
 
-class PoolStopped(RequestFailed):
+class Follower:
+    """Marks an error that only points at another request's error: the one to read is that one
+    (`naming_the_cause`). A class, not an attribute or the error's chain, so that it survives the
+    pickling of a Prefect task's result."""
+
+
+class PoolStopped(RequestFailed, Follower):
     """A request given up because the pool stopped for a cause that another request's error names
     (a stall fails every request in flight and later: the first one raised carries the watchdog's
-    reason, the others this, so a run's log names the stall once). The error to read is that
-    other one (`is_follower`)."""
+    reason, the others this, so a run's log names the stall once)."""
 
     retryable = False
 
 
 def is_follower(error: BaseException) -> bool:
     """Whether `error` (or an error it was raised from) only points at another request's error."""
-    return any(isinstance(e, PoolStopped) for e in causes(error))
+    return any(isinstance(e, Follower) for e in causes(error))
 
 
 def naming_the_cause(error: BaseException, others: Iterable[BaseException | None]):

@@ -35,9 +35,11 @@ from eyas.dump import DTYPES, DumpError, validate
 from eyas.errors import EyasError, InvalidInput
 from eyas.extraction.client import (
     Endpoint,
+    Follower,
     RequestFailed,
     ServerPool,
     attempt_rids,
+    is_follower,
     naming_the_cause,
 )
 from eyas.extraction.data import ShardPlan, plan_file_hash, read_shard_plan
@@ -59,6 +61,12 @@ class ExtractionError(EyasError, RuntimeError):
     """A shard could not be extracted; names the shard and the sequence."""
 
     retryable = True  # a sequence whose records did not come may come on the next try
+
+
+class ShardStopped(ExtractionError, Follower):
+    """A shard given up with the pool's other requests; another shard's error names why."""
+
+    retryable = False
 
 
 @dataclass
@@ -305,7 +313,7 @@ class _ShardJob:
                     )
                 del records
         except RequestFailed as e:
-            raise ExtractionError(f"{where}: {e}") from e
+            raise (ShardStopped if is_follower(e) else ExtractionError)(f"{where}: {e}") from e
         except (DumpError, ShardError) as e:
             raise ExtractionError(f"{where} from {reply.endpoint.url}: {e}") from e
         except HostError as e:

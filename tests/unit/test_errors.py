@@ -128,3 +128,25 @@ def test_the_raise_walk_sees_builtin_raises():
     assert builtin_raises(
         "def f():\n    raise ValueError('x')\nraise KeyError(1)\nraise Mine('y')\n"
     ) == [(2, "ValueError"), (3, "KeyError")]
+
+
+def test_a_shard_stopped_with_the_pool_stays_a_follower_through_pickling():
+    """Prefect hands a failed shard task's error back unpickled, without its chain: the shard error
+    that only points at another one is known by its class, and the stage picks the one naming the
+    cause."""
+    import pickle
+
+    from eyas.extraction.client import PoolStopped, is_follower, naming_the_cause
+    from eyas.extraction.extract import ExtractionError, ShardStopped
+
+    named = ExtractionError("shard-00001 sequence 3: rid a: server stalled: no reply for 60 s")
+    try:
+        raise PoolStopped("b", "given up with every request in flight", transient=False)
+    except PoolStopped as e:
+        follower = ShardStopped(f"shard-00002 sequence 0: {e}")
+    back = pickle.loads(pickle.dumps(follower))
+    assert back.__cause__ is None and is_follower(back) and not back.retryable
+    assert not is_follower(pickle.loads(pickle.dumps(named)))
+    assert naming_the_cause(back, [None, back, named]) is named
+    assert naming_the_cause(named, [back]) is named
+    assert naming_the_cause(back, [back]) is back  # no error names it: the follower's own
