@@ -221,7 +221,8 @@ def _extract_all(
             # one failure ends the stage: the shards still queued never start (nor send a
             # request to a server that stalled or died)
             for queued in futures:
-                queued.wrapped_future.cancel()
+                if not queued.wrapped_future.running():  # one in flight ends with its own error
+                    queued.wrapped_future.cancel()
             cause = _naming_the_cause(error, futures)
             if cause is error:
                 raise
