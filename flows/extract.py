@@ -38,7 +38,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eyas.config import PipelineConfig
-from eyas.extraction.client import is_follower, naming_the_cause
+from eyas.extraction.client import naming_the_cause
 from eyas.extraction.shards import ShardManifest
 from eyas.extraction.stage import ExtractionContext, check_shards, regeneration_pending
 from eyas.report import Stopwatch
@@ -154,15 +154,6 @@ def _extract_on_server(
                 stop(cfg, up.handle)
 
 
-def _naming_the_cause(error: Exception, futures) -> Exception:
-    """The error the stage fails with: `error`, unless it only points at another shard's error (a
-    stalled pool names its reason in one request's error, eyas/extraction/client.py PoolStopped);
-    then that other shard's error, once the shards in flight have ended."""
-    if not is_follower(error):
-        return error
-    return naming_the_cause(error, (_error_of(f) for f in futures))
-
-
 def _error_of(future) -> Exception | None:
     """What a shard task raised (waiting for it to end); None when it completed or never ran."""
     if future.wrapped_future.cancelled():
@@ -223,7 +214,10 @@ def _extract_all(
             for queued in futures:
                 if not queued.wrapped_future.running():  # one in flight ends with its own error
                     queued.wrapped_future.cancel()
-            cause = _naming_the_cause(error, futures)
+            # a stalled pool names its reason in one shard's error (the others only point at it,
+            # eyas/extraction/client.py PoolStopped): the stage fails with that one, once the
+            # shards in flight have ended (naming_the_cause reads them only for a follower)
+            cause = naming_the_cause(error, (_error_of(f) for f in futures))
             if cause is error:
                 raise
             raise cause from None

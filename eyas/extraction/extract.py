@@ -370,6 +370,8 @@ class _ShardJob:
         try:
             self.send_all(ex, window, on_progress)
         except BaseException as error:
+            if is_follower(error):  # the stalled pool has failed every request in flight at once:
+                ex.shutdown(wait=True, cancel_futures=True)  # each ends with its own error
             self.cancel.set()
             ex.shutdown(wait=True, cancel_futures=True)
             if self.writer is not None:
