@@ -28,12 +28,14 @@ class InvalidInput(EyasError, ValueError):
 
 
 def causes(exc: BaseException | None) -> Iterator[BaseException]:
-    """exc, then what it was raised from or during, outermost first (each once)."""
+    """exc, then what it was raised from or during, outermost first (each once): the chain a
+    traceback prints. A context hidden by `raise ... from` is not part of it: an error re-raised
+    while another was being handled would otherwise take on that other error's kind."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         yield exc
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
 
 
 def retry_can_help(exc: BaseException) -> bool:

@@ -220,7 +220,7 @@ def _extract_all(
             cause = naming_the_cause(error, (_error_of(f) for f in futures))
             if cause is error:
                 raise
-            raise cause from None
+            raise cause from cause.__cause__  # its own chain, not the follower it was raised beside
         if future.state.name == "Cached":  # answered from Prefect's cache: no task body counted it
             shard_cached(ctx, cfg, plan_of[id(future)], m)
             cached.add(id(future))

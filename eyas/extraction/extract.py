@@ -380,7 +380,7 @@ class _ShardJob:
             cause = naming_the_cause(error, (f.exception() for f in self.sent if _failed(f)))
             if cause is error:
                 raise
-            raise cause from None
+            raise cause from cause.__cause__  # its own chain, not the follower it was raised beside
         ex.shutdown(wait=True)
         return self.writer.close({"seconds": round(time.monotonic() - self.t0, 3)})
 

@@ -150,3 +150,50 @@ def test_a_shard_stopped_with_the_pool_stays_a_follower_through_pickling():
     assert naming_the_cause(back, [None, back, named]) is named
     assert naming_the_cause(named, [back]) is named
     assert naming_the_cause(back, [back]) is back  # no error names it: the follower's own
+
+
+def test_the_error_naming_the_cause_keeps_its_kind_when_raised_while_a_follower_is_handled():
+    """A shard's first failed sequence may be a follower; the shard then raises the sequence error
+    that names the stall from inside that `except`. The named error keeps what it was raised from
+    (not retryable) and does not take on the follower it was raised beside."""
+    from eyas.errors import causes
+    from eyas.extraction.client import PoolStopped, ServerStalled, is_follower, naming_the_cause
+    from eyas.extraction.extract import ExtractionError
+
+    try:
+        raise ServerStalled("a", "server stalled: no reply for 60 s", transient=False)
+    except ServerStalled as e:
+        named = ExtractionError(f"shard-00001 sequence 0: {e}")
+        named.__cause__ = e
+        named.__suppress_context__ = True  # as `raise ... from e` leaves it
+    try:
+        try:
+            raise PoolStopped("b", "given up with every request in flight", transient=False)
+        except PoolStopped as follower:
+            cause = naming_the_cause(follower, [named])
+            raise cause from cause.__cause__  # as the shard and the stage raise it
+    except ExtractionError as e:
+        raised = e
+    assert raised is named
+    assert raised.__context__ is not None  # Python set the follower as its context ...
+    assert [type(e).__name__ for e in causes(raised)] == ["ExtractionError", "ServerStalled"]
+    assert not is_follower(raised) and not retry_can_help(raised)  # ... and it is not read
+
+
+def test_the_chain_is_what_a_traceback_prints():
+    from eyas.errors import causes
+
+    try:
+        try:
+            raise KeyError("inner")
+        except KeyError:
+            raise ValueError("during") from None
+    except ValueError as hidden:
+        assert list(causes(hidden)) == [hidden]
+    try:
+        try:
+            raise KeyError("inner")
+        except KeyError:
+            raise ValueError("during")  # noqa: B904 - the implicit context is part of the chain
+    except ValueError as during:
+        assert [type(e) for e in causes(during)] == [ValueError, KeyError]
