@@ -92,9 +92,9 @@ from eyas.training.losses import (  # noqa: E402
     head_soft_ce,
     scored_counts,
     teacher_labels,
-    ttt_rows,
 )
 from eyas.training.optim import clip_and_step, lr_factor, make_optimizer  # noqa: E402
+from eyas.training.step_rows import ttt_rows  # noqa: E402
 from eyas.training.target_head import TargetHead  # noqa: E402
 from eyas.training.teacher_cache import ArgmaxMemo  # noqa: E402
 from eyas.training.train import optimizer_step  # noqa: E402

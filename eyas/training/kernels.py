@@ -3,7 +3,7 @@ torch.compile.
 
     # once per run; TTTObjective(..., kernels=kernels)
     kernels = kernel_options(cfg.training, device)
-    x = fused.norm_cat(emb, h, w_in, w_hid, eps, compile=kernels.compile)
+    x = fused.norm(h, w_hid, eps, compile=kernels.compile)
 
 A drafter step is a handful of large GEMMs (cuBLAS, eager; eyas/training/gemm.py) and, between them,
 norms, the rotary embedding, residual adds, SwiGLU, the TTT attention's diagonal terms and the soft
@@ -52,16 +52,16 @@ class KernelOptions:
     fp8_gemms: bool = False
     # ---- the step's optimisations
     #: the TTT steps >= 1 and the head only on the span from the batch's first to its last position
-    #: some step scores (losses.ttt_span); False: on every position
+    #: some step scores (step_rows.ttt_span); False: on every position
     skip_span: bool = True
-    #: gather the positions some step scores (losses.ttt_rows) where they are under this share of
+    #: gather the positions some step scores (step_rows.ttt_rows) where they are under this share of
     #: the span's rows: the gathers of h and the scatter around every step's attention are copies
     #: that buy nothing when the span holds little else; 0 = never gather (the span), 1 = wherever
     #: anything is skipped
     gather_under: float = 0.9
     #: the embedding's share of every step's q/k/v as one projection per unroll
     #: (eyas/training/shared_emb.py); False: each step projects its own concatenation of embedding
-    #: and hidden state (ttt_step.ttt_step_concat, which fp8_gemms always takes)
+    #: and hidden state (TTTWeights.qkv, which fp8_gemms always takes)
     shared_emb: bool = True
     #: that projection's gradient summed in place, step by step, into one buffer (shared_emb.py);
     #: False: autograd sums each step's zero-padded slice of it
@@ -139,12 +139,6 @@ def _rms(x, w, eps):  # RMSNorm, statistics in fp32, output in x's dtype
 
 
 @fusable
-def norm_cat(emb, h, w_emb, w_h, eps: float):
-    """cat(input_layernorm(emb), hidden_norm(h)) -> (B, T, 2H), the attention's input."""
-    return torch.cat([_rms(emb, w_emb, eps), _rms(h, w_h, eps)], dim=-1)
-
-
-@fusable
 def norm(x, w, eps: float):
     """rms_norm(x) * w."""
     return _rms(x, w, eps)
@@ -163,21 +157,14 @@ def _rotate(x, cos, sin):  # rotate-half RoPE; cos/sin broadcast over x's heads
 
 
 @fusable
-def rope_qk(q, k, cos, sin):
-    """Rotate-half RoPE on q (B, T, nh, hd) and k (B, T, nkv, hd); cos/sin (T, hd) or (B, T, hd).
+def add_rope(x, p, cos, sin):
+    """Rotate-half RoPE of x + p, both (B, T, n, hd) position-major (p None: of x); cos/sin (T, hd)
+    or (B, T, hd): a projection of the hidden state plus the embedding's share of it
+    (eyas/training/shared_emb.py), or of their concatenation.
 
     Position-major, as the projections write them: the attention reads them through a transpose, and
     the gradients come back in this layout, so no copy sits between the GEMMs and the attention."""
-    cos, sin = cos[..., None, :], sin[..., None, :]
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-@fusable
-def add_rope(x, p, cos, sin):
-    """Rotate-half RoPE of x + p, both (B, T, n, hd) position-major; cos/sin (T, hd) or (B, T, hd):
-    a projection of the hidden state plus the embedding's share of it
-    (eyas/training/shared_emb.py)."""
-    return _rotate(x + p, cos[..., None, :], sin[..., None, :])
+    return _rotate(x if p is None else x + p, cos[..., None, :], sin[..., None, :])
 
 
 @fusable

@@ -20,19 +20,20 @@ labelled where the token it predicts is an assistant token and the target's argm
 vocabulary; positions whose argmax does not still count in counts[k] and as misses in accuracy.
 
 Work only where the loss mask can use it: the teacher runs on the scored positions only, and the TTT
-steps >= 1 (and every step's head) only on the positions some step scores: gathered position by
-position (`ttt_rows`: chat data's user turns between replies drop out, as do prompts and padding),
-or, where that would skip little, on the one span from the batch's first to its last scored position
-(`ttt_span`). The loss and its gradients are the same function; a position is never dropped for its
-label's content.
+steps >= 1 (and every step's head) only on the positions some step scores (step_rows.py): one
+span from the batch's first to its last, or gathered position by position where that skips enough
+(chat data's user turns between replies drop out, as do prompts and padding). One unroll runs on
+either (TTTObjective._unroll). The loss and its gradients are the same function; a position is never
+dropped for its label's content.
 
 `reference_ttt_loss` is the objective read plainly: the drafter unrolled K times under explicit
 masks, every position, all logits. TTTObjective computes the same function, as follows.
 
 Each TTT step is the plain drafter's function through fused machinery (eyas/training/ttt_step.py):
 the GEMM weights cast once per unroll with their gradients summed inside the GEMMs (ttt_weights.py),
-and the embedding's share of every step's q/k/v one projection per unroll (shared_emb.py): step k at
-position t reads the token step 0 reads at t+k, so it takes row t+k of it (TTTObjective._emb).
+and the embedding's share of every step's q/k/v one projection per unroll (shared_emb.py; with FP8
+GEMMs, which quantize q/k/v whole, the weights concatenate each step's own input instead): step k
+at position t reads the token step 0 reads at t+k, so it takes row t+k of it (TTTObjective._emb).
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ from eyas.training.drafter import Eagle3Drafter, KVCache, ttt_mask
 from eyas.training.kernels import DEFAULT, KernelOptions
 from eyas.training.shared_emb import SharedEmb
 from eyas.training.soft_ce import soft_ce_rows, soft_ce_rows_nograd
+from eyas.training.step_rows import StepRows, scored_span, step_rows
 from eyas.training.target_head import TargetHead
-from eyas.training.ttt_step import TTTKeys, emb_proj, ttt_step, ttt_step_concat
+from eyas.training.ttt_step import TTTKeys, emb_proj, ttt_step
 from eyas.training.ttt_weights import TTTWeights, compute_dtype
 
 HEAD_CHUNK_ROWS = (
@@ -140,13 +142,6 @@ def teacher_labels(
     return Labels(
         probs.view(B * T, num_draft), target, scored & (target >= 0), scored, (first, end)
     )
-
-
-def scored_span(scored: torch.Tensor) -> tuple[int, int]:
-    """[first, last + 1) of the positions scored in any sequence of the batch, (0, 0) if none (one
-    sync)."""
-    at = scored.any(0).nonzero().flatten()
-    return (int(at[0]), int(at[-1]) + 1) if at.numel() else (0, 0)
 
 
 # ----------------------------------------------------------------------------- the plain objective
@@ -269,46 +264,6 @@ def head_soft_ce(
 # ----------------------------------------------------------------------------- the TTT unroll
 
 
-def label_rows(B: int, T: int, K: int, device, span: tuple[int, int] | None = None):
-    """Row (k, b, t) is labelled by the teacher at (b, t+1+k), for t in span (default all of [0, T))
-    -> (flat teacher row (K, B, L), inside (K, 1, L))."""
-    s, e = span or (0, T)
-    src = (
-        torch.arange(s, e, device=device)[None] + 1 + torch.arange(K, device=device)[:, None]
-    )  # (K, L)
-    inside = (src < T)[:, None]
-    rows = (
-        torch.arange(B, device=device)[None, :, None] * T + src.clamp(max=T - 1)[:, None]
-    )  # (K, B, L)
-    return rows, inside
-
-
-def ttt_rows(scored: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(b, t) of the positions where some TTT step k < K scores row (k, b, t), i.e. scored[b,
-    t+1+k]: each reply's positions and the K before it, per sequence (one sync). Every position
-    where nothing is scored at all (the loss is then 0 and needs a graph all the same)."""
-    B, T = scored.shape
-    need = torch.zeros_like(scored)
-    for k in range(min(K, T - 1)):
-        need[:, : T - 1 - k] |= scored[:, 1 + k :]
-    b, t = need.nonzero(as_tuple=True)
-    if b.numel() == 0:
-        b, t = torch.ones_like(scored).nonzero(as_tuple=True)
-    return b, t
-
-
-def ttt_span(labels: Labels, T: int, K: int) -> tuple[int, int]:
-    """[s, e): the positions t where some TTT step k < K scores row (k, b, t) in some sequence.
-
-    Row (k, b, t) is scored where labels.scored[b, t+1+k] (t+1+k < T), so with scored positions in
-    [first, end) the rows lie in t in [first - K, end - 1). Everything the steps >= 1 compute at a
-    position depends only on that position's own chain and on step 0's keys at or before it, so the
-    steps may run on this range alone. The whole sequence where nothing is scored."""
-    first, end = labels.span if labels.span is not None else scored_span(labels.scored)
-    s, e = max(0, first - K), min(end - 1, T)
-    return (s, e) if s < e else (0, T)
-
-
 def scored_counts(loss_masks, K: int) -> torch.Tensor:
     """Positions scored at each TTT step, from loss masks alone: counts[k] = sum_t mask[t+2+k]."""
     counts = torch.zeros(K, dtype=torch.float64)
@@ -343,15 +298,11 @@ class TTTObjective(nn.Module):
             kernels,
         )
 
-    def _shares_emb(self) -> bool:
-        """Whether the embedding's share of q/k/v is one projection per unroll (kernels.shared_emb):
-        not with FP8 GEMMs, which quantize q/k/v's weights whole (each step then projects its own
-        concatenation)."""
-        return self.kernels.shared_emb and not self.kernels.fp8_gemms
-
     def _weights(self, device) -> TTTWeights:
-        """This unroll's TTTWeights: q/k/v in two column blocks where the embedding's share is
-        apart."""
+        """This unroll's TTTWeights. halves: q/k/v's embedding and hidden-state column blocks apart,
+        so the embedding's share is one projection per unroll (kernels.shared_emb); not with FP8
+        GEMMs, which quantize q/k/v's weights whole (each step then projects its own
+        concatenation)."""
         kn, m = self.kernels, self.drafter
         return TTTWeights(
             m,
@@ -359,17 +310,15 @@ class TTTObjective(nn.Module):
             self.gemm_dtype,
             fp8=kn.fp8_gemms,
             compile=kn.compile,
-            halves=self._shares_emb(),
+            halves=kn.shared_emb and not kn.fp8_gemms,
             grouped=kn.grouped_gemms,
         )
 
-    def _emb(self, ids, K: int, weights: TTTWeights, q_from: int = 0) -> SharedEmb | None:
-        """The embedding's share of q/k/v at every position a step reads (None: see _shares_emb).
+    def _emb(self, ids, K: int, weights: TTTWeights, q_from: int = 0) -> SharedEmb:
+        """What the steps read of their tokens, at every position a step reads (ttt_step.emb_proj).
         Step k at position t reads token t+1+k (0 past the end), which is ext[t+k] below, so step
-        k's share at t is row t+k of one projection over the T+K-1 tokens (q's from q_from, the
-        first query's position)."""
-        if not self._shares_emb():
-            return None
+        k's share at t is row t+k of one table over the T+K-1 tokens (q's from q_from, the first
+        query's position)."""
         B, T = ids.shape
         ext = ids.new_zeros(B, T + K - 1)
         ext[:, : T - 1] = ids[:, 1:]
@@ -398,53 +347,6 @@ class TTTObjective(nn.Module):
         correct = ((pred.view(K, -1) == labels.target.view(-1)[rows].view(K, -1)) & scored).sum(1)
         return loss, correct, scored.sum(1)
 
-    def _unroll_span(self, ids, aux, K: int, s: int, e: int) -> torch.Tensor:
-        """The K TTT steps' normed states on positions [s, e) -> (K, B, e - s, H); step 0's keys
-        on [0, e)."""
-        m, T, kn = self.drafter, ids.shape[1], self.kernels
-        pos = torch.arange(T, device=ids.device)
-        kv, normed = TTTKeys(), []
-        weights = self._weights(ids.device)
-        pe = self._emb(ids, K, weights, s)
-        for k in range(K):
-            if pe is not None:  # the embedding's share of q/k/v from pe, shifted by k
-                # keys and values on [0, e), the rest only on [s, e): the later steps read no more
-                if k == 0:
-                    h, hn = ttt_step(
-                        m,
-                        aux[:, :e],
-                        pe.step(slice(s, e), slice(0, e)),
-                        pos[:e],
-                        kv,
-                        weights,
-                        kn,
-                        slice(s, None) if s else None,
-                    )  # (B, e - s, H)
-                else:
-                    rows = slice(s + k, e + k)
-                    h, hn = ttt_step(m, h, pe.step(rows, rows), pos[s:e] + k, kv, weights, kn)
-                normed.append(hn)
-                continue
-            nxt = torch.zeros_like(ids)
-            nxt[:, : T - 1 - k] = ids[:, 1 + k :]  # step k at t reads token t+1+k
-            if k == 0:  # all positions: step 0's keys are every later step's causal keys
-                h, hn = ttt_step_concat(
-                    m, nxt, aux, pos, kv, weights, kn
-                )  # (B, T, H) pre-norm, normed
-                if (s, e) != (
-                    0,
-                    T,
-                ):  # later queries are the last rows of keys [0, e) (bottom-right causal)
-                    h, hn, kv[0] = h[:, s:e], hn[:, s:e], tuple(t[:, :, :e] for t in kv[0])
-            else:
-                h, hn = ttt_step_concat(
-                    m, nxt[:, s:e], h, pos[s:e] + k, kv, weights, kn
-                )  # (B, L, H)
-            normed.append(hn)
-        # (K, B, L, H); the steps' own copies go with `normed` on return, before the head's chunks
-        # are allocated (peak memory)
-        return torch.stack(normed)
-
     def forward(
         self,
         ids,
@@ -459,63 +361,33 @@ class TTTObjective(nn.Module):
         if self.kernels.reference:  # the spec, unrolled plainly
             return reference_ttt_loss(self.drafter, ids, aux, labels, ttt_steps, decay, counts)
         (B, T), K = ids.shape, ttt_steps
-        # the steps >= 1 and the head run on positions [s, e) only
-        s, e = ttt_span(labels, T, K) if self.kernels.skip_span else (0, T)
-        b, t = ttt_rows(labels.scored, K)
-        if b.numel() < self.kernels.gather_under * B * (e - s):  # they skip enough of the span
-            return self._forward_rows(ids, aux, labels, K, decay, counts, b, t)
-        hn = self._unroll_span(ids, aux, K, s, e)
-        rows, inside = label_rows(B, T, K, ids.device, (s, e))
-        valid = labels.valid.view(-1)[rows] & inside  # (K, B, L)
-        scored = labels.scored.view(-1)[rows] & inside
-        return self._head_loss(hn, labels, rows, valid, scored, decay, counts)
-
-    def _forward_rows(self, ids, aux, labels: Labels, K: int, decay: float, counts, b, t):
-        """forward() with the steps >= 1 and every step's head on the gathered positions some step
-        scores (ttt_rows), as one (1, N) batch: step 0 runs on all of (B, T), since its keys are
-        every later step's causal keys; the attention scatters the gathered queries back for its
-        causal part."""
-        m, T, kn = self.drafter, ids.shape[1], self.kernels
-        weights = self._weights(ids.device)
-        pe = self._emb(ids, K, weights)
-        kv, normed = TTTKeys(), []
-        for k in range(K):
-            if pe is not None:  # the embedding's share of q/k/v from pe, shifted by k
-                if (
-                    k == 0
-                ):  # keys and values everywhere, queries and the rest at the gathered rows only
-                    h, hn = ttt_step(
-                        m,
-                        aux,
-                        pe.step((b, t), slice(0, T)),
-                        torch.arange(T, device=ids.device),
-                        kv,
-                        weights,
-                        kn,
-                        (b, t),
-                    )  # (1, N, H)
-                    kv.where = (b, t)
-                else:
-                    h, hn = ttt_step(m, h, pe.step((b, t + k), (b, t + k)), t + k, kv, weights, kn)
-                normed.append(hn[0])
-                continue
-            nxt = torch.zeros_like(ids)
-            nxt[:, : T - 1 - k] = ids[:, 1 + k :]  # step k at t reads token t+1+k
-            if k == 0:
-                h, hn = ttt_step_concat(
-                    m, nxt, aux, torch.arange(T, device=ids.device), kv, weights, kn
-                )
-                h, hn, kv.where = h[b, t][None], hn[b, t][None], (b, t)  # (1, N, H)
-            else:
-                h, hn = ttt_step_concat(m, nxt[b, t][None], h, t + k, kv, weights, kn)  # (1, N, H)
-            normed.append(hn[0])
-        hn = torch.stack(normed)  # (K, N, H)
-        normed.clear()
-        src = (
-            t[None] + 1 + torch.arange(K, device=ids.device)[:, None]
-        )  # (K, N) row (k, i) labelled at t+1+k
-        inside = src < T
-        rows = b[None] * T + src.clamp(max=T - 1)  # (K, N) flat teacher rows
+        at = step_rows(labels, B, T, K, self.kernels)  # a span, or the scored positions gathered
+        hn = self._unroll(ids, aux, K, at)  # (K, B, L, H) | (K, N, H)
+        rows, inside = at.teacher_rows(K, B, ids.device)  # (K, B, L) | (K, N)
         valid = labels.valid.view(-1)[rows] & inside
         scored = labels.scored.view(-1)[rows] & inside
         return self._head_loss(hn, labels, rows, valid, scored, decay, counts)
+
+    def _unroll(self, ids, aux, K: int, at: StepRows) -> torch.Tensor:
+        """The K TTT steps' normed states at `at`'s rows -> (K, B, L, H) | (K, N, H). Step 0's keys
+        and values run on [0, at.keys_end), its queries and every later step at the rows only."""
+        m, kn = self.drafter, self.kernels
+        weights = self._weights(ids.device)
+        emb = self._emb(ids, K, weights, at.q_from)  # what each step reads of its tokens
+        kv, normed, h = TTTKeys(where=at.where), [], aux[:, : at.keys_end]
+        for k in range(K):
+            keys = slice(0, at.keys_end) if k == 0 else at.at(k)
+            h, hn = ttt_step(
+                m,
+                h,
+                emb.step(at.at(k), keys),
+                at.positions(k, ids.device),
+                kv,
+                weights,
+                kn,
+                at.keep if k == 0 else None,
+            )  # (B, L, H) | (1, N, H)
+            normed.append(at.flat(hn))
+        # the steps' own copies go with `normed` on return, before the head's chunks are allocated
+        # (peak memory)
+        return torch.stack(normed)

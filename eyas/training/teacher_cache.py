@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from eyas.training.batches import Batch, ShardData, collate
-from eyas.training.losses import Labels, scored_span
+from eyas.training.losses import Labels
+from eyas.training.step_rows import scored_span
 
 
 class TeacherCache:

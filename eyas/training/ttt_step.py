@@ -18,8 +18,9 @@ summed inside the GEMMs), the embedding's share of q/k/v taken from one projecti
 (fused by torch.compile with kernels.compile), and the attention as one causal flash attention plus
 diagonal terms (eyas/training/attention.py), never forming the (T, T * k) scores.
 
-ttt_step_concat is the same step with each step's own concatenation of embedding and hidden state:
-the FP8 GEMMs (training.fp8_gemms) quantize q/k/v's weights whole, so they take that path.
+How q/k/v read concat(input_layernorm(embed), hidden_norm(h)) is the weights' detail
+(TTTWeights.qkv): in two column blocks, the embedding's block projected once per unroll; or, where
+the FP8 GEMMs (training.fp8_gemms) quantize q/k/v's weights whole, each step's own concatenation.
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ from eyas.training.ttt_weights import TTTWeights
 class TTTKeys(list):
     """What a TTT unroll's attention reads across its steps: step 0's (k, v) for every position of
     the (B, T) batch, then one diagonal (k, v) per later step. `where`: the (b, t) positions of the
-    later steps' rows when they run gathered, as a (1, N) batch (TTTObjective's per-position
-    skipping); None: they run on the batch's own (B, L) layout."""
+    queries when they run gathered, as a (1, N) batch (eyas/training/step_rows.py); None: they run
+    on the batch's own (B, L) layout."""
 
-    where: tuple[torch.Tensor, torch.Tensor] | None = None
+    def __init__(self, where: tuple[torch.Tensor, torch.Tensor] | None = None):
+        super().__init__()
+        self.where = where
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -106,13 +109,18 @@ def emb_proj(
     kernels: KernelOptions,
     q_from: int = 0,
 ) -> SharedEmb:
-    """input_layernorm(embed(tokens)) @ W_e.T for q, k and v, W_e their embedding columns: the part
-    of every TTT step's q/k/v that depends on its token alone. tokens (B, S) -> SharedEmb of
-    {q_proj, k_proj, v_proj: (B, S, out)} (q_proj from token q_from on: no step queries the tokens
-    before)."""
+    """What every TTT step reads of its token, once per unroll: tokens (B, S) -> SharedEmb of
+    {q_proj, k_proj, v_proj: (B, S, out)}.
+
+    With weights.halves, input_layernorm(embed(tokens)) @ W_e.T for each, W_e its embedding columns:
+    the part of every step's q/k/v that depends on its token alone (q_proj from token q_from on: no
+    step queries the tokens before). Without, input_layernorm(embed(tokens)) itself, which each
+    step's q/k/v GEMM concatenates with its hidden state."""
     norm = m.midlayer.input_layernorm
     e = m.embed_tokens(tokens).to(weights.dtype)  # (B, S, H), frozen
     en = fused.norm(e, norm.weight, norm.eps, compile=kernels.compile)
+    if not weights.halves:
+        return SharedEmb({"q_proj": en, "k_proj": en, "v_proj": en}, inplace=False)
     names = (
         ("k_proj", "v_proj") if q_from else ("q_proj", "k_proj", "v_proj")
     )  # q apart where it starts later
@@ -125,7 +133,7 @@ def emb_proj(
 def ttt_step(
     m: Eagle3Drafter,
     hidden,
-    pe: dict,
+    emb: dict,
     positions,
     ttt: TTTKeys,
     weights: TTTWeights,
@@ -135,8 +143,8 @@ def ttt_step(
     """One TTT step -> (h, norm(h)) (B, Lq, H) at the query rows.
 
     hidden (B, L, num_aux*H_t) the target's aux states (step 0) or (B, L, H) the previous step's h;
-    pe {k_proj, v_proj: (B, L, out), q_proj: the same at the query rows} the embedding's share at
-    the same positions (SharedEmb.step); positions (L,). keep (step 0 of a skipping unroll): the
+    emb {k_proj, v_proj: (B, L, ...), q_proj: the same at the query rows} what the step reads of its
+    tokens (emb_proj's SharedEmb.step); positions (L,). keep (step 0 of a skipping unroll): the
     queries only at these rows, a slice of L (the last rows: bottom-right causal) or gathered (b, t)
     -> (1, N); keys and values at every row, since they are every later step's causal keys."""
     layer, c = m.midlayer, kernels.compile
@@ -146,7 +154,7 @@ def ttt_step(
         t.to(hidden.dtype) for t in rope_cos_sin(positions, m.cfg.head_dim, m.cfg.rope_theta)
     )
     x = fused.norm(hidden, layer.hidden_norm.weight, layer.hidden_norm.eps, compile=c)  # (B, L, H)
-    a = _attention_emb(layer.self_attn, x, pe, cos, sin, ttt, weights, kernels, keep)  # (B, Lq, H)
+    a = _attention(layer.self_attn, x, emb, cos, sin, ttt, weights, kernels, keep)  # (B, Lq, H)
     post = layer.post_attention_layernorm
     h, x = fused.add_norm(
         _rows(hidden, keep), a, post.weight, post.eps, compile=c
@@ -156,10 +164,10 @@ def ttt_step(
     )
 
 
-def _attention_emb(
+def _attention(
     attn: Attention,
     x,
-    pe: dict,
+    emb: dict,
     cos,
     sin,
     ttt: TTTKeys,
@@ -167,75 +175,24 @@ def _attention_emb(
     kernels: KernelOptions,
     keep,
 ):
-    """x (B, L, H) hidden_norm(h); q/k/v = x @ W_h.T + pe -> o_proj's output at the query rows."""
+    """x (B, L, H) hidden_norm(h); q/k/v of concat(emb, x) -> o_proj's output at the query rows."""
     B, L, _ = x.shape
     nh, nkv, hd, c = attn.nh, attn.nkv, attn.hd, kernels.compile
-    if keep is None:
-        yq, yk, yv = weights.linears(("q_proj", "k_proj", "v_proj"), x, 1)
-    else:
-        yk, yv = weights.linears(("k_proj", "v_proj"), x, 1)
-        yq = weights.linear("q_proj", _rows(x, keep), 1)
-    k = fused.add_rope(
-        yk.view(B, L, nkv, hd), pe["k_proj"].view(B, L, nkv, hd), cos, sin, compile=c
-    ).transpose(1, 2)
-    v = (yv + pe["v_proj"]).view(B, L, nkv, hd).transpose(1, 2)  # (B, nkv, L, hd)
+    (yq, pq), (yk, pk), (yv, pv) = weights.qkv(x, emb, keep)  # GEMM, embedding's share or None
+    k = fused.add_rope(yk.view(B, L, nkv, hd), _heads(pk, nkv, hd), cos, sin, compile=c)
+    k = k.transpose(1, 2)  # (B, nkv, L, hd)
+    v = (yv if pv is None else yv + pv).view(B, L, nkv, hd).transpose(1, 2)  # (B, nkv, L, hd)
     Bq, Lq = yq.shape[:2]
     q = fused.add_rope(
         yq.view(Bq, Lq, nh, hd),
-        pe["q_proj"].view(Bq, Lq, nh, hd),
+        _heads(pq, nh, hd),
         _pos_rows(cos, keep),
         _pos_rows(sin, keep),
         compile=c,
     ).transpose(1, 2)  # (Bq, nh, Lq, hd)
     ttt.append((k, v))
-    where = ttt.where if len(ttt) > 1 else (keep if isinstance(keep, tuple) else None)
-    return _attend(attn, q, ttt, weights, kernels, where)
+    return _attend(attn, q, ttt, weights, kernels, ttt.where)
 
 
-def ttt_step_concat(
-    m: Eagle3Drafter,
-    input_ids,
-    hidden,
-    positions,
-    ttt: TTTKeys,
-    weights: TTTWeights,
-    kernels: KernelOptions,
-):
-    """ttt_step with q/k/v projecting each step's own concat(input_layernorm(embed),
-    hidden_norm(h)): input_ids (B, L) the tokens the step reads -> (h, norm(h)) (B, L, H)."""
-    layer, c = m.midlayer, kernels.compile
-    emb = m.embed_tokens(input_ids)  # (B, L, H)
-    if hidden.shape[-1] != m.cfg.hidden_size:
-        hidden = weights.linear("fc", hidden)  # (B, L, H)
-    cos, sin = (
-        t.to(hidden.dtype) for t in rope_cos_sin(positions, m.cfg.head_dim, m.cfg.rope_theta)
-    )
-    inorm = layer.input_layernorm
-    x = fused.norm_cat(
-        emb.to(hidden.dtype), hidden, inorm.weight, layer.hidden_norm.weight, inorm.eps, compile=c
-    )  # (B, L, 2H)
-    post = layer.post_attention_layernorm
-    h, x = fused.add_norm(
-        hidden,
-        _attention_concat(layer.self_attn, x, cos, sin, ttt, weights, kernels),
-        post.weight,
-        post.eps,
-        compile=c,
-    )
-    return fused.add_norm(
-        h, _mlp(layer.mlp, x, weights, kernels), m.norm.weight, m.norm.eps, compile=c
-    )
-
-
-def _attention_concat(
-    attn: Attention, x, cos, sin, ttt: TTTKeys, weights: TTTWeights, kernels: KernelOptions
-):
-    B, L, _ = x.shape  # x (B, L, 2H)
-    q = weights.linear("q_proj", x).view(B, L, attn.nh, attn.hd)
-    k = weights.linear("k_proj", x).view(B, L, attn.nkv, attn.hd)
-    v = weights.linear("v_proj", x).view(B, L, attn.nkv, attn.hd).transpose(1, 2)  # (B, nkv, L, hd)
-    q, k = (
-        t.transpose(1, 2) for t in fused.rope_qk(q, k, cos, sin, compile=kernels.compile)
-    )  # (B, nh|nkv, L, hd)
-    ttt.append((k, v))
-    return _attend(attn, q, ttt, weights, kernels, ttt.where if len(ttt) > 1 else None)
+def _heads(share, n: int, hd: int):  # (B, L, n * hd) -> (B, L, n, hd); None stays None
+    return None if share is None else share.view(*share.shape[:2], n, hd)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from eyas.training import gemm
+from eyas.training.shared_emb import rows_of
 
 if TYPE_CHECKING:
     from eyas.training.drafter import Eagle3Drafter
@@ -243,7 +244,7 @@ class TTTWeights:
             compile,
         )
         self._last: tuple | None = None  # (x, its FP8 quantization): q/k/v and gate/up read one x
-        self.grouped = grouped
+        self.grouped, self.halves = grouped, halves
         H = drafter.cfg.hidden_size
         for name, mod in mods.items():
             w = mod.weight
@@ -284,6 +285,26 @@ class TTTWeights:
                 *(self.token[n] for n in names),
             )
         )
+
+    def qkv(self, x: torch.Tensor, emb: dict, keep=None):
+        """q, k and v of concat(emb, x), each as (a GEMM's output, the share still to add or None).
+
+        x (B, L, H) hidden_norm(h); emb {q_proj: at the query rows, k_proj, v_proj} a TTT step's
+        reading of its tokens (ttt_step.emb_proj): with halves, the embedding's share already
+        projected, left for the caller to add (inside RoPE's kernel); without (FP8 quantizes
+        q/k/v's weights whole), input_layernorm(embed), concatenated here. keep: q only at these
+        rows of L (rows_of's forms; None: all)."""
+        if self.halves:
+            part, shares, xkv = 1, (emb["q_proj"], emb["k_proj"], emb["v_proj"]), x
+            xq = None if keep is None else rows_of(x, keep)
+        else:
+            part, shares = None, (None, None, None)
+            xkv = torch.cat([emb["k_proj"], x], -1)  # (B, L, 2H)
+            xq = None if keep is None else torch.cat([emb["q_proj"], rows_of(x, keep)], -1)
+        if xq is None:  # q/k/v read one input: one node
+            return list(zip(self.linears(("q_proj", "k_proj", "v_proj"), xkv, part), shares))
+        yk, yv = self.linears(("k_proj", "v_proj"), xkv, part)
+        return list(zip((self.linear("q_proj", xq, part), yk, yv), shares))
 
     def linear(self, name: str, x: torch.Tensor, part: int | None = None) -> torch.Tensor:
         """x @ W.T for the weight `name`; part 0 / 1: x @ W[:, :H].T / x @ W[:, H:].T (q/k/v with

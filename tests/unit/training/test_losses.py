@@ -18,9 +18,8 @@ from eyas.training.losses import (
     reference_ttt_loss,
     scored_counts,
     teacher_labels,
-    ttt_rows,
-    ttt_span,
 )
+from eyas.training.step_rows import ttt_rows, ttt_span
 from eyas.training.target_head import TargetHead
 from eyas.training.train import optimizer_step
 from tests.helpers_training import shift_left
@@ -104,6 +103,21 @@ def test_chunked_teacher_equals_the_full_vocab_head(norm):
     torch.testing.assert_close(lab.probs.view(3, 11, Vd)[at], torch.softmax(full[..., t2d], -1)[at])
     assert torch.equal(lab.valid, lab.scored & t2d[top])
     assert lab.probs.isfinite().all()
+
+
+def gathered_rows(monkeypatch, taken: list):
+    """Each objective call's number of gathered rows appended to `taken` (nothing for a span)."""
+    from eyas.training import losses
+
+    real = losses.step_rows
+
+    def spy(*args):
+        at = real(*args)
+        if at.gathered:
+            taken.append(at.rows[0].numel())
+        return at
+
+    monkeypatch.setattr(losses, "step_rows", spy)
 
 
 def test_ttt_objective_equals_the_reference_unroll():
@@ -198,10 +212,7 @@ def test_ttt_objective_skips_unscored_positions_with_the_same_loss_and_gradients
     torch.testing.assert_close(full, reference_ttt_loss(m, ids, aux, labels, K, 0.8)[0])
     span = labels.span
     taken = []
-    real = TTTObjective._forward_rows
-    monkeypatch.setattr(
-        TTTObjective, "_forward_rows", lambda *a: taken.append(a[-2].numel()) or real(*a)
-    )
+    gathered_rows(monkeypatch, taken)
     for labels.span, worth in (
         (span, 1.0),  # gathered wherever anything is skipped
         (span, DEFAULT.gather_under),  # gathered where worth it
@@ -268,10 +279,7 @@ def test_positions_are_gathered_only_where_they_skip_enough_of_the_span(monkeypa
     """A short user turn in one of two sequences skips under a tenth of the span's rows: the span
     runs; a long one skips more: the rows are gathered (KernelOptions.gather_under)."""
     taken = []
-    real = TTTObjective._forward_rows
-    monkeypatch.setattr(
-        TTTObjective, "_forward_rows", lambda *a: taken.append(a[-2].numel()) or real(*a)
-    )
+    gathered_rows(monkeypatch, taken)
     for gap, gathered in ((range(10, 14), False), (range(6, 16), True)):
         mask = torch.ones(2, 23, dtype=torch.bool)
         mask[1, list(gap)] = False

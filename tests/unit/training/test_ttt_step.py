@@ -4,7 +4,8 @@ each step's own concatenation (the FP8 path), the span, gathered rows, or every 
 import torch
 
 from eyas.training.kernels import KernelOptions
-from eyas.training.losses import TTTObjective, draft_first_order, teacher_labels, ttt_span
+from eyas.training.losses import TTTObjective, draft_first_order, teacher_labels
+from eyas.training.step_rows import ttt_span
 from eyas.training.target_head import TargetHead
 from tests.unit.training.test_drafter import make
 
@@ -66,8 +67,8 @@ def test_skipping_unscored_positions_or_not_gives_the_same_loss_and_gradients():
 def test_shared_embedding_projection_gives_the_same_loss_and_gradients():
     """q/k/v's embedding columns applied once per unroll and shifted per step (with step 0's
     queries, o_proj and MLP only where read), against every step projecting its own concatenation
-    (ttt_step_concat, the FP8 GEMMs' path): the gathered rows, the span and no skipping, in fp32 and
-    in the CPU's bf16 GEMMs."""
+    (TTTWeights.qkv without halves, the FP8 GEMMs' path): the gathered rows, the span and no
+    skipping, in fp32 and in the CPU's bf16 GEMMs."""
     for layout in LAYOUTS.values():
         shared, own = KernelOptions(**layout), KernelOptions(**layout, shared_emb=False)
         assert_same_step(loss_and_grads(shared), loss_and_grads(own), atol=1e-6, rtol=1e-4)

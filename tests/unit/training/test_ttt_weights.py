@@ -40,9 +40,9 @@ def test_grouped_projections_sum_the_input_gradient_in_the_gemms_and_give_the_sa
         kw = dict(layout, shared_emb=not own_concat)
         calls.clear()
         a = loss_and_grads(KernelOptions(**kw))
-        # q/k/v's two halves (all three, or k/v beside step 0's fewer queries) and gate/up; each
-        # step's own concatenation: q/k/v one GEMM each, gate/up alone grouped
-        assert set(calls) == ({2} if own_concat else {2, 3})
+        # q/k/v (their hidden-state halves, or each step's own concatenation: all three, or k/v
+        # beside step 0's fewer queries) and gate/up
+        assert set(calls) == {2, 3}
         n = len(calls)
         calls.clear()
         assert_same_step(
