@@ -47,13 +47,23 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["default", "nomemo"],
-        choices=["default", "nomemo"],
-        help="the later epochs' step (default) and the first epoch's (nomemo), in this order",
+        help="bench/train.py VARIANTS of --root, in this order: the later epochs' step (default), "
+        "the first epoch's (nomemo), or a switch off (fp8, noemb, ...)",
+    )
+    ap.add_argument(
+        "--masks",
+        nargs="+",
+        default=[name for name, _ in ROWS],
+        choices=[name for name, _ in ROWS],
+        help="which goal rows (default all three)",
     )
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument(
-        "--budget-s", type=float, default=240.0, help="no nomemo row starts after this many seconds"
+        "--budget-s",
+        type=float,
+        default=240.0,
+        help="no row of a second variant starts after this many seconds",
     )
     ap.add_argument(
         "--tiny", action="store_true", help="a tiny drafter on the CPU: a smoke run of this script"
@@ -103,9 +113,12 @@ def main() -> None:
     print(json.dumps(env), flush=True)
     out = Path(args.out) if args.out else None
     rows = []
+    unknown = sorted(set(args.variants) - set(bench.VARIANTS))
+    if unknown:
+        ap.error(f"--variants: {unknown} not in {root}/bench/train.py VARIANTS")
     for i, variant in enumerate(args.variants):
         for name, kind in ROWS:
-            if i and time.perf_counter() - t0 > args.budget_s:
+            if name not in args.masks or i and time.perf_counter() - t0 > args.budget_s:
                 continue
             fn = bench.mask_source(kind, T, args.masks_from)
             r = bench.run_batch(
