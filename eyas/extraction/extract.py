@@ -370,10 +370,13 @@ class _ShardJob:
         try:
             self.send_all(ex, window, on_progress)
         except BaseException as error:
-            if is_follower(error):  # the stalled pool has failed every request in flight at once:
-                ex.shutdown(wait=True, cancel_futures=True)  # each ends with its own error
-            self.cancel.set()
+            # a stalled pool fails every request in flight at once: after a follower, the sequences
+            # in flight end with their own errors first, so the one naming the stall is not hidden
+            # behind a cancel
+            if not is_follower(error):
+                self.cancel.set()
             ex.shutdown(wait=True, cancel_futures=True)
+            self.cancel.set()
             if self.writer is not None:
                 self.writer.abort()
             # a stall fails every sequence in flight: the shard fails with the one naming it
