@@ -220,6 +220,10 @@ def load_model(
     tic = time.monotonic()
     state = _read_shards(files, load_delay, fault, fault_shard)
     model = _build_model(model_path, state)
+    from eyas.local.mla import absorb_mla  # imports transformers, as _build_model has
+
+    if absorb_mla(model):
+        log("MLA: absorbed where keys are cached (later prefill chunks, decode, verify)")
     model.eval()
     log(
         f"Load weight end. elapsed={time.monotonic() - tic:.2f} s, type={type(model).__name__}, "
