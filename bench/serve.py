@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 def find_drafter(cfg, given: str | None, tmp: Path) -> Path:
     from eyas.evaluation.export import export_drafter
 
-    if given:
-        return Path(given)
+    if given:  # absolute: the servers run in their own working directories
+        return Path(given).resolve()
     if (Path(cfg.run_dir) / "drafter" / "config.json").exists():
         return Path(cfg.run_dir) / "drafter"
     checkpoints = sorted((Path(cfg.training.output_dir) / "checkpoints").glob("step-[0-9]*"))

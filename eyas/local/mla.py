@@ -26,6 +26,7 @@ import types
 import torch
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
+
 def absorb_mla(model: torch.nn.Module) -> int:
     """Give every MLA layer of `model` the absorbed decode path -> the number of layers changed."""
     layers = [m for m in model.modules() if isinstance(m, hf.DeepseekV3Attention)]
@@ -40,7 +41,12 @@ def _forward(self, hidden_states, position_embeddings, attention_mask, past_key_
             self, hidden_states, position_embeddings, attention_mask, past_key_values, **kw
         )
     b, t = hidden_states.shape[:2]
-    h, nope, rope, r = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+    h, nope, rope, r = (
+        self.num_heads,
+        self.qk_nope_head_dim,
+        self.qk_rope_head_dim,
+        self.kv_lora_rank,
+    )
     if self.q_lora_rank is None:
         q = self.q_proj(hidden_states)
     else:
@@ -50,7 +56,11 @@ def _forward(self, hidden_states, position_embeddings, attention_mask, past_key_
     latent = self.kv_a_layernorm(latent).view(b, 1, t, r)
     k_rot = k_rot.view(b, 1, t, rope)
     cos, sin = position_embeddings
-    rotate = hf.apply_rotary_pos_emb_interleave if self.config.rope_interleave else hf.apply_rotary_pos_emb
+    rotate = (
+        hf.apply_rotary_pos_emb_interleave
+        if self.config.rope_interleave
+        else hf.apply_rotary_pos_emb
+    )
     q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
     if past_key_values is not None:  # the cache holds latents, as transformers' own path keeps it
         latent, k_rot = past_key_values.update(latent, k_rot, self.layer_idx)
