@@ -1,4 +1,4 @@
-"""Multi-head latent attention for decode-sized queries, in SGLang's absorbed form.
+"""Multi-head latent attention over cached latents, in SGLang's absorbed form.
 
     absorb_mla(model)   # every DeepSeek-V2/V3 attention layer of a transformers model, in place
 
@@ -28,7 +28,8 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 
 def absorb_mla(model: torch.nn.Module) -> int:
-    """Give every MLA layer of `model` the absorbed decode path -> the number of layers changed."""
+    """Give every MLA layer of `model` the absorbed path where keys are cached -> the number of
+    layers changed."""
     layers = [m for m in model.modules() if isinstance(m, hf.DeepseekV3Attention)]
     for layer in layers:
         layer.forward = types.MethodType(_forward, layer)
@@ -62,8 +63,8 @@ def _forward(self, hidden_states, position_embeddings, attention_mask, past_key_
         else hf.apply_rotary_pos_emb
     )
     q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
-    if past_key_values is not None:  # the cache holds latents, as transformers' own path keeps it
-        latent, k_rot = past_key_values.update(latent, k_rot, self.layer_idx)
+    # the cache holds latents (b, 1, s, r) and rotated keys (b, 1, s, rope), as transformers does
+    latent, k_rot = past_key_values.update(latent, k_rot, self.layer_idx)
     s = latent.shape[2]
     w = self.kv_b_proj.weight.view(h, nope + self.v_head_dim, r)
     w_uk, w_uv = w[:, :nope], w[:, nope:]  # (h, nope, r), (h, v, r)
@@ -71,7 +72,7 @@ def _forward(self, hidden_states, position_embeddings, attention_mask, past_key_
     latent, k_rot = latent.view(b, s, r), k_rot.view(b, s, rope)
     scores = q_latent.reshape(b, h * t, r) @ latent.transpose(1, 2)  # (b, h*t, s)
     scores = scores + q_rot.reshape(b, h * t, rope) @ k_rot.transpose(1, 2)
-    scores = scores.view(b, h, t, s) * self.scaling
+    scores = scores.view(b, h, t, s) * self.scaling  # (b, h, t, s)
     scores = _masked(scores, attention_mask, t, s)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(latent.dtype)
     context = probs.view(b, h * t, s) @ latent  # (b, h*t, r): the weighted latents
