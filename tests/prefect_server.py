@@ -239,6 +239,25 @@ def runs_named(server, pattern: str) -> list[dict]:
     return server.post("/flow_runs/filter", {"flow_runs": {"name": {"like_": pattern}}})
 
 
+def task_runs(server, flow_run_ids: list[str], until=None, timeout: float = 60) -> dict[str, dict]:
+    """{name: state} of the flow runs' task runs once `until(states)` holds (default: every state
+    is final), or as they stand after `timeout` seconds.
+
+    A flow run's own state is written by its API call, its task runs' by the server's recorder of
+    the events the run sent, which lags behind on a loaded machine: a run that has just ended may
+    still lack a task run, or show one Pending under its generated name ("extract-shard-a7f")."""
+    until = until or (lambda states: all(s["type"] in TERMINAL for s in states.values()))
+    deadline = time.monotonic() + timeout
+    while True:
+        runs = server.post(
+            "/task_runs/filter", {"flow_runs": {"id": {"any_": flow_run_ids}}, "limit": 200}
+        )
+        states = {r["name"]: r["state"] or {"type": None, "name": None} for r in runs}
+        if until(states) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.5)
+
+
 #: one SIGTERM to exit, on a loaded CI machine (it takes well under a second on an idle one)
 STOP_S = 10.0
 

@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from eyas.server.hosts import LocalHost
-from tests.prefect_server import ROOT, TERMINAL, deployment_run, runs_named, wait_flow_run
+from tests.prefect_server import (
+    ROOT,
+    TERMINAL,
+    deployment_run,
+    runs_named,
+    task_runs,
+    wait_flow_run,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -51,11 +58,16 @@ def why(server, run: dict) -> str:
     return "\n".join([f"{run['state']['type']}: {run['state'].get('message')}", *lines])
 
 
-def task_runs(server, flow_run_ids: list[str]) -> dict[str, dict]:
-    runs = server.post(
-        "/task_runs/filter", {"flow_runs": {"id": {"any_": flow_run_ids}}, "limit": 200}
-    )
-    return {r["name"]: r["state"] for r in runs}
+def _shards(states: dict) -> int:
+    return sum(n.startswith("extract-shard-") for n in states)
+
+
+def _all_completed(states: dict) -> bool:
+    return {s["type"] for s in states.values()} == {"COMPLETED"}
+
+
+def _all_final(states: dict) -> bool:
+    return all(s["type"] in TERMINAL for s in states.values())
 
 
 def artifact_keys(server, name: str) -> dict[str, str]:
@@ -97,8 +109,7 @@ def test_pipeline_deployment_completes_with_every_task_and_artifact(server, firs
         "serve-dep-ok@localhost",
         "train-dep-ok@localhost",
     } <= set(flows)
-    states = task_runs(server, [r["id"] for r in flows.values()])
-    for name in (
+    stages = (
         "prepare-data",
         "patch@localhost",
         "launch-local@localhost",
@@ -107,10 +118,16 @@ def test_pipeline_deployment_completes_with_every_task_and_artifact(server, firs
         "train-drafter",
         "export-drafter",
         "serve-bench@localhost",
-    ):
+    )
+    states = task_runs(
+        server,
+        [r["id"] for r in flows.values()],
+        until=lambda s: set(stages) <= set(s) and _shards(s) == 4 and _all_completed(s),
+    )
+    for name in stages:
         assert name in states, f"{name} missing from {sorted(states)}"
-    assert sum(n.startswith("extract-shard-") for n in states) == 4
-    assert {s["type"] for s in states.values()} == {"COMPLETED"}, states
+    assert _shards(states) == 4
+    assert _all_completed(states), states
     keys = artifact_keys(server, "%dep-ok")
     expected = {
         "report-dep-ok": "markdown",
@@ -149,7 +166,7 @@ def test_rerun_serves_extraction_from_cache_and_automation_starts_training(serve
     t0 = time.time()
     run = wait_flow_run(server, deployment_run(server, "eyas-extract/extract", overrides))
     assert run["state"]["type"] == "COMPLETED", why(server, run)
-    states = task_runs(server, [run["id"]])
+    states = task_runs(server, [run["id"]], until=lambda s: _shards(s) == 4 and _all_final(s))
     shards = {n: s["name"] for n, s in states.items() if n.startswith("extract-shard-")}
     assert len(shards) == 4 and set(shards.values()) == {"Cached"}, shards
 

@@ -8,6 +8,7 @@ the full default (bench/pipeline.py times it and checks its acceptance length).
 import asyncio
 import math
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -85,22 +86,7 @@ def test_flow_completed_with_every_task_completed(run):
     cfg, state = run
     assert state.is_completed(), state.message
 
-    async def task_states():
-        async with get_client() as client:  # the pipeline and its subflows: extract, serve, train
-            flows = await client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(
-                    name=FlowRunFilterName(like_=f"%-{cfg.name}@localhost")
-                )
-            )
-            assert {f.name.split("-")[0] for f in flows} == {"eagle3", "extract", "serve", "train"}
-            runs = await client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[f.id for f in flows]))
-            )
-            return {r.name: r.state.type.value for r in runs}
-
-    states = asyncio.run(task_states())
-    names = set(states)
-    for stage in (
+    stages = (
         "prepare-data",
         "patch@localhost",
         "launch-local@localhost",
@@ -109,9 +95,37 @@ def test_flow_completed_with_every_task_completed(run):
         "train-drafter",
         "export-drafter",
         "serve-bench@localhost",
-    ):
-        assert stage in names, f"{stage} missing from {sorted(names)}"
-    assert sum(n.startswith("extract-shard-") for n in names) == cfg.extraction.num_shards
+    )
+
+    def settled(states: dict) -> bool:
+        shards = sum(n.startswith("extract-shard-") for n in states)
+        return set(stages) <= set(states) and shards == cfg.extraction.num_shards
+
+    async def task_states():
+        # Task runs are recorded from the events the run sent, after its own state: polled until
+        # each has its name and final state (tests/prefect_server.py, task_runs)
+        async with get_client() as client:  # the pipeline and its subflows: extract, serve, train
+            flows = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    name=FlowRunFilterName(like_=f"%-{cfg.name}@localhost")
+                )
+            )
+            assert {f.name.split("-")[0] for f in flows} == {"eagle3", "extract", "serve", "train"}
+            deadline = time.monotonic() + 60
+            while True:
+                runs = await client.read_task_runs(
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[f.id for f in flows]))
+                )
+                states = {r.name: r.state.type.value if r.state else None for r in runs}
+                done = set(states.values()) == {"COMPLETED"}
+                if (settled(states) and done) or time.monotonic() > deadline:
+                    return states
+                await asyncio.sleep(0.5)
+
+    states = asyncio.run(task_states())
+    for stage in stages:
+        assert stage in states, f"{stage} missing from {sorted(states)}"
+    assert sum(n.startswith("extract-shard-") for n in states) == cfg.extraction.num_shards
     assert set(states.values()) == {"COMPLETED"}, states
 
 
