@@ -240,13 +240,15 @@ def runs_named(server, pattern: str) -> list[dict]:
 
 
 def task_runs(server, flow_run_ids: list[str], until=None, timeout: float = 60) -> dict[str, dict]:
-    """{name: state} of the flow runs' task runs once `until(states)` holds (default: every state
-    is final), or as they stand after `timeout` seconds.
+    """{name: state} of the flow runs' task runs once `until(states)` holds (default: there are
+    some and every state is final), or as they stand after `timeout` seconds.
 
     A flow run's own state is written by its API call, its task runs' by the server's recorder of
     the events the run sent, which lags behind on a loaded machine: a run that has just ended may
     still lack a task run, or show one Pending under its generated name ("extract-shard-a7f")."""
-    until = until or (lambda states: all(s["type"] in TERMINAL for s in states.values()))
+    until = until or (
+        lambda states: bool(states) and all(s["type"] in TERMINAL for s in states.values())
+    )
     deadline = time.monotonic() + timeout
     while True:
         runs = server.post(

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from eyas.net import free_port
-from tests.prefect_server import doc_commands, sh, sigterm_worker, wait_flow_run
+from tests.prefect_server import doc_commands, sh, sigterm_worker, task_runs, wait_flow_run
 
 pytestmark = pytest.mark.slow
 
@@ -146,6 +146,7 @@ def test_flow_and_task_runs_carry_config_host_and_revision_tags(server, tmp_path
     assert want <= set(run["tags"]) and any(t.startswith("revision:") for t in run["tags"]), run[
         "tags"
     ]
+    task_runs(server, [run["id"]])  # until each is recorded with its final state
     tasks = server.post("/task_runs/filter", {"flow_runs": {"id": {"any_": [run["id"]]}}})
     assert tasks and all(want <= set(t["tags"]) for t in tasks), [
         (t["name"], t["tags"]) for t in tasks
