@@ -190,9 +190,9 @@ def regenerate(
             manifests.append({**done, "reused": True})
         else:
             manifests.append(_regenerate_part(run, k, a, b, input_hash, out_dir))
-        progress.part(b - a, reused=done is not None)
-        if on_part:
+        if on_part:  # the part's own line before the progress that counts it
             on_part(k, len(bounds), manifests[-1])
+        progress.part(b - a, reused=done is not None)
     combined = _write_combined(out_dir, len(bounds), passthrough)
     summary = _summary(cfg, params, manifests, passthrough)
     write_json_atomic(out_dir / "regenerate.json", summary)

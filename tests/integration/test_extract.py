@@ -393,7 +393,7 @@ def test_regenerated_turns_are_the_targets_answers_and_parts_resume(
         dict(target="random", max_length=64),
     )
     with ServerPool([_endpoint(cfg)], retries=1, backoff_s=0.2) as pool:
-        seen = []
+        events = []
         path, summary = regenerate(
             records[:-1],
             tok,
@@ -401,9 +401,15 @@ def test_regenerated_turns_are_the_targets_answers_and_parts_resume(
             tmp_path / "regen",
             rcfg,
             passthrough=records[-1:],
-            on_progress=seen.append,
+            on_progress=lambda p: events.append(("progress", p)),
+            on_part=lambda k, n, m: events.append(("part", k)),
             **kw,
         )
+        seen = [p for kind, p in events if kind == "progress"]
+        # Each part's own line comes before the progress figure that counts it
+        parts = [i for i, (kind, _) in enumerate(events) if kind == "part"]
+        assert [events[i][1] for i in parts] == [0, 1, 2]
+        assert [events[i + 1][1].parts_done for i in parts] == [1, 2, 3]
         assert (
             summary["parts"] == 3 and summary["parts_reused"] == 0 and summary["conversations"] == 5
         )
@@ -446,7 +452,7 @@ def test_regenerated_turns_are_the_targets_answers_and_parts_resume(
         before = path.read_bytes()
         (tmp_path / "regen" / "part-00001.jsonl").unlink()
         n0 = pool.stats()[cfg.server.url]["requests"]
-        seen = []
+        events = []
         path, summary = regenerate(
             records[:-1],
             tok,
@@ -454,9 +460,15 @@ def test_regenerated_turns_are_the_targets_answers_and_parts_resume(
             tmp_path / "regen",
             rcfg,
             passthrough=records[-1:],
-            on_progress=seen.append,
+            on_progress=lambda p: events.append(("progress", p)),
+            on_part=lambda k, n, m: events.append(("part", k)),
             **kw,
         )
+        seen = [p for kind, p in events if kind == "progress"]
+        # Each part's own line comes before the progress figure that counts it
+        parts = [i for i, (kind, _) in enumerate(events) if kind == "part"]
+        assert [events[i][1] for i in parts] == [0, 1, 2]
+        assert [events[i + 1][1].parts_done for i in parts] == [1, 2, 3]
         assert summary["parts_reused"] == 2 and path.read_bytes() == before
         assert (seen[-1].done, seen[-1].reused, seen[-1].parts_done) == (
             5,
