@@ -197,41 +197,69 @@ class TrainingPublisher:
         )
 
 
+class LaunchTally:
+    """Where the serve-bench stage stands: which launches are up and how many prompts each has
+    answered, against the plan (`planned`: the prompts each launch answers, every set and speed
+    pass). Launches may run side by side (benchmark.interleave, .concurrent), so each is named by
+    its own place in the order ("launch 1 of 2" is the plain server), and the share done counts
+    every launch's answers: it only grows, whichever server answered last."""
+
+    def __init__(self, keys: list[str]):
+        self.keys, self.up = keys, []
+        self.plan: dict[str, int] = {}
+        self.answers = dict.fromkeys(keys, 0)
+
+    def where(self, key: str) -> str:
+        return f"launch {self.keys.index(key) + 1} of {len(self.keys)}"
+
+    def answered(self, key: str) -> None:
+        self.answers[key] += 1
+
+    def share(self) -> float:
+        """Prompts answered over prompts planned, 0..1; before the plan is known, launches up."""
+        total = sum(self.plan.values())
+        if not total:
+            return max(0, len(self.up) - 1) / len(self.keys)
+        return sum(min(self.answers[k], n) for k, n in self.plan.items()) / total
+
+
 class ServeBenchPublisher:
     """The serve-bench stage -> `serve-launches-NAME` (`serve-bench-NAME` holds its results): which
-    server is up, k of n launches, the prompts it has answered and its acceptance so far, with a
-    log line at most every LOG_EVERY_S. Made in the task, which it shows at 0 at once; told each
-    launch's key as it is up (`launched`) and each answered prompt (`answered`): run_serve_bench's
-    `progress`. A heartbeat republishes the state with the time spent every HEARTBEAT_S, so the
-    artifact moves while one long request runs; `stop` (and `finish`) ends it."""
+    server is up (its launch of n), the prompts it has answered and its acceptance so far, the
+    share of every launch's prompts answered, with a log line at most every LOG_EVERY_S. Made in
+    the task, which it shows at 0 at once; told the prompts each launch will answer (`planned`),
+    each launch's key as it is up (`launched`) and each answered prompt (`answered`):
+    run_serve_bench's `progress`. A heartbeat republishes the state with the time spent every
+    HEARTBEAT_S, so the artifact moves while one long request runs; `stop` (and `finish`) ends
+    it."""
 
     LOG_EVERY_S = 15.0
     HEARTBEAT_S = 10.0
 
     def __init__(self, name: str, keys: list[str]):
         self.out = Publisher("serve-launches", name, "serve-bench", log_every_s=self.LOG_EVERY_S)
-        self.keys, self.up, self.t0 = keys, [], time.monotonic()
+        self.tally, self.t0 = LaunchTally(keys), time.monotonic()
         self.state = f"launching the {keys[0]} server (1 of {len(keys)} launches)"
-        self.done = 0.0  # launches measured, fractionally
         self.out.start(self.state)
         self.stopped = threading.Event()
         threading.Thread(target=self._beat, name="serve-bench-progress", daemon=True).start()
 
+    def planned(self, prompts: dict[str, int]) -> None:
+        self.tally.plan = dict(prompts)
+
     def launched(self, key: str) -> None:
-        self.up.append(key)
-        self.done = len(self.up) - 1.0
-        self.state = f"{key} server up and serving ({len(self.up)} of {len(self.keys)} launches)"
+        self.tally.up.append(key)
+        self.state = f"{key} server up and serving ({self.tally.where(key)})"
         self._publish(force=True)
 
     def answered(self, key: str, what: str, done: int, total: int, acceptance: float | None):
         """The `key` server answered `done` of `total` prompts of `what` (a prompt set, the speed
         pass); `acceptance`: its acceptance length so far (None on the plain server)."""
+        self.tally.answered(key)
         so_far = "" if acceptance is None else f", acceptance {acceptance:.2f} so far"
         self.state = (
-            f"{key} server ({len(self.up)} of {len(self.keys)} launches): {what} {done}/{total} "
-            f"prompts{so_far}"
+            f"{key} server ({self.tally.where(key)}): {what} {done}/{total} prompts{so_far}"
         )
-        self.done = len(self.up) - 1.0 + min(1.0, done / max(total, 1)) * 0.99
         self._publish()
 
     def stop(self) -> None:
@@ -240,12 +268,12 @@ class ServeBenchPublisher:
 
     def finish(self) -> None:
         self.stop()
-        n = len(self.keys)
+        n = len(self.tally.keys)
         self.out.publish(lambda: (100.0, f"{n} of {n} launches measured"), force=True)
 
     def _publish(self, force: bool = False) -> None:
         spent = time.monotonic() - self.t0
-        percent = round(100.0 * max(0.0, self.done) / len(self.keys), 2)
+        percent = round(99.0 * self.tally.share(), 2)  # 100 once every figure is in (finish)
         text = f"{self.state}; {spent:.0f} s in"
         self.out.publish(lambda: (percent, text), force=force)
 

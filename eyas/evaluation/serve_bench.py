@@ -41,7 +41,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-from eyas.config import PipelineConfig
+from eyas.config import BenchmarkConfig, PipelineConfig
 from eyas.errors import EyasError, InvalidInput
 from eyas.evaluation.acceptance import pooled, prompt_record
 from eyas.evaluation.serving import Chain, Meter, machine, running, serving_launch, stage_drafter
@@ -156,6 +156,8 @@ def reference_config(cfg: PipelineConfig) -> PipelineConfig:
 
 class ServeProgress(Protocol):
     """Who watches the stage (tasks/progress.py's ServeBenchPublisher)."""
+
+    def planned(self, prompts: dict[str, int]) -> None: ...
 
     def launched(self, key: str) -> None: ...
 
@@ -368,6 +370,8 @@ def run_serve_bench(
         if str(where) != str(drafter_dir):
             log(f"drafter uploaded to {cfg.server.host.name}:{where}")
         planned = dict(zip(["plain", *(c.name for c in served)], launches(cfg, where)))
+        if progress is not None:
+            progress.planned(_prompts_per_launch(planned, sets, speed_prompts, bench, b))
         measure = _interleaved if b.interleave else _one_at_a_time
         runs = measure(
             cfg,
@@ -391,6 +395,17 @@ def run_serve_bench(
         cfg, drafter_dir, sets, len(speed_prompts), served, bench, runs, time.monotonic() - t0
     )
     return result if reference is None else replace(result, reference=compare(result, reference))
+
+
+def _prompts_per_launch(
+    keys, sets: dict, speed_prompts: list, bench: Chain | None, b: BenchmarkConfig
+) -> dict[str, int]:
+    """The prompts each launch answers one at a time: every set, and the speed passes' single
+    streams on the plain server and the benchmarked chain (one at a time or side by side alike)."""
+    per_set = sum(len(s["prompts"]) for s in sets.values())
+    timed = ("plain", bench.name) if bench is not None else ()
+    speed = len(speed_prompts) * b.num_repeats
+    return {key: per_set + (speed if key in timed else 0) for key in keys}
 
 
 def compare(result: ServeBenchResult, reference: ServeBenchResult) -> dict:

@@ -318,6 +318,9 @@ def test_served_acceptance_equals_in_process_evaluation_per_chain_and_prompt(
     assert list(result.chains) == ["1/1/2", "3/1/4"] and result.speedup is None  # acceptance only
     # progress: each launch as it is up, then each prompt it answers, acceptance so far on a chain
     assert progress.launched_keys == ["plain", "1/1/2", "3/1/4"]
+    # the plan told first: the prompts each launch then answered
+    answered = {k: sum(a[0] == k for a in progress.answers) for k in progress.launched_keys}
+    assert progress.plan == answered == {"plain": 5, "1/1/2": 5, "3/1/4": 5}
     for key in progress.launched_keys:
         mine = [a for a in progress.answers if a[0] == key]
         assert [(what, done, total) for _, what, done, total, _ in mine] == [
@@ -361,7 +364,10 @@ class Progress:
     """run_serve_bench's `progress`, recording what it is told."""
 
     def __init__(self):
-        self.launched_keys, self.answers = [], []
+        self.launched_keys, self.answers, self.plan = [], [], None
+
+    def planned(self, prompts: dict[str, int]) -> None:
+        self.plan = prompts
 
     def launched(self, key: str) -> None:
         self.launched_keys.append(key)
