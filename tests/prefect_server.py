@@ -239,6 +239,19 @@ def runs_named(server, pattern: str) -> list[dict]:
     return server.post("/flow_runs/filter", {"flow_runs": {"name": {"like_": pattern}}})
 
 
+#: the task runs every pipeline run of the embedded default has, besides one extract-shard per shard
+PIPELINE_TASKS = (
+    "prepare-data",
+    "patch@localhost",
+    "launch-local@localhost",
+    "wait-ready@localhost",
+    "stop@localhost",
+    "train-drafter",
+    "export-drafter",
+    "serve-bench@localhost",
+)
+
+
 def task_runs(server, flow_run_ids: list[str], until=None, timeout: float = 60) -> dict[str, dict]:
     """{name: state} of the flow runs' task runs once `until(states)` holds (default: there are
     some and every state is final), or as they stand after `timeout` seconds.

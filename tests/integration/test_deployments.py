@@ -17,6 +17,7 @@ import pytest
 
 from eyas.server.hosts import LocalHost
 from tests.prefect_server import (
+    PIPELINE_TASKS,
     ROOT,
     TERMINAL,
     deployment_run,
@@ -109,22 +110,12 @@ def test_pipeline_deployment_completes_with_every_task_and_artifact(server, firs
         "serve-dep-ok@localhost",
         "train-dep-ok@localhost",
     } <= set(flows)
-    stages = (
-        "prepare-data",
-        "patch@localhost",
-        "launch-local@localhost",
-        "wait-ready@localhost",
-        "stop@localhost",
-        "train-drafter",
-        "export-drafter",
-        "serve-bench@localhost",
-    )
     states = task_runs(
         server,
         [r["id"] for r in flows.values()],
-        until=lambda s: set(stages) <= set(s) and _shards(s) == 4 and _all_completed(s),
+        until=lambda s: set(PIPELINE_TASKS) <= set(s) and _shards(s) == 4 and _all_completed(s),
     )
-    for name in stages:
+    for name in PIPELINE_TASKS:
         assert name in states, f"{name} missing from {sorted(states)}"
     assert _shards(states) == 4
     assert _all_completed(states), states

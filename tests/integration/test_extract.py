@@ -392,7 +392,10 @@ def test_regenerated_turns_are_the_targets_answers_and_parts_resume(
         RegenerateConfig(enabled=True, max_new_tokens=6, num_parts=3),
         dict(target="random", max_length=64),
     )
-    with ServerPool([_endpoint(cfg)], retries=1, backoff_s=0.2) as pool:
+
+    def regenerated(pool):
+        """regenerate() -> (path, summary, its progress figures); each part's own line (on_part)
+        comes before the progress figure that counts it."""
         events = []
         path, summary = regenerate(
             records[:-1],
@@ -405,11 +408,13 @@ def test_regenerated_turns_are_the_targets_answers_and_parts_resume(
             on_part=lambda k, n, m: events.append(("part", k)),
             **kw,
         )
-        seen = [p for kind, p in events if kind == "progress"]
-        # Each part's own line comes before the progress figure that counts it
         parts = [i for i, (kind, _) in enumerate(events) if kind == "part"]
         assert [events[i][1] for i in parts] == [0, 1, 2]
         assert [events[i + 1][1].parts_done for i in parts] == [1, 2, 3]
+        return path, summary, [p for kind, p in events if kind == "progress"]
+
+    with ServerPool([_endpoint(cfg)], retries=1, backoff_s=0.2) as pool:
+        path, summary, seen = regenerated(pool)
         assert (
             summary["parts"] == 3 and summary["parts_reused"] == 0 and summary["conversations"] == 5
         )
@@ -452,23 +457,7 @@ def test_regenerated_turns_are_the_targets_answers_and_parts_resume(
         before = path.read_bytes()
         (tmp_path / "regen" / "part-00001.jsonl").unlink()
         n0 = pool.stats()[cfg.server.url]["requests"]
-        events = []
-        path, summary = regenerate(
-            records[:-1],
-            tok,
-            pool,
-            tmp_path / "regen",
-            rcfg,
-            passthrough=records[-1:],
-            on_progress=lambda p: events.append(("progress", p)),
-            on_part=lambda k, n, m: events.append(("part", k)),
-            **kw,
-        )
-        seen = [p for kind, p in events if kind == "progress"]
-        # Each part's own line comes before the progress figure that counts it
-        parts = [i for i, (kind, _) in enumerate(events) if kind == "part"]
-        assert [events[i][1] for i in parts] == [0, 1, 2]
-        assert [events[i + 1][1].parts_done for i in parts] == [1, 2, 3]
+        path, summary, seen = regenerated(pool)
         assert summary["parts_reused"] == 2 and path.read_bytes() == before
         assert (seen[-1].done, seen[-1].reused, seen[-1].parts_done) == (
             5,

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from eyas.net import free_port
+from tests.prefect_server import PIPELINE_TASKS
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -86,20 +87,9 @@ def test_flow_completed_with_every_task_completed(run):
     cfg, state = run
     assert state.is_completed(), state.message
 
-    stages = (
-        "prepare-data",
-        "patch@localhost",
-        "launch-local@localhost",
-        "wait-ready@localhost",
-        "stop@localhost",
-        "train-drafter",
-        "export-drafter",
-        "serve-bench@localhost",
-    )
-
     def settled(states: dict) -> bool:
         shards = sum(n.startswith("extract-shard-") for n in states)
-        return set(stages) <= set(states) and shards == cfg.extraction.num_shards
+        return set(PIPELINE_TASKS) <= set(states) and shards == cfg.extraction.num_shards
 
     async def task_states():
         # Task runs are recorded from the events the run sent, after its own state: polled until
@@ -123,7 +113,7 @@ def test_flow_completed_with_every_task_completed(run):
                 await asyncio.sleep(0.5)
 
     states = asyncio.run(task_states())
-    for stage in stages:
+    for stage in PIPELINE_TASKS:
         assert stage in states, f"{stage} missing from {sorted(states)}"
     assert sum(n.startswith("extract-shard-") for n in states) == cfg.extraction.num_shards
     assert set(states.values()) == {"COMPLETED"}, states
