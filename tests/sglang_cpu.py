@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from eyas.training.gemm import cpu_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 ENVS = Path(os.environ.get("EYAS_SGLANG_CPU_ENVS") or Path.home() / ".cache" / "eyas-sglang-cpu")
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
@@ -54,19 +56,6 @@ _PROBE = (
 )
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {
-        f
-        for line in text.splitlines()
-        if line.startswith("flags")
-        for f in line.split(":", 1)[1].split()
-    }
-
-
 @functools.cache
 def _check(version: str) -> tuple[str | None, str]:
     """(python, "") for a working environment of `version`, else (None, why not)."""
@@ -77,9 +66,13 @@ def _check(version: str) -> tuple[str | None, str]:
     )
     if not (ENVS / version / "ready.json").is_file() or not python.exists():
         return None, f"no real SGLang {version} CPU environment at {ENVS / version}: {how}"
-    missing = {"amx_bf16", "amx_tile", "avx512_bf16"} - _cpu_flags()
+    missing = {"amx_bf16", "amx_tile", "avx512_bf16"} - cpu_flags()
     if missing:
-        return None, f"this CPU lacks {sorted(missing)}, which SGLang's CPU kernels are built for"
+        return None, (
+            f"this CPU lacks {sorted(missing)}: SGLang's CPU backend then falls back to "
+            "torch_native attention, which refuses EAGLE3 ('EAGLE is not supported in attention "
+            "backend torch_native') and DeepSeek's MLA"
+        )
     try:
         r = subprocess.run(
             [str(python), "-c", _PROBE],

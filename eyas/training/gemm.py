@@ -59,17 +59,33 @@ def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc.add_((a @ b).float())
 
 
-def cpu_bf16_gemm() -> bool:
-    """Whether this CPU has bf16 matrix units (AMX), where bf16 GEMMs beat fp32 ones ~8x on the
-    drafter's shapes (bench/results/2026-12-03_cpu2_cpu-train-step.md); without them bf16 GEMMs are
-    emulated and slower."""
-    init = getattr(
-        torch._C._cpu, "_init_amx", None
-    )  # True where AMX is there and the kernel lets us use it
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (/proc/cpuinfo); empty where it does not."""
     try:
-        return bool(init()) if init is not None else False
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return set()
+    return {
+        flag
+        for line in text.splitlines()
+        if line.startswith("flags")
+        for flag in line.split(":", 1)[1].split()
+    }
+
+
+def cpu_bf16_gemm() -> bool:
+    """Whether this CPU multiplies bf16 in hardware, where bf16 GEMMs beat fp32 ones on the
+    drafter's shapes: AMX tiles (Intel Xeon since Sapphire Rapids) or AVX512-BF16 dot products (AMD
+    EPYC since Zen 4, Intel Cooper Lake), both with fp32 accumulation. The embedded default's step
+    then takes 0.70 (AMX) and 0.55 (a Zen 5) of its fp32 time (docs/performance.md, "Training on a
+    CPU"); without either, bf16 GEMMs are emulated and slower."""
+    init = getattr(torch._C._cpu, "_init_amx", None)  # also asks Linux for the AMX tile state
+    try:
+        amx = bool(init()) if init is not None else False
     except RuntimeError:
-        return False
+        amx = False
+    return amx or "avx512_bf16" in cpu_flags()
 
 
 #: CPU bf16 GEMMs take their row count rounded up to this: oneDNN builds (JIT) a kernel for each new
