@@ -90,7 +90,8 @@ class TrainingConfig(StrictModel):
     #: training-only augmentation (as EAGLE did): Gaussian noise on the target's captured states,
     #: this many times each token's RMS per layer; 0 = off. Evaluation and export never see it.
     aux_noise: float = Field(0.0, ge=0)
-    #: on GPU: bf16 autocast over fp32 master weights; on a CPU with AMX: bf16 GEMMs, the rest fp32
+    #: on GPU: bf16 autocast over fp32 master weights; on a CPU with AMX or AVX512-BF16: bf16 GEMMs,
+    #: the rest fp32
     precision: Literal["bf16", "fp32"] = "bf16"
     #: fuse the elementwise regions with torch.compile (eyas/training/kernels.py); None = on a GPU
     #: only

@@ -10,8 +10,7 @@ being evaluation.draft_steps (k/1/k+1 each) and the benchmark's chain where it i
 On every launch, after `num_warmup` requests:
 
 - **acceptance**: every prompt set (the held-out prompts, then each of benchmark.suites) one prompt
-at
-  a time, greedy, to the target's eos or evaluation.max_new_tokens. Per prompt and pooled:
+  at a time, greedy, to the target's eos or evaluation.max_new_tokens. Per prompt and pooled:
   completion tokens / meta_info.spec_verify_ct (eyas/evaluation/acceptance.py), the output compared
   token by token with the plain launch's, and the pass's output tokens/s, whose ratio to the plain
   pass on the same prompts is that set's speed-up (equal work wherever the outputs are equal);
