@@ -78,7 +78,7 @@ def cpu_bf16_gemm() -> bool:
     """Whether this CPU multiplies bf16 in hardware, where bf16 GEMMs beat fp32 ones on the
     drafter's shapes: AMX tiles (Intel Xeon since Sapphire Rapids) or AVX512-BF16 dot products (AMD
     EPYC since Zen 4, Intel Cooper Lake), both with fp32 accumulation. The embedded default's step
-    then takes 0.70 (AMX) and 0.55 (a Zen 5) of its fp32 time (docs/performance.md, "Training on a
+    then takes 0.70 (AMX) and 0.59 (a Zen 5) of its fp32 time (docs/performance.md, "Training on a
     CPU"); without either, bf16 GEMMs are emulated and slower."""
     init = getattr(torch._C._cpu, "_init_amx", None)  # also asks Linux for the AMX tile state
     try:

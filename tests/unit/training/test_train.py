@@ -45,7 +45,7 @@ def test_loss_falls_on_real_hidden_states(sharp_target, shards, tmp_path):
 @NEEDS_BF16_GEMMS
 def test_cpu_bf16_gemms_train_as_well_as_fp32(sharp_target, shards, tmp_path):
     """precision bf16 on a CPU with bf16 GEMM hardware (AMX or AVX512-BF16): the GEMMs in bf16
-    (~1.5-1.8x faster steps on the default), the losses within bf16 rounding of the fp32 run's at
+    (~1.4-1.7x faster steps on the default), the losses within bf16 rounding of the fp32 run's at
     first and falling as far."""
     tgt, logs = target_config(sharp_target), []
     fp32 = train_drafter(
