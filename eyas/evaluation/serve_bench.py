@@ -23,7 +23,9 @@ With `interleave` (small targets on a shared machine) the plain server stays up 
 server is up beside it (port + 1), and their passes alternate, so a change in the machine's load
 hits both alike; otherwise one server at a time, plain first. With `concurrent` as well, the two
 passes run at the same time instead (each server single-threaded on its own core, say: the
-embedded default's 2 cores), which halves the stage where one server cannot use the machine.
+embedded default's 2 cores), which halves the stage where one server cannot use the machine; the
+speed pass then runs phase by phase (Meter.PHASES), so neither server's single streams meet the
+other's heavier concurrent phase.
 
 With `reference_backend` (a real SGLang beside eyas's own server on this machine), the same launches
 are made once more on eyas's server, acceptance only, and the result's `reference` sets its figures
@@ -211,9 +213,10 @@ def _together(*calls):
 def _speed(
     meters: list[Meter], prompts: list[list[int]], repeats: int, concurrent: bool = False
 ) -> list[dict]:
-    for _ in range(repeats):  # two meters: their passes alternate, or run at the same time
+    for _ in range(repeats):  # two meters: their passes alternate, or run phase by phase together
         if concurrent:
-            _together(*(partial(m.one_pass, prompts) for m in meters))
+            for phase in Meter.PHASES:
+                _together(*(partial(m.phase, phase, prompts) for m in meters))
         else:
             for m in meters:
                 m.one_pass(prompts)

@@ -157,6 +157,7 @@ class Meter:
         self.single: list[float] = []
         self.concurrent: list[float] = []
         self.ttft: list[float] = []
+        self.windows: list[list] = []  # [phase, start, end] per phase run, epoch seconds
         self.completion = self.verify = 0
         self.outputs: list[list[int]] = []
 
@@ -192,12 +193,31 @@ class Meter:
         if self.on_answer is not None:  # acceptance so far: tokens per verify step (None: plain)
             self.on_answer(what, done, total, tokens / verify if verify else None)
 
+    #: a speed pass's phases, in order: two servers measured side by side run each phase at the
+    #: same time (eyas/evaluation/serve_bench.py), so neither's single streams share the machine
+    #: with the other's heavier concurrent phase
+    PHASES = ("single_stream", "concurrent", "ttft")
+
     def one_pass(self, prompts: list[list[int]]) -> None:
         """The speed pass: single stream, then `concurrency` in flight, then time to first token."""
-        b, client = self.b, self.client
+        for phase in self.PHASES:
+            self.phase(phase, prompts)
+
+    def phase(self, name: str, prompts: list[list[int]]) -> None:
+        """One phase of the speed pass (PHASES) over the prompts, its wall-clock window noted."""
+        run = {
+            "single_stream": self._single_stream,
+            "concurrent": self._concurrent,
+            "ttft": self._ttft,
+        }
+        start = time.time()
+        run[name](prompts)
+        self.windows.append([name, round(start, 3), round(time.time(), 3)])
+
+    def _single_stream(self, prompts: list[list[int]]) -> None:
         t0, tokens, first = time.perf_counter(), 0, not self.single
         for done, ids in enumerate(prompts, 1):
-            res, _ = _generate(client, ids, self.sampling)
+            res, _ = _generate(self.client, ids, self.sampling)
             meta = res["meta_info"]
             tokens += meta["completion_tokens"]
             self.verify += meta.get("spec_verify_ct") or 0
@@ -207,14 +227,19 @@ class Meter:
         self.single.append(tokens / (time.perf_counter() - t0))
         self.completion += tokens
 
+    def _concurrent(self, prompts: list[list[int]]) -> None:
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(b.concurrency) as pool:
-            results = list(pool.map(lambda ids: _generate(client, ids, self.sampling)[0], prompts))
+        with ThreadPoolExecutor(self.b.concurrency) as pool:
+            results = list(
+                pool.map(lambda ids: _generate(self.client, ids, self.sampling)[0], prompts)
+            )
         self.concurrent.append(
             sum(r["meta_info"]["completion_tokens"] for r in results) / (time.perf_counter() - t0)
         )
+
+    def _ttft(self, prompts: list[list[int]]) -> None:
         one = {**self.sampling, "max_new_tokens": 1}
-        self.ttft.append(statistics.median(_generate(client, ids, one)[1] for ids in prompts))
+        self.ttft.append(statistics.median(_generate(self.client, ids, one)[1] for ids in prompts))
 
     def summary(self) -> dict[str, Any]:
         """Medians over the speed passes; acceptance = completion tokens / verify steps (single
@@ -228,6 +253,7 @@ class Meter:
             "server_avg_spec_accept_length": internal.get("avg_spec_accept_length"),
             "single_stream_runs": [round(x, 2) for x in self.single],
             "concurrent_runs": [round(x, 2) for x in self.concurrent],
+            "phase_windows": self.windows,
             "outputs": self.outputs,
         }
 

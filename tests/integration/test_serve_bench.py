@@ -279,6 +279,17 @@ def test_subflow_measures_both_servers_on_the_same_prompts(
         **cfg.server.env,
         "EYAS_BENCH_MARK": "served",
     }  # as launched
+    # the speed passes phase by phase: 2 repeats of single stream, concurrent, TTFT on each server
+    windows = [plain["phase_windows"], spec["phase_windows"]]
+    assert [[w[0] for w in side] for side in windows] == [
+        ["single_stream", "concurrent", "ttft"] * 2
+    ] * 2
+    if concurrent:  # each phase starts on both servers once both have ended the phase before
+        for i in range(1, 6):
+            ended = max(side[i - 1][2] for side in windows)
+            assert all(side[i][1] >= ended for side in windows), (i, windows)
+    elif interleave:  # alternating: the plain server's whole pass, then the chain's
+        assert windows[0][2][2] <= windows[1][0][1]
 
 
 def test_served_acceptance_equals_in_process_evaluation_per_chain_and_prompt(
