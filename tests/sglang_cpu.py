@@ -52,8 +52,14 @@ _COMMON = [
 LAUNCH_ARGS = {"0.5.23": [*_COMMON, "--attention-backend", "torch_native"], "0.5.18": _COMMON}
 _PROBE = (
     "import importlib.metadata as m, sgl_kernel, sglang, torch; "
-    "print(m.version('sglang')); print(hasattr(torch.ops.sgl_kernel, 'extend_attention_cpu'))"
+    "from sglang.srt.utils import cpu_has_amx_support; "
+    "print(m.version('sglang')); print(hasattr(torch.ops.sgl_kernel, 'extend_attention_cpu')); "
+    "print(cpu_has_amx_support())"
 )
+#: the versions that serve on SGLang's CPU kernels (intel_amx), which SGLang takes only where it
+#: finds AMX; scripts/sglang-cpu/patches/0.5.18/intel_amx_on_avx512_bf16.patch lets it take them on
+#: AVX512-BF16 as well, where they run (an AMD EPYC Zen 5 passes the whole 0.5.18 module)
+ON_CPU_KERNELS = {"0.5.18"}
 
 
 @functools.cache
@@ -66,13 +72,8 @@ def _check(version: str) -> tuple[str | None, str]:
     )
     if not (ENVS / version / "ready.json").is_file() or not python.exists():
         return None, f"no real SGLang {version} CPU environment at {ENVS / version}: {how}"
-    missing = {"amx_bf16", "amx_tile", "avx512_bf16"} - cpu_flags()
-    if missing:
-        return None, (
-            f"this CPU lacks {sorted(missing)}: SGLang's CPU backend then falls back to "
-            "torch_native attention, which refuses EAGLE3 ('EAGLE is not supported in attention "
-            "backend torch_native') and DeepSeek's MLA"
-        )
+    if "avx512_bf16" not in cpu_flags():
+        return None, "this CPU lacks avx512_bf16, which SGLang's CPU kernel wheels are built for"
     try:
         r = subprocess.run(
             [str(python), "-c", _PROBE],
@@ -85,7 +86,7 @@ def _check(version: str) -> tuple[str | None, str]:
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"{python} cannot be run: {type(e).__name__}: {e}"
     out = r.stdout.split()
-    if r.returncode != 0 or len(out) < 2:
+    if r.returncode != 0 or len(out) < 3:
         return None, (
             f"{python} cannot import sglang and its CPU kernel (exit {r.returncode}): "
             f"{(r.stderr or r.stdout).strip()[-400:]}; {how}"
@@ -94,6 +95,13 @@ def _check(version: str) -> tuple[str | None, str]:
         return None, f"{python} has sglang {out[0]}, not {version}; {how}"
     if out[1] != "True":
         return None, f"{python}: sgl_kernel has no CPU ops (a CUDA build of the kernel?); {how}"
+    if version in ON_CPU_KERNELS and out[2] != "True":
+        return None, (
+            f"SGLang {version} at {python} does not take its CPU kernels on this CPU (no AMX, and "
+            "the environment predates scripts/sglang-cpu/patches/0.5.18/"
+            "intel_amx_on_avx512_bf16.patch): it would fall back to torch_native attention, which "
+            f"refuses EAGLE; {how}"
+        )
     return str(python), ""
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install a real SGLang that serves on this x86-64 CPU with AMX, from the package registry plus a
+# Install a real SGLang that serves on this x86-64 CPU (AMX or AVX512-BF16), from the registry plus a
 # prebuilt CPU kernel wheel, for the real-SGLang tests (tests/integration/test_sglang_cpu*.py).
 #
 #   scripts/sglang-cpu/install.sh VERSION KERNEL_WHEEL [DEST]
