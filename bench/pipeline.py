@@ -18,6 +18,12 @@ README's `pip install --no-compile` counts on Python caching them on first use;
 config's `training.seed`, on the first run's shards (regeneration and extraction are cache hits),
 and reports each seed's acceptance length at the headline chain and their mean.
 
+The machine's speed moves within an hour (by a fifth on the 2-core AMD CPU), and the run's time
+with it: before and after the run the bench times bench/cpu_train.py's training step
+(`--probe-steps` steps of each mode, in a process of its own; 0: no probe) and reports it beside
+the run (`machine_step_ms_before_after`), so that two records can tell a slower machine from
+slower code.
+
 Goals (issue 18): the README run in under 8 minutes on 2 idle cores, set-up included; acceptance
 length at least 2.0 at 3/1/4 on the default seed, and the mean of three seeds at least 2.0. Without
 `--readme`, the flow alone within the 10 minutes of issue 2. The last line printed is one JSON
@@ -116,6 +122,22 @@ def goals(
     return out
 
 
+def machine_step_ms(steps: int) -> dict[str, float] | None:
+    """This machine's speed now: bench/cpu_train.py's median training step in ms, fp32 and (where
+    the CPU multiplies bf16) bf16 GEMMs, each over `steps` steps after 3 warm-up ones; None for 0
+    steps."""
+    if steps <= 0:
+        return None
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "cpu_train.py"), "--steps", str(steps)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    figures = json.loads(out.stdout.splitlines()[-1])["figures"]
+    return {k: v for k, v in figures.items() if k.endswith("_step_ms")}
+
+
 # ---------------------------------------------------------------------------------------------
 # The runs: the flow in this process, the README command in a clone, a seed through `eyas run`
 # ---------------------------------------------------------------------------------------------
@@ -204,11 +226,18 @@ def main() -> None:
         default=[],
         help="training seeds to measure (the config's own seed is the first run)",
     )
+    p.add_argument(
+        "--probe-steps",
+        type=int,
+        default=20,
+        help="the machine's speed before and after the run: steps of bench/cpu_train.py (0: none)",
+    )
     args = p.parse_args()
     from eyas.config import load_config
     from eyas.extraction.locks import unlock_output_dir
 
     load_before = os.getloadavg()
+    probe_before = machine_step_ms(args.probe_steps)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         readme_s = flow_s = None
@@ -259,6 +288,7 @@ def main() -> None:
         if not args.readme
         else not (args.dont_write_bytecode and os.environ.get("PYTHONDONTWRITEBYTECODE")),
         "load_average_before_after": [load_before, os.getloadavg()],
+        "machine_step_ms_before_after": [probe_before, machine_step_ms(args.probe_steps)],
         "evaluation_method": report["evaluation"]["method"],
         "speedup": report["speedup"],
         "benchmarks": {
