@@ -1,5 +1,5 @@
-"""bench/pipeline.py's pure parts: the README command it times, the seed runs' dirs, the goal
-line."""
+"""bench/pipeline.py's parts: the README command it times, the seed runs' dirs, the goal line, the
+machine's speed probe."""
 
 from __future__ import annotations
 
@@ -42,3 +42,10 @@ def test_goals_mean_over_seeds_and_the_time_measured():
     g = pipeline.goals(1.99, {0: 1.99}, readme_s=None, flow_s=601.0)
     assert set(g) == {"acceptance_length", "pipeline_wall_seconds"}
     assert not g["acceptance_length"]["met"] and not g["pipeline_wall_seconds"]["met"]
+
+
+def test_the_machine_probe_times_the_training_step_in_a_process_of_its_own():
+    assert pipeline.machine_step_ms(0) is None
+    probe = pipeline.machine_step_ms(1)  # after 3 warm-up steps of each mode
+    assert set(probe) <= {"fp32_step_ms", "bf16_gemms_step_ms"} and "fp32_step_ms" in probe
+    assert all(ms > 0 for ms in probe.values())
